@@ -1,0 +1,26 @@
+"""kvbuffer: buffered decoding for linear-attention LLMs (Gated DeltaNet, Mamba-2).
+
+Importing kvbuffer never imports TileLang: the compile side (kvbuffer.tiles, kvbuffer.autotune)
+loads it on demand, and the runtime only loads compiled artifacts.
+"""
+
+from . import reference
+from .errors import (
+    ArtifactError,
+    BufferOverflowError,
+    DeviceError,
+    DTypeError,
+    KVBufferError,
+    PoolExhaustedError,
+    ShapeError,
+    SlotError,
+)
+from .pools import BufferPool, ConvPool, LinearLayerShape, SlotAllocator, StatePool
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "ArtifactError", "BufferOverflowError", "BufferPool", "ConvPool", "DTypeError", "DeviceError",
+    "KVBufferError", "LinearLayerShape", "PoolExhaustedError", "ShapeError", "SlotAllocator",
+    "SlotError", "StatePool", "reference", "__version__",
+]

@@ -1,0 +1,38 @@
+"""Typed errors: every bad input names the problem, and callers can catch one family.
+
+Each error derives from the builtin that a Python user would expect (a wrong shape is a
+ValueError, a wrong dtype a TypeError, a bad slot an IndexError), and from KVBufferError so
+that a server can catch everything kvbuffer raises in one clause.
+"""
+
+
+class KVBufferError(Exception):
+    """Base class of every error kvbuffer raises on purpose."""
+
+
+class ShapeError(KVBufferError, ValueError):
+    """A tensor has the wrong shape or rank."""
+
+
+class DTypeError(KVBufferError, TypeError):
+    """A tensor has the wrong dtype."""
+
+
+class DeviceError(KVBufferError, ValueError):
+    """Tensors that must live together are on different devices."""
+
+
+class SlotError(KVBufferError, IndexError):
+    """A slot index is out of range, not allocated, freed twice, or used where a real slot is needed."""
+
+
+class PoolExhaustedError(KVBufferError, RuntimeError):
+    """No free slot is left in a pool; the caller should wait for one to be freed."""
+
+
+class BufferOverflowError(KVBufferError, ValueError):
+    """An operation would write past a request's buffer capacity (flush first)."""
+
+
+class ArtifactError(KVBufferError, RuntimeError):
+    """A compiled kernel artifact is missing, corrupt or built for another machine."""

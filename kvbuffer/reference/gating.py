@@ -1,0 +1,56 @@
+"""The per-token fronts that turn a layer's projections into the generic recurrence's inputs.
+
+A decode kernel fuses these into its prologue (raw a, b, A_log, dt_bias in; q, k, g, beta used in
+registers), so the reference keeps them as separate, exact functions that both the reference ops
+and the kernel tests call. Everything is computed in `dtype` (fp32 as Qwen3.5 does; fp64 in tests).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+L2NORM_EPS = 1e-6
+
+
+def l2norm(x: torch.Tensor, eps: float = L2NORM_EPS) -> torch.Tensor:
+    """x * rsqrt(sum(x^2) + eps) over the last axis, as transformers and FLA compute it."""
+    return x * torch.rsqrt((x * x).sum(dim=-1, keepdim=True) + eps)
+
+
+def gdn_front(q, k, a, b, A_log, dt_bias, dtype=torch.float32):
+    """Qwen3.5 Gated DeltaNet gating: returns (q, k, g, beta) in `dtype`.
+
+    q, k: (..., Hk, K) raw (after the short conv); a, b: (..., Hv); A_log, dt_bias: (Hv,).
+    q and k are L2-normalised (eps 1e-6) and q is scaled by K**-0.5; beta = sigmoid(b);
+    g = -exp(A_log) * softplus(a + dt_bias), so g <= 0.
+    """
+    q, k = l2norm(q.to(dtype)), l2norm(k.to(dtype))
+    q = q * q.shape[-1] ** -0.5
+    beta = torch.sigmoid(b.to(dtype))
+    g = -torch.exp(A_log.to(dtype)) * F.softplus(a.to(dtype) + dt_bias.to(dtype))
+    return q, k, g, beta
+
+
+def mamba2_front(x, dt, A_log, dt_bias, dtype=torch.float32):
+    """Nemotron-H Mamba-2 discretisation: returns (value, g, dt) in `dtype`.
+
+    x: (..., H, P); dt: (..., H) raw; A_log, dt_bias: (H,). dt = softplus(dt + dt_bias),
+    value = dt * x (the token's contribution to the state), g = dt * A with A = -exp(A_log).
+
+    kvbuffer applies no dt floor: transformers clamps dt to `time_step_min` only in its chunked
+    prefill path, not in single-token decode, and mamba_ssm and vLLM apply none in decode. One rule
+    for prefill, decode and verify keeps the buffered and recurrent forms identical.
+    """
+    dt = F.softplus(dt.to(dtype) + dt_bias.to(dtype))
+    value = dt[..., None] * x.to(dtype)
+    g = dt * -torch.exp(A_log.to(dtype))
+    return value, g, dt
+
+
+def mamba2_output(o, x, D, z=None):
+    """y = o + D * x, then the optional gate y * silu(z) (selective_state_update's z)."""
+    y = o + D.to(o.dtype)[:, None] * x.to(o.dtype)
+    if z is not None:
+        y = y * F.silu(z.to(o.dtype))
+    return y

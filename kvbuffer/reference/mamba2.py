@@ -1,0 +1,46 @@
+"""Mamba-2 (Nemotron-H / Nemotron-3) ops: the decay-only case of the generic buffered core.
+
+Mapping (KVBUFFER.md): key = B (per group), value = dt * x, query = C (per group), g = dt * A,
+no delta correction. After the core, y = o + D * x and the optional gate y * silu(z), as in
+`selective_state_update`. Inputs: x (..., H, P), dt (..., H) raw, B and C (..., G, N), the layer's
+A_log, dt_bias, D (H,). States are (num_slots, H, N, P): key-major, the transpose of transformers'
+(P, N) layout (see kvbuffer.pools.LinearLayerShape).
+"""
+
+from __future__ import annotations
+
+from . import core
+from .gating import mamba2_front, mamba2_output
+
+flush = core.flush
+
+
+def recurrent_step(x, dt, A_log, dt_bias, B, C, D, state, state_slots, z=None):
+    """Today's servers' step (selective_state_update with dt_softplus): returns y (Bt, H, P)."""
+    value, g, _ = mamba2_front(x, dt, A_log, dt_bias, state.dtype)
+    o = core.recurrent_step(C, B, value, g, None, state, state_slots)
+    return mamba2_output(o, x, D, z).to(x.dtype)
+
+
+def buffered_step(x, dt, A_log, dt_bias, B, C, D, state, state_slots, buf_k, buf_v, buf_g,
+                  buffer_slots, lengths, flush_at=0, z=None):
+    """KVBuffer decode step: reads S0 + buffer, appends (B, dt*x, G); fused flush at `flush_at`."""
+    value, g, _ = mamba2_front(x, dt, A_log, dt_bias, state.dtype)
+    o = core.buffered_step(C, B, value, g, None, state, state_slots, buf_k, buf_v, buf_g,
+                           buffer_slots, lengths, flush_at)
+    return mamba2_output(o, x, D, z).to(x.dtype)
+
+
+def verify(x, dt, A_log, dt_bias, B, C, D, state, state_slots, buf_k, buf_v, buf_g, buffer_slots, lengths, z=None):
+    """Speculative verify of T drafts (inputs (Bt, T, ...)): y (Bt, T, H, P), no state written."""
+    value, g, _ = mamba2_front(x, dt, A_log, dt_bias, state.dtype)
+    o = core.verify(C, B, value, g, None, state, state_slots, buf_k, buf_v, buf_g, buffer_slots, lengths)
+    return mamba2_output(o, x, D, z).to(x.dtype)
+
+
+def prefill(x, dt, A_log, dt_bias, B, C, D, state, state_slot, buf_k, buf_v, buf_g, buffer_slot, length,
+            flush_at, z=None):
+    """Chunked prefill of one request (inputs (T, ...)): (y (T, H, P), new buffer length)."""
+    value, g, _ = mamba2_front(x, dt, A_log, dt_bias, state.dtype)
+    o, n = core.prefill(C, B, value, g, None, state, state_slot, buf_k, buf_v, buf_g, buffer_slot, length, flush_at)
+    return mamba2_output(o, x, D, z).to(x.dtype), n
