@@ -10,7 +10,15 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from ..checks import FLOAT_DTYPES, check_tensor
+
 L2NORM_EPS = 1e-6
+
+
+def _floats(**tensors):
+    """The fronts cast to the compute dtype, so check first that nothing integral slips through."""
+    for name, t in tensors.items():
+        check_tensor(name, t, dtypes=FLOAT_DTYPES)
 
 
 def l2norm(x: torch.Tensor, eps: float = L2NORM_EPS) -> torch.Tensor:
@@ -25,6 +33,7 @@ def gdn_front(q, k, a, b, A_log, dt_bias, dtype=torch.float32):
     q and k are L2-normalised (eps 1e-6) and q is scaled by K**-0.5; beta = sigmoid(b);
     g = -exp(A_log) * softplus(a + dt_bias), so g <= 0.
     """
+    _floats(q=q, k=k, a=a, b=b, A_log=A_log, dt_bias=dt_bias)
     q, k = l2norm(q.to(dtype)), l2norm(k.to(dtype))
     q = q * q.shape[-1] ** -0.5
     beta = torch.sigmoid(b.to(dtype))
@@ -42,6 +51,7 @@ def mamba2_front(x, dt, A_log, dt_bias, dtype=torch.float32):
     prefill path, not in single-token decode, and mamba_ssm and vLLM apply none in decode. One rule
     for prefill, decode and verify keeps the buffered and recurrent forms identical.
     """
+    _floats(x=x, dt=dt, A_log=A_log, dt_bias=dt_bias)
     dt = F.softplus(dt.to(dtype) + dt_bias.to(dtype))
     value = dt[..., None] * x.to(dtype)
     g = dt * -torch.exp(A_log.to(dtype))
