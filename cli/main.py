@@ -1,0 +1,54 @@
+"""The `kvbuffer` command line.
+
+Subcommands are thin: they parse options and call library functions, so everything the CLI does
+is also available from Python.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import platform
+import shutil
+
+import click
+
+
+def _version(dist: str) -> str:
+    try:
+        return importlib.metadata.version(dist)
+    except importlib.metadata.PackageNotFoundError:
+        return "not installed"
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(_version("kvbuffer"), prog_name="kvbuffer")
+def main():
+    """kvbuffer: buffered decoding for linear-attention LLMs (Gated DeltaNet, Mamba-2)."""
+
+
+@main.command()
+def env():
+    """Show the GPU, CUDA toolkit and library versions that kvbuffer sees."""
+    import torch
+
+    rows = [
+        ("python", platform.python_version()),
+        ("kvbuffer", _version("kvbuffer")),
+        ("torch", torch.__version__),
+        ("tilelang (compile side)", _version("tilelang")),
+        ("apache-tvm-ffi (runtime ABI)", _version("apache-tvm-ffi")),
+        ("nvcc", shutil.which("nvcc") or "not found"),
+    ]
+    if torch.cuda.is_available():
+        props = torch.cuda.get_device_properties(0)
+        rows += [("gpu", props.name), ("compute capability", f"{props.major}.{props.minor}"),
+                 ("gpu memory", f"{props.total_memory / 2**30:.1f} GiB")]
+    else:
+        rows.append(("gpu", "none (reference path on CPU)"))
+    width = max(len(k) for k, _ in rows)
+    for key, value in rows:
+        click.echo(f"{key:<{width}}  {value}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,29 @@
+"""Packaging promises: no TileLang at import, no generic top-level names, a working console script."""
+
+import importlib.util
+import subprocess
+import sys
+
+from click.testing import CliRunner
+
+
+def test_import_kvbuffer_does_not_import_tilelang():
+    code = "import sys, kvbuffer, kvbuffer.reference, kvbuffer.pools; print('tilelang' in sys.modules, 'tvm' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.split() == ["False", "False"]
+
+
+def test_subpackages_install_under_kvbuffer():
+    for name in ("kvbuffer.tiles", "kvbuffer.autotune", "kvbuffer.cli"):
+        assert importlib.util.find_spec(name) is not None, name
+    for generic in ("tiles", "autotune", "cli"):
+        spec = importlib.util.find_spec(generic)
+        assert spec is None or "site-packages" not in (spec.origin or ""), f"top-level '{generic}' installed"
+
+
+def test_cli_env_runs():
+    from kvbuffer.cli.main import main
+
+    result = CliRunner().invoke(main, ["env"])
+    assert result.exit_code == 0, result.output
+    assert "torch" in result.output and "kvbuffer" in result.output
