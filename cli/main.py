@@ -50,5 +50,12 @@ def env():
         click.echo(f"{key:<{width}}  {value}")
 
 
+from .cache import cache  # noqa: E402
+from .tune import tune  # noqa: E402
+
+main.add_command(tune)
+main.add_command(cache)
+
+
 if __name__ == "__main__":
     main()

@@ -1,0 +1,68 @@
+"""Head shapes to tune for: model presets, a checkpoint's config.json, or explicit Hk,Hv,K,V.
+
+A shape is the plain dict the registry and the cache key use: family ('gdn' or 'mamba2'), Hk, Hv,
+K, V (kvbuffer.pools.LinearLayerShape's generic form; Mamba-2: Hk = n_groups, Hv = heads,
+K = ssm_state_size, V = head_dim) and dtype (activations and buffer entries).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+DEFAULT_DTYPE = "bfloat16"
+
+# From the models' HF configuration files (see /work/shared/NOTES.md's table).
+PRESETS: dict[str, dict] = {
+    "qwen3.5-9b": {"family": "gdn", "Hk": 16, "Hv": 32, "K": 128, "V": 128},
+    "qwen3.5-27b": {"family": "gdn", "Hk": 16, "Hv": 48, "K": 128, "V": 128},
+    "qwen3.5-35b-a3b": {"family": "gdn", "Hk": 16, "Hv": 32, "K": 128, "V": 128},
+    "qwen3.5-122b-a10b": {"family": "gdn", "Hk": 16, "Hv": 64, "K": 128, "V": 128},
+    "qwen3-next-80b": {"family": "gdn", "Hk": 16, "Hv": 32, "K": 128, "V": 128},
+    "nemotron-3-nano": {"family": "mamba2", "Hk": 8, "Hv": 64, "K": 128, "V": 64},
+    "nemotron-3-super": {"family": "mamba2", "Hk": 8, "Hv": 128, "K": 128, "V": 64},
+}
+
+_DTYPES = {"bfloat16", "float16", "float32"}
+
+
+def make_shape(family: str, Hk: int, Hv: int, K: int, V: int, dtype: str = DEFAULT_DTYPE) -> dict:
+    if family not in ("gdn", "mamba2"):
+        raise ValueError(f"family must be 'gdn' or 'mamba2', got {family!r}")
+    if min(Hk, Hv, K, V) < 1 or Hv % Hk:
+        raise ValueError(f"need positive Hk, Hv, K, V with Hv a multiple of Hk, got {Hk},{Hv},{K},{V}")
+    if dtype not in _DTYPES:
+        raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {dtype!r}")
+    return {"family": family, "Hk": int(Hk), "Hv": int(Hv), "K": int(K), "V": int(V), "dtype": dtype}
+
+
+def preset_shape(name: str, dtype: str = DEFAULT_DTYPE) -> dict:
+    if name.lower() not in PRESETS:
+        raise ValueError(f"unknown model preset {name!r}; presets: {', '.join(PRESETS)} (or a checkpoint dir)")
+    return make_shape(**PRESETS[name.lower()], dtype=dtype)
+
+
+def parse_heads(text: str, family: str = "gdn", dtype: str = DEFAULT_DTYPE) -> dict:
+    """'16,32,128,128' -> shape."""
+    try:
+        Hk, Hv, K, V = (int(x) for x in text.split(","))
+    except ValueError:
+        raise ValueError(f"--heads takes Hk,Hv,K,V (four integers), got {text!r}") from None
+    return make_shape(family, Hk, Hv, K, V, dtype)
+
+
+def checkpoint_shape(path: str | Path, dtype: str | None = None) -> dict:
+    """The linear-attention head shape from a checkpoint directory's config.json (or the file itself)."""
+    path = Path(path)
+    cfg_path = path / "config.json" if path.is_dir() else path
+    cfg = json.loads(cfg_path.read_text())
+    text = cfg.get("text_config") or cfg  # Qwen3.5 checkpoints are vision-language models
+    dtype = dtype or text.get("dtype") or text.get("torch_dtype") or cfg.get("torch_dtype") or DEFAULT_DTYPE
+    if "linear_num_value_heads" in text:
+        return make_shape("gdn", text["linear_num_key_heads"], text["linear_num_value_heads"],
+                          text["linear_key_head_dim"], text["linear_value_head_dim"], dtype)
+    if "mamba_num_heads" in text:
+        return make_shape("mamba2", text.get("n_groups", 1), text["mamba_num_heads"], text["ssm_state_size"],
+                          text["mamba_head_dim"], dtype)
+    raise ValueError(f"{cfg_path}: model_type {text.get('model_type')!r} has no linear-attention layers "
+                     "kvbuffer knows (expected linear_* (Gated DeltaNet) or mamba_* (Mamba-2) keys)")

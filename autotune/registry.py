@@ -1,0 +1,179 @@
+"""The templates the tuner knows: one `Template` per kernel, built from kvbuffer.tiles.
+
+A Template is all the tuner needs and nothing TileLang-specific beyond `build`:
+    build(shape, chunk_size, **tunables) -> a compiled TileLang kernel (JITKernel, out_idx=None ABI)
+    configs() -> the tunables worth trying; defaults -> the ones used when nothing is measured
+    make_inputs(shape, batch, chunk_size, device, gen) -> every argument of the kernel, in order
+    reference(shape, chunk_size, args) -> {argument index: expected value after the kernel ran}
+    run(kernel, args) -> launch once (what the timer measures)
+`shape` is a plain dict: family ('gdn' or 'mamba2'), Hk, Hv, K, V and dtype (activations and
+buffer entries); see kvbuffer.pools.LinearLayerShape for the Mamba-2 mapping onto Hk/Hv/K/V.
+
+Registered now: the GDN decode kernels of tiles/gdn.py (recurrent step, buffered step with the
+flush fused at C, stand-alone flush). There are no Mamba-2 templates yet. TileLang and torch are
+imported only inside the callables.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib
+import importlib.util
+import inspect
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Mapping
+
+GDN_TILES = "kvbuffer.tiles.gdn"
+
+
+@dataclass(frozen=True)
+class Template:
+    name: str
+    family: str
+    build: Callable[..., Any] = field(repr=False)
+    configs: Callable[[], list] = field(repr=False)
+    defaults: Mapping[str, Any]
+    make_inputs: Callable[..., list] = field(repr=False)
+    reference: Callable[..., dict] = field(repr=False)
+    run: Callable[..., None] = field(repr=False)
+    source: str = ""          # sha256 of the template's source file: part of the artifact key
+    uses_chunk: bool = True   # False: one kernel serves every chunk size (stored with chunk_size 0)
+    tolerance: float = 2e-2   # relative error (vs the fp32 reference) a variant may have
+
+
+def source_digest(module_name: str) -> str:
+    spec = importlib.util.find_spec(module_name)
+    return hashlib.sha256(Path(spec.origin).read_bytes()).hexdigest() if spec and spec.origin else ""
+
+
+def builder_defaults(fn: Callable, names) -> dict:
+    """The defaults a template function declares for the given tunables."""
+    params = inspect.signature(fn).parameters
+    return {n: params[n].default for n in names}
+
+
+# ----------------------------------------------------------------------------------------------
+# Gated DeltaNet (tiles/gdn.py)
+
+
+def _gdn():
+    return importlib.import_module(GDN_TILES)
+
+
+def _compile(prim_func, target: dict):
+    return importlib.import_module("kvbuffer.tiles").compile_template(prim_func, target)
+
+
+def _gdn_dims(shape: Mapping) -> dict:
+    return {k: shape[k] for k in ("Hk", "Hv", "K", "V")}
+
+
+def _gdn_tokens(shape, batch, gen, device):
+    import torch
+
+    dt = getattr(torch, shape["dtype"])
+    Hk, Hv, K, V = (shape[k] for k in ("Hk", "Hv", "K", "V"))
+    r = lambda *s: torch.randn(*s, generator=gen, device=device)  # noqa: E731
+    q, k, v = r(batch, 1, Hk, K).to(dt), r(batch, 1, Hk, K).to(dt), r(batch, 1, Hv, V).to(dt)
+    a, b = r(batch, 1, Hv).to(dt), r(batch, 1, Hv).to(dt)
+    A_log = torch.log(1.0 + 15.0 * torch.rand(Hv, generator=gen, device=device))
+    dt_bias = torch.log(torch.expm1(0.001 + 0.099 * torch.rand(Hv, generator=gen, device=device)))
+    return q, k, v, a, b, A_log, dt_bias
+
+
+def _gdn_pools(shape, batch, cap, gen, device, lo, hi):
+    """State and buffer pools; row b's buffer holds lengths[b] in [lo, hi) entries (steady state)."""
+    import torch
+
+    dt = getattr(torch, shape["dtype"])
+    Hk, Hv, K, V = (shape[k] for k in ("Hk", "Hv", "K", "V"))
+    state = 0.5 * torch.randn(batch, Hv, K, V, generator=gen, device=device)
+    kk = torch.nn.functional.normalize(torch.randn(batch, cap, Hk, K, generator=gen, device=device), dim=-1)
+    buf_v = (0.5 * torch.randn(batch, cap, Hv, V, generator=gen, device=device)).to(dt)
+    buf_g = torch.cumsum(-(0.02 + 0.5 * torch.rand(batch, cap, Hv, generator=gen, device=device)), dim=1)
+    slots = torch.randperm(batch, generator=gen, device="cpu").to(device=device, dtype=torch.int32)
+    lengths = torch.randint(lo, hi, (batch,), generator=gen, device=device, dtype=torch.int32)
+    return state, slots, kk.to(dt), buf_v, buf_g, slots.clone(), lengths
+
+
+def _gdn_recurrent_inputs(shape, batch, chunk_size, device, gen):
+    import torch
+
+    q, k, v, a, b, A_log, dt_bias = _gdn_tokens(shape, batch, gen, device)
+    state = 0.5 * torch.randn(batch, shape["Hv"], shape["K"], shape["V"], generator=gen, device=device)
+    slots = torch.randperm(batch, generator=gen, device="cpu").to(device=device, dtype=torch.int32)
+    return [q[:, 0], k[:, 0], v[:, 0], a[:, 0], b[:, 0], A_log, dt_bias, state, slots, torch.empty_like(v[:, 0])]
+
+
+def _gdn_recurrent_reference(shape, chunk_size, args):
+    from kvbuffer.reference import gdn
+
+    state = args[7].clone()
+    o = gdn.recurrent_step(*args[:7], state, args[8])
+    return {7: state, 9: o}
+
+
+def _gdn_buffered_inputs(shape, batch, chunk_size, device, gen):
+    import torch
+
+    q, k, v, a, b, A_log, dt_bias = _gdn_tokens(shape, batch, gen, device)
+    pools = _gdn_pools(shape, batch, chunk_size, gen, device, 0, chunk_size)
+    return [q, k, v, a, b, A_log, dt_bias, *pools, torch.empty_like(v)]
+
+
+def _gdn_buffered_reference(shape, chunk_size, args):
+    from kvbuffer.reference import gdn
+
+    state, bk, bv, bg = (args[i].clone() for i in (7, 9, 10, 11))
+    o = gdn.buffered_step(*(t[:, 0] for t in args[:5]), args[5], args[6], state, args[8], bk, bv, bg,
+                          args[12], args[13], flush_at=chunk_size)
+    return {7: state, 14: o[:, None]}
+
+
+def _gdn_flush_inputs(shape, batch, chunk_size, device, gen):
+    return list(_gdn_pools(shape, batch, chunk_size, gen, device, 1, chunk_size + 1))
+
+
+def _gdn_flush_reference(shape, chunk_size, args):
+    from kvbuffer.reference import gdn
+
+    state = args[0].clone()
+    gdn.flush(state, *args[1:])
+    return {0: state}
+
+
+def _run(kernel, args) -> None:
+    kernel(*args)
+
+
+def gdn_templates() -> list[Template]:
+    g = _gdn()
+    src = source_digest(GDN_TILES)
+    tun = ("BV", "threads")
+
+    def recurrent(shape, chunk_size, *, target, **t):
+        return _compile(g.gdn_recurrent(**_gdn_dims(shape), in_dtype=shape["dtype"], **t), target)
+
+    def buffered(shape, chunk_size, *, target, **t):
+        prim = g.gdn_buffered(**_gdn_dims(shape), cap=chunk_size, T_new=1, flush_at=chunk_size,
+                              in_dtype=shape["dtype"], buf_dtype=shape["dtype"], **t)
+        return _compile(prim, target)
+
+    def flush(shape, chunk_size, *, target, **t):
+        return _compile(g.gdn_flush(**_gdn_dims(shape), cap=chunk_size, buf_dtype=shape["dtype"], **t), target)
+
+    return [
+        Template("gdn_recurrent", "gdn", recurrent, g.get_recurrent_configs, builder_defaults(g.gdn_recurrent, tun),
+                 _gdn_recurrent_inputs, _gdn_recurrent_reference, _run, src, uses_chunk=False),
+        Template("gdn_buffered_step", "gdn", buffered, g.get_buffered_configs,
+                 builder_defaults(g.gdn_buffered, tun), _gdn_buffered_inputs, _gdn_buffered_reference, _run, src),
+        Template("gdn_flush", "gdn", flush, g.get_flush_configs, builder_defaults(g.gdn_flush, tun),
+                 _gdn_flush_inputs, _gdn_flush_reference, _run, src),
+    ]
+
+
+def templates(family: str | None = None) -> list[Template]:
+    """Every registered template (optionally of one family). Mamba-2 has none yet."""
+    found = gdn_templates()
+    return [t for t in found if family in (None, t.family)]

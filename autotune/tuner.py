@@ -1,0 +1,201 @@
+"""`kvbuffer tune`'s engine: build (and, on the named GPU, measure) every template for one head shape.
+
+Two paths, both ending in artifacts + one tuning record in the cache:
+
+- build only (the named GPU is not here): compile each template once per chunk size with its
+  default tunables for that GPU's arch; every bucket uses it; status "untuned".
+- measure (the named GPU is device 0): compile every config of each template, check it against
+  kvbuffer.reference on fresh inputs (mismatches are rejected, never timed), time it per batch
+  bucket with CUDA events (median over launches, inputs rotated through enough copies to exceed
+  twice the L2), keep the fastest per (kernel, bucket, chunk size) and derive the chunk-size
+  policy from the buffered step (see kvbuffer.autotune.policy). Only winners are published,
+  with status "tuned".
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Iterable, Mapping, Sequence
+
+from kvbuffer.artifacts import ArtifactKey
+
+from .cache import ArtifactCache, build_versions
+from .gpus import GPU
+from .policy import TUNING_FORMAT, ChunkPolicy, Winner, tuning_name
+from .registry import Template
+
+POLICY_KERNEL = "gdn_buffered_step"  # its steady-state time per token decides C
+CHECK_BATCH = 7                      # an awkward batch for the correctness gate
+
+
+@dataclass(frozen=True)
+class TuneRequest:
+    gpu: GPU
+    shape: Mapping                 # family, Hk, Hv, K, V, dtype
+    chunk_sizes: tuple[int, ...]
+    batch_buckets: tuple[int, ...]
+
+
+@dataclass
+class BuildResult:
+    kernel: str
+    chunk_size: int
+    tunables: dict
+    artifact: str
+    status: str
+    seconds: float
+    reused: bool
+    median_us: dict = field(default_factory=dict)   # bucket -> µs (measured path)
+    rejected: list = field(default_factory=list)    # (tunables, why)
+
+
+def plan(templates: Sequence[Template], chunk_sizes: Iterable[int]) -> list[tuple[Template, int]]:
+    """(template, chunk size) pairs to build; chunk-free templates once, with chunk_size 0."""
+    out = []
+    for tpl in templates:
+        out += [(tpl, c) for c in sorted(set(chunk_sizes))] if tpl.uses_chunk else [(tpl, 0)]
+    return out
+
+
+def function_name(kernel) -> str:
+    return str(kernel.prim_func.attrs["global_symbol"])
+
+
+def _key(req: TuneRequest, tpl: Template, chunk: int, tunables: Mapping) -> ArtifactKey:
+    return ArtifactKey(req.gpu.name, req.gpu.arch, tpl.name, dict(req.shape), chunk, dict(tunables),
+                       build_versions(), tpl.source)
+
+
+def _publish(cache: ArtifactCache, key: ArtifactKey, kernel, status: str, info: Mapping) -> str:
+    return cache.put(key, lambda path: kernel.export_library(str(path)), function=function_name(kernel),
+                     status=status, info=info)
+
+
+# ----------------------------------------------------------------------------------------------
+# build only
+
+
+def build_untuned(cache: ArtifactCache, req: TuneRequest, templates: Sequence[Template],
+                  progress: Callable[[BuildResult], None] = lambda r: None) -> tuple[list[BuildResult], str]:
+    """Compile every template with its defaults for req.gpu's arch; returns (results, tuning name)."""
+    results = []
+    for tpl, chunk in plan(templates, req.chunk_sizes):
+        key = _key(req, tpl, chunk, tpl.defaults)
+        t0 = time.perf_counter()
+        reused = cache.has(key)
+        if not reused:
+            kernel = tpl.build(dict(req.shape), chunk, target=req.gpu.target, **tpl.defaults)
+            _publish(cache, key, kernel, "untuned", {"compile_s": round(time.perf_counter() - t0, 2)})
+        res = BuildResult(tpl.name, chunk, dict(tpl.defaults), key.name, cache.status(key.name),
+                          time.perf_counter() - t0, reused)
+        results.append(res)
+        progress(res)
+    winners = [Winner(r.kernel, b, r.chunk_size, r.artifact, r.tunables) for r in results for b in req.batch_buckets]
+    policy = ChunkPolicy.default(req.batch_buckets, req.chunk_sizes)
+    return results, _save_tuning(cache, req, winners, policy, "untuned")
+
+
+def _save_tuning(cache: ArtifactCache, req: TuneRequest, winners: list[Winner], policy: ChunkPolicy,
+                 status: str) -> str:
+    versions = build_versions()
+    name = tuning_name(req.gpu.name, req.gpu.arch, req.shape, versions)
+    record = {"format": TUNING_FORMAT, "status": status, "gpu": req.gpu.name, "arch": req.gpu.arch,
+              "shape": dict(req.shape), "versions": versions, "chunk_policy": policy.to_json(),
+              "batch_buckets": list(req.batch_buckets), "chunk_sizes": list(req.chunk_sizes),
+              "winners": [w.to_json() for w in winners]}
+    return cache.put_tuning(name, record, gpu=req.gpu.name, shape=req.shape, versions=versions)
+
+
+# ----------------------------------------------------------------------------------------------
+# measure
+
+
+def rel_err(x, ref) -> float:
+    import torch
+
+    x, ref = x.double(), ref.double()
+    if not bool(torch.isfinite(x).all()):
+        return math.inf
+    return float((x - ref).norm() / ref.norm().clamp_min(1e-30))
+
+
+def check(tpl: Template, kernel, shape: Mapping, chunk: int, device, seed: int = 0) -> float:
+    """Worst relative error of the kernel's outputs against tpl.reference on fresh inputs."""
+    import torch
+
+    gen = torch.Generator(device=device).manual_seed(seed)
+    args = tpl.make_inputs(dict(shape), CHECK_BATCH, chunk, device, gen)
+    expected = tpl.reference(dict(shape), chunk, [a.clone() for a in args])
+    tpl.run(kernel, args)
+    return max(rel_err(args[i], want) for i, want in expected.items())
+
+
+def cuda_median_seconds(fn: Callable[[list], None], arg_sets: list, warmup: int = 5, iters: int = 50) -> float:
+    """Median launch time with CUDA events, cycling through arg_sets (rotated past L2)."""
+    import torch
+
+    for i in range(warmup):
+        fn(arg_sets[i % len(arg_sets)])
+    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(iters)]
+    for i, (start, end) in enumerate(events):
+        start.record()
+        fn(arg_sets[i % len(arg_sets)])
+        end.record()
+    torch.cuda.synchronize()
+    return statistics.median(s.elapsed_time(e) for s, e in events) / 1e3
+
+
+def rotation(args: list, l2_bytes: float, limit: int = 16) -> int:
+    """How many input copies it takes to exceed twice the L2 (at least 2, at most `limit`)."""
+    nbytes = sum(a.numel() * a.element_size() for a in args)
+    return max(2, min(limit, math.ceil(2 * l2_bytes / max(nbytes, 1))))
+
+
+def measure(cache: ArtifactCache, req: TuneRequest, templates: Sequence[Template], *, device="cuda",
+            timer: Callable = cuda_median_seconds, progress: Callable[[BuildResult], None] = lambda r: None,
+            configs_limit: int | None = None) -> tuple[list[BuildResult], str]:
+    """The measuring path; one BuildResult per (kernel, chunk size, bucket); progress once per build."""
+    import torch
+
+    results, winners, timings = [], [], {}
+    for tpl, chunk in plan(templates, req.chunk_sizes):
+        size = chunk or max(req.chunk_sizes)
+        candidates, rejected = [], []
+        for tunables in tpl.configs()[:configs_limit]:
+            t0 = time.perf_counter()
+            try:
+                kernel = tpl.build(dict(req.shape), chunk, target=req.gpu.target, **tunables)
+            except Exception as e:  # a config the compiler rejects is a tuning outcome, not a failure
+                rejected.append((tunables, f"compile: {type(e).__name__}: {str(e)[:200]}"))
+                continue
+            err = check(tpl, kernel, req.shape, size, device)
+            if not err <= tpl.tolerance:
+                rejected.append((tunables, f"mismatch: rel err {err:.2e} > {tpl.tolerance:.0e}"))
+                continue
+            medians = {}
+            for bucket in req.batch_buckets:
+                gen = torch.Generator(device=device).manual_seed(bucket)
+                first = tpl.make_inputs(dict(req.shape), bucket, size, device, gen)
+                sets = [first] + [tpl.make_inputs(dict(req.shape), bucket, size, device, gen)
+                                  for _ in range(rotation(first, req.gpu.l2_mib * 2**20) - 1)]
+                medians[bucket] = timer(lambda a: tpl.run(kernel, a), sets)
+                del sets, first
+            candidates.append((tunables, kernel, medians, time.perf_counter() - t0))
+        if not candidates:
+            raise RuntimeError(f"{tpl.name} C={chunk}: no config passed the reference check: {rejected}")
+        for bucket in req.batch_buckets:
+            tunables, kernel, medians, secs = min(candidates, key=lambda c: c[2][bucket])
+            key = _key(req, tpl, chunk, tunables)
+            name = _publish(cache, key, kernel, "tuned", {"median_us": {str(b): m * 1e6 for b, m in medians.items()}})
+            winners.append(Winner(tpl.name, bucket, chunk, name, tunables, medians[bucket] * 1e6))
+            if tpl.name == POLICY_KERNEL:
+                timings[(bucket, chunk)] = medians[bucket]
+            results.append(BuildResult(tpl.name, chunk, dict(tunables), name, "tuned", secs, False,
+                                       {bucket: medians[bucket] * 1e6}, rejected))
+        progress(results[-1])
+    policy = (ChunkPolicy.from_timings(timings) if timings
+              else ChunkPolicy.default(req.batch_buckets, req.chunk_sizes))
+    return results, _save_tuning(cache, req, winners, policy, "tuned")

@@ -1,0 +1,70 @@
+"""`kvbuffer cache ls|path|clear`: inspect and clear the compiled-artifact cache."""
+
+from __future__ import annotations
+
+import json
+
+import click
+
+_CACHE_DIR = click.option("--cache-dir", type=click.Path(file_okay=False), default=None,
+                          help="Cache root [default: $KVBUFFER_CACHE_DIR, else $XDG_CACHE_HOME/kvbuffer].")
+
+
+@click.group()
+def cache():
+    """Inspect or clear the compiled-artifact cache."""
+
+
+@cache.command()
+@_CACHE_DIR
+def path(cache_dir):
+    """Print the cache root."""
+    from ..artifacts import cache_dir as resolve
+
+    click.echo(str(resolve(cache_dir)))
+
+
+@cache.command(name="ls")
+@_CACHE_DIR
+@click.option("--json", "as_json", is_flag=True, help="One JSON object per line.")
+def ls(cache_dir, as_json):
+    """List artifacts and tuning records, their status, and whether their checksums verify."""
+    from ..autotune.cache import ArtifactCache
+
+    store = ArtifactCache(cache_dir)
+    rows = store.entries()
+    if as_json:
+        for row in rows:
+            click.echo(json.dumps(row, sort_keys=True))
+        return
+    if not rows:
+        click.echo(f"{store.root}: empty")
+        return
+    table = [("type", "gpu", "arch", "kernel", "status", "check", "KiB", "name")]
+    for r in rows:
+        kib = f"{r['bytes'] / 1024:.0f}" if r["bytes"] is not None else "-"
+        table.append((r["type"], r["gpu"] or "-", r["arch"] or "-", r["kernel"] or "-", r["status"],
+                      "ok" if r["ok"] else "CORRUPT", kib, r["name"]))
+    widths = [max(len(str(row[i])) for row in table) for i in range(len(table[0]))]
+    for row in table:
+        click.echo("  ".join(str(c).ljust(w) for c, w in zip(row, widths)).rstrip())
+    bad = sum(not r["ok"] for r in rows)
+    if bad:
+        click.echo(f"{bad} corrupt entr{'y' if bad == 1 else 'ies'}: rebuild with `kvbuffer tune --gpu ...`"
+                   " (corrupt files are replaced, never loaded)")
+
+
+@cache.command()
+@_CACHE_DIR
+@click.option("--gpu", default=None, help="Only this GPU's artifacts and tuning records.")
+@click.option("--yes", is_flag=True, help="Do not ask for confirmation.")
+def clear(cache_dir, gpu, yes):
+    """Delete cached artifacts and tuning records."""
+    from ..autotune.cache import ArtifactCache
+
+    store = ArtifactCache(cache_dir)
+    what = f"{gpu}'s entries" if gpu else "every entry"
+    if not yes:
+        click.confirm(f"delete {what} in {store.root}?", abort=True)
+    n = store.clear(gpu)
+    click.echo(f"removed {n} entr{'y' if n == 1 else 'ies'} from {store.root}")

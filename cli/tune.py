@@ -1,0 +1,153 @@
+"""`kvbuffer tune`: build (no GPU here) or tune (GPU here) the kernels for one GPU and head shape."""
+
+from __future__ import annotations
+
+import click
+
+DEFAULT_CHUNKS = "8,16,32"
+DEFAULT_BUCKETS = "1,16,64,256,1024"
+
+
+def _ints(text: str, option: str) -> tuple[int, ...]:
+    try:
+        values = tuple(sorted({int(x) for x in text.split(",") if x.strip()}))
+    except ValueError:
+        raise click.BadParameter(f"expected comma-separated integers, got {text!r}", param_hint=option) from None
+    if not values or values[0] < 1:
+        raise click.BadParameter(f"expected positive integers, got {text!r}", param_hint=option)
+    return values
+
+
+def _table(rows: list[tuple]) -> None:
+    widths = [max(len(str(r[i])) for r in rows) for i in range(len(rows[0]))]
+    for row in rows:
+        click.echo("  ".join(str(c).ljust(w) for c, w in zip(row, widths)).rstrip())
+
+
+def _resolve_shape(model, heads, family, dtype) -> dict:
+    """dtype None: a checkpoint's own dtype, else bfloat16."""
+    from pathlib import Path
+
+    from ..autotune import models
+
+    if model and heads:
+        raise click.UsageError("give --model or --heads, not both")
+    try:
+        if heads:
+            return models.parse_heads(heads, family, dtype or models.DEFAULT_DTYPE)
+        if model is None:
+            raise click.UsageError("name a head shape: --model PRESET|CHECKPOINT_DIR or --heads Hk,Hv,K,V")
+        if model.lower() not in models.PRESETS and Path(model).exists():
+            return models.checkpoint_shape(model, dtype)
+        return models.preset_shape(model, dtype or models.DEFAULT_DTYPE)  # unknown: lists the presets
+    except (ValueError, KeyError, OSError) as e:
+        raise click.BadParameter(str(e), param_hint="--model/--heads") from None
+
+
+def _resolve_gpu(name):
+    """(GPU to build for, whether it is the local device 0)."""
+    from ..autotune.gpus import detect_local_gpu, get_gpu
+
+    try:
+        local = detect_local_gpu()
+    except ValueError as e:
+        local, note = None, str(e)
+    else:
+        note = "no CUDA GPU here"
+    if name is None:
+        if local is None:
+            raise click.UsageError(f"{note}: name the GPU to build for with --gpu (see --list-gpus)")
+        return local, True
+    try:
+        gpu = get_gpu(name)
+    except ValueError as e:
+        raise click.BadParameter(str(e), param_hint="--gpu") from None
+    if local is not None and local.name == gpu.name:
+        return local, True
+    return gpu, False
+
+
+def _templates(family: str, kernels: str | None):
+    try:
+        from ..autotune.registry import templates
+    except ImportError as e:
+        raise click.ClickException(f"the compile side needs TileLang: pip install 'kvbuffer[gpu]' ({e})")
+    found = templates(family)
+    if not found:
+        raise click.ClickException(f"no TileLang templates are registered for the {family} family yet")
+    if kernels:
+        wanted = {k.strip() for k in kernels.split(",")}
+        unknown = wanted - {t.name for t in found}
+        if unknown:
+            raise click.BadParameter(f"unknown kernel(s) {sorted(unknown)}; {family} has "
+                                     f"{[t.name for t in found]}", param_hint="--kernels")
+        found = [t for t in found if t.name in wanted]
+    return found
+
+
+@click.command()
+@click.option("--gpu", help="GPU to build for (see --list-gpus); default: the local GPU.")
+@click.option("--list-gpus", is_flag=True, help="List the GPUs kvbuffer can build for, and exit.")
+@click.option("--model", help="Model preset (qwen3.5-9b, ..., nemotron-3-super) or a checkpoint directory.")
+@click.option("--heads", help="Explicit head shape Hk,Hv,K,V (instead of --model).")
+@click.option("--family", type=click.Choice(["gdn", "mamba2"]), default="gdn", show_default=True,
+              help="Layer family for --heads.")
+@click.option("--dtype", type=click.Choice(["bfloat16", "float16"]), default=None,
+              help="Activation/buffer dtype [default: the checkpoint's, else bfloat16].")
+@click.option("--chunk-sizes", default=DEFAULT_CHUNKS, show_default=True, help="Chunk sizes C to build.")
+@click.option("--batch-buckets", default=DEFAULT_BUCKETS, show_default=True, help="Batch buckets to tune for.")
+@click.option("--kernels", help="Comma-separated template names (default: every template of the family).")
+@click.option("--build-only", is_flag=True, help="Compile defaults without measuring, even on the named GPU.")
+@click.option("--max-configs", type=int, default=None, help="Try at most this many configs per template.")
+@click.option("--cache-dir", type=click.Path(file_okay=False), default=None,
+              help="Cache root [default: $KVBUFFER_CACHE_DIR, else $XDG_CACHE_HOME/kvbuffer].")
+def tune(gpu, list_gpus, model, heads, family, dtype, chunk_sizes, batch_buckets, kernels, build_only,
+         max_configs, cache_dir):
+    """Compile kernels for a GPU and head shape into the artifact cache, measuring them if the GPU is here.
+
+    Without the named GPU, each kernel is compiled for its arch with default tunables and recorded
+    as untuned. With it, every config is checked against the reference, timed per batch bucket,
+    and the winners and a chunk-size policy are recorded as tuned.
+    """
+    from ..autotune.gpus import catalogue_table
+
+    if list_gpus:
+        _table(catalogue_table())
+        return
+    from ..autotune import tuner
+    from ..autotune.cache import ArtifactCache
+
+    shape = _resolve_shape(model, heads, family, dtype)
+    target, present = _resolve_gpu(gpu)
+    req = tuner.TuneRequest(target, shape, _ints(chunk_sizes, "--chunk-sizes"), _ints(batch_buckets, "--batch-buckets"))
+    tpls = _templates(shape["family"], kernels)
+    cache = ArtifactCache(cache_dir)
+    measuring = present and not build_only
+    items = tuner.plan(tpls, req.chunk_sizes)
+    click.echo(f"{'tuning' if measuring else 'building (untuned)'} {len(items)} kernel(s) for {target.name} "
+               f"({target.arch}), {_shape_text(shape)}, C in {list(req.chunk_sizes)}, cache {cache.root}")
+    with click.progressbar(length=len(items), label="compiling", show_pos=True) as bar:
+        step = lambda r: bar.update(1)  # noqa: E731
+        if measuring:
+            results, record = tuner.measure(cache, req, tpls, progress=step, configs_limit=max_configs)
+        else:
+            results, record = tuner.build_untuned(cache, req, tpls, progress=step)
+    _summary(results, measuring)
+    from ..autotune.policy import ChunkPolicy
+
+    policy = ChunkPolicy.from_json(cache.tuning(record)["chunk_policy"])
+    click.echo(f"tuning record {record} ({policy.status}); chunk size per batch bucket: "
+               + ", ".join(f"B<={b}: C={c}" for b, c in zip(policy.buckets, policy.chunk_sizes)))
+
+
+def _shape_text(shape) -> str:
+    return f"{shape['family']} Hk={shape['Hk']} Hv={shape['Hv']} K={shape['K']} V={shape['V']} {shape['dtype']}"
+
+
+def _summary(results, measured: bool) -> None:
+    rows = [("kernel", "C", "tunables", "status", "build", "seconds", "artifact")]
+    for r in results:
+        how = "cached" if r.reused else ("measured" if measured else "compiled")
+        tun = " ".join(f"{k}={v}" for k, v in sorted(r.tunables.items()))
+        rows.append((r.kernel, r.chunk_size or "-", tun, r.status, how, f"{r.seconds:.1f}", r.artifact))
+    _table(rows)

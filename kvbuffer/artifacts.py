@@ -1,0 +1,428 @@
+"""Compiled kernels at run time: find, verify and load artifacts; never compile, never import TileLang.
+
+A cache root (`cache_dir()`: --cache-dir, else $KVBUFFER_CACHE_DIR, else $XDG_CACHE_HOME/kvbuffer,
+else ~/.cache/kvbuffer) holds
+
+    manifest.json                      every artifact and tuning record, the sha256 of each file, status
+    .lock                              writers hold it exclusively (fcntl.flock)
+    artifacts/<readable>-<hash16>/     kernel.so (TileLang `export_library`) + meta.json (key, function)
+    tunings/<readable>-<hash16>.json   per GPU, head shape and versions: the artifact to use per
+                                       (kernel, batch bucket, chunk size) and the chunk-size policy
+    staging/                           writers build here, then os.replace into place
+
+`<hash16>` is the start of the sha256 of the artifact key as normalized JSON (sorted keys, no
+spaces): GPU, arch, kernel, shapes, chunk size, tunables, template source and the versions of
+TileLang, CUDA (nvcc) and kvbuffer. The compile side (kvbuffer.autotune.cache) writes this layout;
+this module owns the format and is the only reader. A file whose checksum does not match the
+manifest is never handed to dlopen: a truncated .so kills the loading process (SIGBUS), it does
+not raise.
+
+Loading an exported library needs apache-tvm-ffi and TileLang's `libtvm_runtime.so` (found in the
+installed tilelang wheel without importing it, or at $KVBUFFER_TVM_RUNTIME); see docs/artifacts.md.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import importlib.metadata
+import json
+import logging
+import os
+import re
+import struct
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Mapping
+
+from .errors import ArtifactError
+
+log = logging.getLogger(__name__)
+
+FORMAT = 1
+MANIFEST = "manifest.json"
+LIBRARY = "kernel.so"
+META = "meta.json"
+STATUSES = ("untuned", "tuned")
+CHECKED_VERSIONS = ("kvbuffer", "tilelang")  # the cubin needs no nvcc at run time; the .so ABI needs these
+_JSON_SCALARS = (str, int, float, bool, type(None))
+_DTYPE_ABBREV = {"bfloat16": "bf16", "float16": "f16", "float32": "f32", "float64": "f64"}
+
+
+# ----------------------------------------------------------------------------------------------
+# keys
+
+
+def _check_json(obj: Any, where: str) -> None:
+    """Keys must be plain JSON (no tuples, objects or str(repr)) so that they hash the same everywhere."""
+    if isinstance(obj, Mapping):
+        for k, v in obj.items():
+            if not isinstance(k, str):
+                raise TypeError(f"{where}: key {k!r} must be a str")
+            _check_json(v, f"{where}.{k}")
+    elif isinstance(obj, list):
+        for i, v in enumerate(obj):
+            _check_json(v, f"{where}[{i}]")
+    elif not isinstance(obj, _JSON_SCALARS):
+        raise TypeError(f"{where}: {type(obj).__name__} is not a JSON scalar, list or dict")
+
+
+def normalized_json(obj: Any) -> str:
+    """The one serialization that keys are hashed over: sorted keys, no whitespace, ASCII."""
+    _check_json(obj, "key")
+    return json.dumps(obj, sort_keys=True, separators=(",", ":"), ensure_ascii=True)
+
+
+def sha256_json(obj: Any) -> str:
+    return hashlib.sha256(normalized_json(obj).encode()).hexdigest()
+
+
+def sha256_file(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def slug(mapping: Mapping[str, Any]) -> str:
+    """{'family': 'gdn', 'Hk': 16, 'dtype': 'bfloat16'} -> 'gdn_hk16_bf16' (readable; the hash makes it unique)."""
+    parts = [str(mapping["family"])] if "family" in mapping else []
+    for k, v in sorted(mapping.items()):
+        if k == "family":
+            continue
+        if isinstance(v, str):
+            v = _DTYPE_ABBREV.get(v, v)
+            parts.append(v if k.endswith("dtype") else f"{k.lower()}-{v}")
+        else:
+            parts.append(f"{k.lower()}{v}")
+    return "_".join(parts)
+
+
+def safe_name(name: str) -> str:
+    return re.sub(r"[^A-Za-z0-9_.-]+", "-", name).strip("-")
+
+
+@dataclass(frozen=True)
+class ArtifactKey:
+    """Everything a compiled kernel depends on. Equal keys build byte-for-byte equivalent kernels."""
+
+    gpu: str
+    arch: str
+    kernel: str
+    shape: Mapping[str, Any]
+    chunk_size: int
+    tunables: Mapping[str, Any]
+    versions: Mapping[str, Any]
+    source: str = ""  # sha256 of the template's source file
+
+    def to_json(self) -> dict:
+        return {"format": FORMAT, "gpu": self.gpu, "arch": self.arch, "kernel": self.kernel,
+                "shape": dict(self.shape), "chunk_size": int(self.chunk_size),
+                "tunables": dict(self.tunables), "versions": dict(self.versions), "source": self.source}
+
+    @classmethod
+    def from_json(cls, d: Mapping) -> "ArtifactKey":
+        return cls(d["gpu"], d["arch"], d["kernel"], d["shape"], d["chunk_size"], d["tunables"],
+                   d["versions"], d.get("source", ""))
+
+    @property
+    def digest(self) -> str:
+        return sha256_json(self.to_json())
+
+    @property
+    def name(self) -> str:
+        """Readable directory name plus 16 hex digits of the key's sha256."""
+        readable = f"{self.kernel}_{self.gpu}_{self.arch}_{slug(self.shape)}_c{self.chunk_size}"
+        if self.tunables:
+            readable += "_" + slug(self.tunables)
+        return safe_name(readable) + "-" + self.digest[:16]
+
+
+# ----------------------------------------------------------------------------------------------
+# where, and which versions
+
+
+def cache_dir(override: str | os.PathLike | None = None) -> Path:
+    """The cache root: explicit override, $KVBUFFER_CACHE_DIR, $XDG_CACHE_HOME/kvbuffer, ~/.cache/kvbuffer."""
+    if override:
+        return Path(override).expanduser()
+    if os.environ.get("KVBUFFER_CACHE_DIR"):
+        return Path(os.environ["KVBUFFER_CACHE_DIR"]).expanduser()
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    return (Path(xdg) if xdg else Path.home() / ".cache") / "kvbuffer"
+
+
+def _dist_version(dist: str) -> str | None:
+    try:
+        return importlib.metadata.version(dist)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def runtime_versions() -> dict:
+    """Versions this process would load artifacts with (read from package metadata, nothing imported)."""
+    from . import __version__
+
+    return {"kvbuffer": __version__, "tilelang": _dist_version("tilelang")}
+
+
+def rebuild_hint(gpu: str | None = None, shape: Mapping | None = None, root: Path | None = None) -> str:
+    cmd = f"kvbuffer tune --gpu {gpu or '<gpu>'}"
+    if shape and all(k in shape for k in ("Hk", "Hv", "K", "V")):
+        cmd += f" --heads {shape['Hk']},{shape['Hv']},{shape['K']},{shape['V']}"
+        if shape.get("family", "gdn") != "gdn":
+            cmd += f" --family {shape['family']}"
+        if shape.get("dtype", "bfloat16") != "bfloat16":
+            cmd += f" --dtype {shape['dtype']}"
+    if root is not None:
+        cmd += f" --cache-dir {root}"
+    return f"rebuild it with `{cmd}`"
+
+
+# ----------------------------------------------------------------------------------------------
+# the binary itself
+
+
+def arch_number(arch: str) -> int:
+    """'sm_90a' -> 90."""
+    m = re.fullmatch(r"sm_(\d+)[a-z]?", arch)
+    if not m:
+        raise ValueError(f"not a CUDA arch: {arch!r} (expected e.g. 'sm_90a')")
+    return int(m.group(1))
+
+
+def embedded_cubin_sms(path: Path) -> set[int]:
+    """SM numbers of the CUDA ELF images (cubins) embedded in an exported library.
+
+    TileLang's export stores the cubin verbatim inside the .so; its ELF header (e_machine 190,
+    EM_CUDA) carries the SM in e_flags: bits 8-15 for ELF ABI version >= 8 (CUDA 12.8+), bits 0-7
+    before. An empty set means no cubin was found (e.g. PTX only): nothing to check.
+    """
+    data = Path(path).read_bytes()
+    sms, i = set(), data.find(b"\x7fELF", 1)
+    while i != -1 and i + 52 <= len(data):
+        if data[i + 4] == 2 and struct.unpack_from("<H", data, i + 18)[0] == 190:
+            flags = struct.unpack_from("<I", data, i + 48)[0]
+            sms.add((flags >> 8) & 0xFF if data[i + 8] >= 8 else flags & 0xFF)
+        i = data.find(b"\x7fELF", i + 1)
+    return sms
+
+
+def tvm_runtime_path() -> Path:
+    """TileLang's libtvm_runtime.so: $KVBUFFER_TVM_RUNTIME, else the installed tilelang wheel's copy.
+
+    The wheel's files are located through package metadata; `tilelang` itself is never imported.
+    """
+    env = os.environ.get("KVBUFFER_TVM_RUNTIME")
+    if env:
+        path = Path(env)
+    else:
+        try:
+            path = Path(importlib.metadata.distribution("tilelang").locate_file("tilelang/lib/libtvm_runtime.so"))
+        except importlib.metadata.PackageNotFoundError:
+            raise ArtifactError(
+                "loading compiled kernels needs TileLang's libtvm_runtime.so: install the tilelang wheel "
+                "(`pip install tilelang==0.1.15`; it is not imported) or set KVBUFFER_TVM_RUNTIME to the "
+                "file (see docs/artifacts.md)") from None
+    if not path.is_file():
+        raise ArtifactError(f"TileLang runtime library not found at {path} (KVBUFFER_TVM_RUNTIME or the "
+                            "tilelang wheel); see docs/artifacts.md")
+    return path
+
+
+@functools.lru_cache(maxsize=None)
+def _load_runtime(path: str):
+    """dlopen the runtime once, RTLD_GLOBAL, so that exported kernels resolve TVMBackend* and the CUDA loader."""
+    import tvm_ffi  # the small, stable ABI package; not TileLang
+
+    ctypes.CDLL(path, mode=ctypes.RTLD_GLOBAL)
+    log.info("kvbuffer: loaded TVM runtime %s", path)
+    return tvm_ffi
+
+
+def load_library(path: Path, function: str):
+    """Load an exported TileLang library and return (module, function). Verify its checksum first."""
+    try:
+        tvm_ffi = _load_runtime(str(tvm_runtime_path()))
+    except ImportError as e:
+        raise ArtifactError("loading compiled kernels needs apache-tvm-ffi (`pip install "
+                            "'apache-tvm-ffi>=0.1.11,<0.1.13'`); see docs/artifacts.md") from e
+    module = tvm_ffi.load_module(str(path))
+    try:
+        return module, module.get_function(function)
+    except AttributeError:
+        raise ArtifactError(f"{path} has no function {function!r}") from None
+
+
+# ----------------------------------------------------------------------------------------------
+# reading a cache
+
+
+@dataclass
+class Artifact:
+    """A loaded kernel: call it with every tensor (TileLang's out_idx=None ABI)."""
+
+    name: str
+    meta: dict
+    path: Path
+    module: Any = field(repr=False)
+    fn: Any = field(repr=False)
+
+    def __call__(self, *args):
+        return self.fn(*args)
+
+    @property
+    def key(self) -> ArtifactKey:
+        return ArtifactKey.from_json(self.meta["key"])
+
+
+class ArtifactStore:
+    """Read side of a cache root: verify checksums, check versions and arch, load."""
+
+    def __init__(self, root: str | os.PathLike | None = None):
+        self.root = cache_dir(root)
+
+    # -- manifest
+    def manifest(self) -> dict:
+        path = self.root / MANIFEST
+        if not path.exists():
+            return {"format": FORMAT, "artifacts": {}, "tunings": {}}
+        try:
+            data = json.loads(path.read_text())
+        except (OSError, ValueError) as e:
+            raise ArtifactError(f"unreadable cache manifest {path}: {e}; clear it with "
+                                f"`kvbuffer cache clear --cache-dir {self.root}` and rebuild") from None
+        if data.get("format") != FORMAT:
+            raise ArtifactError(f"cache manifest {path} has format {data.get('format')}, this kvbuffer "
+                                f"reads format {FORMAT}; clear it with `kvbuffer cache clear` and rebuild")
+        return data
+
+    def artifact_dir(self, name: str) -> Path:
+        return self.root / "artifacts" / name
+
+    def tuning_path(self, name: str) -> Path:
+        return self.root / "tunings" / f"{name}.json"
+
+    # -- verification
+    def _check_files(self, kind: str, name: str, hint: str) -> dict:
+        """The manifest entry of `name`, after checking that each of its files is there and intact."""
+        entry = self.manifest()[kind].get(name)
+        if entry is None:
+            raise ArtifactError(f"no {kind[:-1]} {name!r} in {self.root / MANIFEST}; {hint}")
+        for rel, digest in entry["files"].items():
+            path = self.root / rel
+            if not path.is_file():
+                raise ArtifactError(f"{kind[:-1]} {name}: {path} is missing; {hint}")
+            actual = sha256_file(path)
+            if actual != digest:
+                raise ArtifactError(f"{kind[:-1]} {name}: checksum mismatch for {path} (manifest "
+                                    f"{digest[:12]}, file {actual[:12]}): truncated or altered; {hint}")
+        return entry
+
+    def verify(self, name: str) -> dict:
+        """Checksums against the manifest, then the meta's key against the directory name; returns meta."""
+        entry = self._check_files("artifacts", name, rebuild_hint(root=self.root))
+        meta = json.loads((self.artifact_dir(name) / META).read_text())
+        key = ArtifactKey.from_json(meta["key"])
+        hint = rebuild_hint(key.gpu, key.shape, self.root)
+        if key.name != name:
+            raise ArtifactError(f"artifact {name}: its meta.json describes {key.name}; {hint}")
+        lib = f"artifacts/{name}/{LIBRARY}"
+        if meta["files"].get(LIBRARY) != entry["files"].get(lib):
+            raise ArtifactError(f"artifact {name}: meta.json and manifest disagree on {LIBRARY}; {hint}")
+        return meta
+
+    def status(self, name: str) -> str:
+        return self.manifest()["artifacts"][name]["status"]
+
+    # -- compatibility
+    def check_compatible(self, key: ArtifactKey, *, arch: str | None, gpu: str | None = None) -> None:
+        """Reject artifacts built by other kvbuffer / TileLang versions or for another GPU arch."""
+        hint = rebuild_hint(gpu or key.gpu, key.shape, self.root)
+        have = runtime_versions()
+        for lib in CHECKED_VERSIONS:
+            built = key.versions.get(lib)
+            if have[lib] is None and lib == "tilelang" and os.environ.get("KVBUFFER_TVM_RUNTIME"):
+                log.warning("kvbuffer: tilelang wheel not installed; trusting KVBUFFER_TVM_RUNTIME to be "
+                            "TileLang %s's runtime", built)
+                continue
+            if built != have[lib]:
+                raise ArtifactError(f"artifact {key.name} was built with {lib} {built}, this process has "
+                                    f"{lib} {have[lib]}; {hint}")
+        if arch is not None and key.arch != arch:
+            raise ArtifactError(f"artifact {key.name} is built for {key.arch} ({key.gpu}), this GPU is "
+                                f"{arch}{f' ({gpu})' if gpu else ''}; {hint}")
+
+    def _check_binary_arch(self, key: ArtifactKey, path: Path) -> None:
+        sms = embedded_cubin_sms(path)
+        if sms and sms != {arch_number(key.arch)}:
+            raise ArtifactError(f"artifact {key.name}: meta says {key.arch} but the embedded cubin is "
+                                f"sm_{'/'.join(map(str, sorted(sms)))}; "
+                                f"{rebuild_hint(key.gpu, key.shape, self.root)}")
+
+    # -- loading
+    def load(self, name: str, *, arch: str | None = "local", gpu: str | None = None) -> Artifact:
+        """Verify and load one artifact. arch='local' checks against the local GPU (none: not checked)."""
+        meta = self.verify(name)
+        key = ArtifactKey.from_json(meta["key"])
+        if arch == "local":
+            arch, gpu = _local_arch()
+        self.check_compatible(key, arch=arch, gpu=gpu)
+        path = self.artifact_dir(name) / LIBRARY
+        self._check_binary_arch(key, path)
+        module, fn = load_library(path, meta["function"])
+        return Artifact(name, meta, path, module, fn)
+
+    # -- tunings
+    def tuning(self, name: str) -> dict:
+        self._check_files("tunings", name, rebuild_hint(root=self.root))
+        return json.loads(self.tuning_path(name).read_text())
+
+    def find_tuning(self, gpu: str, arch: str, shape: Mapping) -> dict:
+        """The tuning record for this GPU and head shape under this process's versions."""
+        from .autotune.policy import tuning_name
+
+        name = tuning_name(gpu, arch, shape, runtime_versions())
+        tunings = self.manifest()["tunings"]
+        if name in tunings:
+            return self.tuning(name)
+        hint = rebuild_hint(gpu, shape, self.root)
+        others = [n for n, e in tunings.items()
+                  if e.get("gpu") == gpu and e.get("shape") == dict(shape)]
+        if others:
+            found = {lib: tunings[others[0]]["versions"].get(lib) for lib in CHECKED_VERSIONS}
+            raise ArtifactError(f"kernels for {gpu} {slug(shape)} exist for {found}, not for this "
+                                f"process's {runtime_versions()}; {hint}")
+        raise ArtifactError(f"no kernels built for {gpu} ({arch}) {slug(shape)} in {self.root}; {hint}")
+
+
+    def kernel_for(self, shape: Mapping, kernel: str, batch: int, chunk_size: int | None = None, *,
+                   gpu=None) -> tuple[Artifact, int]:
+        """(loaded kernel, chunk size) for a batch: the tuned winner of its bucket, or the default build.
+
+        `gpu` is a kvbuffer.autotune.gpus.GPU (default: the local one); chunk_size None takes the
+        tuning record's chunk-size policy for this batch.
+        """
+        from .autotune.policy import select
+
+        if gpu is None:
+            from .autotune.gpus import detect_local_gpu
+
+            gpu = detect_local_gpu()
+            if gpu is None:
+                raise ArtifactError("no CUDA GPU here: name the GPU whose kernels to load (gpu=get_gpu(...))")
+        record = self.find_tuning(gpu.name, gpu.arch, shape)
+        try:
+            name, c = select(record, kernel, batch, chunk_size)
+        except KeyError as e:
+            raise ArtifactError(f"{e.args[0]}; {rebuild_hint(gpu.name, shape, self.root)}") from None
+        return self.load(name, arch=gpu.arch, gpu=gpu.name), c
+
+
+def _local_arch() -> tuple[str | None, str | None]:
+    from .autotune.gpus import detect_local_gpu
+
+    gpu = detect_local_gpu()
+    return (gpu.arch, gpu.name) if gpu else (None, None)
