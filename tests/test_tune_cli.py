@@ -1,0 +1,204 @@
+"""`kvbuffer tune` and `kvbuffer cache`: option handling, the tuner's selection logic (fake kernels,
+CPU), and a real build for an absent GPU whose artifacts load in a process without TileLang."""
+
+import importlib.util
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+from click.testing import CliRunner
+
+from kvbuffer.autotune import tuner
+from kvbuffer.autotune.cache import ArtifactCache
+from kvbuffer.autotune.gpus import get_gpu, match_device
+from kvbuffer.autotune.models import checkpoint_shape, preset_shape
+from kvbuffer.autotune.policy import ChunkPolicy, select
+from kvbuffer.autotune.registry import Template
+from kvbuffer.cli.main import main
+
+HAVE_TILELANG = importlib.util.find_spec("tilelang") is not None and shutil.which("nvcc") is not None
+needs_tilelang = pytest.mark.skipif(not HAVE_TILELANG, reason="needs TileLang and nvcc to compile")
+
+
+def run(*args):
+    return CliRunner().invoke(main, list(args))
+
+
+# ----------------------------------------------------------------------------------------------
+# options
+
+
+def test_list_gpus():
+    result = run("tune", "--list-gpus")
+    assert result.exit_code == 0, result.output
+    lines = {line.split()[0]: line.split() for line in result.output.splitlines()}
+    assert lines["h200"][-5] == "sm_90a" and lines["b200"][-5] == "sm_100a" and lines["a100"][-5] == "sm_80"
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--gpu", "h300", "--model", "qwen3.5-9b"], "unknown GPU 'h300'"),
+    (["--gpu", "h200", "--model", "qwen3.5-9b", "--heads", "16,32,128,128"], "not both"),
+    (["--gpu", "h200", "--model", "qwen9"], "unknown model preset"),
+    (["--gpu", "h200", "--heads", "16,32,128"], "four integers"),
+    (["--gpu", "h200", "--heads", "16,30,128,128"], "multiple of Hk"),
+    (["--gpu", "h200", "--model", "qwen3.5-9b", "--chunk-sizes", "8,x"], "comma-separated integers"),
+    (["--gpu", "h200", "--model", "qwen3.5-9b", "--kernels", "gdn_nope"], "unknown kernel"),
+    (["--gpu", "h200", "--model", "nemotron-3-nano"], "no TileLang templates are registered for the mamba2"),
+    (["--gpu", "h200"], "--model PRESET|CHECKPOINT_DIR or --heads"),
+], ids=["unknown-gpu", "model-and-heads", "preset", "heads-format", "heads-ratio", "chunks", "kernel", "mamba2",
+        "no-shape"])
+def test_bad_options_are_named(args, message, tmp_path):
+    result = run("tune", *args, "--cache-dir", str(tmp_path))
+    assert result.exit_code != 0
+    assert message in result.output
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message on a machine without a GPU")
+def test_no_gpu_here_asks_for_one(tmp_path):
+    result = run("tune", "--model", "qwen3.5-9b", "--cache-dir", str(tmp_path))
+    assert result.exit_code != 0 and "no CUDA GPU here" in result.output and "--gpu" in result.output
+
+
+def test_presets_and_checkpoints_give_head_shapes(tmp_path):
+    assert preset_shape("qwen3.5-27b") == {"family": "gdn", "Hk": 16, "Hv": 48, "K": 128, "V": 128,
+                                           "dtype": "bfloat16"}
+    assert preset_shape("nemotron-3-super")["Hv"] == 128
+    qwen = tmp_path / "qwen"
+    qwen.mkdir()
+    (qwen / "config.json").write_text(json.dumps({"model_type": "qwen3_5", "text_config": {
+        "linear_num_key_heads": 16, "linear_num_value_heads": 32, "linear_key_head_dim": 128,
+        "linear_value_head_dim": 128, "dtype": "bfloat16"}}))
+    assert checkpoint_shape(qwen) == preset_shape("qwen3.5-9b")
+    nemo = tmp_path / "nemo.json"
+    nemo.write_text(json.dumps({"model_type": "nemotron_h", "mamba_num_heads": 64, "mamba_head_dim": 64,
+                                "ssm_state_size": 128, "n_groups": 8, "torch_dtype": "bfloat16"}))
+    assert checkpoint_shape(nemo) == preset_shape("nemotron-3-nano")
+
+
+def test_gpu_detection_matches_names_and_capability():
+    assert match_device("NVIDIA H200", (9, 0)).name == "h200"
+    assert match_device("NVIDIA H100 PCIe", (9, 0)).name == "h100-pcie"
+    assert match_device("NVIDIA H100 80GB HBM3", (9, 0)).name == "h100"
+    assert match_device("NVIDIA L40S", (8, 9)).name == "l40s"
+    assert match_device("NVIDIA L4", (8, 9)).name == "l4"
+    assert match_device("NVIDIA H200", (8, 0)) is None
+    assert get_gpu("H200").target == {"kind": "cuda", "arch": "sm_90a"}
+
+
+# ----------------------------------------------------------------------------------------------
+# the measuring path's selection logic, with fake kernels on the CPU
+
+
+class FakeKernel:
+    """y = scale * x; writes its simulated cost (seconds) so the fake timer can read it."""
+
+    prim_func = SimpleNamespace(attrs={"global_symbol": "fake_kernel"})
+
+    def __init__(self, scale, cost):
+        self.scale, self.cost = scale, cost
+
+    def export_library(self, path):
+        Path(path).write_bytes(b"fake library " + repr(self.cost).encode())
+
+    def __call__(self, x, y, cost):
+        y.copy_(self.scale * x)
+        cost.fill_(self.cost(x.shape[0]))
+
+
+def fake_template(name):
+    base = {"slow": lambda b: 1.0, "fast": lambda b: 0.5 + 0.01 * b, "wrong": lambda b: 0.01}
+
+    def build(shape, chunk, *, target, v):
+        factor = lambda b: (chunk / 16) if b < 10 else (16 / chunk)  # noqa: E731  small batch: small C
+        return FakeKernel(3.0 if v == "wrong" else 2.0, lambda b: base[v](b) * factor(b))
+
+    def make_inputs(shape, batch, chunk, device, gen):
+        return [torch.randn(batch, 4, generator=gen), torch.empty(batch, 4), torch.zeros(())]
+
+    return Template(name, "gdn", build, lambda: [{"v": "slow"}, {"v": "wrong"}, {"v": "fast"}], {"v": "slow"},
+                    make_inputs, lambda shape, chunk, args: {1: 2.0 * args[0]}, lambda k, args: k(*args), "src")
+
+
+def fake_timer(fn, arg_sets):
+    fn(arg_sets[0])
+    return float(arg_sets[0][2])
+
+
+def test_measure_keeps_checked_winners_and_derives_the_chunk_policy(tmp_path):
+    cache = ArtifactCache(tmp_path)
+    req = tuner.TuneRequest(get_gpu("h200"), preset_shape("qwen3.5-9b"), (8, 16, 32), (1, 256))
+    results, record_name = tuner.measure(cache, req, [fake_template(tuner.POLICY_KERNEL)], device="cpu",
+                                         timer=fake_timer)
+    record = cache.tuning(record_name)
+    assert record["status"] == "tuned"
+    policy = ChunkPolicy.from_json(record["chunk_policy"])
+    assert (policy.chunk_for(1), policy.chunk_for(256)) == (8, 32)
+    winners = {(w["batch_bucket"], w["chunk_size"]): w["tunables"]["v"] for w in record["winners"]}
+    assert winners[(1, 8)] == "fast" and winners[(256, 32)] == "slow"
+    assert all(v != "wrong" for v in winners.values())
+    assert all(any("mismatch" in why for _, why in r.rejected) for r in results)
+    assert {e["status"] for e in cache.manifest()["artifacts"].values()} == {"tuned"}
+    name, c = select(record, tuner.POLICY_KERNEL, 200)
+    assert c == 32 and cache.verify(name)["key"]["tunables"] == {"v": "slow"}
+
+
+def test_untuned_build_records_defaults_for_every_bucket(tmp_path):
+    cache = ArtifactCache(tmp_path)
+    req = tuner.TuneRequest(get_gpu("a100"), preset_shape("qwen3.5-9b"), (8, 32), (1, 64))
+    results, record_name = tuner.build_untuned(cache, req, [fake_template("toy")])
+    assert [(r.chunk_size, r.status, r.reused) for r in results] == [(8, "untuned", False), (32, "untuned", False)]
+    record = cache.tuning(record_name)
+    assert record["status"] == "untuned" and len(record["winners"]) == 4
+    assert ChunkPolicy.from_json(record["chunk_policy"]).chunk_sizes == (8, 8)
+    again, _ = tuner.build_untuned(cache, req, [fake_template("toy")])
+    assert all(r.reused for r in again)
+
+
+# ----------------------------------------------------------------------------------------------
+# a real build for a GPU that is not here
+
+LOAD_BLOCKED = '''
+import sys
+sys.modules["tilelang"] = None
+from kvbuffer.artifacts import ArtifactStore
+from kvbuffer.autotune.gpus import get_gpu
+from kvbuffer.autotune.models import preset_shape
+art, c = ArtifactStore(sys.argv[1]).kernel_for(preset_shape("qwen3.5-9b"), "gdn_flush", 3, gpu=get_gpu("h100"))
+print(art.meta["function"], c, art.meta["key"]["arch"])
+'''
+
+
+@pytest.mark.tilelang
+@needs_tilelang
+def test_build_for_absent_gpu_then_load_without_tilelang(tmp_path):
+    if torch.cuda.is_available():
+        pytest.skip("this test builds for a GPU that is not present")
+    args = ["tune", "--gpu", "h100", "--model", "qwen3.5-9b", "--kernels", "gdn_flush", "--chunk-sizes", "8",
+            "--batch-buckets", "1,64", "--cache-dir", str(tmp_path)]
+    result = run(*args)
+    assert result.exit_code == 0, result.output
+    assert "building (untuned) 1 kernel(s) for h100 (sm_90a)" in result.output
+    assert "untuned" in result.output and "B<=64: C=8" in result.output
+
+    manifest = json.loads((tmp_path / "manifest.json").read_text())
+    (name, entry), = manifest["artifacts"].items()
+    assert entry["status"] == "untuned" and entry["arch"] == "sm_90a"
+    listing = run("cache", "ls", "--json", "--cache-dir", str(tmp_path))
+    assert all(json.loads(line)["ok"] for line in listing.output.splitlines())
+
+    again = run(*args)
+    assert again.exit_code == 0 and "cached" in again.output
+
+    out = subprocess.run([sys.executable, "-c", LOAD_BLOCKED, str(tmp_path)], capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split() == ["gdn_flush_rows", "8", "sm_90a"]
+
+    assert run("cache", "path", "--cache-dir", str(tmp_path)).output.strip() == str(tmp_path)
+    cleared = run("cache", "clear", "--yes", "--cache-dir", str(tmp_path))
+    assert "removed 2 entries" in cleared.output
+    assert "empty" in run("cache", "ls", "--cache-dir", str(tmp_path)).output
