@@ -58,9 +58,16 @@ def mamba2_front(x, dt, A_log, dt_bias, dtype=torch.float32):
     return value, g, dt
 
 
-def mamba2_output(o, x, D, z=None):
-    """y = o + D * x, then the optional gate y * silu(z) (selective_state_update's z)."""
+def mamba2_output(o, x, D, z=None, real=None):
+    """y = o + D * x, then the optional gate y * silu(z) (selective_state_update's z).
+
+    `real` (B,) marks the batch rows that are not padding; padding rows stay exactly zero, as the
+    core's outputs for them are.
+    """
     y = o + D.to(o.dtype)[:, None] * x.to(o.dtype)
     if z is not None:
         y = y * F.silu(z.to(o.dtype))
+    if real is not None:
+        mask = real.view(-1, *([1] * (y.dim() - 1)))
+        y = torch.where(mask, y, torch.zeros((), dtype=y.dtype, device=y.device))
     return y

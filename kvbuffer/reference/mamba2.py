@@ -19,7 +19,7 @@ def recurrent_step(x, dt, A_log, dt_bias, B, C, D, state, state_slots, z=None):
     """Today's servers' step (selective_state_update with dt_softplus): returns y (Bt, H, P)."""
     value, g, _ = mamba2_front(x, dt, A_log, dt_bias, state.dtype)
     o = core.recurrent_step(C, B, value, g, None, state, state_slots)
-    return mamba2_output(o, x, D, z).to(x.dtype)
+    return mamba2_output(o, x, D, z, real=state_slots >= 0).to(x.dtype)
 
 
 def buffered_step(x, dt, A_log, dt_bias, B, C, D, state, state_slots, buf_k, buf_v, buf_g,
@@ -28,14 +28,14 @@ def buffered_step(x, dt, A_log, dt_bias, B, C, D, state, state_slots, buf_k, buf
     value, g, _ = mamba2_front(x, dt, A_log, dt_bias, state.dtype)
     o = core.buffered_step(C, B, value, g, None, state, state_slots, buf_k, buf_v, buf_g,
                            buffer_slots, lengths, flush_at)
-    return mamba2_output(o, x, D, z).to(x.dtype)
+    return mamba2_output(o, x, D, z, real=buffer_slots >= 0).to(x.dtype)
 
 
 def verify(x, dt, A_log, dt_bias, B, C, D, state, state_slots, buf_k, buf_v, buf_g, buffer_slots, lengths, z=None):
     """Speculative verify of T drafts (inputs (Bt, T, ...)): y (Bt, T, H, P), no state written."""
     value, g, _ = mamba2_front(x, dt, A_log, dt_bias, state.dtype)
     o = core.verify(C, B, value, g, None, state, state_slots, buf_k, buf_v, buf_g, buffer_slots, lengths)
-    return mamba2_output(o, x, D, z).to(x.dtype)
+    return mamba2_output(o, x, D, z, real=buffer_slots >= 0).to(x.dtype)
 
 
 def prefill(x, dt, A_log, dt_bias, B, C, D, state, state_slot, buf_k, buf_v, buf_g, buffer_slot, length,
