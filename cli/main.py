@@ -57,5 +57,9 @@ main.add_command(tune)
 main.add_command(cache)
 
 
+from .generate import generate  # noqa: E402
+
+main.add_command(generate)
+
 if __name__ == "__main__":
     main()

@@ -5,6 +5,7 @@ loads it on demand, and the runtime only loads compiled artifacts.
 """
 
 from . import reference
+from .engine.llm import LLM, GenerationOutput
 from .errors import (
     ArtifactError,
     BufferOverflowError,
@@ -20,7 +21,7 @@ from .pools import BufferPool, ConvPool, LinearLayerShape, SlotAllocator, StateP
 __version__ = "0.1.0"
 
 __all__ = [
-    "ArtifactError", "BufferOverflowError", "BufferPool", "ConvPool", "DTypeError", "DeviceError",
+    "ArtifactError", "GenerationOutput", "LLM", "BufferOverflowError", "BufferPool", "ConvPool", "DTypeError", "DeviceError",
     "KVBufferError", "LinearLayerShape", "PoolExhaustedError", "ShapeError", "SlotAllocator",
     "SlotError", "StatePool", "reference", "__version__",
 ]

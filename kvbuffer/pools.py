@@ -38,10 +38,18 @@ class SlotAllocator:
     def num_free(self) -> int:
         return len(self._free)
 
-    def allocate(self) -> int:
-        if not self._free:
-            raise PoolExhaustedError(f"all {self.capacity} slots are in use")
-        slot = self._free.pop()
+    def allocate(self, slot: int | None = None) -> int:
+        """Hand out the lowest free slot, or claim `slot` (pools that share a request's index)."""
+        if slot is None:
+            if not self._free:
+                raise PoolExhaustedError(f"all {self.capacity} slots are in use")
+            slot = self._free.pop()
+        else:
+            if not 0 <= slot < self.capacity:
+                raise SlotError(f"slot {slot} is outside [0, {self.capacity})")
+            if slot in self._used:
+                raise SlotError(f"slot {slot} is already allocated")
+            self._free.remove(slot)
         self._used.add(slot)
         return slot
 
@@ -101,8 +109,8 @@ class StatePool:
         self.state = torch.zeros(num_layers, capacity, shape.num_v_heads, shape.head_k_dim,
                                  shape.head_v_dim, dtype=dtype, device=device)
 
-    def allocate(self) -> int:
-        slot = self.slots.allocate()
+    def allocate(self, slot: int | None = None) -> int:
+        slot = self.slots.allocate(slot)
         self.state[:, slot].zero_()
         return slot
 
@@ -145,8 +153,8 @@ class BufferPool:
         self.lengths = torch.zeros(capacity, dtype=torch.int32, device=device)
         self._host_lengths = [0] * capacity
 
-    def allocate(self) -> int:
-        slot = self.slots.allocate()
+    def allocate(self, slot: int | None = None) -> int:
+        slot = self.slots.allocate(slot)
         self.keys[:, slot].zero_()
         self.values[:, slot].zero_()
         self.log_decay[:, slot].zero_()
@@ -200,8 +208,8 @@ class ConvPool:
         self.state = torch.zeros(num_layers, capacity, conv_dim, width - 1 + max(1, max_drafts),
                                  dtype=dtype, device=device)
 
-    def allocate(self) -> int:
-        slot = self.slots.allocate()
+    def allocate(self, slot: int | None = None) -> int:
+        slot = self.slots.allocate(slot)
         self.state[:, slot].zero_()
         return slot
 

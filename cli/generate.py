@@ -1,0 +1,68 @@
+"""`kvbuffer generate`: run a checkpoint (or the bundled demo model) on prompts."""
+
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+
+import click
+
+from .presets import resolve_model
+
+
+@click.command()
+@click.option("--model", "model", default=None, help="Checkpoint directory (config.json + *.safetensors). "
+              "Default: the small demo model bundled with kvbuffer.")
+@click.option("--prompt", "prompts", multiple=True, help="A prompt (repeat for a batch).")
+@click.option("--prompts-file", type=click.Path(exists=True, dir_okay=False, path_type=Path),
+              help="A file with one prompt per line.")
+@click.option("--max-new-tokens", default=128, show_default=True, type=click.IntRange(min=1))
+@click.option("--temperature", default=0.0, show_default=True, type=click.FloatRange(min=0.0),
+              help="0 = greedy.")
+@click.option("--top-k", default=0, show_default=True, type=click.IntRange(min=0))
+@click.option("--top-p", default=1.0, show_default=True, type=click.FloatRange(0.0, 1.0, min_open=True))
+@click.option("--seed", default=None, type=int)
+@click.option("--mode", type=click.Choice(["kvbuffer", "recurrent"]), default="kvbuffer", show_default=True)
+@click.option("--chunk-size", default=16, show_default=True, type=click.IntRange(min=1),
+              help="Buffer entries folded into the state per flush (C).")
+@click.option("--device", default=None, help="cpu, cuda, cuda:1 ... (default: cuda when available).")
+@click.option("--dtype", type=click.Choice(["float32", "bfloat16", "float16"]), default=None)
+def generate(model, prompts, prompts_file, max_new_tokens, temperature, top_k, top_p, seed, mode, chunk_size,
+             device, dtype):
+    """Generate text. Streams the output when there is a single prompt."""
+    import torch
+
+    from kvbuffer import LLM
+
+    texts = list(prompts)
+    if prompts_file:
+        texts += [line for line in prompts_file.read_text().splitlines() if line.strip()]
+    if not texts:
+        texts = ["The "]
+    path = resolve_model(model)
+    llm = LLM(str(path), device=device, dtype=getattr(torch, dtype) if dtype else None, mode=mode,
+              chunk_size=chunk_size, max_batch=max(1, min(len(texts), 64)))
+    if llm.tokenizer is None:
+        raise click.UsageError(f"{path} has no tokenizer files, so text prompts cannot be encoded")
+    stream = len(texts) == 1
+    if stream:
+        click.echo(texts[0], nl=False)
+
+    def on_token(_index, token):
+        piece = llm.tokenizer.decode([token])
+        click.echo(piece, nl=False)
+        sys.stdout.flush()
+
+    t0 = time.perf_counter()
+    outs = llm.generate(texts, max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
+                        seed=seed, on_token=on_token if stream else None)
+    elapsed = time.perf_counter() - t0
+    if stream:
+        click.echo()
+    else:
+        for text, out in zip(texts, outs):
+            click.echo(f"--- {text!r}\n{out.text}")
+    stats = llm.last_stats
+    click.echo(f"[{stats.generated_tokens} tokens from {stats.requests} prompt(s) in {elapsed:.2f}s: "
+               f"{stats.tokens_per_second:.1f} tok/s, mode={mode}, device={llm.device}]", err=True)

@@ -1,0 +1,21 @@
+"""Where `--model` points: a checkpoint directory, or the demo model bundled with kvbuffer."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import click
+
+
+def _package_demo() -> Path:
+    import kvbuffer
+
+    return Path(kvbuffer.__file__).resolve().parent / "demo"
+
+
+def resolve_model(model: str | None) -> Path:
+    """A checkpoint directory for --model (None = the bundled demo model)."""
+    path = _package_demo() if model is None else Path(model)
+    if not (path / "config.json").is_file():
+        raise click.BadParameter(f"{path} is not a checkpoint directory (no config.json)", param_hint="--model")
+    return path

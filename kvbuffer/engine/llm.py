@@ -1,0 +1,195 @@
+"""`kvbuffer.LLM`: load a checkpoint, then generate with continuous batching over the pools.
+
+The loop is the classic one: admit waiting requests while request slots are free (each is
+prefilled, in chunks), then run one decode step for every running request, sample, retire the
+finished ones (their slots are freed at once) and repeat. Requests that find the pools full wait.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from ..runtime.batch import MODES
+from ..runtime.caches import CacheSpec
+from .request import Request
+from .runner import ModelRunner
+from .sampling import SamplingParams, sample_token
+
+
+@dataclass
+class GenerationOutput:
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    finish_reason: str  # "stop" (a stop token) or "length" (max_new_tokens)
+    text: str | None = None
+    logits: list[torch.Tensor] = field(default_factory=list, repr=False)  # with return_logits=True
+
+
+@dataclass
+class GenerationStats:
+    requests: int = 0
+    prompt_tokens: int = 0
+    generated_tokens: int = 0
+    seconds: float = 0.0
+
+    @property
+    def tokens_per_second(self) -> float:
+        return self.generated_tokens / self.seconds if self.seconds else 0.0
+
+
+def _default_device(device):
+    if device is not None:
+        return torch.device(device)
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+class LLM:
+    """A model ready to generate.
+
+    model: a checkpoint directory (config.json + *.safetensors, tokenizer files optional) or a
+        kvbuffer model instance. mode: "kvbuffer" (buffered linear layers, the default) or
+        "recurrent" (today's servers' scheme). chunk_size: buffer entries folded per flush (C).
+        max_batch: request slots (concurrent requests); max_len: longest context per request.
+    """
+
+    def __init__(self, model, *, device=None, dtype=None, mode: str = "kvbuffer", chunk_size: int = 16,
+                 max_batch: int = 16, max_states: int | None = None, max_len: int = 2048,
+                 max_prefill_tokens: int = 1024, tokenizer=None):
+        if mode not in MODES:
+            raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+        if chunk_size < 1:
+            raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
+        self.device = _default_device(device)
+        self.tokenizer = tokenizer
+        if isinstance(model, (str, Path)):
+            from ..models.loader import load_checkpoint
+
+            path = Path(model)
+            model = load_checkpoint(path, dtype=dtype, device=self.device)
+            if self.tokenizer is None:
+                self.tokenizer = _load_tokenizer(path)
+        else:
+            model = model.to(device=self.device, dtype=dtype).eval()
+        self.model, self.mode = model, mode
+        self.dtype = next(model.parameters()).dtype
+        geo = model.cache_geometry()
+        spec = CacheSpec(
+            linear_shape=geo["linear_shape"], num_linear_layers=geo["num_linear_layers"],
+            conv_dim=geo["conv_dim"], conv_width=geo["conv_width"],
+            num_attention_layers=geo["num_attention_layers"], num_kv_heads=geo["num_kv_heads"],
+            head_dim=geo["head_dim"], max_requests=max_batch, max_states=max_states or max_batch,
+            max_len=max_len, chunk_size=chunk_size,
+        )
+        self.runner = ModelRunner(model, spec, mode=mode, device=self.device, dtype=self.dtype)
+        self.max_prefill_tokens = max_prefill_tokens
+        self.vocab_size = model.config.vocab_size
+        self.last_stats = GenerationStats()
+        self._next_rid = 0
+
+    # ------------------------------------------------------------------------------------------
+    def generate(self, prompts, max_new_tokens: int = 64, temperature: float = 0.0, top_k: int = 0,
+                 top_p: float = 1.0, seed: int | None = None, stop_token_ids=None, return_logits: bool = False,
+                 on_token=None) -> list[GenerationOutput]:
+        """Generate for one prompt or a list (strings need a tokenizer; or lists of token ids).
+
+        Returns one GenerationOutput per prompt, in order. `on_token(index, token_id)` is called
+        for every sampled token (streaming). Greedy when temperature == 0.
+        """
+        prompt_ids = self._encode_all(prompts)
+        stops = tuple(stop_token_ids) if stop_token_ids is not None else tuple(self.model.config.eos_token_ids)
+        reqs = []
+        for i, ids in enumerate(prompt_ids):
+            params = SamplingParams(max_new_tokens, temperature, top_k, top_p,
+                                    None if seed is None else seed + i, stops)
+            reqs.append(Request(self._next_rid, ids, params))
+            self._next_rid += 1
+        gens = {r.rid: (torch.Generator().manual_seed(r.params.seed) if r.params.seed is not None else None)
+                for r in reqs}
+        start = time.perf_counter()
+        self._run(reqs, gens, return_logits, on_token)
+        self.last_stats = GenerationStats(len(reqs), sum(len(p) for p in prompt_ids),
+                                          sum(len(r.output) for r in reqs), time.perf_counter() - start)
+        return [GenerationOutput(r.prompt, r.output, r.finish_reason, self._decode_text(r.output), r.logits)
+                for r in reqs]
+
+    def _run(self, reqs, gens, return_logits, on_token):
+        index = {r.rid: i for i, r in enumerate(reqs)}
+        waiting, running = deque(reqs), []
+        free = self.runner.caches.requests
+        try:
+            while waiting or running:
+                while waiting and free.num_free:
+                    req = waiting.popleft()
+                    self.runner.admit(req)
+                    logits = None
+                    while req.pending:
+                        logits = self.runner.prefill(req, self.max_prefill_tokens)
+                    self._take(req, logits, gens, return_logits, on_token, index)
+                    if req.finish_reason is None:
+                        running.append(req)
+                    else:
+                        self._retire(req)
+                if not running:
+                    continue
+                logits = self.runner.decode(running)
+                for req, row in zip(running, logits):
+                    self._take(req, row, gens, return_logits, on_token, index)
+                for req in [r for r in running if r.finish_reason is not None]:
+                    running.remove(req)
+                    self._retire(req)
+        finally:  # an error must not leak slots: release whatever is still held
+            for req in running:
+                if req.slot >= 0:
+                    self.runner.release(req)
+
+    def _take(self, req, logits, gens, return_logits, on_token, index):
+        token = sample_token(logits, req.params, gens[req.rid])
+        req.output.append(token)
+        if return_logits:
+            req.logits.append(logits.detach().float().cpu())
+        if on_token is not None:
+            on_token(index[req.rid], token)
+        if token in req.params.stop_token_ids:
+            req.finish_reason = "stop"
+        elif len(req.output) >= req.params.max_new_tokens:
+            req.finish_reason = "length"
+
+    def _retire(self, req):
+        self.runner.release(req)
+
+    # ------------------------------------------------------------------------------------------
+    def _encode_all(self, prompts) -> list[list[int]]:
+        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        if not isinstance(prompts, (list, tuple)) or not prompts:
+            raise ValueError("prompts must be a string, a list of token ids, or a non-empty list of those")
+        out = []
+        for i, p in enumerate(prompts):
+            if isinstance(p, str):
+                if self.tokenizer is None:
+                    raise ValueError("text prompts need a tokenizer; pass token ids or a checkpoint with tokenizer files")
+                ids = list(self.tokenizer.encode(p))
+            else:
+                ids = [int(t) for t in p]
+            if not ids:
+                raise ValueError(f"prompt {i} is empty")
+            bad = [t for t in ids if not 0 <= t < self.vocab_size]
+            if bad:
+                raise ValueError(f"prompt {i} has token id {bad[0]} outside the vocabulary [0, {self.vocab_size})")
+            out.append(ids)
+        return out
+
+    def _decode_text(self, ids):
+        return self.tokenizer.decode(ids) if self.tokenizer is not None else None
+
+
+def _load_tokenizer(path: Path):
+    """A tokenizer from the checkpoint directory when it has one (transformers' or kvbuffer's own)."""
+    from ..tokenizer import load_tokenizer
+
+    return load_tokenizer(path)

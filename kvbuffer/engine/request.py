@@ -1,0 +1,29 @@
+"""A request as the scheduler sees it: token ids and slot numbers, no tensors."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from .sampling import SamplingParams
+
+
+@dataclass
+class Request:
+    rid: int
+    prompt: list[int]
+    params: SamplingParams
+    output: list[int] = field(default_factory=list)
+    slot: int = -1  # request slot: buffer, conv history, KV cache
+    state_slot: int = -1  # recurrent state; -1 until the context outgrows the buffer
+    cached: int = 0  # tokens already processed into the caches
+    finish_reason: str | None = None
+    logits: list = field(default_factory=list)  # per generated token, when asked for
+
+    @property
+    def context(self) -> list[int]:
+        return self.prompt + self.output
+
+    @property
+    def pending(self) -> list[int]:
+        """Tokens not yet fed to the model: the prompt at first, then the last sampled token."""
+        return self.context[self.cached:]

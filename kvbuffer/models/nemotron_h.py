@@ -1,0 +1,404 @@
+"""Nemotron-H / Nemotron-3 (`model_type: nemotron_h`): a stack of single-mixer blocks.
+
+Each block is `x + mixer(norm(x))` with one mixer chosen by the layer pattern: Mamba-2 ('M'),
+attention without rotary embedding ('*'), a relu^2 MLP ('-') or a routed relu^2 MoE ('E', sigmoid
+router with a score-correction bias and group-limited top-k, one shared expert, optional latent
+projection as in Nemotron-3 Super). Module names follow transformers' (checkpoints store the
+backbone as `backbone.*`), so the weights load one to one.
+
+Deviation from transformers, on purpose: no dt floor. transformers clamps dt to `time_step_min`
+in its chunked prefill only (its single-token decode applies none), so its own two paths disagree
+for small dt; kvbuffer uses one rule everywhere (see kvbuffer.reference.gating.mamba2_front).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..pools import LinearLayerShape
+from ..runtime import mixing
+
+MODEL_TYPES = ("nemotron_h",)
+
+# hybrid_override_pattern characters, and the legacy layer-type names older config.json files use
+_PATTERN = {"M": "linear_attention", "*": "full_attention", "-": "mlp", "E": "moe"}
+_LEGACY = {"mamba": "linear_attention", "attention": "full_attention"}
+
+
+def _relu2(x):
+    return torch.square(F.relu(x))
+
+
+_ACTIVATIONS = {"relu2": _relu2, "silu": F.silu, "relu": F.relu, "gelu": F.gelu}
+
+
+def _unsupported(message: str):
+    from .loader import CheckpointError  # lazy: the loader imports this package's registry
+
+    return CheckpointError(f"nemotron_h: {message}")
+
+
+def _layer_types(d: dict) -> tuple[str, ...]:
+    types = d.get("layers_block_type") or d.get("layer_types")
+    if types is None:
+        pattern = d["hybrid_override_pattern"]
+        bad = sorted(set(pattern) - set(_PATTERN))
+        if bad:
+            raise _unsupported(f"hybrid_override_pattern has unknown layer characters {bad}")
+        return tuple(_PATTERN[ch] for ch in pattern)
+    types = tuple(_LEGACY.get(t, t) for t in types)
+    bad = sorted(set(types) - set(_PATTERN.values()))
+    if bad:
+        raise _unsupported(f"layers_block_type has unsupported layer types {bad}")
+    return types
+
+
+@dataclass(frozen=True)
+class NemotronHConfig:
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    layer_types: tuple[str, ...]  # "linear_attention" | "full_attention" | "mlp" | "moe"
+    layer_norm_epsilon: float
+    tie_word_embeddings: bool
+    eos_token_ids: tuple[int, ...]
+    # attention (no rotary embedding)
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    # Mamba-2
+    mamba_num_heads: int
+    mamba_head_dim: int
+    ssm_state_size: int
+    n_groups: int
+    conv_kernel: int
+    use_conv_bias: bool
+    use_bias: bool  # in_proj / out_proj of the Mamba mixer
+    # MLP and MoE
+    intermediate_size: int
+    mlp_hidden_act: str
+    mlp_bias: bool
+    n_routed_experts: int
+    num_experts_per_tok: int
+    moe_intermediate_size: int
+    moe_shared_expert_intermediate_size: int
+    moe_latent_size: int | None
+    n_group: int
+    topk_group: int
+    norm_topk_prob: bool
+    routed_scaling_factor: float
+    num_nextn_predict_layers: int = 0
+
+    @classmethod
+    def from_hf(cls, d: dict) -> "NemotronHConfig":
+        """Build from a config.json dict; absent optional fields take transformers' defaults."""
+        eos = d.get("eos_token_id", 2)
+        eos = () if eos is None else tuple(eos) if isinstance(eos, (list, tuple)) else (eos,)
+        H, n_heads = d["hidden_size"], d["num_attention_heads"]
+        mamba_act, mlp_act = d.get("mamba_hidden_act", "silu"), d.get("mlp_hidden_act", "relu2")
+        if mamba_act != "silu":  # the runtime's short conv applies SiLU
+            raise _unsupported(f"mamba_hidden_act={mamba_act!r} is not supported (only 'silu')")
+        if mlp_act not in _ACTIVATIONS:
+            raise _unsupported(f"mlp_hidden_act={mlp_act!r} is not supported ({sorted(_ACTIVATIONS)})")
+        return cls(
+            model_type=d.get("model_type", "nemotron_h"),
+            vocab_size=d["vocab_size"],
+            hidden_size=H,
+            layer_types=_layer_types(d),
+            layer_norm_epsilon=d.get("layer_norm_epsilon", 1e-5),
+            tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
+            eos_token_ids=eos,
+            num_attention_heads=n_heads,
+            num_key_value_heads=d.get("num_key_value_heads") or n_heads,
+            head_dim=d.get("head_dim") or H // n_heads,
+            mamba_num_heads=d["mamba_num_heads"],
+            mamba_head_dim=d["mamba_head_dim"],
+            ssm_state_size=d.get("ssm_state_size", 128),
+            n_groups=d.get("n_groups", d.get("mamba_n_groups", 8)),
+            conv_kernel=d.get("conv_kernel", d.get("mamba_d_conv", 4)),
+            use_conv_bias=bool(d.get("use_conv_bias", d.get("mamba_conv_bias", True))),
+            use_bias=bool(d.get("use_bias", False)),
+            intermediate_size=d.get("intermediate_size", 21504),
+            mlp_hidden_act=mlp_act,
+            mlp_bias=bool(d.get("mlp_bias", False)),
+            n_routed_experts=d.get("n_routed_experts", 8),
+            num_experts_per_tok=d.get("num_experts_per_tok", 2),
+            moe_intermediate_size=d.get("moe_intermediate_size", 7688),
+            moe_shared_expert_intermediate_size=d.get("moe_shared_expert_intermediate_size", 7688),
+            moe_latent_size=d.get("moe_latent_size"),
+            n_group=d.get("n_group", 1),
+            topk_group=d.get("topk_group", 1),
+            norm_topk_prob=bool(d.get("norm_topk_prob", True)),
+            routed_scaling_factor=float(d.get("routed_scaling_factor", 1.0)),
+            num_nextn_predict_layers=d.get("num_nextn_predict_layers", 0),
+        )
+
+    @property
+    def mamba_intermediate(self) -> int:
+        return self.mamba_num_heads * self.mamba_head_dim
+
+    @property
+    def conv_dim(self) -> int:
+        """Channels of the short conv: x, then B and C for every group."""
+        return self.mamba_intermediate + 2 * self.n_groups * self.ssm_state_size
+
+    @property
+    def linear_shape(self) -> LinearLayerShape:
+        return LinearLayerShape(self.n_groups, self.mamba_num_heads, self.ssm_state_size, self.mamba_head_dim,
+                                delta_rule=False)
+
+
+class RMSNorm(nn.Module):
+    """transformers' NemotronHRMSNorm: the weight multiplies in fp32, then the result is cast back."""
+
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x):
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (self.weight.float() * h).to(x.dtype)
+
+
+class GroupedGatedRMSNorm(nn.Module):
+    """y * silu(z), then RMS-normalised per group of `group_size` channels (gate before norm)."""
+
+    def __init__(self, dim: int, group_size: int, eps: float):
+        super().__init__()
+        self.eps, self.group_size = eps, group_size
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, y, gate):
+        h = y.float() * F.silu(gate.float())
+        g = h.view(*h.shape[:-1], -1, self.group_size)
+        g = g * torch.rsqrt(g.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * g.view(h.shape).to(y.dtype)
+
+
+class Mamba2Mixer(nn.Module):
+    """in_proj -> [gate | x B C | dt] -> short conv + SiLU -> Mamba-2 SSM (buffered or recurrent) -> gated norm."""
+
+    def __init__(self, cfg: NemotronHConfig, linear_index: int):
+        super().__init__()
+        self.cfg, self.linear_index = cfg, linear_index
+        Hm, D, I = cfg.mamba_num_heads, cfg.conv_dim, cfg.mamba_intermediate
+        self.in_proj = nn.Linear(cfg.hidden_size, I + D + Hm, bias=cfg.use_bias)
+        self.conv1d = nn.Conv1d(D, D, cfg.conv_kernel, groups=D, bias=cfg.use_conv_bias)
+        self.dt_bias = nn.Parameter(torch.ones(Hm))
+        self.A_log = nn.Parameter(torch.zeros(Hm))
+        self.D = nn.Parameter(torch.ones(Hm))
+        self.norm = GroupedGatedRMSNorm(I, I // cfg.n_groups, cfg.layer_norm_epsilon)
+        self.out_proj = nn.Linear(I, cfg.hidden_size, bias=cfg.use_bias)
+
+    def forward(self, h, batch, caches):
+        c = self.cfg
+        Bt, T, _ = h.shape
+        I, G, N = c.mamba_intermediate, c.n_groups, c.ssm_state_size
+        gate, xbc, dt = torch.split(self.in_proj(h), [I, c.conv_dim, c.mamba_num_heads], dim=-1)
+        xbc = mixing.short_conv(xbc, self.conv1d.weight[:, 0], self.conv1d.bias, batch, caches, self.linear_index)
+        x, B, C = torch.split(xbc, [I, G * N, G * N], dim=-1)
+        y = mixing.mamba2_mix(x.reshape(Bt, T, c.mamba_num_heads, c.mamba_head_dim), dt,
+                              B.reshape(Bt, T, G, N), C.reshape(Bt, T, G, N),
+                              self.A_log, self.dt_bias, self.D, batch, caches, self.linear_index)
+        y = self.norm(y.reshape(Bt, T, I), gate)
+        return self.out_proj(y.to(h.dtype))
+
+
+class Attention(nn.Module):
+    """Grouped-query attention with no positional encoding (Nemotron-H's attention layers use none)."""
+
+    def __init__(self, cfg: NemotronHConfig, attn_index: int):
+        super().__init__()
+        self.cfg, self.attn_index = cfg, attn_index
+        H, n, kv, d = cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        self.q_proj = nn.Linear(H, n * d, bias=False)
+        self.k_proj = nn.Linear(H, kv * d, bias=False)
+        self.v_proj = nn.Linear(H, kv * d, bias=False)
+        self.o_proj = nn.Linear(n * d, H, bias=False)
+
+    def forward(self, h, batch, caches):
+        B, T, _ = h.shape
+        d = self.cfg.head_dim
+        q = self.q_proj(h).view(B, T, -1, d)
+        k = self.k_proj(h).view(B, T, -1, d)
+        v = self.v_proj(h).view(B, T, -1, d)
+        o = mixing.attention(q, k, v, batch, caches, self.attn_index, d ** -0.5)
+        return self.o_proj(o.reshape(B, T, -1))
+
+
+class MLP(nn.Module):
+    """down(act(up(x))): no gate projection."""
+
+    def __init__(self, hidden: int, intermediate: int, act: str, bias: bool):
+        super().__init__()
+        self.up_proj = nn.Linear(hidden, intermediate, bias=bias)
+        self.down_proj = nn.Linear(intermediate, hidden, bias=bias)
+        self.act = _ACTIVATIONS[act]
+
+    def forward(self, x):
+        return self.down_proj(self.act(self.up_proj(x)))
+
+
+class UngatedExperts(nn.Module):
+    """Routed experts as 3-D tensors: up_proj (E, I, H), down_proj (E, H, I); down(act(up(x))) each.
+
+    Contributions accumulate in the routing weights' dtype (fp32), as transformers does.
+    """
+
+    def __init__(self, num_experts: int, dim: int, intermediate: int, act: str):
+        super().__init__()
+        self.up_proj = nn.Parameter(torch.empty(num_experts, intermediate, dim))
+        self.down_proj = nn.Parameter(torch.empty(num_experts, dim, intermediate))
+        self.act = _ACTIVATIONS[act]
+
+    def forward(self, x, top_idx, top_w):
+        """x (N, dim); top_idx, top_w (N, k)."""
+        out = torch.zeros_like(x, dtype=top_w.dtype)
+        for e in torch.unique(top_idx).tolist():
+            tok, pos = torch.where(top_idx == e)
+            y = F.linear(self.act(F.linear(x[tok], self.up_proj[e])), self.down_proj[e])
+            out.index_add_(0, tok, (y * top_w[tok, pos, None]).to(out.dtype))
+        return out.to(x.dtype)
+
+
+class TopKRouter(nn.Module):
+    """Sigmoid scores; experts chosen by score + correction bias within the best `topk_group` groups.
+
+    The weights are the uncorrected scores of the chosen experts (optionally renormalised), times
+    `routed_scaling_factor`. Router parameters stay fp32 whatever dtype the model is cast to, as
+    transformers keeps them (`_keep_in_fp32_modules_strict`).
+    """
+
+    def __init__(self, cfg: NemotronHConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.weight = nn.Parameter(torch.zeros(cfg.n_routed_experts, cfg.hidden_size))
+        # a buffer in transformers; a (frozen) parameter here so the loader checks it like every tensor
+        self.e_score_correction_bias = nn.Parameter(torch.zeros(cfg.n_routed_experts), requires_grad=False)
+
+    def _apply(self, fn, recurse=True):
+        super()._apply(fn, recurse)
+        for p in (self.weight, self.e_score_correction_bias):
+            p.data = p.data.float()
+        return self
+
+    def forward(self, h):
+        """h (N, hidden) -> (top_w (N, k) fp32, top_idx (N, k))."""
+        c = self.cfg
+        E, G = c.n_routed_experts, c.n_group
+        scores = F.linear(h.float(), self.weight.float()).sigmoid()
+        choice = scores + self.e_score_correction_bias
+        group_scores = choice.view(-1, G, E // G).topk(2, dim=-1)[0].sum(-1)
+        group_idx = torch.topk(group_scores, k=c.topk_group, dim=-1, sorted=False)[1]
+        group_mask = torch.zeros_like(group_scores).scatter_(1, group_idx, 1).bool()
+        expert_mask = group_mask[:, :, None].expand(-1, G, E // G).reshape(-1, E)
+        choice = choice.masked_fill(~expert_mask, float("-inf"))
+        top_idx = torch.topk(choice, k=c.num_experts_per_tok, dim=-1, sorted=False)[1]
+        top_w = scores.gather(1, top_idx)
+        if c.norm_topk_prob:
+            top_w = top_w / (top_w.sum(-1, keepdim=True) + 1e-20)
+        return top_w * c.routed_scaling_factor, top_idx
+
+
+class MoE(nn.Module):
+    """Routed experts (through an optional latent projection) plus one always-on shared expert."""
+
+    def __init__(self, cfg: NemotronHConfig):
+        super().__init__()
+        if cfg.n_routed_experts % cfg.n_group:
+            raise _unsupported(f"n_routed_experts={cfg.n_routed_experts} is not a multiple of n_group={cfg.n_group}")
+        dim = cfg.moe_latent_size or cfg.hidden_size
+        self.gate = TopKRouter(cfg)
+        self.experts = UngatedExperts(cfg.n_routed_experts, dim, cfg.moe_intermediate_size, cfg.mlp_hidden_act)
+        self.shared_experts = MLP(cfg.hidden_size, cfg.moe_shared_expert_intermediate_size, cfg.mlp_hidden_act,
+                                  cfg.mlp_bias)
+        if cfg.moe_latent_size is not None:  # Nemotron-3 Super: experts work in a smaller latent space
+            self.fc1_latent_proj = nn.Linear(cfg.hidden_size, dim, bias=cfg.mlp_bias)
+            self.fc2_latent_proj = nn.Linear(dim, cfg.hidden_size, bias=cfg.mlp_bias)
+
+    def forward(self, x):
+        h = x.reshape(-1, x.shape[-1])
+        top_w, top_idx = self.gate(h)
+        latent = self.fc1_latent_proj(h) if hasattr(self, "fc1_latent_proj") else h
+        y = self.experts(latent, top_idx, top_w)
+        y = self.fc2_latent_proj(y) if hasattr(self, "fc2_latent_proj") else y
+        return y.view(x.shape) + self.shared_experts(x)
+
+
+class Block(nn.Module):
+    """x + mixer(norm(x)); the mixer's kind is the layer's type."""
+
+    def __init__(self, cfg: NemotronHConfig, i: int, linear_index: int, attn_index: int):
+        super().__init__()
+        self.kind = cfg.layer_types[i]
+        self.norm = RMSNorm(cfg.hidden_size, cfg.layer_norm_epsilon)
+        if self.kind == "linear_attention":
+            self.mixer = Mamba2Mixer(cfg, linear_index)
+        elif self.kind == "full_attention":
+            self.mixer = Attention(cfg, attn_index)
+        elif self.kind == "moe":
+            self.mixer = MoE(cfg)
+        else:
+            self.mixer = MLP(cfg.hidden_size, cfg.intermediate_size, cfg.mlp_hidden_act, cfg.mlp_bias)
+
+    def forward(self, x, batch, caches):
+        h = self.norm(x.to(self.norm.weight.dtype))
+        if self.kind in ("linear_attention", "full_attention"):
+            return x + self.mixer(h, batch, caches)
+        return x + self.mixer(h)
+
+
+class Backbone(nn.Module):
+    def __init__(self, cfg: NemotronHConfig):
+        super().__init__()
+        self.embeddings = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        layers, n_lin, n_att = [], 0, 0
+        for i, kind in enumerate(cfg.layer_types):
+            layers.append(Block(cfg, i, n_lin, n_att))
+            n_lin, n_att = n_lin + (kind == "linear_attention"), n_att + (kind == "full_attention")
+        self.layers = nn.ModuleList(layers)
+        self.norm_f = RMSNorm(cfg.hidden_size, cfg.layer_norm_epsilon)
+
+
+class NemotronHForCausalLM(nn.Module):
+    """Token ids (B, T) + a ForwardBatch -> logits (B, T, vocab)."""
+
+    def __init__(self, cfg: NemotronHConfig):
+        super().__init__()
+        self.config = cfg
+        self.model = Backbone(cfg)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.model.embeddings.weight
+
+    def forward(self, input_ids, batch, caches):
+        x = self.model.embeddings(input_ids)
+        for layer in self.model.layers:
+            x = layer(x, batch, caches)
+        return self.lm_head(self.model.norm_f(x))
+
+    def cache_geometry(self) -> dict:
+        """What the engine needs to size the pools and the KV cache."""
+        c = self.config
+        return dict(linear_shape=c.linear_shape, num_linear_layers=c.layer_types.count("linear_attention"),
+                    conv_dim=c.conv_dim, conv_width=c.conv_kernel,
+                    num_attention_layers=c.layer_types.count("full_attention"),
+                    num_kv_heads=c.num_key_value_heads, head_dim=c.head_dim)
+
+    @staticmethod
+    def checkpoint_name(name: str) -> str:
+        """Published Nemotron-H files store the backbone as `backbone.*` (transformers renames it `model.*`)."""
+        if name.startswith("backbone."):
+            return "model." + name[len("backbone."):]
+        return name
+
+    @staticmethod
+    def skip_checkpoint_tensor(name: str) -> bool:
+        """Multi-token-prediction layers (Nemotron-3 Super) are not used by the decoder."""
+        return name.startswith(("mtp.", "model.mtp.", "backbone.mtp."))

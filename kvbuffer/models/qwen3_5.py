@@ -1,0 +1,254 @@
+"""Qwen3.5 (dense and MoE) and Qwen3-Next: Gated DeltaNet layers, gated full attention every few layers.
+
+One implementation serves the three model types; they differ only in how the linear layer's input
+projections are packed (Qwen3-Next fuses them per key-head group) and in dense vs MoE MLPs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from ..pools import LinearLayerShape
+from ..runtime import mixing
+from .layers import GatedMLP, GatedRMSNorm, RMSNorm, SoftmaxTopKMoE, apply_rotary, rotary_cos_sin
+
+MODEL_TYPES = ("qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text", "qwen3_next")
+
+
+@dataclass(frozen=True)
+class Qwen35Config:
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    layer_types: tuple[str, ...]  # "linear_attention" | "full_attention"
+    rms_norm_eps: float
+    tie_word_embeddings: bool
+    eos_token_ids: tuple[int, ...]
+    # full attention
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rope_theta: float
+    partial_rotary_factor: float
+    # Gated DeltaNet
+    linear_num_key_heads: int
+    linear_num_value_heads: int
+    linear_key_head_dim: int
+    linear_value_head_dim: int
+    linear_conv_kernel_dim: int
+    # MLP
+    intermediate_size: int
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    shared_expert_intermediate_size: int = 0
+    norm_topk_prob: bool = True
+    mlp_only_layers: tuple[int, ...] = ()
+    decoder_sparse_step: int = 1
+
+    @classmethod
+    def from_hf(cls, d: dict) -> "Qwen35Config":
+        """Build from a config.json dict (the published multimodal files nest it under text_config)."""
+        top_type = d.get("model_type")
+        text = d.get("text_config") or d
+        rope = text.get("rope_parameters") or text.get("rope_scaling") or {}
+        eos = text.get("eos_token_id", d.get("eos_token_id"))
+        eos = () if eos is None else tuple(eos) if isinstance(eos, (list, tuple)) else (eos,)
+        H = text["hidden_size"]
+        n_heads = text["num_attention_heads"]
+        return cls(
+            model_type=top_type,
+            vocab_size=text["vocab_size"],
+            hidden_size=H,
+            layer_types=tuple(text["layer_types"]),
+            rms_norm_eps=text.get("rms_norm_eps", 1e-6),
+            tie_word_embeddings=bool(d.get("tie_word_embeddings", text.get("tie_word_embeddings", False))),
+            eos_token_ids=eos,
+            num_attention_heads=n_heads,
+            num_key_value_heads=text["num_key_value_heads"],
+            head_dim=text.get("head_dim") or H // n_heads,
+            rope_theta=rope.get("rope_theta", text.get("rope_theta", 10000.0)),
+            partial_rotary_factor=rope.get("partial_rotary_factor", text.get("partial_rotary_factor", 1.0)),
+            linear_num_key_heads=text["linear_num_key_heads"],
+            linear_num_value_heads=text["linear_num_value_heads"],
+            linear_key_head_dim=text["linear_key_head_dim"],
+            linear_value_head_dim=text["linear_value_head_dim"],
+            linear_conv_kernel_dim=text.get("linear_conv_kernel_dim", 4),
+            intermediate_size=text.get("intermediate_size", 0),
+            num_experts=text.get("num_experts", 0) if "moe" in top_type or top_type == "qwen3_next" else 0,
+            num_experts_per_tok=text.get("num_experts_per_tok", 0),
+            moe_intermediate_size=text.get("moe_intermediate_size", 0),
+            shared_expert_intermediate_size=text.get("shared_expert_intermediate_size", 0),
+            norm_topk_prob=text.get("norm_topk_prob", True),
+            mlp_only_layers=tuple(text.get("mlp_only_layers", ())),
+            decoder_sparse_step=text.get("decoder_sparse_step", 1),
+        )
+
+    @property
+    def linear_shape(self) -> LinearLayerShape:
+        return LinearLayerShape(self.linear_num_key_heads, self.linear_num_value_heads,
+                                self.linear_key_head_dim, self.linear_value_head_dim, delta_rule=True)
+
+    @property
+    def conv_dim(self) -> int:
+        return 2 * self.linear_num_key_heads * self.linear_key_head_dim + \
+            self.linear_num_value_heads * self.linear_value_head_dim
+
+    def is_moe_layer(self, i: int) -> bool:
+        return self.num_experts > 0 and i not in self.mlp_only_layers and (i + 1) % self.decoder_sparse_step == 0
+
+
+class GatedDeltaNetMixer(nn.Module):
+    """Projections -> short conv -> Gated DeltaNet (buffered or recurrent) -> gated norm -> out_proj."""
+
+    def __init__(self, cfg: Qwen35Config, linear_index: int):
+        super().__init__()
+        self.cfg, self.linear_index = cfg, linear_index
+        Hk, Hv = cfg.linear_num_key_heads, cfg.linear_num_value_heads
+        Kd, Vd, H = cfg.linear_key_head_dim, cfg.linear_value_head_dim, cfg.hidden_size
+        self.fused_inputs = cfg.model_type == "qwen3_next"
+        if self.fused_inputs:
+            self.in_proj_qkvz = nn.Linear(H, 2 * Hk * Kd + 2 * Hv * Vd, bias=False)
+            self.in_proj_ba = nn.Linear(H, 2 * Hv, bias=False)
+        else:
+            self.in_proj_qkv = nn.Linear(H, 2 * Hk * Kd + Hv * Vd, bias=False)
+            self.in_proj_z = nn.Linear(H, Hv * Vd, bias=False)
+            self.in_proj_b = nn.Linear(H, Hv, bias=False)
+            self.in_proj_a = nn.Linear(H, Hv, bias=False)
+        self.conv1d = nn.Conv1d(cfg.conv_dim, cfg.conv_dim, cfg.linear_conv_kernel_dim, groups=cfg.conv_dim, bias=False)
+        self.dt_bias = nn.Parameter(torch.ones(Hv))
+        self.A_log = nn.Parameter(torch.zeros(Hv))
+        self.norm = GatedRMSNorm(Vd, cfg.rms_norm_eps)
+        self.out_proj = nn.Linear(Hv * Vd, H, bias=False)
+
+    def _projections(self, x):
+        """(qkv (B, T, conv_dim), z (B, T, Hv, V), b, a (B, T, Hv)) in the unfused layout."""
+        c = self.cfg
+        Hk, Hv, Kd, Vd = c.linear_num_key_heads, c.linear_num_value_heads, c.linear_key_head_dim, c.linear_value_head_dim
+        B, T, _ = x.shape
+        if not self.fused_inputs:
+            z = self.in_proj_z(x).view(B, T, Hv, Vd)
+            return self.in_proj_qkv(x), z, self.in_proj_b(x), self.in_proj_a(x)
+        # Qwen3-Next packs [q, k, v, z] and [b, a] per key-head group
+        r = Hv // Hk
+        qkvz = self.in_proj_qkvz(x).view(B, T, Hk, 2 * Kd + 2 * r * Vd)
+        q, k, v, z = torch.split(qkvz, [Kd, Kd, r * Vd, r * Vd], dim=-1)
+        b, a = torch.split(self.in_proj_ba(x).view(B, T, Hk, 2 * r), [r, r], dim=-1)
+        qkv = torch.cat([q.reshape(B, T, -1), k.reshape(B, T, -1), v.reshape(B, T, -1)], dim=-1)
+        return qkv, z.reshape(B, T, Hv, Vd), b.reshape(B, T, Hv), a.reshape(B, T, Hv)
+
+    def forward(self, x, batch, caches):
+        c = self.cfg
+        Hk, Hv, Kd, Vd = c.linear_num_key_heads, c.linear_num_value_heads, c.linear_key_head_dim, c.linear_value_head_dim
+        B, T, _ = x.shape
+        qkv, z, b, a = self._projections(x)
+        qkv = mixing.short_conv(qkv, self.conv1d.weight[:, 0], None, batch, caches, self.linear_index)
+        q, k, v = torch.split(qkv, [Hk * Kd, Hk * Kd, Hv * Vd], dim=-1)
+        o = mixing.gated_delta_mix(q.reshape(B, T, Hk, Kd), k.reshape(B, T, Hk, Kd), v.reshape(B, T, Hv, Vd),
+                                   a, b, self.A_log, self.dt_bias, batch, caches, self.linear_index)
+        o = self.norm(o.to(x.dtype), z)
+        return self.out_proj(o.reshape(B, T, Hv * Vd))
+
+
+class GatedAttention(nn.Module):
+    """Full attention with per-head q/k RMSNorm, partial rotary embedding and a sigmoid output gate."""
+
+    def __init__(self, cfg: Qwen35Config, attn_index: int):
+        super().__init__()
+        self.cfg, self.attn_index = cfg, attn_index
+        H, n, kv, d = cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        self.q_proj = nn.Linear(H, 2 * n * d, bias=False)
+        self.k_proj = nn.Linear(H, kv * d, bias=False)
+        self.v_proj = nn.Linear(H, kv * d, bias=False)
+        self.o_proj = nn.Linear(n * d, H, bias=False)
+        self.q_norm = RMSNorm(d, cfg.rms_norm_eps, zero_centered=True)
+        self.k_norm = RMSNorm(d, cfg.rms_norm_eps, zero_centered=True)
+
+    def forward(self, x, batch, caches):
+        c = self.cfg
+        B, T, _ = x.shape
+        d = c.head_dim
+        q, gate = torch.chunk(self.q_proj(x).view(B, T, -1, 2 * d), 2, dim=-1)
+        q = self.q_norm(q)
+        k = self.k_norm(self.k_proj(x).view(B, T, -1, d))
+        v = self.v_proj(x).view(B, T, -1, d)
+        cos, sin = rotary_cos_sin(batch.positions, int(d * c.partial_rotary_factor), c.rope_theta, x.dtype)
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        o = mixing.attention(q, k, v, batch, caches, self.attn_index, d ** -0.5)
+        o = o.reshape(B, T, -1) * torch.sigmoid(gate.reshape(B, T, -1))
+        return self.o_proj(o)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: Qwen35Config, i: int, linear_index: int, attn_index: int):
+        super().__init__()
+        if cfg.layer_types[i] == "linear_attention":
+            self.linear_attn = GatedDeltaNetMixer(cfg, linear_index)
+        else:
+            self.self_attn = GatedAttention(cfg, attn_index)
+        if cfg.is_moe_layer(i):
+            self.mlp = SoftmaxTopKMoE(cfg.hidden_size, cfg.num_experts, cfg.num_experts_per_tok,
+                                      cfg.moe_intermediate_size, cfg.shared_expert_intermediate_size,
+                                      cfg.norm_topk_prob)
+        else:
+            self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, zero_centered=True)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, zero_centered=True)
+
+    def forward(self, x, batch, caches):
+        mixer = self.linear_attn if hasattr(self, "linear_attn") else self.self_attn
+        x = x + mixer(self.input_layernorm(x), batch, caches)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class Backbone(nn.Module):
+    def __init__(self, cfg: Qwen35Config):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        layers, n_lin, n_att = [], 0, 0
+        for i, kind in enumerate(cfg.layer_types):
+            layers.append(DecoderLayer(cfg, i, n_lin, n_att))
+            n_lin, n_att = n_lin + (kind == "linear_attention"), n_att + (kind != "linear_attention")
+        self.layers = nn.ModuleList(layers)
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, zero_centered=True)
+
+
+class Qwen35ForCausalLM(nn.Module):
+    """Token ids (B, T) + a ForwardBatch -> logits (B, T, vocab)."""
+
+    def __init__(self, cfg: Qwen35Config):
+        super().__init__()
+        self.config = cfg
+        self.model = Backbone(cfg)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def forward(self, input_ids, batch, caches):
+        x = self.model.embed_tokens(input_ids)
+        for layer in self.model.layers:
+            x = layer(x, batch, caches)
+        return self.lm_head(self.model.norm(x))
+
+    def cache_geometry(self) -> dict:
+        """What the engine needs to size the pools and the KV cache."""
+        c = self.config
+        n_lin = sum(t == "linear_attention" for t in c.layer_types)
+        return dict(linear_shape=c.linear_shape, num_linear_layers=n_lin, conv_dim=c.conv_dim,
+                    conv_width=c.linear_conv_kernel_dim, num_attention_layers=len(c.layer_types) - n_lin,
+                    num_kv_heads=c.num_key_value_heads, head_dim=c.head_dim)
+
+    @staticmethod
+    def checkpoint_name(name: str) -> str:
+        """Map a checkpoint tensor name to this module's (published Qwen3.5 files nest the LM)."""
+        if name.startswith("model.language_model."):
+            return "model." + name[len("model.language_model."):]
+        return name
+
+    @staticmethod
+    def skip_checkpoint_tensor(name: str) -> bool:
+        """Vision tower and MTP weights are not used by the text decoder."""
+        return name.startswith(("model.visual.", "visual.", "mtp.", "model.mtp."))

@@ -1,0 +1,56 @@
+"""What one model forward computes, and where each row's memory lives.
+
+The engine builds a ForwardBatch; the model's layers read it to find their slots. Every request
+owns one *request slot* (its buffer, conv history and attention KV cache all use that index) and,
+once its context outgrows the buffer, a *state slot* for the linear layers' recurrent states.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+KINDS = ("prefill", "decode", "verify")
+MODES = ("kvbuffer", "recurrent")
+
+
+@dataclass
+class ForwardBatch:
+    """B rows, each with T new tokens.
+
+    kind:     "prefill" (one request, T prompt tokens), "decode" (T = 1) or "verify" (T drafts,
+              nothing committed until the engine accepts some of them).
+    mode:     "kvbuffer" (buffered linear layers) or "recurrent" (today's servers' scheme).
+    positions (B, T) int64: absolute position of each new token.
+    slots     (B,) int32: request slots (buffer, conv, KV cache); -1 marks a padding row.
+    state_slots (B,) int32: recurrent-state slots; -1 = no state yet (short context).
+    lengths   (B,) int32: buffer fill of each row before this forward (kvbuffer mode).
+    cached    (B,) int32: tokens already in each row's attention KV cache.
+    flush_at: the chunk size C at which a buffer is folded into its state.
+    """
+
+    kind: str
+    mode: str
+    positions: torch.Tensor
+    slots: torch.Tensor
+    state_slots: torch.Tensor
+    lengths: torch.Tensor
+    cached: torch.Tensor
+    flush_at: int
+
+    def __post_init__(self):
+        if self.kind not in KINDS:
+            raise ValueError(f"kind must be one of {KINDS}, got {self.kind!r}")
+        if self.mode not in MODES:
+            raise ValueError(f"mode must be one of {MODES}, got {self.mode!r}")
+        if self.kind == "prefill" and self.positions.shape[0] != 1:
+            raise ValueError("a prefill forward takes exactly one request")
+
+    @property
+    def num_rows(self) -> int:
+        return self.positions.shape[0]
+
+    @property
+    def num_tokens(self) -> int:
+        return self.positions.shape[1]
