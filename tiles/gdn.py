@@ -25,7 +25,7 @@ Tensor ABI (contiguous; `in` = activation dtype, `bd` = buffer dtype):
     o           (B, [T,] Hv, V)  in
 """
 
-from __future__ import annotations
+# no `from __future__ import annotations`: TileLang evaluates the T.Tensor annotations
 
 import itertools
 
@@ -37,6 +37,10 @@ def _tl():
     import tilelang.language as T  # noqa: N812  (TileLang's own convention)
 
     return T
+
+
+def _pow2(n: int) -> int:
+    return 1 << max(n - 1, 0).bit_length()
 
 
 def _check_shape(Hk: int, Hv: int, K: int, V: int, BV: int) -> None:
@@ -145,8 +149,9 @@ def gdn_recurrent(Hk: int, Hv: int, K: int = 128, V: int = 128, *, BV: int = 32,
 
 
 def get_buffered_configs() -> list[dict]:
-    return [{"BV": bv, "threads": th} for bv, th in itertools.product((16, 32, 64), (64, 128, 256))
-            if bv * 128 // th >= 8]
+    # BV * K / threads >= 16: smaller per-thread tiles fail TileLang's layout inference (BV16 x 256)
+    return [{"BV": bv, "threads": th} for bv, th in itertools.product((32, 64, 128), (64, 128, 256))
+            if 16 <= bv * 128 // th <= 128]
 
 
 def gdn_buffered(Hk: int, Hv: int, K: int = 128, V: int = 128, *, cap: int = 16, T_new: int = 1,
@@ -176,6 +181,7 @@ def gdn_buffered(Hk: int, Hv: int, K: int = 128, V: int = 128, *, cap: int = 16,
     q_scale = K ** -0.5
     Tn = T_new
     C = flush_at
+    cp = _pow2(cap)  # on-chip capacity: TileLang's layout inference wants power-of-two extents
 
     @T.prim_func
     def gdn_buffered_step(
@@ -207,11 +213,11 @@ def gdn_buffered(Hk: int, Hv: int, K: int = 128, V: int = 128, *, cap: int = 16,
             kk_new = T.alloc_shared((Tn, Tn), f32)  # k_s . k_t
             kq_new = T.alloc_shared((Tn, Tn), f32)  # k_s . q_t
             # the row's buffer (entries i < n) and the new entries (for a fused flush)
-            Kb = T.alloc_shared((cap, K), f32)
-            Db = T.alloc_shared((cap, BV), f32)
-            Gb = T.alloc_shared((cap,), f32)
-            wk = T.alloc_shared((Tn, cap), f32)    # exp(G_t - G_i) (k_i . k_t)
-            wq = T.alloc_shared((Tn, cap), f32)    # exp(G_t - G_i) (k_i . q_t)
+            Kb = T.alloc_shared((cp, K), f32)
+            Db = T.alloc_shared((cp, BV), f32)
+            Gb = T.alloc_shared((cp,), f32)
+            wk = T.alloc_shared((Tn, cp), f32)    # exp(G_t - G_i) (k_i . k_t)
+            wq = T.alloc_shared((Tn, cp), f32)    # exp(G_t - G_i) (k_i . q_t)
             s0k = T.alloc_shared((Tn, BV), f32)
             s0q = T.alloc_shared((Tn, BV), f32)
             hkb = T.alloc_shared((Tn, BV), f32)
@@ -222,11 +228,11 @@ def gdn_buffered(Hk: int, Hv: int, K: int = 128, V: int = 128, *, cap: int = 16,
             yf = T.alloc_fragment((Tn, K), f32)
             nx = T.alloc_fragment((Tn,), f32)
             ny = T.alloc_fragment((Tn,), f32)
-            PK = T.alloc_fragment((cap, K), f32)
-            red_c = T.alloc_fragment((cap,), f32)
+            PK = T.alloc_fragment((cp, K), f32)
+            red_c = T.alloc_fragment((cp,), f32)
             PT = T.alloc_fragment((Tn, K), f32)
             red_t = T.alloc_fragment((Tn,), f32)
-            PD = T.alloc_fragment((cap, BV), f32)
+            PD = T.alloc_fragment((cp, BV), f32)
             red_v = T.alloc_fragment((BV,), f32)
             S = T.alloc_fragment((K, BV), f32)
             P = T.alloc_fragment((K, BV), f32)
@@ -236,6 +242,11 @@ def gdn_buffered(Hk: int, Hv: int, K: int = 128, V: int = 128, *, cap: int = 16,
             n = lengths[bb]
 
             if bslot >= 0:
+                # issue the S0 loads first: they stay in flight while the front and buffer work runs
+                if sslot >= 0:
+                    T.copy(state[sslot, hv, :, v0:v0 + BV], S)
+                else:
+                    T.clear(S)
                 # ---- front: l2norm(q) * K**-0.5, l2norm(k), g, beta, G
                 for t, i in T.Parallel(Tn, K):
                     xf[t, i] = T.cast(q[bb, t, hk, i], f32)
@@ -275,39 +286,35 @@ def gdn_buffered(Hk: int, Hv: int, K: int = 128, V: int = 128, *, cap: int = 16,
                         kq_new[t, s] = red_t[t]
 
                 # ---- the buffer: entries i < n only (the rest is never read)
-                for i, c in T.Parallel(cap, K):
+                for i, c in T.Parallel(cp, K):
                     Kb[i, c] = T.if_then_else(i < n, T.cast(buf_k[bslot, i, hk, c], f32), 0.0)
-                for i, j in T.Parallel(cap, BV):
+                for i, j in T.Parallel(cp, BV):
                     Db[i, j] = T.if_then_else(i < n, T.cast(buf_v[bslot, i, hv, v0 + j], f32), 0.0)
-                for i in T.Parallel(cap):
+                for i in T.Parallel(cp):
                     Gb[i] = T.if_then_else(i < n, buf_g[bslot, i, hv], 0.0)
                 for t in T.serial(Tn):
-                    for i, c in T.Parallel(cap, K):
+                    for i, c in T.Parallel(cp, K):
                         PK[i, c] = Kb[i, c] * ks[t, c]
                     T.reduce_sum(PK, red_c, dim=1)
-                    for i in T.Parallel(cap):
+                    for i in T.Parallel(cp):
                         wk[t, i] = T.if_then_else(i < n, T.exp(Gs[t] - Gb[i]) * red_c[i], 0.0)
-                    for i, c in T.Parallel(cap, K):
+                    for i, c in T.Parallel(cp, K):
                         PK[i, c] = Kb[i, c] * qs[t, c]
                     T.reduce_sum(PK, red_c, dim=1)
-                    for i in T.Parallel(cap):
+                    for i in T.Parallel(cp):
                         wq[t, i] = T.if_then_else(i < n, T.exp(Gs[t] - Gb[i]) * red_c[i], 0.0)
-                    for i, j in T.Parallel(cap, BV):
+                    for i, j in T.Parallel(cp, BV):
                         PD[i, j] = wk[t, i] * Db[i, j]
                     T.reduce_sum(PD, red_v, dim=0)
                     for j in T.Parallel(BV):
                         hkb[t, j] = red_v[j]
-                    for i, j in T.Parallel(cap, BV):
+                    for i, j in T.Parallel(cp, BV):
                         PD[i, j] = wq[t, i] * Db[i, j]
                     T.reduce_sum(PD, red_v, dim=0)
                     for j in T.Parallel(BV):
                         hqb[t, j] = red_v[j]
 
                 # ---- S0: one read serves S0^T k and S0^T q of every new token
-                if sslot >= 0:
-                    T.copy(state[sslot, hv, :, v0:v0 + BV], S)
-                else:
-                    T.clear(S)
                 for t in T.serial(Tn):
                     for i, j in T.Parallel(K, BV):
                         P[i, j] = S[i, j] * ks[t, i]
@@ -357,7 +364,7 @@ def gdn_buffered(Hk: int, Hv: int, K: int = 128, V: int = 128, *, cap: int = 16,
                             Db[n + t, j] = T.cast(T.cast(dl[t, j], buf_dtype), f32)
                         for t in T.Parallel(Tn):
                             Gb[n + t] = Gs[t]
-                        for i in T.Parallel(cap):
+                        for i in T.Parallel(cp):
                             Gb[i] = T.if_then_else(i < C, T.exp(Gs[Tn - 1] - Gb[i]), 0.0)
                         for i, j in T.Parallel(K, BV):
                             S[i, j] = S[i, j] * T.exp(Gs[Tn - 1])
@@ -395,6 +402,7 @@ def gdn_flush(Hk: int, Hv: int, K: int = 128, V: int = 128, *, cap: int = 16, BV
     NB = T.dynamic("num_buffer_slots")
     r = Hv // Hk
     f32 = "float32"
+    cp = _pow2(cap)
 
     @T.prim_func
     def gdn_flush_rows(
@@ -409,20 +417,20 @@ def gdn_flush(Hk: int, Hv: int, K: int = 128, V: int = 128, *, cap: int = 16, BV
         with T.Kernel(V // BV, Hv, B, threads=threads) as (bv, hv, bb):
             hk = hv // r
             v0 = bv * BV
-            Kb = T.alloc_shared((cap, K), f32)
-            Db = T.alloc_shared((cap, BV), f32)
-            wb = T.alloc_shared((cap,), f32)
+            Kb = T.alloc_shared((cp, K), f32)
+            Db = T.alloc_shared((cp, BV), f32)
+            wb = T.alloc_shared((cp,), f32)
             S = T.alloc_fragment((K, BV), f32)
             sslot = state_slots[bb]
             bslot = buffer_slots[bb]
             n = lengths[bb]
             if bslot >= 0 and sslot >= 0 and n > 0:
                 G_last = buf_g[bslot, n - 1, hv]
-                for i, c in T.Parallel(cap, K):
+                for i, c in T.Parallel(cp, K):
                     Kb[i, c] = T.if_then_else(i < n, T.cast(buf_k[bslot, i, hk, c], f32), 0.0)
-                for i, j in T.Parallel(cap, BV):
+                for i, j in T.Parallel(cp, BV):
                     Db[i, j] = T.if_then_else(i < n, T.cast(buf_v[bslot, i, hv, v0 + j], f32), 0.0)
-                for i in T.Parallel(cap):
+                for i in T.Parallel(cp):
                     wb[i] = T.if_then_else(i < n, T.exp(G_last - buf_g[bslot, i, hv]), 0.0)
                 T.copy(state[sslot, hv, :, v0:v0 + BV], S)
                 for i, j in T.Parallel(K, BV):

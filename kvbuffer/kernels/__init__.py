@@ -1,0 +1,23 @@
+"""Launchers for the compiled kernels: validate torch tensors, then call a compiled kernel.
+
+Compiling is a separate step (`build_*`, which imports TileLang through kvbuffer.tiles on
+demand); the launchers only take an already compiled `CompiledOp`. Importing this package never
+imports TileLang.
+"""
+
+from .gdn import (
+    CompiledOp,
+    build_gdn_buffered,
+    build_gdn_flush,
+    build_gdn_recurrent,
+    gdn_buffered_step,
+    gdn_flush,
+    gdn_prefill,
+    gdn_recurrent_step,
+    gdn_verify,
+)
+
+__all__ = [
+    "CompiledOp", "build_gdn_buffered", "build_gdn_flush", "build_gdn_recurrent",
+    "gdn_buffered_step", "gdn_flush", "gdn_prefill", "gdn_recurrent_step", "gdn_verify",
+]
