@@ -97,3 +97,27 @@ def test_flush_without_state_slot_is_refused():
     with pytest.raises(SlotError, match="allocate a state"):
         core.flush(states.layer(0), torch.tensor([-1], dtype=torch.int32), *bufs.layer(0).tensors(),
                    torch.tensor([b], dtype=torch.int32), torch.tensor([1], dtype=torch.int32))
+
+
+def test_garbage_past_the_fill_is_never_read():
+    """Stale or NaN entries beyond a row's fill (rejected drafts, say) cannot leak into outputs."""
+    fam = make_family("gdn", torch.Generator().manual_seed(4))
+    gen = torch.Generator().manual_seed(5)
+    f64 = torch.float64
+    outs = []
+    for poison in (0.0, float("nan")):
+        states = StatePool(fam.shape, 1, 1, dtype=f64)
+        bufs = BufferPool(fam.shape, 1, 1, entries=6, dtype=f64, log_decay_dtype=f64)
+        s, b = states.allocate(), bufs.allocate()
+        for t in (bufs.keys, bufs.values, bufs.log_decay):
+            t[0, b, 2:] = poison
+        one = torch.tensor([b], dtype=torch.int32)
+        g = torch.Generator().manual_seed(6)
+        states.state[0, s].normal_(generator=g)
+        tok = fam.tokens(torch.Generator().manual_seed(7), 1, 3)
+        o = fam.ops.verify(*fam.args(tok), states.layer(0), one, *bufs.layer(0).tensors(), one,
+                           torch.tensor([2], dtype=torch.int32))
+        outs.append(o)
+    assert torch.isfinite(outs[1]).all()
+    assert torch.equal(outs[0], outs[1])
+    del gen

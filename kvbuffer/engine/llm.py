@@ -66,10 +66,12 @@ class LLM:
             raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
         self.device = _default_device(device)
         self.tokenizer = tokenizer
+        self.checkpoint_config: dict | None = None  # config.json, when loaded from a directory
         if isinstance(model, (str, Path)):
-            from ..models.loader import load_checkpoint
+            from ..models.loader import load_checkpoint, read_config
 
             path = Path(model)
+            self.checkpoint_config = read_config(path)
             model = load_checkpoint(path, dtype=dtype, device=self.device)
             if self.tokenizer is None:
                 self.tokenizer = _load_tokenizer(path)
@@ -94,7 +96,7 @@ class LLM:
     # ------------------------------------------------------------------------------------------
     def generate(self, prompts, max_new_tokens: int = 64, temperature: float = 0.0, top_k: int = 0,
                  top_p: float = 1.0, seed: int | None = None, stop_token_ids=None, return_logits: bool = False,
-                 on_token=None) -> list[GenerationOutput]:
+                 on_token=None, _prepare=None) -> list[GenerationOutput]:
         """Generate for one prompt or a list (strings need a tokenizer; or lists of token ids).
 
         Returns one GenerationOutput per prompt, in order. `on_token(index, token_id)` is called
@@ -111,13 +113,13 @@ class LLM:
         gens = {r.rid: (torch.Generator().manual_seed(r.params.seed) if r.params.seed is not None else None)
                 for r in reqs}
         start = time.perf_counter()
-        self._run(reqs, gens, return_logits, on_token)
+        self._run(reqs, gens, return_logits, on_token, _prepare)
         self.last_stats = GenerationStats(len(reqs), sum(len(p) for p in prompt_ids),
                                           sum(len(r.output) for r in reqs), time.perf_counter() - start)
         return [GenerationOutput(r.prompt, r.output, r.finish_reason, self._decode_text(r.output), r.logits)
                 for r in reqs]
 
-    def _run(self, reqs, gens, return_logits, on_token):
+    def _run(self, reqs, gens, return_logits, on_token, prepare):
         index = {r.rid: i for i, r in enumerate(reqs)}
         waiting, running = deque(reqs), []
         free = self.runner.caches.requests
@@ -126,6 +128,10 @@ class LLM:
                 while waiting and free.num_free:
                     req = waiting.popleft()
                     self.runner.admit(req)
+                    if prepare is not None:  # e.g. caches imported from transformers
+                        running.append(req)  # released by the finally clause if prepare fails
+                        prepare(req)
+                        running.remove(req)
                     logits = None
                     while req.pending:
                         logits = self.runner.prefill(req, self.max_prefill_tokens)
@@ -161,6 +167,15 @@ class LLM:
 
     def _retire(self, req):
         self.runner.release(req)
+
+    def hf_config(self):
+        """The transformers config of the loaded checkpoint (for moving caches to transformers)."""
+        if self.checkpoint_config is None:
+            raise ValueError("this LLM was built from a model instance, not a checkpoint directory")
+        from transformers import AutoConfig
+
+        d = dict(self.checkpoint_config)
+        return AutoConfig.for_model(d.pop("model_type"), **d)
 
     # ------------------------------------------------------------------------------------------
     def _encode_all(self, prompts) -> list[list[int]]:

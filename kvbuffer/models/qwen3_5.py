@@ -241,6 +241,18 @@ class Qwen35ForCausalLM(nn.Module):
                     conv_width=c.linear_conv_kernel_dim, num_attention_layers=len(c.layer_types) - n_lin,
                     num_kv_heads=c.num_key_value_heads, head_dim=c.head_dim)
 
+    def cache_layout(self) -> list[tuple[str, int] | None]:
+        """Per transformers layer: ("linear", pool layer index) or ("attention", KV layer index)."""
+        out, n_lin, n_att = [], 0, 0
+        for kind in self.config.layer_types:
+            if kind == "linear_attention":
+                out.append(("linear", n_lin))
+                n_lin += 1
+            else:
+                out.append(("attention", n_att))
+                n_att += 1
+        return out
+
     @staticmethod
     def checkpoint_name(name: str) -> str:
         """Map a checkpoint tensor name to this module's (published Qwen3.5 files nest the LM)."""

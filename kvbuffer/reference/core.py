@@ -109,12 +109,14 @@ def _read_states(state: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
 def _read_buffer(buf_k, buf_v, buf_g, buffer_slots, lengths, Hv, dtype):
     """Gather each row's buffer as (B, cap, Hv, K), (B, cap, Hv, V), (B, cap, Hv) and its mask."""
     rows = buffer_slots.clamp(min=0).long()
-    keys = _by_value_head(buf_k[rows].to(dtype), Hv)
-    vals = buf_v[rows].to(dtype)
-    logd = buf_g[rows].to(dtype)
     cap = buf_k.shape[1]
     filled = torch.arange(cap, device=buf_k.device)[None, :] < lengths.long()[:, None]
     filled = filled & (buffer_slots >= 0)[:, None]
+    zero = torch.zeros((), dtype=dtype, device=buf_k.device)
+    # positions past the fill may hold anything (stale drafts, NaN): zero them, since 0 * NaN = NaN
+    keys = torch.where(filled[:, :, None, None], _by_value_head(buf_k[rows].to(dtype), Hv), zero)
+    vals = torch.where(filled[:, :, None, None], buf_v[rows].to(dtype), zero)
+    logd = torch.where(filled[:, :, None], buf_g[rows].to(dtype), zero)
     return keys, vals, logd, filled
 
 
