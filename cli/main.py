@@ -57,9 +57,11 @@ main.add_command(tune)
 main.add_command(cache)
 
 
+from .bench import bench  # noqa: E402
 from .generate import generate  # noqa: E402
 
 main.add_command(generate)
+main.add_command(bench)
 
 if __name__ == "__main__":
     main()

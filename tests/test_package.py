@@ -27,3 +27,16 @@ def test_cli_env_runs():
     result = CliRunner().invoke(main, ["env"])
     assert result.exit_code == 0, result.output
     assert "torch" in result.output and "kvbuffer" in result.output
+
+
+def test_cli_lists_its_commands_and_bench_needs_a_gpu():
+    import torch
+
+    from kvbuffer.cli.main import main
+
+    result = CliRunner().invoke(main, ["--help"])
+    for command in ("env", "generate", "bench", "tune", "cache"):
+        assert command in result.output
+    if not torch.cuda.is_available():
+        result = CliRunner().invoke(main, ["bench", "gdn"])
+        assert result.exit_code != 0 and "needs a CUDA GPU" in result.output
