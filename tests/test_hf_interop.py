@@ -41,3 +41,22 @@ def test_transformers_prefix_continued_by_kvbuffer(qwen, prompt_len):
     out = generate_from_hf(llm, prompt, cache, max_new_tokens=20, stop_token_ids=[])
     ref_tokens, _ = hf_greedy(hf, prompt, 20)
     assert out.token_ids == ref_tokens
+
+
+def test_nemotron_caches_round_trip(tmp_path):
+    """Mamba-2 states are stored transposed by transformers: a kvbuffer prefix continues there too."""
+    from hf_models import make_hf_model as make
+
+    hf = make("nemotron_h")
+    hf.save_pretrained(tmp_path)
+    llm = LLM(str(tmp_path), device="cpu", chunk_size=C)
+    prompt = torch.randint(0, hf.config.vocab_size, (2 * C + 2,), generator=torch.Generator().manual_seed(5)).tolist()
+    cache = prefill_to_hf(llm, prompt[:-1])
+    with torch.no_grad():
+        ours = hf(input_ids=torch.tensor([prompt[-1:]]), cache=cache, use_cache=True).logits[0, -1]
+        ref = hf(input_ids=torch.tensor([prompt])).logits[0, -1]
+    assert float((ours - ref).abs().max()) < 1e-4
+    with torch.no_grad():
+        hf_cache = hf(input_ids=torch.tensor([prompt[:-1]]), use_cache=True).past_key_values
+    out = generate_from_hf(llm, prompt, hf_cache, max_new_tokens=12, stop_token_ids=[])
+    assert out.token_ids == hf_greedy(hf, prompt, 12)[0]

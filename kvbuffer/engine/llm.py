@@ -66,12 +66,11 @@ class LLM:
             raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
         self.device = _default_device(device)
         self.tokenizer = tokenizer
-        self.checkpoint_config: dict | None = None  # config.json, when loaded from a directory
+        self.checkpoint_dir: Path | None = None
         if isinstance(model, (str, Path)):
-            from ..models.loader import load_checkpoint, read_config
+            from ..models.loader import load_checkpoint
 
-            path = Path(model)
-            self.checkpoint_config = read_config(path)
+            path = self.checkpoint_dir = Path(model)
             model = load_checkpoint(path, dtype=dtype, device=self.device)
             if self.tokenizer is None:
                 self.tokenizer = _load_tokenizer(path)
@@ -170,12 +169,11 @@ class LLM:
 
     def hf_config(self):
         """The transformers config of the loaded checkpoint (for moving caches to transformers)."""
-        if self.checkpoint_config is None:
+        if self.checkpoint_dir is None:
             raise ValueError("this LLM was built from a model instance, not a checkpoint directory")
         from transformers import AutoConfig
 
-        d = dict(self.checkpoint_config)
-        return AutoConfig.for_model(d.pop("model_type"), **d)
+        return AutoConfig.from_pretrained(str(self.checkpoint_dir))
 
     # ------------------------------------------------------------------------------------------
     def _encode_all(self, prompts) -> list[list[int]]:

@@ -127,3 +127,18 @@ def apply_rotary(x, cos, sin):
     rotated = torch.cat([-rot[..., half:], rot[..., :half]], dim=-1)
     rot = rot * cos[:, :, None] + rotated * sin[:, :, None]
     return torch.cat([rot, rest], dim=-1)
+
+
+def cache_layout(layer_types) -> list[tuple[str, int] | None]:
+    """Per transformers layer: ("linear", pool layer index), ("attention", KV layer index) or None.
+
+    Linear-attention layers index the state/buffer/conv pools in order of appearance, attention
+    layers the KV cache; MLP-only layers hold no cache.
+    """
+    out, counts = [], {"linear": 0, "attention": 0}
+    for kind in layer_types:
+        where = {"linear_attention": "linear", "full_attention": "attention"}.get(kind)
+        out.append(None if where is None else (where, counts[where]))
+        if where is not None:
+            counts[where] += 1
+    return out

@@ -21,6 +21,7 @@ from torch import nn
 
 from ..pools import LinearLayerShape
 from ..runtime import mixing
+from .layers import cache_layout
 
 MODEL_TYPES = ("nemotron_h",)
 
@@ -384,6 +385,9 @@ class NemotronHForCausalLM(nn.Module):
         for layer in self.model.layers:
             x = layer(x, batch, caches)
         return self.lm_head(self.model.norm_f(x))
+
+    def cache_layout(self) -> list[tuple[str, int] | None]:
+        return cache_layout(self.config.layer_types)
 
     def cache_geometry(self) -> dict:
         """What the engine needs to size the pools and the KV cache."""

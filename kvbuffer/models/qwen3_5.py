@@ -13,7 +13,8 @@ from torch import nn
 
 from ..pools import LinearLayerShape
 from ..runtime import mixing
-from .layers import GatedMLP, GatedRMSNorm, RMSNorm, SoftmaxTopKMoE, apply_rotary, rotary_cos_sin
+from .layers import (GatedMLP, GatedRMSNorm, RMSNorm, SoftmaxTopKMoE, apply_rotary, cache_layout,
+                     rotary_cos_sin)
 
 MODEL_TYPES = ("qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text", "qwen3_next")
 
@@ -242,16 +243,7 @@ class Qwen35ForCausalLM(nn.Module):
                     num_kv_heads=c.num_key_value_heads, head_dim=c.head_dim)
 
     def cache_layout(self) -> list[tuple[str, int] | None]:
-        """Per transformers layer: ("linear", pool layer index) or ("attention", KV layer index)."""
-        out, n_lin, n_att = [], 0, 0
-        for kind in self.config.layer_types:
-            if kind == "linear_attention":
-                out.append(("linear", n_lin))
-                n_lin += 1
-            else:
-                out.append(("attention", n_att))
-                n_att += 1
-        return out
+        return cache_layout(self.config.layer_types)
 
     @staticmethod
     def checkpoint_name(name: str) -> str:
