@@ -181,7 +181,12 @@ class ArtifactCache(ArtifactStore):
     def clear(self, gpu: str | None = None) -> int:
         """Remove every artifact and tuning record (or only those of one GPU); returns how many."""
         with self.lock():
-            manifest = self.manifest()
+            try:
+                manifest = self.manifest()
+            except ArtifactError:
+                if gpu is not None:
+                    raise
+                return self._reset()
             gone = [("artifacts", n) for n, e in manifest["artifacts"].items() if gpu in (None, e.get("gpu"))]
             gone += [("tunings", n) for n, e in manifest["tunings"].items() if gpu in (None, e.get("gpu"))]
             for kind, name in gone:
@@ -196,6 +201,14 @@ class ArtifactCache(ArtifactStore):
             if gpu is None:
                 shutil.rmtree(self.root / "staging", ignore_errors=True)
         return len(gone)
+
+
+    def _reset(self) -> int:
+        """Remove everything under an unreadable manifest (call with the lock held)."""
+        for sub in ("artifacts", "tunings", "staging"):
+            shutil.rmtree(self.root / sub, ignore_errors=True)
+        (self.root / MANIFEST).unlink(missing_ok=True)
+        return 0
 
 
 def _record_artifact(manifest: dict, key: ArtifactKey, files: dict | None, status: str) -> None:

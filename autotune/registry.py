@@ -9,9 +9,9 @@ A Template is all the tuner needs and nothing TileLang-specific beyond `build`:
 `shape` is a plain dict: family ('gdn' or 'mamba2'), Hk, Hv, K, V and dtype (activations and
 buffer entries); see kvbuffer.pools.LinearLayerShape for the Mamba-2 mapping onto Hk/Hv/K/V.
 
-Registered now: the GDN decode kernels of tiles/gdn.py (recurrent step, buffered step with the
-flush fused at C, stand-alone flush). There are no Mamba-2 templates yet. TileLang and torch are
-imported only inside the callables.
+Registered now: the decode kernels of tiles/gdn.py and tiles/mamba2.py (recurrent step, buffered
+step with the flush fused at C, stand-alone flush). TileLang and torch are imported only inside
+the callables.
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any, Callable, Mapping
 
 GDN_TILES = "kvbuffer.tiles.gdn"
+MAMBA2_TILES = "kvbuffer.tiles.mamba2"
 
 
 @dataclass(frozen=True)
@@ -42,9 +43,13 @@ class Template:
     tolerance: float = 2e-2   # relative error (vs the fp32 reference) a variant may have
 
 
-def source_digest(module_name: str) -> str:
-    spec = importlib.util.find_spec(module_name)
-    return hashlib.sha256(Path(spec.origin).read_bytes()).hexdigest() if spec and spec.origin else ""
+def source_digest(package: str = "kvbuffer.tiles") -> str:
+    """sha256 over every .py file of the templates' package (templates share code across files)."""
+    spec = importlib.util.find_spec(package)
+    h = hashlib.sha256()
+    for path in sorted(Path(spec.origin).parent.glob("*.py")):
+        h.update(path.name.encode() + b"\0" + path.read_bytes())
+    return h.hexdigest()
 
 
 def builder_defaults(fn: Callable, names) -> dict:
@@ -103,15 +108,15 @@ def _gdn_recurrent_inputs(shape, batch, chunk_size, device, gen):
     q, k, v, a, b, A_log, dt_bias = _gdn_tokens(shape, batch, gen, device)
     state = 0.5 * torch.randn(batch, shape["Hv"], shape["K"], shape["V"], generator=gen, device=device)
     slots = torch.randperm(batch, generator=gen, device="cpu").to(device=device, dtype=torch.int32)
-    return [q[:, 0], k[:, 0], v[:, 0], a[:, 0], b[:, 0], A_log, dt_bias, state, slots, torch.empty_like(v[:, 0])]
+    return [q, k, v, a, b, A_log, dt_bias, state, slots, torch.empty_like(v)]
 
 
 def _gdn_recurrent_reference(shape, chunk_size, args):
     from kvbuffer.reference import gdn
 
     state = args[7].clone()
-    o = gdn.recurrent_step(*args[:7], state, args[8])
-    return {7: state, 9: o}
+    o = gdn.recurrent_step(*(t[:, 0] for t in args[:5]), args[5], args[6], state, args[8])
+    return {7: state, 9: o[:, None]}
 
 
 def _gdn_buffered_inputs(shape, batch, chunk_size, device, gen):
@@ -149,7 +154,7 @@ def _run(kernel, args) -> None:
 
 def gdn_templates() -> list[Template]:
     g = _gdn()
-    src = source_digest(GDN_TILES)
+    src = source_digest()
     tun = ("BV", "threads")
 
     def recurrent(shape, chunk_size, *, target, **t):
@@ -173,7 +178,97 @@ def gdn_templates() -> list[Template]:
     ]
 
 
+# ----------------------------------------------------------------------------------------------
+# Mamba-2 (tiles/mamba2.py): G = Hk groups, H = Hv heads, N = K state size, P = V head dim; z not used
+
+
+def _m2_dims(shape: Mapping) -> dict:
+    return {"G": shape["Hk"], "H": shape["Hv"], "N": shape["K"], "P": shape["V"]}
+
+
+def _m2_tokens(shape, batch, gen, device):
+    """x, dt, A_log, dt_bias, Bm, Cm, D, z (= x: kernels built without has_z ignore it)."""
+    import torch
+
+    dt_ = getattr(torch, shape["dtype"])
+    G, H, N, P = (shape[k] for k in ("Hk", "Hv", "K", "V"))
+    r = lambda *s: torch.randn(*s, generator=gen, device=device)  # noqa: E731
+    x, dt = r(batch, 1, H, P).to(dt_), r(batch, 1, H).to(dt_)
+    A_log = torch.log(1.0 + 15.0 * torch.rand(H, generator=gen, device=device))
+    dt_bias = torch.log(torch.expm1(0.001 + 0.099 * torch.rand(H, generator=gen, device=device)))
+    Bm, Cm, D = r(batch, 1, G, N).to(dt_), r(batch, 1, G, N).to(dt_), r(H)
+    return [x, dt, A_log, dt_bias, Bm, Cm, D, x]
+
+
+def _m2_recurrent_inputs(shape, batch, chunk_size, device, gen):
+    import torch
+
+    front = _m2_tokens(shape, batch, gen, device)
+    state = 0.5 * torch.randn(batch, shape["Hv"], shape["K"], shape["V"], generator=gen, device=device)
+    slots = torch.randperm(batch, generator=gen, device="cpu").to(device=device, dtype=torch.int32)
+    return front + [state, slots, torch.empty_like(front[0])]
+
+
+def _m2_front_ref(args):
+    x, dt, A_log, dt_bias, Bm, Cm, D = args[:7]
+    return x[:, 0], dt[:, 0], A_log, dt_bias, Bm[:, 0], Cm[:, 0], D
+
+
+def _m2_recurrent_reference(shape, chunk_size, args):
+    from kvbuffer.reference import mamba2
+
+    state = args[8].clone()
+    y = mamba2.recurrent_step(*_m2_front_ref(args), state, args[9])
+    return {8: state, 10: y[:, None]}
+
+
+def _m2_buffered_inputs(shape, batch, chunk_size, device, gen):
+    import torch
+
+    front = _m2_tokens(shape, batch, gen, device)
+    pools = _gdn_pools(shape, batch, chunk_size, gen, device, 0, chunk_size)
+    return front + [*pools, torch.empty_like(front[0])]
+
+
+def _m2_buffered_reference(shape, chunk_size, args):
+    from kvbuffer.reference import mamba2
+
+    state, bk, bv, bg = (args[i].clone() for i in (8, 10, 11, 12))
+    y = mamba2.buffered_step(*_m2_front_ref(args), state, args[9], bk, bv, bg, args[13], args[14],
+                             flush_at=chunk_size)
+    return {8: state, 15: y[:, None]}
+
+
+def mamba2_templates() -> list[Template]:
+    m = importlib.import_module(MAMBA2_TILES)
+    src = source_digest()
+    tun = ("BV", "threads")
+
+    def recurrent(shape, chunk_size, *, target, **t):
+        return _compile(m.mamba2_recurrent(**_m2_dims(shape), in_dtype=shape["dtype"], **t), target)
+
+    def buffered(shape, chunk_size, *, target, **t):
+        prim = m.mamba2_buffered(**_m2_dims(shape), cap=chunk_size, T_new=1, flush_at=chunk_size,
+                                 in_dtype=shape["dtype"], buf_dtype=shape["dtype"], **t)
+        return _compile(prim, target)
+
+    def flush(shape, chunk_size, *, target, **t):
+        return _compile(m.mamba2_flush(**_m2_dims(shape), cap=chunk_size, buf_dtype=shape["dtype"], **t), target)
+
+    return [
+        Template("mamba2_recurrent", "mamba2", recurrent, m.get_recurrent_configs,
+                 builder_defaults(m.mamba2_recurrent, tun), _m2_recurrent_inputs, _m2_recurrent_reference, _run,
+                 src, uses_chunk=False),
+        Template("mamba2_buffered_step", "mamba2", buffered, m.get_buffered_configs,
+                 builder_defaults(m.mamba2_buffered, tun), _m2_buffered_inputs, _m2_buffered_reference, _run, src),
+        Template("mamba2_flush", "mamba2", flush, m.get_flush_configs, builder_defaults(m.mamba2_flush, tun),
+                 _gdn_flush_inputs, _gdn_flush_reference, _run, src),
+    ]
+
+
 def templates(family: str | None = None) -> list[Template]:
-    """Every registered template (optionally of one family). Mamba-2 has none yet."""
+    """Every registered template (optionally of one family)."""
     found = gdn_templates()
+    if importlib.util.find_spec(MAMBA2_TILES) is not None:
+        found += mamba2_templates()
     return [t for t in found if family in (None, t.family)]

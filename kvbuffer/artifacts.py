@@ -242,10 +242,31 @@ def _load_runtime(path: str):
     return tvm_ffi
 
 
+TMA_HELPER = b"__tvm_tensormap_create"
+
+
+def tilelang_library_path() -> Path:
+    """libtilelang.so ($KVBUFFER_TILELANG_LIB or the wheel's): only kernels whose copies use TMA need it."""
+    env = os.environ.get("KVBUFFER_TILELANG_LIB")
+    try:
+        path = Path(env) if env else Path(importlib.metadata.distribution("tilelang").locate_file(
+            "tilelang/lib/libtilelang.so"))
+    except importlib.metadata.PackageNotFoundError:
+        path = None
+    if path is None or not path.is_file():
+        raise ArtifactError("this kernel builds TMA descriptors on the host (__tvm_tensormap_create_tiled), "
+                            "which lives in TileLang's libtilelang.so: install the tilelang wheel with its "
+                            "dependencies or set KVBUFFER_TILELANG_LIB; or build the template with "
+                            "T.copy(..., disable_tma=True) (see docs/artifacts.md)")
+    return path
+
+
 def load_library(path: Path, function: str):
     """Load an exported TileLang library and return (module, function). Verify its checksum first."""
     try:
         tvm_ffi = _load_runtime(str(tvm_runtime_path()))
+        if TMA_HELPER in Path(path).read_bytes():
+            _load_runtime(str(tilelang_library_path()))
     except ImportError as e:
         raise ArtifactError("loading compiled kernels needs apache-tvm-ffi (`pip install "
                             "'apache-tvm-ffi>=0.1.11,<0.1.13'`); see docs/artifacts.md") from e

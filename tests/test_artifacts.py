@@ -313,3 +313,13 @@ def test_exported_tilelang_kernel_loads_without_tilelang(tmp_path):
                          capture_output=True, text=True)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.split()[:2] == ["Function", "toy_scale_add"]
+
+
+def test_unreadable_manifest_is_an_artifact_error_and_clear_recovers(tmp_path):
+    cache = ArtifactCache(tmp_path)
+    name = put(cache, make_key())
+    (tmp_path / "manifest.json").write_text("{not json")
+    with pytest.raises(ArtifactError, match="kvbuffer cache clear"):
+        ArtifactStore(tmp_path).load(name, arch=None)
+    cache.clear()
+    assert cache.manifest()["artifacts"] == {} and not (tmp_path / "artifacts").exists()
