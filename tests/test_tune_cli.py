@@ -48,7 +48,7 @@ def test_list_gpus():
     (["--gpu", "h200", "--heads", "16,30,128,128"], "multiple of Hk"),
     (["--gpu", "h200", "--model", "qwen3.5-9b", "--chunk-sizes", "8,x"], "comma-separated integers"),
     (["--gpu", "h200", "--model", "qwen3.5-9b", "--kernels", "gdn_nope"], "unknown kernel"),
-    (["--gpu", "h200", "--model", "nemotron-3-nano", "--kernels", "gdn_flush"], "mamba2 has"),
+    (["--gpu", "h200", "--model", "nemotron-3-nano", "--kernels", "gdn_flush"], "mamba2"),
     (["--gpu", "h200"], "--model PRESET|CHECKPOINT_DIR or --heads"),
 ], ids=["unknown-gpu", "model-and-heads", "preset", "heads-format", "heads-ratio", "chunks", "kernel", "mamba2",
         "no-shape"])
@@ -56,6 +56,7 @@ def test_bad_options_are_named(args, message, tmp_path):
     result = run("tune", *args, "--cache-dir", str(tmp_path))
     assert result.exit_code != 0
     assert message in result.output
+    assert "Traceback" not in result.output
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message on a machine without a GPU")
