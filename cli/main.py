@@ -59,9 +59,11 @@ main.add_command(cache)
 
 from .bench import bench  # noqa: E402
 from .generate import generate  # noqa: E402
+from .plan import plan_command  # noqa: E402
 
 main.add_command(generate)
 main.add_command(bench)
+main.add_command(plan_command)
 
 if __name__ == "__main__":
     main()

@@ -29,7 +29,7 @@ def _materialized_state(llm, req: Request, layer: int) -> torch.Tensor:
     scratch = torch.zeros((1,) + tuple(src.shape[1:]), dtype=src.dtype, device=src.device)
     if req.state_slot >= 0:
         scratch[0] = src[req.state_slot]
-    n = caches.buffers.length(req.slot) if llm.mode == "kvbuffer" else 0
+    n = caches.buffers.length(req.slot) if caches.buffers is not None else 0
     if n:
         i32 = dict(dtype=torch.int32, device=src.device)
         core.flush(scratch, torch.zeros(1, **i32), *caches.buffers.layer(layer).tensors(),

@@ -19,6 +19,7 @@ from ..runtime.caches import CacheSpec
 from .request import Request
 from .runner import ModelRunner
 from .sampling import SamplingParams, sample_token
+from .speculative import NgramDrafter, SpeculativeConfig, accept_drafts
 
 
 @dataclass
@@ -59,7 +60,8 @@ class LLM:
 
     def __init__(self, model, *, device=None, dtype=None, mode: str = "kvbuffer", chunk_size: int = 16,
                  max_batch: int = 16, max_states: int | None = None, max_len: int = 2048,
-                 max_prefill_tokens: int = 1024, tokenizer=None):
+                 max_prefill_tokens: int = 1024, tokenizer=None, speculative: dict | None = None,
+                 memory_budget: int | None = None):
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
         if chunk_size < 1:
@@ -77,20 +79,37 @@ class LLM:
         else:
             model = model.to(device=self.device, dtype=dtype).eval()
         self.model, self.mode = model, mode
+        self.speculative = SpeculativeConfig.from_dict(speculative)
+        self.drafter = None
+        if self.speculative is not None:
+            self.drafter = NgramDrafter(self.speculative.ngram_max, self.speculative.ngram_min)
         self.dtype = next(model.parameters()).dtype
         geo = model.cache_geometry()
+        fed = (self.speculative.num_draft_tokens + 1) if self.speculative else 1
+        if memory_budget is not None:  # admit as many requests as the capacity planner says fit
+            from ..plan import geometry_of, request_spec
+
+            per = sum(request_spec(geometry_of(model), scheme=mode, context=max_len - fed,
+                                   draft_tokens=fed - 1, chunk_size=chunk_size).nbytes(self.dtype).values())
+            max_batch = max_states = memory_budget // per
+            if max_batch < 1:
+                raise ValueError(f"memory_budget {memory_budget} B holds no request ({per} B each)")
         spec = CacheSpec(
             linear_shape=geo["linear_shape"], num_linear_layers=geo["num_linear_layers"],
             conv_dim=geo["conv_dim"], conv_width=geo["conv_width"],
             num_attention_layers=geo["num_attention_layers"], num_kv_heads=geo["num_kv_heads"],
             head_dim=geo["head_dim"], max_requests=max_batch, max_states=max_states or max_batch,
             max_len=max_len, chunk_size=chunk_size,
+            max_drafts=fed,
+            buffers=mode == "kvbuffer",
+            draft_states=bool(self.speculative) and mode == "recurrent",
         )
         self.runner = ModelRunner(model, spec, mode=mode, device=self.device, dtype=self.dtype)
         self.max_prefill_tokens = max_prefill_tokens
         self.vocab_size = model.config.vocab_size
         self.last_stats = GenerationStats()
         self._next_rid = 0
+        self.spec_stats = {"request_steps": 0, "proposed": 0, "accepted": 0, "emitted": 0}
 
     # ------------------------------------------------------------------------------------------
     def generate(self, prompts, max_new_tokens: int = 64, temperature: float = 0.0, top_k: int = 0,
@@ -141,9 +160,12 @@ class LLM:
                         self._retire(req)
                 if not running:
                     continue
-                logits = self.runner.decode(running)
-                for req, row in zip(running, logits):
-                    self._take(req, row, gens, return_logits, on_token, index)
+                if self.speculative is not None:
+                    self._speculative_step(running, gens, return_logits, on_token, index)
+                else:
+                    logits = self.runner.decode(running)
+                    for req, row in zip(running, logits):
+                        self._take(req, row, gens, return_logits, on_token, index)
                 for req in [r for r in running if r.finish_reason is not None]:
                     running.remove(req)
                     self._retire(req)
@@ -152,8 +174,37 @@ class LLM:
                 if req.slot >= 0:
                     self.runner.release(req)
 
+    def _speculative_step(self, running, gens, return_logits, on_token, index):
+        """Draft T tokens per request, verify them in one forward, keep the accepted prefix + one more."""
+        T = self.speculative.num_draft_tokens
+        proposals = [self.drafter.propose(r.context, T) for r in running]
+        drafts = [p + [None] * (T - len(p)) for p in proposals]  # padding drafts are never kept
+        fed = [[0 if d is None else d for d in ds] for ds in drafts]
+        logits = self.runner.verify(running, fed)
+        kept = []
+        for req, row, ds in zip(running, logits, drafts):
+            m, nxt = accept_drafts(row, ds, req.params, gens[req.rid])
+            kept.append(m + 1)  # the real token and m drafts enter the caches
+            for i, token in enumerate(ds[:m] + [nxt]):
+                if req.finish_reason is None:
+                    self._emit(req, token, row[i], return_logits, on_token, index)
+            self.spec_stats["accepted"] += m
+            self.spec_stats["emitted"] += m + 1
+        self.spec_stats["request_steps"] += len(running)
+        self.spec_stats["proposed"] += sum(len(p) for p in proposals)
+        self.runner.commit(running, kept)
+
+    @property
+    def acceptance(self) -> dict:
+        """Speculative decoding so far: draft acceptance rate and tokens emitted per request step."""
+        st = self.spec_stats
+        return {"acceptance_rate": st["accepted"] / st["proposed"] if st["proposed"] else 0.0,
+                "tokens_per_step": st["emitted"] / st["request_steps"] if st["request_steps"] else 0.0}
+
     def _take(self, req, logits, gens, return_logits, on_token, index):
-        token = sample_token(logits, req.params, gens[req.rid])
+        self._emit(req, sample_token(logits, req.params, gens[req.rid]), logits, return_logits, on_token, index)
+
+    def _emit(self, req, token, logits, return_logits, on_token, index):
         req.output.append(token)
         if return_logits:
             req.logits.append(logits.detach().float().cpu())

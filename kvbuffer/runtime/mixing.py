@@ -51,10 +51,12 @@ def _linear_mix(ops, arrange, tokens, params, batch: ForwardBatch, caches: Model
     state = caches.states.layer(layer)
     if batch.mode == "recurrent":
         if batch.kind == "verify":
-            raise NotImplementedError("recurrent-mode speculative verify is not part of this runtime yet")
+            return _recurrent_verify(ops, arrange, tokens, params, batch, caches, layer)
         steps = [ops.recurrent_step(*arrange([t[:, i] for t in tokens], params), state, batch.state_slots)
                  for i in range(batch.num_tokens)]
         return torch.stack(steps, 1)
+    if caches.buffers is None:
+        raise ValueError("kvbuffer mode needs caches built with buffers=True")
     buf = caches.buffers.layer(layer).tensors()
     if batch.kind == "prefill":
         o, _ = ops.prefill(*arrange([t[0] for t in tokens], params), state, int(batch.state_slots[0]), *buf,
@@ -65,6 +67,22 @@ def _linear_mix(ops, arrange, tokens, params, batch: ForwardBatch, caches: Model
                               batch.slots, batch.lengths, flush_at=batch.flush_at)
         return o[:, None]
     return ops.verify(*arrange(tokens, params), state, batch.state_slots, *buf, batch.slots, batch.lengths)
+
+
+def _recurrent_verify(ops, arrange, tokens, params, batch, caches, layer):
+    """The servers' way to verify T drafts: step through them, storing the state after each one in
+    a per-draft state slot; the engine copies the accepted one back (see commit_draft_states)."""
+    if caches.draft_states is None:
+        raise ValueError("recurrent-mode verify needs caches built with draft_states=True")
+    real = batch.slots >= 0
+    scratch = caches.states.layer(layer)[batch.state_slots.clamp(min=0).long()].clone()
+    rows = torch.where(real, torch.arange(batch.num_rows, dtype=torch.int32, device=scratch.device),
+                       torch.full_like(batch.slots, -1))
+    outs = []
+    for i in range(batch.num_tokens):
+        outs.append(ops.recurrent_step(*arrange([t[:, i] for t in tokens], params), scratch, rows))
+        caches.draft_states[layer][batch.slots[real].long(), i] = scratch[real]
+    return torch.stack(outs, 1)
 
 
 def attention(q, k, v, batch: ForwardBatch, caches: ModelCaches, layer: int, scaling: float):

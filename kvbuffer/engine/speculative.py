@@ -1,0 +1,89 @@
+"""Speculative decoding: drafters, and the rule that decides which drafts the target model keeps.
+
+Each step feeds every request's last token plus T drafts through one verify forward. With
+KVBuffer the T+1 entries land in the buffer and accepting m of them is a length update; nothing
+like a per-draft state exists. The acceptance rule is the standard one: greedy keeps the drafts
+that equal the target's argmax; with sampling, a draft d drawn from q is kept with probability
+min(1, p(d)/q(d)), and on rejection the next token is drawn from norm(max(p - q, 0)), which leaves
+the output distribution exactly p. The n-gram drafter is deterministic (q is a point mass), so
+acceptance is p(d) and the residual is p with d removed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .sampling import SamplingParams, filtered_probs
+
+METHODS = ("ngram",)
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    method: str
+    num_draft_tokens: int
+    ngram_max: int = 3  # longest suffix the n-gram drafter tries to match
+    ngram_min: int = 1
+
+    def __post_init__(self):
+        if self.method not in METHODS:
+            raise ValueError(f"speculative method must be one of {METHODS}, got {self.method!r} "
+                             "(the MTP drafter is not implemented yet)")
+        if not 1 <= self.num_draft_tokens <= 16:
+            raise ValueError(f"num_draft_tokens must be in [1, 16], got {self.num_draft_tokens}")
+
+    @classmethod
+    def from_dict(cls, d: dict | None) -> "SpeculativeConfig | None":
+        if d is None:
+            return None
+        unknown = set(d) - {"method", "num_draft_tokens", "ngram_max", "ngram_min"}
+        if unknown:
+            raise ValueError(f"unknown speculative options {sorted(unknown)}")
+        return cls(**d)
+
+
+class NgramDrafter:
+    """Prompt-lookup drafting: find the latest earlier occurrence of the context's last n tokens
+    (longest n first) and propose the tokens that followed it. No second model needed."""
+
+    def __init__(self, ngram_max: int = 3, ngram_min: int = 1):
+        self.ngram_max, self.ngram_min = ngram_max, ngram_min
+
+    def propose(self, context: list[int], count: int) -> list[int]:
+        for n in range(min(self.ngram_max, len(context) - 1), self.ngram_min - 1, -1):
+            suffix = context[-n:]
+            for start in range(len(context) - n - 1, -1, -1):
+                if context[start:start + n] == suffix:
+                    follow = context[start + n:start + n + count]
+                    if follow:
+                        return follow
+        return []
+
+
+def accept_drafts(logits: torch.Tensor, drafts: list[int | None], params: SamplingParams,
+                  generator: torch.Generator | None) -> tuple[int, int]:
+    """Decide how many deterministic drafts to keep and the token that follows them.
+
+    logits: (T+1, V), row i is the target's prediction after the real token and drafts[:i].
+    drafts: T proposals; None marks padding (never kept). Returns (kept m, next token).
+    """
+    for i, d in enumerate(drafts):
+        if params.temperature == 0.0:
+            target = int(torch.argmax(logits[i]))
+            if d is None or d != target:
+                return i, target
+            continue
+        p = filtered_probs(logits[i], params)
+        if d is not None and float(torch.rand((), generator=generator)) < float(p[d]):
+            continue
+        if d is not None:  # residual norm(max(p - q, 0)) with q a point mass on d
+            p = p.clone()
+            p[d] = 0.0
+            p = p / p.sum()
+        return i, int(torch.multinomial(p.cpu(), 1, generator=generator))
+    last = logits[len(drafts)]
+    if params.temperature == 0.0:
+        return len(drafts), int(torch.argmax(last))
+    return len(drafts), int(torch.multinomial(filtered_probs(last, params).cpu(), 1, generator=generator))

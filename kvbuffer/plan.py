@@ -1,0 +1,127 @@
+"""Capacity planning: bytes per request and how many requests fit, for KVBuffer and for today's scheme.
+
+The arithmetic is the engine's own: a CacheSpec is built for one request slot and its tensors'
+bytes are summed (kvbuffer.runtime.caches.CacheSpec.tensor_shapes), so the planner and the
+engine's admission cannot disagree. Counted per request: the attention KV cache for the context,
+the linear layers' states, KVBuffer's buffers, conv histories and, for the recurrent scheme with
+speculation, one extra state per fed draft token (what SGLang and vLLM keep to roll back).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .pools import LinearLayerShape
+from .runtime.caches import CacheSpec
+
+
+@dataclass(frozen=True)
+class ModelGeometry:
+    """What memory planning needs to know about a model."""
+
+    name: str
+    weight_bytes: int
+    linear_shape: LinearLayerShape
+    num_linear_layers: int
+    conv_dim: int
+    conv_width: int
+    num_attention_layers: int
+    num_kv_heads: int
+    head_dim: int
+
+
+def _gdn(name, params_b, n_lin, n_att, Hk, Hv, kv_heads, head_dim=256, K=128, V=128):
+    shape = LinearLayerShape(Hk, Hv, K, V, delta_rule=True)
+    return ModelGeometry(name, int(params_b * 1e9 * 2), shape, n_lin, 2 * Hk * K + Hv * V, 4, n_att, kv_heads, head_dim)
+
+
+def _mamba(name, params_b, n_lin, n_att, heads, groups, kv_heads, head_dim=128, P=64, N=128):
+    shape = LinearLayerShape(groups, heads, N, P, delta_rule=False)
+    return ModelGeometry(name, int(params_b * 1e9 * 2), shape, n_lin, heads * P + 2 * groups * N, 4, n_att,
+                         kv_heads, head_dim)
+
+
+# Layer counts and head shapes from the models' configuration files; weights are bf16 at the
+# parameter count the model's name states (an approximation: embeddings and MTP layers vary).
+PRESETS: dict[str, ModelGeometry] = {g.name: g for g in (
+    _gdn("qwen3.5-9b", 9, 24, 8, 16, 32, kv_heads=4),
+    _gdn("qwen3.5-27b", 27, 48, 16, 16, 48, kv_heads=4),
+    _gdn("qwen3.5-35b-a3b", 35, 30, 10, 16, 32, kv_heads=2),
+    _gdn("qwen3.5-122b-a10b", 122, 36, 12, 16, 64, kv_heads=2),
+    _gdn("qwen3-next-80b", 80, 36, 12, 16, 32, kv_heads=2),
+    _mamba("nemotron-3-nano", 30, 23, 6, heads=64, groups=8, kv_heads=2),
+    _mamba("nemotron-3-super", 120, 40, 8, heads=128, groups=8, kv_heads=2),
+)}
+
+
+def geometry_of(model) -> ModelGeometry:
+    """Geometry of a loaded kvbuffer model (weights counted from its parameters)."""
+    g = model.cache_geometry()
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    return ModelGeometry(type(model).__name__, weights, g["linear_shape"], g["num_linear_layers"], g["conv_dim"],
+                         g["conv_width"], g["num_attention_layers"], g["num_kv_heads"], g["head_dim"])
+
+
+def request_spec(geo: ModelGeometry, *, scheme: str, context: int, draft_tokens: int = 0, chunk_size: int = 16,
+                 requests: int = 1) -> CacheSpec:
+    """The CacheSpec the engine builds for `requests` slots under `scheme` ("kvbuffer" or "recurrent")."""
+    if scheme not in ("kvbuffer", "recurrent"):
+        raise ValueError(f"scheme must be 'kvbuffer' or 'recurrent', got {scheme!r}")
+    if context < 1 or draft_tokens < 0 or chunk_size < 1:
+        raise ValueError("context and chunk_size must be >= 1 and draft_tokens >= 0")
+    buffered = scheme == "kvbuffer"
+    # KVBuffer serves a context shorter than its buffer without any state
+    needs_state = not buffered or context + draft_tokens >= chunk_size
+    fed = draft_tokens + 1 if draft_tokens else 1
+    return CacheSpec(
+        linear_shape=geo.linear_shape, num_linear_layers=geo.num_linear_layers, conv_dim=geo.conv_dim,
+        conv_width=geo.conv_width, num_attention_layers=geo.num_attention_layers, num_kv_heads=geo.num_kv_heads,
+        head_dim=geo.head_dim, max_requests=requests, max_states=requests if needs_state else 0,
+        max_len=context + fed, chunk_size=chunk_size, max_drafts=fed, buffers=buffered,
+        draft_states=not buffered and draft_tokens > 0,
+    )
+
+
+@dataclass(frozen=True)
+class Plan:
+    scheme: str
+    bytes_per_request: int
+    breakdown: dict
+    free_bytes: int
+    max_requests: int
+
+
+def plan(geo: ModelGeometry, *, gpu_memory: int, context: int, draft_tokens: int = 0, chunk_size: int = 16,
+         reserve_fraction: float = 0.1, dtype=torch.bfloat16) -> dict[str, Plan]:
+    """Both schemes' bytes per request and maximum concurrent requests in `gpu_memory` bytes.
+
+    `reserve_fraction` of the memory is kept for activations, workspaces and the allocator.
+    """
+    free = int(gpu_memory * (1 - reserve_fraction)) - geo.weight_bytes
+    if free <= 0:
+        raise ValueError(f"{geo.name}: weights ({geo.weight_bytes / 2**30:.1f} GiB) do not fit in "
+                         f"{gpu_memory * (1 - reserve_fraction) / 2**30:.1f} GiB")
+    out = {}
+    for scheme in ("kvbuffer", "recurrent"):
+        spec = request_spec(geo, scheme=scheme, context=context, draft_tokens=draft_tokens, chunk_size=chunk_size)
+        parts = spec.nbytes(dtype)
+        per = sum(parts.values())
+        out[scheme] = Plan(scheme, per, parts, free, free // per)
+    return out
+
+
+def format_plan(geo: ModelGeometry, plans: dict[str, Plan], *, context: int, draft_tokens: int) -> str:
+    kb, rc = plans["kvbuffer"], plans["recurrent"]
+    names = sorted(set(kb.breakdown) | set(rc.breakdown))
+    mib = lambda b: f"{b / 2**20:10.2f}"  # noqa: E731
+    lines = [f"{geo.name}: context {context}, {draft_tokens} draft token(s), weights {geo.weight_bytes / 2**30:.1f} GiB, "
+             f"{kb.free_bytes / 2**30:.1f} GiB for requests",
+             f"{'MiB per request':<22}{'kvbuffer':>10}{'recurrent':>11}"]
+    for n in names:
+        lines.append(f"  {n:<20}{mib(kb.breakdown.get(n, 0))} {mib(rc.breakdown.get(n, 0))}")
+    lines.append(f"  {'total':<20}{mib(kb.bytes_per_request)} {mib(rc.bytes_per_request)}")
+    ratio = kb.max_requests / rc.max_requests if rc.max_requests else float("inf")
+    lines.append(f"max concurrent requests: kvbuffer {kb.max_requests}, recurrent {rc.max_requests} ({ratio:.2f}x)")
+    return "\n".join(lines)

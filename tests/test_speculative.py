@@ -1,0 +1,124 @@
+"""Speculative decoding: greedy output equals plain decoding for every acceptance pattern, in both
+modes; the rejection-sampling rule leaves the target distribution unchanged; n-gram drafting."""
+
+import pytest
+import torch
+
+from hf_models import make_hf_model
+from kvbuffer import LLM
+from kvbuffer.engine.sampling import SamplingParams
+from kvbuffer.engine.speculative import NgramDrafter, SpeculativeConfig, accept_drafts
+
+C, NEW = 5, 24
+PROMPTS = [[3, 1, 4, 1, 5, 9, 2, 6], [7], [2, 7, 1, 8, 2, 8, 1, 8, 2, 8, 4, 5, 9], [1, 2, 3, 4, 5, 6]]
+
+
+class ScriptedDrafter:
+    """Proposes the plain-decoding continuation, corrupted by pattern: 'all' drafts right, 'none'
+    all wrong, 'some' right except every third."""
+
+    def __init__(self, references, pattern, vocab):
+        self.refs, self.pattern, self.vocab = references, pattern, vocab
+
+    def propose(self, context, count):
+        for prompt, cont in self.refs:
+            full = prompt + cont
+            if context == full[: len(context)]:
+                nxt = full[len(context): len(context) + count]
+                return [self._corrupt(i, t) for i, t in enumerate(nxt, start=len(context))]
+        raise AssertionError("context left the reference continuation")
+
+    def _corrupt(self, pos, token):
+        wrong = (token + 1) % self.vocab
+        if self.pattern == "none" or (self.pattern == "some" and pos % 3 == 0):
+            return wrong
+        return token
+
+
+TYPES = ["qwen3_5_text", "qwen3_5_moe_text", "qwen3_next", "nemotron_h"]
+_CHECKPOINTS = {}
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    """model type -> (checkpoint dir, plain greedy continuations), built on first use."""
+    def get(model_type):
+        if model_type not in _CHECKPOINTS:
+            path = tmp_path_factory.mktemp(model_type)
+            make_hf_model(model_type).save_pretrained(path)
+            plain = LLM(str(path), device="cpu", chunk_size=C, max_batch=4).generate(
+                PROMPTS, max_new_tokens=NEW, stop_token_ids=[])
+            _CHECKPOINTS[model_type] = path, [(p, o.token_ids) for p, o in zip(PROMPTS, plain)]
+        return _CHECKPOINTS[model_type]
+    return get
+
+
+PATTERNS = ("all", "some", "none")
+# every draft count on one Gated DeltaNet model; the drafts' extremes on every model type
+CASES = [("qwen3_5_text", "kvbuffer", T, pat) for T in range(1, 9) for pat in PATTERNS] + \
+        [(t, "kvbuffer", T, pat) for t in TYPES[1:] for T in (1, 8) for pat in PATTERNS] + \
+        [(t, "recurrent", T, pat) for t in TYPES for T in (1, 4) for pat in PATTERNS]
+
+
+@pytest.mark.parametrize("model_type, mode, T, pattern", CASES, ids=["-".join(map(str, c)) for c in CASES])
+def test_speculative_greedy_equals_plain(checkpoints, model_type, mode, T, pattern):
+    path, refs = checkpoints(model_type)
+    llm = LLM(str(path), device="cpu", mode=mode, chunk_size=C, max_batch=4,
+              speculative={"method": "ngram", "num_draft_tokens": T})
+    llm.drafter = ScriptedDrafter(refs, pattern, llm.vocab_size)
+    outs = llm.generate(PROMPTS, max_new_tokens=NEW, stop_token_ids=[])
+    assert [o.token_ids for o in outs] == [c for _, c in refs]
+    rate = llm.acceptance["acceptance_rate"]
+    if pattern == "all":
+        assert rate == 1.0 and llm.acceptance["tokens_per_step"] > 1.0
+    if pattern == "none":
+        assert rate == 0.0
+    assert llm.runner.caches.requests.num_free == 4  # every slot released
+
+
+@pytest.mark.parametrize("model_type", TYPES)
+def test_ngram_drafter_end_to_end(checkpoints, model_type):
+    """The real drafter on a repetitive prompt: same tokens as plain decoding."""
+    path, refs = checkpoints(model_type)
+    llm = LLM(str(path), device="cpu", chunk_size=C, max_batch=4, speculative={"method": "ngram", "num_draft_tokens": 4})
+    outs = llm.generate(PROMPTS, max_new_tokens=NEW, stop_token_ids=[])
+    assert [o.token_ids for o in outs] == [c for _, c in refs]
+
+
+def test_ngram_drafter_proposals():
+    d = NgramDrafter(ngram_max=3)
+    assert d.propose([1, 2, 3, 9, 1, 2, 3], 2) == [9, 1]
+    assert d.propose([5, 6, 7], 3) == []
+    assert d.propose([4, 4, 4], 2) == [4]
+
+
+def test_speculative_config_validation():
+    with pytest.raises(ValueError, match="method must be one of"):
+        SpeculativeConfig.from_dict({"method": "eagle", "num_draft_tokens": 2})
+    with pytest.raises(ValueError, match="num_draft_tokens"):
+        SpeculativeConfig.from_dict({"method": "ngram", "num_draft_tokens": 0})
+
+
+def test_rejection_sampling_preserves_the_target_distribution():
+    """First emitted token after one deterministic draft is distributed as the target p."""
+    logits = torch.tensor([[1.0, 0.2, -0.5, 0.7, 0.0], [0.3, 0.1, 0.0, -1.0, 2.0]])
+    params = SamplingParams(temperature=1.0)
+    p = torch.softmax(logits[0], 0)
+    gen = torch.Generator().manual_seed(0)
+    n = 20000
+    for draft in (0, 2):
+        counts = torch.zeros(5)
+        for _ in range(n):
+            m, nxt = accept_drafts(logits, [draft], params, gen)
+            counts[draft if m == 1 else nxt] += 1
+        freq = counts / n
+        # 4.5 standard errors per category
+        assert torch.all((freq - p).abs() < 4.5 * torch.sqrt(p * (1 - p) / n)), (draft, freq, p)
+
+
+def test_greedy_acceptance_rule():
+    logits = torch.tensor([[0.0, 5.0, 0.0], [4.0, 0.0, 0.0], [0.0, 0.0, 3.0]])
+    greedy = SamplingParams()
+    assert accept_drafts(logits, [1, 0], greedy, None) == (2, 2)
+    assert accept_drafts(logits, [1, 2], greedy, None) == (1, 0)
+    assert accept_drafts(logits, [None, 0], greedy, None) == (0, 1)
