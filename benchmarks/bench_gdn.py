@@ -115,7 +115,7 @@ def correctness_gate(ops, Hk, Hv, fla_fn) -> dict:
     o64 = ref.recurrent_step(q64, k64, v[:, 0].double(), g64, be64, s64.clone(), ss)
     st = S.state.clone()
     o = torch.full_like(v[:, 0], float("nan"))
-    ops["recurrent"].fn(q[:, 0], k[:, 0], v[:, 0], a[:, 0], b[:, 0], S.A_log, S.dt_bias, st, ss, o)
+    ops["recurrent"].fn(q, k, v, a, b, S.A_log, S.dt_bias, st, ss, o.unsqueeze(1))
     out["recurrent"] = err(o, o64)
     if fla_fn is not None:
         o_f = fla_fn(S, 0, ss)
@@ -175,10 +175,10 @@ def bench_shape(name, Hk, Hv, ops, fla_fn, batches, copy_bw) -> list[dict]:
     rows = []
     for B in batches:
         S = Setup(Hk, Hv, B, cap=ops["cap"], C=ops["C"])
-        o1, o1t = S.o1, S.out[1]
+        o1t = S.out[1]
         t = {}
         t["recurrent"] = _time(lambda i: ops["recurrent"].fn(
-            *(x[:, 0] for x in S.tok(1, i)), S.A_log, S.dt_bias, S.state, S.win(i), o1))
+            *S.tok(1, i), S.A_log, S.dt_bias, S.state, S.win(i), o1t))
         t["buffered"] = _time(lambda i: ops["buffered"].fn(
             *S.tok(1, i), S.A_log, S.dt_bias, S.state, S.win(i), S.buf_k, S.buf_v, S.buf_g, S.win(i + 1),
             S.staggered[i % S.C], o1t), reps=4 * S.C)
@@ -214,11 +214,11 @@ def tune(Hk, Hv, *, C, cap, B=256) -> dict:
     from kvbuffer.tiles.gdn import get_buffered_configs, get_recurrent_configs
 
     S = Setup(Hk, Hv, B, cap=cap, C=C)
-    o1, o1t = S.o1, S.out[1]
+    o1t = S.out[1]
     best, log = {}, []
     for cfg in get_recurrent_configs():
         op = build_gdn_recurrent(Hk, Hv, **cfg)
-        t = _time(lambda i: op.fn(*(x[:, 0] for x in S.tok(1, i)), S.A_log, S.dt_bias, S.state, S.win(i), o1))
+        t = _time(lambda i: op.fn(*S.tok(1, i), S.A_log, S.dt_bias, S.state, S.win(i), o1t))
         log.append(("recurrent", cfg, t))
     for cfg in get_buffered_configs():
         op = build_gdn_buffered(Hk, Hv, cap=cap, T_new=1, flush_at=C, **cfg)

@@ -1,4 +1,4 @@
-"""Every GDN TileLang template compiles for sm_90a with nvcc (CPU only; no GPU needed).
+"""Every GDN and Mamba-2 TileLang template compiles for sm_90a with nvcc (CPU only; no GPU needed).
 
 Skips cleanly when TileLang or nvcc is missing. One small config per template keeps CI near
 a few seconds per kernel; the GPU tests (tests/gpu) cover the numerics.
@@ -21,15 +21,21 @@ CASES = {
     "buffered_step_fused_flush": ("gdn_buffered", dict(Hk=16, Hv=32, cap=24, T_new=1, flush_at=16)),
     "verify_T4": ("gdn_buffered", dict(Hk=16, Hv=32, cap=24, T_new=4, flush_at=0)),
     "flush": ("gdn_flush", dict(Hk=16, Hv=32, cap=24)),
+    "mamba2_recurrent": ("mamba2.mamba2_recurrent", dict(G=8, H=64, has_z=True)),
+    "mamba2_buffered_step_fused_flush": ("mamba2.mamba2_buffered", dict(G=8, H=64, cap=24, T_new=1, flush_at=16,
+                                                                          has_z=True)),
 }
 
 
 @pytest.mark.parametrize("case", CASES)
 def test_template_compiles_for_sm90a(case):
-    from kvbuffer.tiles import compile_template, gdn
+    import importlib
+
+    from kvbuffer.tiles import compile_template
 
     template, params = CASES[case]
-    kernel = compile_template(getattr(gdn, template)(**params))
+    module, _, name = template.rpartition(".")
+    kernel = compile_template(getattr(importlib.import_module(f"kvbuffer.tiles.{module or 'gdn'}"), name)(**params))
     src = kernel.get_kernel_source()
     assert "__global__" in src
 
@@ -44,8 +50,9 @@ def test_import_kvbuffer_does_not_import_tilelang():
 
 
 def test_configs_are_listed():
-    from kvbuffer.tiles import gdn
+    from kvbuffer.tiles import gdn, mamba2
 
-    for fn in (gdn.get_recurrent_configs, gdn.get_buffered_configs, gdn.get_flush_configs):
+    for fn in (gdn.get_recurrent_configs, gdn.get_buffered_configs, gdn.get_flush_configs,
+               mamba2.get_recurrent_configs, mamba2.get_buffered_configs):
         cfgs = fn()
         assert cfgs and all({"BV", "threads"} <= set(c) for c in cfgs)

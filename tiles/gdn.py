@@ -1,155 +1,39 @@
-"""TileLang templates for Qwen3.5 Gated DeltaNet decode: recurrent step, buffered step/verify, flush.
+"""Qwen3.5 Gated DeltaNet decode templates (recurrent and flush from tiles.linear_decode, buffered below).
 
-Every template is a plain function of its shape constants and tunables that returns a
-`T.prim_func`; the batch (B) and the pool sizes are dynamic, so one compiled kernel serves every
-batch size and pool. `get_*_configs()` next to each template lists the tunables worth trying.
-TileLang is imported when a template is built, never at module import.
-
-Grid (all kernels): one block per (value tile of BV columns, value head, batch row). A block owns
-the K x BV tile of its row's fp32 state and reduces over K inside the block, so no block depends
-on another one. Value head h reads key head h // (Hv // Hk).
-
-Fused front (Qwen3.5 `gdn_front`): raw q, k (post-conv) are L2-normalised (eps 1e-6) in fp32, q is
-scaled by K**-0.5, beta = sigmoid(b), g = -exp(A_log) * softplus(a + dt_bias) (softplus threshold
-20, as torch). The front is recomputed by every block of a row: it is ~K flops, and it saves a
-launch and a round trip through memory.
-
-Tensor ABI (contiguous; `in` = activation dtype, `bd` = buffer dtype):
-    q, k        (B, [T,] Hk, K)  in      raw, post-conv
-    v           (B, [T,] Hv, V)  in
-    a, b        (B, [T,] Hv)     in      raw gate projections
-    A_log, dt_bias (Hv,)         fp32
-    state       (NS, Hv, K, V)   fp32    state_slots (B,) int32, -1 = no state (reads as zero)
-    buf_k       (NB, cap, Hk, K) bd      buf_v (NB, cap, Hv, V) bd    buf_g (NB, cap, Hv) fp32
-    buffer_slots, lengths (B,)   int32   -1 = padding row: zero output, nothing written
-    o           (B, [T,] Hv, V)  in
+The GDN entry points under their established names. The recurrent step and the flush are the generic
+family (linear_decode.py: delta rule on, GDN gating front). `gdn_buffered` is still the in-block-
+reduction template below: the generic `linear_buffered("gdn", ...)` passes the same GPU tests
+(H200, 2026-11-30: 155/156, the miss a fused-flush state at 1.12e-5 against 1e-5) but runs ~3.5x
+slower on GDN shapes (3xTF32 GEMM path, ~73+ KB shared memory per block), so it replaces this one
+only once it is faster (see docs/kernels.md). Tensor ABI: linear_decode's module docstring (GDN rows);
+the recurrent step takes a token axis of 1.
 """
-
-# no `from __future__ import annotations`: TileLang evaluates the T.Tensor annotations
 
 import itertools
 
-L2NORM_EPS = 1e-6
-SOFTPLUS_THRESHOLD = 20.0
-
-
-def _tl():
-    import tilelang.language as T  # noqa: N812  (TileLang's own convention)
-
-    return T
-
-
-def _pow2(n: int) -> int:
-    return 1 << max(n - 1, 0).bit_length()
-
-
-def _check_shape(Hk: int, Hv: int, K: int, V: int, BV: int) -> None:
-    if Hv % Hk:
-        raise ValueError(f"Hv={Hv} must be a multiple of Hk={Hk}")
-    if V % BV:
-        raise ValueError(f"V={V} must be a multiple of BV={BV}")
-    if K % 16 or V % 16:
-        raise ValueError(f"K={K} and V={V} must be multiples of 16")
-
-
-# ----------------------------------------------------------------------------------------------
-# recurrent step (the baseline: read and write the whole state every token)
-
-
-def get_recurrent_configs() -> list[dict]:
-    return [{"BV": bv, "threads": th} for bv, th in itertools.product((16, 32, 64), (64, 128, 256))
-            if bv * 128 // th >= 8]
+from .linear_decode import _tl, check_shape as _check_shape, pow2 as _pow2  # noqa: F401
+from .linear_decode import (  # noqa: F401  (the tunables lists are part of this module's API)
+    L2NORM_EPS,
+    SOFTPLUS_THRESHOLD,
+    get_flush_configs,
+    get_recurrent_configs,
+    linear_buffered,
+    linear_flush,
+    linear_recurrent,
+)
 
 
 def gdn_recurrent(Hk: int, Hv: int, K: int = 128, V: int = 128, *, BV: int = 32, threads: int = 128,
                   in_dtype: str = "bfloat16"):
     """One decode step of the plain GDN recurrence, updating state[state_slots] in place.
 
-    Args: q, k, v, a, b, A_log, dt_bias, state, state_slots, o (see module docstring).
+    Args: q, k, v, a, b, A_log, dt_bias, state, state_slots, o.
     """
-    _check_shape(Hk, Hv, K, V, BV)
-    T = _tl()
-    B = T.dynamic("batch")
-    NS = T.dynamic("num_state_slots")
-    r = Hv // Hk
-    f32 = "float32"
-    q_scale = K ** -0.5
-
-    @T.prim_func
-    def gdn_recurrent_step(
-        q: T.Tensor((B, Hk, K), in_dtype),
-        k: T.Tensor((B, Hk, K), in_dtype),
-        v: T.Tensor((B, Hv, V), in_dtype),
-        a: T.Tensor((B, Hv), in_dtype),
-        b: T.Tensor((B, Hv), in_dtype),
-        A_log: T.Tensor((Hv,), f32),
-        dt_bias: T.Tensor((Hv,), f32),
-        state: T.Tensor((NS, Hv, K, V), f32),
-        state_slots: T.Tensor((B,), "int32"),
-        o: T.Tensor((B, Hv, V), in_dtype),
-    ):
-        with T.Kernel(V // BV, Hv, B, threads=threads) as (bv, hv, bb):
-            hk = hv // r
-            qs = T.alloc_shared((K,), f32)
-            ks = T.alloc_shared((K,), f32)
-            qf = T.alloc_fragment((K,), f32)
-            kf = T.alloc_fragment((K,), f32)
-            sq = T.alloc_fragment((K,), f32)
-            nq = T.alloc_fragment((1,), f32)
-            nk = T.alloc_fragment((1,), f32)
-            S = T.alloc_fragment((K, BV), f32)
-            P = T.alloc_fragment((K, BV), f32)
-            kv = T.alloc_fragment((BV,), f32)
-            ov = T.alloc_fragment((BV,), f32)
-            u = T.alloc_fragment((BV,), f32)
-            slot = state_slots[bb]
-
-            # fused front: l2norm(q) * K**-0.5, l2norm(k), g, beta
-            for i in T.Parallel(K):
-                qf[i] = T.cast(q[bb, hk, i], f32)
-                kf[i] = T.cast(k[bb, hk, i], f32)
-            for i in T.Parallel(K):
-                sq[i] = qf[i] * qf[i]
-            T.reduce_sum(sq, nq, dim=0)
-            for i in T.Parallel(K):
-                sq[i] = kf[i] * kf[i]
-            T.reduce_sum(sq, nk, dim=0)
-            for i in T.Parallel(K):
-                qs[i] = qf[i] * T.rsqrt(nq[0] + L2NORM_EPS) * q_scale
-                ks[i] = kf[i] * T.rsqrt(nk[0] + L2NORM_EPS)
-            x = T.cast(a[bb, hv], f32) + dt_bias[hv]
-            g = -T.exp(A_log[hv]) * T.if_then_else(x > SOFTPLUS_THRESHOLD, x, T.log1p(T.exp(x)))
-            beta = 1.0 / (1.0 + T.exp(-T.cast(b[bb, hv], f32)))
-            decay = T.exp(g)
-
-            if slot >= 0:
-                T.copy(state[slot, hv, :, bv * BV:(bv + 1) * BV], S)
-                for i, j in T.Parallel(K, BV):
-                    S[i, j] = S[i, j] * decay
-                    P[i, j] = S[i, j] * ks[i]
-                T.reduce_sum(P, kv, dim=0)
-                for j in T.Parallel(BV):
-                    u[j] = beta * (T.cast(v[bb, hv, bv * BV + j], f32) - kv[j])
-                for i, j in T.Parallel(K, BV):
-                    S[i, j] = S[i, j] + ks[i] * u[j]
-                    P[i, j] = S[i, j] * qs[i]
-                T.reduce_sum(P, ov, dim=0)
-                for j in T.Parallel(BV):
-                    o[bb, hv, bv * BV + j] = T.cast(ov[j], in_dtype)
-                T.copy(S, state[slot, hv, :, bv * BV:(bv + 1) * BV])
-            else:
-                for j in T.Parallel(BV):
-                    o[bb, hv, bv * BV + j] = T.cast(0.0, in_dtype)
-
-    return gdn_recurrent_step
-
-
-# ----------------------------------------------------------------------------------------------
-# buffered step / speculative verify / prefill chunk (one template; T = 1 is the decode step)
+    return linear_recurrent("gdn", Hk, Hv, K, V, BV=BV, threads=threads, in_dtype=in_dtype)
 
 
 def get_buffered_configs() -> list[dict]:
-    # BV * K / threads >= 16: smaller per-thread tiles fail TileLang's layout inference (BV16 x 256)
+    """Tunables of `gdn_buffered` (BV * K / threads >= 16: smaller per-thread tiles fail layout inference)."""
     return [{"BV": bv, "threads": th} for bv, th in itertools.product((32, 64, 128), (64, 128, 256))
             if 16 <= bv * 128 // th <= 128]
 
@@ -379,65 +263,7 @@ def gdn_buffered(Hk: int, Hv: int, K: int = 128, V: int = 128, *, cap: int = 16,
     return gdn_buffered_step
 
 
-# ----------------------------------------------------------------------------------------------
-# stand-alone flush
-
-
-def get_flush_configs() -> list[dict]:
-    return [{"BV": bv, "threads": th} for bv, th in itertools.product((16, 32, 64), (64, 128, 256))
-            if bv * 128 // th >= 8]
-
-
 def gdn_flush(Hk: int, Hv: int, K: int = 128, V: int = 128, *, cap: int = 16, BV: int = 32,
               threads: int = 128, buf_dtype: str = "bfloat16"):
-    """Fold each row's n buffered entries into its state: S0 <- exp(G_n) S0 + sum_i exp(G_n - G_i) k_i d_i^T.
-
-    Rows with a padding buffer slot, an empty buffer or no state slot are left alone (the launcher
-    rejects entries without a state). Args: state, state_slots, buf_k, buf_v, buf_g, buffer_slots, lengths.
-    """
-    _check_shape(Hk, Hv, K, V, BV)
-    T = _tl()
-    B = T.dynamic("batch")
-    NS = T.dynamic("num_state_slots")
-    NB = T.dynamic("num_buffer_slots")
-    r = Hv // Hk
-    f32 = "float32"
-    cp = _pow2(cap)
-
-    @T.prim_func
-    def gdn_flush_rows(
-        state: T.Tensor((NS, Hv, K, V), f32),
-        state_slots: T.Tensor((B,), "int32"),
-        buf_k: T.Tensor((NB, cap, Hk, K), buf_dtype),
-        buf_v: T.Tensor((NB, cap, Hv, V), buf_dtype),
-        buf_g: T.Tensor((NB, cap, Hv), f32),
-        buffer_slots: T.Tensor((B,), "int32"),
-        lengths: T.Tensor((B,), "int32"),
-    ):
-        with T.Kernel(V // BV, Hv, B, threads=threads) as (bv, hv, bb):
-            hk = hv // r
-            v0 = bv * BV
-            Kb = T.alloc_shared((cp, K), f32)
-            Db = T.alloc_shared((cp, BV), f32)
-            wb = T.alloc_shared((cp,), f32)
-            S = T.alloc_fragment((K, BV), f32)
-            sslot = state_slots[bb]
-            bslot = buffer_slots[bb]
-            n = lengths[bb]
-            if bslot >= 0 and sslot >= 0 and n > 0:
-                G_last = buf_g[bslot, n - 1, hv]
-                for i, c in T.Parallel(cp, K):
-                    Kb[i, c] = T.if_then_else(i < n, T.cast(buf_k[bslot, i, hk, c], f32), 0.0)
-                for i, j in T.Parallel(cp, BV):
-                    Db[i, j] = T.if_then_else(i < n, T.cast(buf_v[bslot, i, hv, v0 + j], f32), 0.0)
-                for i in T.Parallel(cp):
-                    wb[i] = T.if_then_else(i < n, T.exp(G_last - buf_g[bslot, i, hv]), 0.0)
-                T.copy(state[sslot, hv, :, v0:v0 + BV], S)
-                for i, j in T.Parallel(K, BV):
-                    S[i, j] = S[i, j] * T.exp(G_last)
-                for e in T.serial(n):
-                    for i, j in T.Parallel(K, BV):
-                        S[i, j] = S[i, j] + wb[e] * Kb[e, i] * Db[e, j]
-                T.copy(S, state[sslot, hv, :, v0:v0 + BV])
-
-    return gdn_flush_rows
+    """Fold each row's n buffered entries into its state (the family's shared flush)."""
+    return linear_flush(Hk, Hv, K, V, cap=cap, BV=BV, threads=threads, buf_dtype=buf_dtype)

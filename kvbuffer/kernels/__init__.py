@@ -16,8 +16,20 @@ from .gdn import (
     gdn_recurrent_step,
     gdn_verify,
 )
+from .mamba2 import (
+    build_mamba2_buffered,
+    build_mamba2_flush,
+    build_mamba2_recurrent,
+    mamba2_buffered_step,
+    mamba2_flush,
+    mamba2_prefill,
+    mamba2_recurrent_step,
+    mamba2_verify,
+)
 
 __all__ = [
     "CompiledOp", "build_gdn_buffered", "build_gdn_flush", "build_gdn_recurrent",
     "gdn_buffered_step", "gdn_flush", "gdn_prefill", "gdn_recurrent_step", "gdn_verify",
+    "build_mamba2_buffered", "build_mamba2_flush", "build_mamba2_recurrent", "mamba2_buffered_step",
+    "mamba2_flush", "mamba2_prefill", "mamba2_recurrent_step", "mamba2_verify",
 ]

@@ -36,11 +36,12 @@ def _tiles():
     return importlib.import_module("kvbuffer.tiles")
 
 
-def _build(kind: str, template: str, params: dict) -> CompiledOp:
+def _build(kind: str, template: str, params: dict, module: str = "gdn", aliases: dict | None = None) -> CompiledOp:
+    """Compile kvbuffer.tiles.<module>.<template>(**params); `aliases` adds the generic dimension names."""
     tiles = _tiles()
-    gdn = importlib.import_module("kvbuffer.tiles.gdn")
-    prim = getattr(gdn, template)(**params)
-    return CompiledOp(tiles.compile_template(prim), kind, dict(params))
+    mod = importlib.import_module(f"kvbuffer.tiles.{module}")
+    prim = getattr(mod, template)(**params)
+    return CompiledOp(tiles.compile_template(prim), kind, dict(params, **(aliases or {})))
 
 
 def build_gdn_recurrent(Hk: int, Hv: int, K: int = 128, V: int = 128, **tunables) -> CompiledOp:
@@ -72,7 +73,7 @@ def _contiguous(name: str, t: torch.Tensor) -> None:
 def _expect(op: CompiledOp, kind: str) -> None:
     if not isinstance(op, CompiledOp) or op.kind != kind:
         got = getattr(op, "kind", type(op).__name__)
-        raise TypeError(f"expected a compiled '{kind}' kernel (build_gdn_{kind}), got {got}")
+        raise TypeError(f"expected a compiled '{kind}' kernel (build_*_{kind}), got {got}")
 
 
 def _check_state(op: CompiledOp, state, state_slots, B: int, dev) -> None:
@@ -137,7 +138,8 @@ def gdn_recurrent_step(op: CompiledOp, q, k, v, a, b, A_log, dt_bias, state, sta
     _check_state(op, state, state_slots, B, dev)
     o = _out(out, tuple(v.shape), v)
     if B:
-        op.fn(q, k, v, a, b, A_log, dt_bias, state, state_slots, o)
+        u = lambda t: t.unsqueeze(1)  # noqa: E731  (the kernels take a token axis of 1; a free view)
+        op.fn(u(q), u(k), u(v), u(a), u(b), A_log, dt_bias, state, state_slots, u(o))
     return o
 
 
@@ -211,40 +213,50 @@ def gdn_flush(op: CompiledOp, state, state_slots, buf_k, buf_v, buf_g, buffer_sl
         op.fn(state, state_slots, buf_k, buf_v, buf_g, buffer_slots, lengths)
 
 
-def gdn_prefill(ops: dict, q, k, v, a, b, A_log, dt_bias, state, state_slot: int, buf_k, buf_v, buf_g,
-                buffer_slot: int, length: int):
-    """Chunked prefill of one request (q: (T, Hk, K) ...) as reference.prefill: returns (o, new length).
+def prefill_chunks(ops: dict, T: int, length: int, state_slot: int):
+    """Cut a T-token prompt after `length` buffered entries into verify chunks: yields (start, size, n).
 
-    `ops` maps chunk sizes to buffered kernels built with flush_at = C (all the same C), e.g.
-    {8: ..., 4: ..., 2: ..., 1: ...}. The prompt is cut into chunks that never cross a flush boundary,
-    largest size first; each chunk is one verify launch, and the chunk that fills the buffer folds
-    it into the state in the same launch (T-token verify + fused flush). Needs a size-1 kernel.
+    `ops` maps chunk sizes to buffered kernels that share one flush_at = C > 0; chunks never cross a
+    flush boundary (the chunk that fills the buffer folds it into the state in the same launch),
+    largest size first. Needs a size-1 kernel. n is the buffer fill before the chunk.
     """
     if 1 not in ops:
-        raise ValueError("gdn_prefill needs a T_new=1 kernel in ops to cut any prompt")
+        raise ValueError("prefill needs a T_new=1 kernel in ops to cut any prompt")
     C = {op["flush_at"] for op in ops.values()}
     if len(C) != 1 or 0 in C:
         raise ValueError(f"all prefill kernels must share one flush_at > 0, got {sorted(C)}")
     C = C.pop()
     if not 0 <= length < C:
         raise ShapeError(f"length must be in [0, flush_at={C}), got {length}")
-    T = q.shape[0]
     if length + T >= C and state_slot < 0:
         raise SlotError(f"a prompt of {T} tokens after {length} buffered ones fills the buffer "
                         f"(flush_at={C}); allocate a state slot first")
+    sizes = sorted(ops, reverse=True)
+    start = 0
+    while start < T:
+        take = next(s for s in sizes if s <= min(C - length, T - start))
+        yield start, take, length
+        length = (length + take) % C
+        start += take
+
+
+def gdn_prefill(ops: dict, q, k, v, a, b, A_log, dt_bias, state, state_slot: int, buf_k, buf_v, buf_g,
+                buffer_slot: int, length: int):
+    """Chunked prefill of one request (q: (T, Hk, K) ...) as reference.prefill: returns (o, new length).
+
+    `ops` maps chunk sizes to buffered kernels built with flush_at = C (all the same C), e.g.
+    {8: ..., 4: ..., 2: ..., 1: ...}; see `prefill_chunks`: each chunk is one verify launch (T-token
+    verify + fused flush when it fills the buffer).
+    """
     dev = q.device
     row = lambda s: torch.tensor([s], dtype=torch.int32, device=dev)  # noqa: E731
     s_slot, b_slot = row(state_slot), row(buffer_slot)
-    sizes = sorted(ops, reverse=True)
-    outs, start = [], 0
-    while start < T:
-        room = min(C - length, T - start)
-        take = next(s for s in sizes if s <= room)
+    outs = []
+    for start, take, n in prefill_chunks(ops, q.shape[0], length, state_slot):
         part = lambda t: t[start:start + take].unsqueeze(0).contiguous()  # noqa: E731
         o = gdn_verify(ops[take], part(q), part(k), part(v), part(a), part(b), A_log, dt_bias, state,
-                       s_slot, buf_k, buf_v, buf_g, b_slot, row(length))
+                       s_slot, buf_k, buf_v, buf_g, b_slot, row(n))
         outs.append(o[0])
-        length = (length + take) % C
-        start += take
+        length = (n + take) % ops[take]["flush_at"]
     o = torch.cat(outs, 0) if outs else v.new_zeros((0,) + tuple(v.shape[1:]))
     return o, length

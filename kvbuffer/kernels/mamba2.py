@@ -1,0 +1,175 @@
+"""Mamba-2 (Nemotron-3) ops on compiled TileLang kernels: compile (`build_mamba2_*`) and validated launch.
+
+The kernels are the decay-only members of the generic family (tiles/linear_decode.py) with the
+Mamba-2 front fused: raw x, dt, B, C (and z) in, y = o + D * x (* silu(z)) out, exactly
+kvbuffer.reference.mamba2. Dimensions: G groups (key heads), H heads, N state size (K), P head dim (V);
+states (slots, H, N, P) fp32. Launchers share the GDN ops' validation (kvbuffer.kernels.gdn).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..checks import check_capacity, check_tensor
+from ..errors import ShapeError, SlotError
+from .gdn import (
+    ACT_DTYPES,
+    CompiledOp,
+    _build,
+    _check_buffer,
+    _check_state,
+    _contiguous,
+    _expect,
+    _out,
+    prefill_chunks,
+)
+
+
+def _aliases(G, H, N, P) -> dict:
+    return dict(Hk=G, Hv=H, K=N, V=P)
+
+
+def build_mamba2_recurrent(G: int, H: int, N: int = 128, P: int = 64, **tunables) -> CompiledOp:
+    """Compile the recurrent step (selective_state_update; the baseline); tunables: BV, threads, in_dtype, has_z."""
+    return _build("recurrent", "mamba2_recurrent", dict(G=G, H=H, N=N, P=P, **tunables), "mamba2",
+                  _aliases(G, H, N, P))
+
+
+def build_mamba2_buffered(G: int, H: int, N: int = 128, P: int = 64, *, cap: int, T_new: int = 1,
+                          flush_at: int = 0, **tunables) -> CompiledOp:
+    """Compile the buffered step (T_new=1) / verify (T_new drafts) / prefill chunk, optional fused flush."""
+    params = dict(G=G, H=H, N=N, P=P, cap=cap, T_new=T_new, flush_at=flush_at, **tunables)
+    return _build("buffered", "mamba2_buffered", params, "mamba2", _aliases(G, H, N, P))
+
+
+def build_mamba2_flush(G: int, H: int, N: int = 128, P: int = 64, *, cap: int, **tunables) -> CompiledOp:
+    """Compile the stand-alone flush (the same kernel as GDN's flush)."""
+    return _build("flush", "mamba2_flush", dict(G=G, H=H, N=N, P=P, cap=cap, **tunables), "mamba2",
+                  _aliases(G, H, N, P))
+
+
+# ----------------------------------------------------------------------------------------------
+# validation
+
+
+def _check_tokens(op: CompiledOp, x, dt, A_log, dt_bias, Bm, Cm, D, z, lead: tuple) -> torch.device:
+    p = op.params
+    act = ACT_DTYPES[p.get("in_dtype", "bfloat16")]
+    check_tensor("x", x, lead + (p["H"], p["P"]), (act,))
+    dev = x.device
+    if dev.type != "cuda":
+        raise ShapeError(f"the compiled kernels run on CUDA tensors; x is on {dev}")
+    check_tensor("dt", dt, lead + (p["H"],), (act,), dev)
+    check_tensor("B", Bm, lead + (p["G"], p["N"]), (act,), dev)
+    check_tensor("C", Cm, lead + (p["G"], p["N"]), (act,), dev)
+    for name, t in (("A_log", A_log), ("dt_bias", dt_bias), ("D", D)):
+        check_tensor(name, t, (p["H"],), (torch.float32,), dev)
+    if (z is not None) != bool(p.get("has_z", False)):
+        raise ShapeError(f"this kernel was built with has_z={p.get('has_z', False)}; z {'missing' if z is None else 'given'}")
+    if z is not None:
+        check_tensor("z", z, tuple(x.shape), (act,), dev)
+        _contiguous("z", z)
+    for name, t in (("x", x), ("dt", dt), ("B", Bm), ("C", Cm), ("A_log", A_log), ("dt_bias", dt_bias), ("D", D)):
+        _contiguous(name, t)
+    return dev
+
+
+def _lead(x, dims: int, what: str) -> int:
+    if not isinstance(x, torch.Tensor) or x.dim() != dims:
+        raise ShapeError(f"x must be {what}, got {getattr(x, 'shape', x)}")
+    return x.shape[0]
+
+
+# ----------------------------------------------------------------------------------------------
+# public ops
+
+
+def mamba2_recurrent_step(op: CompiledOp, x, dt, A_log, dt_bias, Bm, Cm, D, state, state_slots, z=None, out=None):
+    """reference.mamba2.recurrent_step: x (Bt, H, P), dt (Bt, H), B, C (Bt, G, N) -> y (Bt, H, P); updates state."""
+    _expect(op, "recurrent")
+    Bt = _lead(x, 3, "(B, H, P)")
+    dev = _check_tokens(op, x, dt, A_log, dt_bias, Bm, Cm, D, z, (Bt,))
+    _check_state(op, state, state_slots, Bt, dev)
+    y = _out(out, tuple(x.shape), x)
+    if Bt:
+        u = lambda t: t.unsqueeze(1)  # noqa: E731  (token axis of 1; a free view)
+        op.fn(u(x), u(dt), A_log, dt_bias, u(Bm), u(Cm), D, u(x if z is None else z), state, state_slots, u(y))
+    return y
+
+
+def _run_buffered(op, x, dt, A_log, dt_bias, Bm, Cm, D, z, state, state_slots, buf_k, buf_v, buf_g,
+                  buffer_slots, lengths, out, T_new):
+    Bt = x.shape[0]
+    dev = _check_tokens(op, x, dt, A_log, dt_bias, Bm, Cm, D, z, (Bt, T_new))
+    _check_state(op, state, state_slots, Bt, dev)
+    _check_buffer(op, buf_k, buf_v, buf_g, buffer_slots, lengths, Bt, dev)
+    valid = buffer_slots >= 0
+    check_capacity(lengths, valid, T_new, op["cap"])
+    C = op["flush_at"]
+    if C:
+        if bool((valid & (lengths + T_new > C)).any()):
+            raise ShapeError(f"a row would pass flush_at={C} with {T_new} new token(s): flush it first")
+        if bool((valid & (lengths + T_new == C) & (state_slots < 0)).any()):
+            raise SlotError("a row fills its buffer in this call but has no state slot: allocate a state first")
+    y = _out(out, tuple(x.shape), x)
+    if Bt:
+        op.fn(x, dt, A_log, dt_bias, Bm, Cm, D, x if z is None else z, state, state_slots,
+              buf_k, buf_v, buf_g, buffer_slots, lengths, y)
+    return y
+
+
+def mamba2_buffered_step(op: CompiledOp, x, dt, A_log, dt_bias, Bm, Cm, D, state, state_slots,
+                         buf_k, buf_v, buf_g, buffer_slots, lengths, z=None, out=None):
+    """reference.mamba2.buffered_step(flush_at=op['flush_at']): x (Bt, H, P) ... -> y (Bt, H, P).
+
+    Appends (B, dt * x, G) at lengths[b]; rows with lengths[b] + 1 == flush_at are folded into their
+    state in the same launch (the caller then resets their lengths).
+    """
+    _expect(op, "buffered")
+    if op["T_new"] != 1:
+        raise ShapeError(f"mamba2_buffered_step needs a kernel built with T_new=1, got {op['T_new']}")
+    Bt = _lead(x, 3, "(B, H, P)")
+    u = lambda t: None if t is None else t.unsqueeze(1)  # noqa: E731
+    y = _run_buffered(op, u(x), u(dt), A_log, dt_bias, u(Bm), u(Cm), D, u(z), state, state_slots,
+                      buf_k, buf_v, buf_g, buffer_slots, lengths, u(out), 1)
+    return y.view(Bt, *y.shape[2:])
+
+
+def mamba2_verify(op: CompiledOp, x, dt, A_log, dt_bias, Bm, Cm, D, state, state_slots,
+                  buf_k, buf_v, buf_g, buffer_slots, lengths, z=None, out=None):
+    """reference.mamba2.verify for T = op['T_new'] drafts: x (Bt, T, H, P) ... -> y (Bt, T, H, P).
+
+    Writes the T entries at lengths[b] .. lengths[b]+T-1, leaves lengths alone (accept m: lengths += m).
+    """
+    _expect(op, "buffered")
+    if _lead(x, 4, "(B, T, H, P)") and x.shape[1] != op["T_new"]:
+        raise ShapeError(f"x must be (B, {op['T_new']}, H, P) for this kernel, got {tuple(x.shape)}")
+    return _run_buffered(op, x, dt, A_log, dt_bias, Bm, Cm, D, z, state, state_slots,
+                         buf_k, buf_v, buf_g, buffer_slots, lengths, out, op["T_new"])
+
+
+def mamba2_flush(op: CompiledOp, state, state_slots, buf_k, buf_v, buf_g, buffer_slots, lengths):
+    """reference.mamba2.flush: fold each row's lengths[b] entries into its state (caller resets lengths)."""
+    from .gdn import gdn_flush
+
+    gdn_flush(op, state, state_slots, buf_k, buf_v, buf_g, buffer_slots, lengths)
+
+
+def mamba2_prefill(ops: dict, x, dt, A_log, dt_bias, Bm, Cm, D, state, state_slot: int, buf_k, buf_v, buf_g,
+                   buffer_slot: int, length: int, z=None):
+    """Chunked prefill of one request (x: (T, H, P) ...) as reference.mamba2.prefill: (y, new length).
+
+    Verify chunks of the sizes in `ops` (all built with one flush_at = C), never crossing a flush boundary.
+    """
+    dev = x.device
+    row = lambda s: torch.tensor([s], dtype=torch.int32, device=dev)  # noqa: E731
+    s_slot, b_slot = row(state_slot), row(buffer_slot)
+    outs = []
+    for start, take, n in prefill_chunks(ops, x.shape[0], length, state_slot):
+        part = lambda t: None if t is None else t[start:start + take].unsqueeze(0).contiguous()  # noqa: E731
+        y = mamba2_verify(ops[take], part(x), part(dt), A_log, dt_bias, part(Bm), part(Cm), D, state, s_slot,
+                          buf_k, buf_v, buf_g, b_slot, row(n), z=part(z))
+        outs.append(y[0])
+        length = (n + take) % ops[take]["flush_at"]
+    y = torch.cat(outs, 0) if outs else x.new_zeros((0,) + tuple(x.shape[1:]))
+    return y, length
