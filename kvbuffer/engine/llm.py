@@ -56,12 +56,15 @@ class LLM:
         kvbuffer model instance. mode: "kvbuffer" (buffered linear layers, the default) or
         "recurrent" (today's servers' scheme). chunk_size: buffer entries folded per flush (C).
         max_batch: request slots (concurrent requests); max_len: longest context per request.
+        kernels: run the linear layers on the compiled kernels (kvbuffer.ops; CUDA, bf16 buffer
+        entries, fp32 states): True, False (the pure-torch reference) or "auto" (kernels on CUDA when
+        every kernel needed loads from the artifact cache or KVBUFFER_JIT=1 allows compiling them).
     """
 
     def __init__(self, model, *, device=None, dtype=None, mode: str = "kvbuffer", chunk_size: int = 16,
                  max_batch: int = 16, max_states: int | None = None, max_len: int = 2048,
                  max_prefill_tokens: int = 1024, tokenizer=None, speculative: dict | None = None,
-                 memory_budget: int | None = None):
+                 memory_budget: int | None = None, kernels: bool | str = "auto"):
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
         if chunk_size < 1:
@@ -104,12 +107,28 @@ class LLM:
             buffers=mode == "kvbuffer",
             draft_states=bool(self.speculative) and mode == "recurrent",
         )
-        self.runner = ModelRunner(model, spec, mode=mode, device=self.device, dtype=self.dtype)
+        self.kernels = self._use_kernels(kernels, spec, mode)
+        buffer_dtype = None
+        if self.kernels:
+            from ..runtime.kernel_ops import kernel_dtype
+
+            buffer_dtype = kernel_dtype(self.dtype)
+        self.runner = ModelRunner(model, spec, mode=mode, device=self.device, dtype=self.dtype,
+                                  buffer_dtype=buffer_dtype, kernels=self.kernels)
         self.max_prefill_tokens = max_prefill_tokens
         self.vocab_size = model.config.vocab_size
         self.last_stats = GenerationStats()
         self._next_rid = 0
         self.spec_stats = {"request_steps": 0, "proposed": 0, "accepted": 0, "emitted": 0}
+
+    def _use_kernels(self, kernels, spec: CacheSpec, mode: str) -> bool:
+        if kernels not in (True, False, "auto"):
+            raise ValueError(f"kernels must be True, False or 'auto', got {kernels!r}")
+        if kernels is False or not spec.num_linear_layers or (kernels == "auto" and self.device.type != "cuda"):
+            return False
+        from ..runtime.kernel_ops import resolve
+
+        return resolve(kernels, self.device, spec, self.dtype, mode)
 
     # ------------------------------------------------------------------------------------------
     def generate(self, prompts, max_new_tokens: int = 64, temperature: float = 0.0, top_k: int = 0,

@@ -16,10 +16,10 @@ from .request import Request
 
 
 class ModelRunner:
-    def __init__(self, model, spec: CacheSpec, *, mode: str, device, dtype):
+    def __init__(self, model, spec: CacheSpec, *, mode: str, device, dtype, buffer_dtype=None, kernels: bool = False):
         self.model, self.spec, self.mode = model, spec, mode
         self.device = device
-        self.caches = ModelCaches(spec, device=device, dtype=dtype)
+        self.caches = ModelCaches(spec, device=device, dtype=dtype, buffer_dtype=buffer_dtype, kernels=kernels)
         self.has_linear = spec.num_linear_layers > 0
 
     # slots -----------------------------------------------------------------------------------

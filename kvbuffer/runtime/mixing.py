@@ -37,14 +37,23 @@ def _mamba2_args(tokens, params):
     return (x, dt, A_log, dt_bias, B, C, D)
 
 
+def _backend(reference, caches: ModelCaches):
+    """The reference ops, or their compiled-kernel counterparts when the caches were built for kernels."""
+    if not caches.kernels:
+        return reference
+    from .kernel_ops import compiled
+
+    return compiled(reference)
+
+
 def gated_delta_mix(q, k, v, a, b, A_log, dt_bias, batch, caches, layer):
     """Gated DeltaNet core for (B, T, ...) inputs: returns o (B, T, Hv, V)."""
-    return _linear_mix(gdn_ops, _gdn_args, (q, k, v, a, b), (A_log, dt_bias), batch, caches, layer)
+    return _linear_mix(_backend(gdn_ops, caches), _gdn_args, (q, k, v, a, b), (A_log, dt_bias), batch, caches, layer)
 
 
 def mamba2_mix(x, dt, B, C, A_log, dt_bias, D, batch, caches, layer):
     """Mamba-2 SSM for (Bt, T, ...) inputs (with D skip): returns y (Bt, T, H, P)."""
-    return _linear_mix(mamba2_ops, _mamba2_args, (x, dt, B, C), (A_log, dt_bias, D), batch, caches, layer)
+    return _linear_mix(_backend(mamba2_ops, caches), _mamba2_args, (x, dt, B, C), (A_log, dt_bias, D), batch, caches, layer)
 
 
 def _linear_mix(ops, arrange, tokens, params, batch: ForwardBatch, caches: ModelCaches, layer: int):

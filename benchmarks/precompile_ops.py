@@ -1,0 +1,94 @@
+"""Fill TileLang's disk cache in parallel before `benchmarks/device_all.sh` runs the GPU tests and the tuner.
+
+Covers the kernels tests/gpu/test_ops_and_engine.py compiles through kvbuffer.ops (JIT keys), the
+first `--max-configs` configs `kvbuffer tune` measures for one preset, and the other GPU tests'
+kernels (benchmarks/precompile_linear.py). A later compile of the same template, parameters and
+target is a cache hit. Usage: python3 benchmarks/precompile_ops.py WORKERS PRESET MAX_CONFIGS CHUNKS
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from concurrent.futures import ProcessPoolExecutor, as_completed
+
+SM90A = {"kind": "cuda", "arch": "sm_90a"}
+
+
+def ops_keys() -> list[dict]:
+    """The kvbuffer.ops kernels of the GPU tests: head dims 32, C = 8, cap = 9."""
+    d = dict(Hk=2, Hv=4, K=32, V=32)
+    keys = []
+    for fam in ("gdn", "mamba2"):
+        keys += [dict(d, family=fam, kind="buffered", in_dtype="bfloat16", buf_dtype="bfloat16", cap=9, T=T, C=c)
+                 for T, c in ((1, 8), (2, 8), (4, 8), (8, 8), (2, 0))]
+        keys += [dict(d, family=fam, kind="recurrent", in_dtype="bfloat16", buf_dtype=""),
+                 dict(d, family=fam, kind="flush", in_dtype="", buf_dtype="bfloat16", cap=9)]
+    return keys
+
+
+def _compile(job: dict) -> tuple[str, float, str]:
+    t = time.time()
+    try:
+        if job["what"] == "ops":
+            from kvbuffer import ops
+
+            ops._jit(ops.KernelKey(**job["key"]))
+        elif job["what"] == "tune":
+            from kvbuffer.autotune.registry import templates
+
+            tpl = {t.name: t for t in templates(job["shape"]["family"])}[job["template"]]
+            tpl.build(dict(job["shape"]), job["chunk"], target=SM90A, **job["tunables"])
+        else:
+            sys.path.insert(0, "benchmarks")
+            from precompile_linear import _compile as linear
+
+            return linear(job["spec"])
+        return json.dumps(job), time.time() - t, "ok"
+    except Exception as e:  # noqa: BLE001  (reported per job)
+        return json.dumps(job), time.time() - t, f"{type(e).__name__}: {str(e)[-300:]}"
+
+
+def tune_jobs(preset: str, max_configs: int, chunks: list[int]) -> list[dict]:
+    from kvbuffer.autotune.models import preset_shape
+    from kvbuffer.autotune.registry import templates
+    from kvbuffer.autotune.tuner import plan
+
+    shape = preset_shape(preset)
+    return [dict(what="tune", shape=shape, template=tpl.name, chunk=c, tunables=t)
+            for tpl, c in plan(templates(shape["family"]), chunks) for t in tpl.configs()[:max_configs]]
+
+
+def linear_jobs() -> list[dict]:
+    """The kernel tests' kernels, when the checkout has their precompile list."""
+    import pathlib
+
+    if not pathlib.Path("benchmarks/precompile_linear.py").exists():
+        print("benchmarks/precompile_linear.py absent: the kernel tests compile on demand", flush=True)
+        return []
+    sys.path.insert(0, "benchmarks")
+    from precompile_gdn import specs as gdn_specs
+    from precompile_linear import mamba2_specs
+
+    return [dict(what="linear", spec=s) for s in mamba2_specs() + gdn_specs(tune=False)]
+
+
+def main(workers=15, preset="qwen3.5-9b", max_configs=2, chunks="8,16,32") -> int:
+    jobs = [dict(what="ops", key=k) for k in ops_keys()]
+    jobs += tune_jobs(preset, int(max_configs), [int(c) for c in chunks.split(",")])
+    jobs += linear_jobs()
+    jobs = list({json.dumps(j, sort_keys=True): j for j in jobs}.values())
+    t0, bad = time.time(), 0
+    with ProcessPoolExecutor(int(workers)) as ex:
+        for fut in as_completed([ex.submit(_compile, j) for j in jobs]):
+            job, dt, status = fut.result()
+            if status != "ok":
+                bad += 1
+                print(f"FAILED {job}: {status}", flush=True)
+    print(f"precompiled {len(jobs) - bad}/{len(jobs)} kernels in {time.time() - t0:.0f} s", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(*sys.argv[1:]))

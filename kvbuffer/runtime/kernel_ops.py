@@ -1,0 +1,148 @@
+"""The engine's compiled-kernel backend: kvbuffer.reference.gdn / .mamba2's signatures on torch.ops.kvbuffer.
+
+mixing.py calls `recurrent_step`, `buffered_step`, `verify` and `prefill` of either the reference
+module or one of the objects here, with the same arguments. These cast the activations to the
+kernels' dtype (the buffer's: bf16 unless the model is fp16) and the layer parameters to fp32, make
+them contiguous (the model's projections are split views), call the custom op, and cast the output
+back. A prefill is cut into verify chunks of 8/4/2/1 tokens that never cross a flush boundary; the
+chunk that fills the buffer folds it into the state in the same launch.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from .. import ops
+from ..reference import gdn as ref_gdn
+from ..reference import mamba2 as ref_mamba2
+
+log = logging.getLogger("kvbuffer")
+
+PREFILL_CHUNKS = (8, 4, 2, 1)
+
+
+def kernel_dtype(model_dtype: torch.dtype) -> torch.dtype:
+    """Activations and buffer entries on the kernels: the model's bf16/fp16, else bf16."""
+    return model_dtype if model_dtype in (torch.bfloat16, torch.float16) else torch.bfloat16
+
+
+class KernelOps:
+    """One family's ops on the custom ops; `acts` / `params` index the activations / fp32 parameters."""
+
+    def __init__(self, family: str, acts: tuple[int, ...], params: tuple[int, ...], out_like: int):
+        self.family, self.acts, self.params, self.out_like = family, acts, params, out_like
+        self.width = len(acts) + len(params)  # arguments before the state
+
+    def _op(self, name: str):
+        return getattr(torch.ops.kvbuffer, f"{self.family}_{name}")
+
+    def _front(self, front, dtype) -> list:
+        front = list(front)
+        for i in self.acts:
+            front[i] = front[i].to(dtype).contiguous()
+        for i in self.params:
+            front[i] = front[i].float().contiguous()
+        return front
+
+    def recurrent_step(self, *args):
+        front, (state, state_slots) = args[:self.width], args[self.width:]
+        dtype = kernel_dtype(front[self.out_like].dtype)
+        o = self._op("recurrent_step")(*self._front(front, dtype), state, state_slots)
+        return o.to(front[self.out_like].dtype)
+
+    def _buffered(self, name, args, *extra):
+        front, pools = args[:self.width], args[self.width:self.width + 7]
+        o = self._op(name)(*self._front(front, pools[2].dtype), *pools, *extra)
+        return o.to(front[self.out_like].dtype)
+
+    def buffered_step(self, *args, flush_at=0):
+        return self._buffered("buffered_step", args, flush_at)
+
+    def verify(self, *args):
+        return self._buffered("verify", args, 0)
+
+    def prefill(self, *args):
+        """One request's T tokens (inputs (T, ...)): (o (T, ...), new buffer length)."""
+        front, rest = args[:self.width], args[self.width:]
+        state, state_slot, buf_k, buf_v, buf_g, buffer_slot, length, flush_at = rest
+        row = lambda s: torch.tensor([s], dtype=torch.int32, device=state.device)  # noqa: E731
+        pools = (state, row(state_slot), buf_k, buf_v, buf_g, row(buffer_slot))
+        T, start, outs = front[self.acts[0]].shape[0], 0, []
+        while start < T:
+            take = next(s for s in PREFILL_CHUNKS if s <= min(flush_at - length, T - start))
+            part = [t[start:start + take].unsqueeze(0) if i in self.acts else t for i, t in enumerate(front)]
+            outs.append(self._buffered("verify", (*part, *pools, row(length)), flush_at)[0])
+            length = (length + take) % flush_at
+            start += take
+        out = front[self.out_like]
+        return (torch.cat(outs, 0) if outs else out.new_zeros((0,) + tuple(out.shape[1:]))), length
+
+
+GDN = KernelOps("gdn", acts=(0, 1, 2, 3, 4), params=(5, 6), out_like=2)        # q k v a b | A_log dt_bias
+MAMBA2 = KernelOps("mamba2", acts=(0, 1, 4, 5), params=(2, 3, 6), out_like=0)  # x dt B C | A_log dt_bias D
+_BY_REFERENCE = {ref_gdn: GDN, ref_mamba2: MAMBA2}
+
+
+def compiled(reference_module) -> KernelOps:
+    """The kernel-backed counterpart of kvbuffer.reference.gdn or .mamba2."""
+    return _BY_REFERENCE[reference_module]
+
+
+def needed_kernels(spec, dtype: torch.dtype, mode: str) -> list[ops.KernelKey]:
+    """The kernels an engine with these caches launches (for probing the artifact cache)."""
+    s = spec.linear_shape
+    family = "gdn" if s.delta_rule else "mamba2"
+    dims = (s.num_k_heads, s.num_v_heads, s.head_k_dim, s.head_v_dim)
+    name = ops._DTYPE_NAMES[kernel_dtype(dtype)]
+    if mode == "recurrent":
+        return [ops.KernelKey(family, "recurrent", *dims, name, "")]
+    cap, C = spec.chunk_size + spec.max_drafts, spec.chunk_size
+    keys = [ops.KernelKey(family, "buffered", *dims, name, name, cap, T, C) for T in PREFILL_CHUNKS if T <= C]
+    if spec.max_drafts > 1:
+        keys.append(ops.KernelKey(family, "buffered", *dims, name, name, cap, spec.max_drafts, 0))
+    return keys
+
+
+def kernels_supported(spec) -> str | None:
+    """Why the kernels cannot serve these head dims (None: they can)."""
+    s = spec.linear_shape
+    if s is None:
+        return "the model has no linear-attention layers"
+    if s.head_k_dim % 16 or s.head_v_dim % 16:
+        return f"head dims {s.head_k_dim} x {s.head_v_dim} are not multiples of 16"
+    return None
+
+
+def resolve(kernels, device: torch.device, spec, dtype: torch.dtype, mode: str) -> bool:
+    """LLM(kernels=True | False | "auto") -> whether the linear layers run on compiled kernels.
+
+    "auto": on CUDA when the head dims suit the kernels and every kernel the engine needs loads from
+    the artifact cache, or may be compiled (kvbuffer.ops.jit_allowed()). The choice is logged.
+    """
+    if kernels not in (True, False, "auto"):
+        raise ValueError(f"kernels must be True, False or 'auto', got {kernels!r}")
+    if kernels is False:
+        return False
+    why = "the device is not CUDA" if device.type != "cuda" else kernels_supported(spec)
+    if why is None and kernels == "auto" and not ops.jit_allowed():
+        why = _missing_artifact(spec, dtype, mode)
+    if why is None:
+        log.info("kvbuffer: linear layers run on the compiled kernels (kvbuffer.ops)")
+        return True
+    if kernels is True:
+        raise ValueError(f"kernels=True, but {why}")
+    log.info("kvbuffer: linear layers run on the reference ops: %s", why)
+    return False
+
+
+def _missing_artifact(spec, dtype, mode) -> str | None:
+    from ..errors import ArtifactError
+
+    for key in needed_kernels(spec, dtype, mode):
+        try:
+            ops.kernel_for(key, 1)
+        except ArtifactError as e:
+            return f"no compiled kernel and no JIT: {str(e).splitlines()[0]}"
+    return None
