@@ -2,7 +2,7 @@
 # One device call, everything GPU: parallel precompile, all GPU tests, a measuring `kvbuffer tune` run.
 #   run on the GPU machine from the repo root, with carry [".device"]: bash benchmarks/device_all.sh
 # Writes under $OUT (default ./out): precompile.log, gpu_tests.log, tune_h200.txt, tuning record JSON.
-# Stages are time-boxed (PRE_TIMEOUT + TEST_TIMEOUT + TUNE_TIMEOUT = 510 s) to fit a 9-minute call.
+# Stages are time-boxed (PRE_TIMEOUT + TEST_TIMEOUT + TUNE_TIMEOUT = 490 s, plus ~20 s to unpack .device) to fit a 9-minute call.
 set -u
 OUT=${OUT:-out}; mkdir -p "$OUT"
 T0=$(date +%s)
@@ -15,12 +15,12 @@ CACHE=$(mktemp -d /tmp/kvb-cache.XXXX)
 nvidia-smi --query-gpu=name,driver_version,clocks.sm --format=csv,noheader
 python3 -c "import torch, tilelang, tvm_ffi; print('torch', torch.__version__, 'tilelang', tilelang.__version__)" 2>&1 | grep -v INFO
 
-timeout ${PRE_TIMEOUT:-150} python3 benchmarks/precompile_ops.py 15 "$PRESET" "$MAX_CONFIGS" "$CHUNKS" 2>&1 \
+timeout ${PRE_TIMEOUT:-140} python3 benchmarks/precompile_ops.py 15 "$PRESET" "$MAX_CONFIGS" "$CHUNKS" 2>&1 \
   | grep -v INFO > "$OUT/precompile.log"; tail -3 "$OUT/precompile.log"
 
 set -o pipefail
 # this change's tests first, then the rest of tests/gpu (pytest drops the duplicate)
-KVB_ERROR_LOG="$OUT/errors.jsonl" timeout ${TEST_TIMEOUT:-250} python3 -m pytest -q -x -p no:cacheprovider \
+KVB_ERROR_LOG="$OUT/errors.jsonl" timeout ${TEST_TIMEOUT:-240} python3 -m pytest -q -x -p no:cacheprovider \
   tests/gpu/test_ops_and_engine.py tests/gpu 2>&1 | grep -v INFO | tee "$OUT/gpu_tests.log" | tail -30
 TESTS_RC=$?
 set +o pipefail
