@@ -34,6 +34,41 @@ DEMO_CONFIG = dict(
 )
 
 
+def parallel_gated_delta_rule(query, key, value, g, beta, initial_state=None, output_final_state=False,
+                              use_qk_l2norm_in_kernel=False, **_):
+    """Training-only drop-in for transformers' chunked Gated DeltaNet on short sequences from a zero state.
+
+    The whole sequence is one chunk: the deltas solve the unit lower-triangular system
+    (I + A) U = beta * V with A_jj' = beta_j exp(G_j - G_j') k_j'.k_j (j' < j), the same system
+    kvbuffer's verify solves, here with one batched triangular solve instead of a Python loop over
+    positions, which makes CPU training several times faster. Only the training forward uses it.
+    """
+    if initial_state is not None:
+        raise ValueError("the training forward starts from a zero state")
+    from kvbuffer.reference.gating import l2norm
+
+    Hv = value.shape[2]
+    if query.shape[2] != Hv:
+        query = query.repeat_interleave(Hv // query.shape[2], dim=2)
+        key = key.repeat_interleave(Hv // key.shape[2], dim=2)
+    q, k, v, b, gg = (x.transpose(1, 2).float() for x in (query, key, value, beta, g))  # (B, H, T, ...)
+    if use_qk_l2norm_in_kernel:
+        q, k = l2norm(q), l2norm(k)
+    q = q * q.shape[-1] ** -0.5
+    T = q.shape[2]
+    G = torch.cumsum(gg, dim=-1)
+    causal = torch.ones(T, T, dtype=torch.bool, device=q.device).tril()
+    decay = torch.exp((G[..., :, None] - G[..., None, :]).masked_fill(~causal, float("-inf")))
+    A = (b[..., :, None] * decay * (k @ k.transpose(-1, -2))).tril(-1)
+    eye = torch.eye(T, device=q.device)
+    U = torch.linalg.solve_triangular(eye + A, b[..., None] * v, upper=False, unitriangular=True)
+    out = ((q @ k.transpose(-1, -2)) * decay) @ U
+    final = None
+    if output_final_state:
+        final = ((torch.exp(G[..., -1:, None] - G[..., :, None]) * k).transpose(-1, -2) @ U)
+    return out.transpose(1, 2).to(value.dtype), final
+
+
 def corpus() -> bytes:
     """Python's bundled help topics: about 0.8 MB of English prose and examples."""
     from pydoc_data.topics import topics
@@ -60,6 +95,9 @@ def main(argv=None):
     args = ap.parse_args(argv)
 
     from transformers.models.qwen3_5 import Qwen3_5ForCausalLM, Qwen3_5TextConfig
+    from transformers.models.qwen3_5 import modeling_qwen3_5
+
+    modeling_qwen3_5.torch_chunk_gated_delta_rule = parallel_gated_delta_rule
 
     from kvbuffer.tokenizer import ByteTokenizer
 

@@ -87,3 +87,25 @@ def hf_greedy(model, prompt: list[int], new_tokens: int):
                          return_dict_in_generate=True, min_new_tokens=new_tokens, pad_token_id=0)
     tokens = out.sequences[0, len(prompt):].tolist()
     return tokens, torch.stack([lg[0] for lg in out.logits])
+
+
+def add_mtp_head(path, seed: int = 0) -> None:
+    """Add random Qwen3.5-style MTP tensors (mtp.*) to a saved checkpoint, as published files carry
+    them (transformers itself neither builds nor saves the head)."""
+    import json
+
+    from safetensors.torch import load_file, save_file
+
+    from kvbuffer.models import REGISTRY
+
+    cfg_dict = json.loads((path / "config.json").read_text())
+    config_cls, model_cls = REGISTRY[cfg_dict["model_type"]]
+    model = model_cls(config_cls.from_hf(cfg_dict))
+    model.attach_mtp()
+    g = torch.Generator().manual_seed(seed)
+    tensors = load_file(str(path / "model.safetensors"))
+    for name, p in model.mtp.named_parameters():
+        scale = 0.1 if p.dim() > 1 else 0.05
+        base = torch.zeros_like(p) if p.dim() <= 1 else torch.zeros_like(p)
+        tensors[f"mtp.{name}"] = (base + scale * torch.randn(p.shape, generator=g)).contiguous()
+    save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})

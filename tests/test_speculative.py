@@ -7,20 +7,24 @@ import torch
 from hf_models import make_hf_model
 from kvbuffer import LLM
 from kvbuffer.engine.sampling import SamplingParams
-from kvbuffer.engine.speculative import NgramDrafter, SpeculativeConfig, accept_drafts
+from kvbuffer.engine.drafters import Drafter, NgramDrafter
+from kvbuffer.engine.speculative import SpeculativeConfig, accept_drafts
 
 C, NEW = 5, 24
 PROMPTS = [[3, 1, 4, 1, 5, 9, 2, 6], [7], [2, 7, 1, 8, 2, 8, 1, 8, 2, 8, 4, 5, 9], [1, 2, 3, 4, 5, 6]]
 
 
-class ScriptedDrafter:
+class ScriptedDrafter(Drafter):
     """Proposes the plain-decoding continuation, corrupted by pattern: 'all' drafts right, 'none'
     all wrong, 'some' right except every third."""
 
     def __init__(self, references, pattern, vocab):
         self.refs, self.pattern, self.vocab = references, pattern, vocab
 
-    def propose(self, context, count):
+    def propose(self, reqs, count):
+        return [self._one(r.context, count) for r in reqs]
+
+    def _one(self, context, count):
         for prompt, cont in self.refs:
             full = prompt + cont
             if context == full[: len(context)]:
@@ -87,14 +91,16 @@ def test_ngram_drafter_end_to_end(checkpoints, model_type):
 
 def test_ngram_drafter_proposals():
     d = NgramDrafter(ngram_max=3)
-    assert d.propose([1, 2, 3, 9, 1, 2, 3], 2) == [9, 1]
-    assert d.propose([5, 6, 7], 3) == []
-    assert d.propose([4, 4, 4], 2) == [4]
+    assert d.lookup([1, 2, 3, 9, 1, 2, 3], 2) == [9, 1]
+    assert d.lookup([5, 6, 7], 3) == []
+    assert d.lookup([4, 4, 4], 2) == [4]
 
 
 def test_speculative_config_validation():
     with pytest.raises(ValueError, match="method must be one of"):
         SpeculativeConfig.from_dict({"method": "eagle", "num_draft_tokens": 2})
+    with pytest.raises(ValueError, match="unknown speculative options"):
+        SpeculativeConfig.from_dict({"method": "ngram", "num_draft_tokens": 2, "depth": 3})
     with pytest.raises(ValueError, match="num_draft_tokens"):
         SpeculativeConfig.from_dict({"method": "ngram", "num_draft_tokens": 0})
 
@@ -122,3 +128,27 @@ def test_greedy_acceptance_rule():
     assert accept_drafts(logits, [1, 0], greedy, None) == (2, 2)
     assert accept_drafts(logits, [1, 2], greedy, None) == (1, 0)
     assert accept_drafts(logits, [None, 0], greedy, None) == (0, 1)
+
+
+@pytest.mark.parametrize("model_type", ["qwen3_5_text", "qwen3_5_moe_text"])
+@pytest.mark.parametrize("mode", ["kvbuffer", "recurrent"])
+def test_mtp_drafter_keeps_greedy_output(tmp_path, model_type, mode):
+    """The checkpoint's MTP head drafts; output equals plain decoding whatever it proposes."""
+    from hf_models import add_mtp_head
+
+    make_hf_model(model_type).save_pretrained(tmp_path)
+    add_mtp_head(tmp_path)
+    plain = LLM(str(tmp_path), device="cpu", chunk_size=C, max_batch=4).generate(PROMPTS, max_new_tokens=NEW,
+                                                                                stop_token_ids=[])
+    llm = LLM(str(tmp_path), device="cpu", mode=mode, chunk_size=C, max_batch=4,
+              speculative={"method": "mtp", "num_draft_tokens": 3})
+    assert llm.model.mtp is not None
+    outs = llm.generate(PROMPTS, max_new_tokens=NEW, stop_token_ids=[])
+    assert [o.token_ids for o in outs] == [o.token_ids for o in plain]
+    assert llm.acceptance["tokens_per_step"] >= 1.0
+
+
+def test_mtp_without_a_head_is_a_clear_error(tmp_path):
+    make_hf_model("qwen3_5_text").save_pretrained(tmp_path)
+    with pytest.raises(ValueError, match="needs a checkpoint with an MTP head"):
+        LLM(str(tmp_path), device="cpu", speculative={"method": "mtp", "num_draft_tokens": 2})

@@ -19,7 +19,8 @@ from ..runtime.caches import CacheSpec
 from .request import Request
 from .runner import ModelRunner
 from .sampling import SamplingParams, sample_token
-from .speculative import NgramDrafter, SpeculativeConfig, accept_drafts
+from .drafters import MTPDrafter, NgramDrafter
+from .speculative import SpeculativeConfig, accept_drafts
 
 
 @dataclass
@@ -84,8 +85,6 @@ class LLM:
         self.model, self.mode = model, mode
         self.speculative = SpeculativeConfig.from_dict(speculative)
         self.drafter = None
-        if self.speculative is not None:
-            self.drafter = NgramDrafter(self.speculative.ngram_max, self.speculative.ngram_min)
         self.dtype = next(model.parameters()).dtype
         geo = model.cache_geometry()
         fed = (self.speculative.num_draft_tokens + 1) if self.speculative else 1
@@ -115,6 +114,11 @@ class LLM:
             buffer_dtype = kernel_dtype(self.dtype)
         self.runner = ModelRunner(model, spec, mode=mode, device=self.device, dtype=self.dtype,
                                   buffer_dtype=buffer_dtype, kernels=self.kernels)
+        if self.speculative is not None and self.speculative.method == "mtp":
+            self.drafter = MTPDrafter(model, max_requests=spec.max_requests, max_len=max_len, max_drafts=fed,
+                                      device=self.device, dtype=self.dtype)
+        elif self.speculative is not None:
+            self.drafter = NgramDrafter(self.speculative.ngram_max, self.speculative.ngram_min)
         self.max_prefill_tokens = max_prefill_tokens
         self.vocab_size = model.config.vocab_size
         self.last_stats = GenerationStats()
@@ -169,10 +173,17 @@ class LLM:
                         running.append(req)  # released by the finally clause if prepare fails
                         prepare(req)
                         running.remove(req)
-                    logits = None
+                    logits, hidden = None, []
+                    want = self.drafter is not None and self.drafter.needs_hidden
+                    start = req.cached
                     while req.pending:
-                        logits = self.runner.prefill(req, self.max_prefill_tokens)
+                        out = self.runner.prefill(req, self.max_prefill_tokens, want_hidden=want)
+                        logits = out[0] if want else out
+                        if want:
+                            hidden.append(out[1])
                     self._take(req, logits, gens, return_logits, on_token, index)
+                    if want:  # the head learns the prompt: each position with the token after it
+                        self.drafter.on_prefill(req, torch.cat(hidden), req.context[start + 1:req.cached + 1])
                     if req.finish_reason is None:
                         running.append(req)
                     else:
@@ -191,19 +202,22 @@ class LLM:
         finally:  # an error must not leak slots: release whatever is still held
             for req in running:
                 if req.slot >= 0:
-                    self.runner.release(req)
+                    self._retire(req)
 
     def _speculative_step(self, running, gens, return_logits, on_token, index):
         """Draft T tokens per request, verify them in one forward, keep the accepted prefix + one more."""
         T = self.speculative.num_draft_tokens
-        proposals = [self.drafter.propose(r.context, T) for r in running]
+        proposals = [p[:T] for p in self.drafter.propose(running, T)]
         drafts = [p + [None] * (T - len(p)) for p in proposals]  # padding drafts are never kept
         fed = [[0 if d is None else d for d in ds] for ds in drafts]
-        logits = self.runner.verify(running, fed)
-        kept = []
+        want = self.drafter.needs_hidden
+        out = self.runner.verify(running, fed, want_hidden=want)
+        logits, hidden = out if want else (out, None)
+        kept, following = [], []
         for req, row, ds in zip(running, logits, drafts):
             m, nxt = accept_drafts(row, ds, req.params, gens[req.rid])
             kept.append(m + 1)  # the real token and m drafts enter the caches
+            following.append(ds[:m] + [nxt])
             for i, token in enumerate(ds[:m] + [nxt]):
                 if req.finish_reason is None:
                     self._emit(req, token, row[i], return_logits, on_token, index)
@@ -212,6 +226,7 @@ class LLM:
         self.spec_stats["request_steps"] += len(running)
         self.spec_stats["proposed"] += sum(len(p) for p in proposals)
         self.runner.commit(running, kept)
+        self.drafter.on_commit(running, hidden, kept, following)
 
     @property
     def acceptance(self) -> dict:
@@ -235,6 +250,8 @@ class LLM:
             req.finish_reason = "length"
 
     def _retire(self, req):
+        if self.drafter is not None:
+            self.drafter.release(req)
         self.runner.release(req)
 
     def hf_config(self):

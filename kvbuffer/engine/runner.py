@@ -62,8 +62,12 @@ class ModelRunner:
 
     # forwards --------------------------------------------------------------------------------
     @torch.inference_mode()
-    def prefill(self, req: Request, max_tokens: int) -> torch.Tensor | None:
-        """Feed up to `max_tokens` of the request's pending tokens; logits of the last one if it was the last."""
+    def prefill(self, req: Request, max_tokens: int, want_hidden: bool = False):
+        """Feed up to `max_tokens` of the request's pending tokens.
+
+        Returns the logits of the last one if it was the last pending token (else None), and with
+        want_hidden also the final hidden states of the tokens fed, (T, H).
+        """
         tokens = req.pending[:max_tokens]
         if req.cached + len(tokens) > self.spec.max_len:
             raise ValueError(f"request {req.rid}: context of {req.cached + len(tokens)} tokens exceeds "
@@ -71,9 +75,15 @@ class ModelRunner:
         self._ensure_state(req, len(tokens))
         ids = torch.tensor([tokens], dtype=torch.long, device=self.device)
         positions = torch.arange(req.cached, req.cached + len(tokens), device=self.device)[None]
-        logits = self.model(ids, self._batch("prefill", [req], positions), self.caches)
+        out = self.model(ids, self._batch("prefill", [req], positions), self.caches, **self._hidden(want_hidden))
+        logits, hidden = out if want_hidden else (out, None)
         self._advance(req, len(tokens))
-        return logits[0, -1] if not req.pending else None
+        last = logits[0, -1] if not req.pending else None
+        return (last, hidden[0]) if want_hidden else last
+
+    @staticmethod
+    def _hidden(want: bool) -> dict:
+        return {"return_hidden": True} if want else {}
 
     @torch.inference_mode()
     def decode(self, reqs: list[Request]) -> torch.Tensor:
@@ -90,8 +100,9 @@ class ModelRunner:
         return logits[:, 0]
 
     @torch.inference_mode()
-    def verify(self, reqs: list[Request], drafts: list[list[int]]) -> torch.Tensor:
-        """Feed each request's last token plus its T drafts in one forward: logits (B, T+1, vocab).
+    def verify(self, reqs: list[Request], drafts: list[list[int]], want_hidden: bool = False):
+        """Feed each request's last token plus its T drafts in one forward: logits (B, T+1, vocab)
+        (and the hidden states (B, T+1, H) with want_hidden).
 
         Nothing is committed: call commit() with the number of tokens each request keeps.
         """
@@ -105,7 +116,7 @@ class ModelRunner:
                            device=self.device)
         positions = torch.tensor([[r.cached + i for i in range(T1)] for r in reqs], dtype=torch.long,
                                  device=self.device)
-        return self.model(ids, self._batch("verify", reqs, positions), self.caches)
+        return self.model(ids, self._batch("verify", reqs, positions), self.caches, **self._hidden(want_hidden))
 
     @torch.inference_mode()
     def commit(self, reqs: list[Request], kept: list[int]) -> None:

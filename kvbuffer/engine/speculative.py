@@ -5,8 +5,8 @@ KVBuffer the T+1 entries land in the buffer and accepting m of them is a length 
 like a per-draft state exists. The acceptance rule is the standard one: greedy keeps the drafts
 that equal the target's argmax; with sampling, a draft d drawn from q is kept with probability
 min(1, p(d)/q(d)), and on rejection the next token is drawn from norm(max(p - q, 0)), which leaves
-the output distribution exactly p. The n-gram drafter is deterministic (q is a point mass), so
-acceptance is p(d) and the residual is p with d removed.
+the output distribution exactly p. kvbuffer's drafters (kvbuffer.engine.drafters) propose
+deterministically (q is a point mass), so acceptance is p(d) and the residual is p with d removed.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import torch
 
 from .sampling import SamplingParams, filtered_probs
 
-METHODS = ("ngram",)
+METHODS = ("ngram", "mtp")
 
 
 @dataclass(frozen=True)
@@ -29,8 +29,7 @@ class SpeculativeConfig:
 
     def __post_init__(self):
         if self.method not in METHODS:
-            raise ValueError(f"speculative method must be one of {METHODS}, got {self.method!r} "
-                             "(the MTP drafter is not implemented yet)")
+            raise ValueError(f"speculative method must be one of {METHODS}, got {self.method!r}")
         if not 1 <= self.num_draft_tokens <= 16:
             raise ValueError(f"num_draft_tokens must be in [1, 16], got {self.num_draft_tokens}")
 
@@ -42,24 +41,6 @@ class SpeculativeConfig:
         if unknown:
             raise ValueError(f"unknown speculative options {sorted(unknown)}")
         return cls(**d)
-
-
-class NgramDrafter:
-    """Prompt-lookup drafting: find the latest earlier occurrence of the context's last n tokens
-    (longest n first) and propose the tokens that followed it. No second model needed."""
-
-    def __init__(self, ngram_max: int = 3, ngram_min: int = 1):
-        self.ngram_max, self.ngram_min = ngram_max, ngram_min
-
-    def propose(self, context: list[int], count: int) -> list[int]:
-        for n in range(min(self.ngram_max, len(context) - 1), self.ngram_min - 1, -1):
-            suffix = context[-n:]
-            for start in range(len(context) - n - 1, -1, -1):
-                if context[start:start + n] == suffix:
-                    follow = context[start + n:start + n + count]
-                    if follow:
-                        return follow
-        return []
 
 
 def accept_drafts(logits: torch.Tensor, drafts: list[int | None], params: SamplingParams,

@@ -94,6 +94,8 @@ def load_weights(model, tensors: dict[str, torch.Tensor]) -> None:
         if model.skip_checkpoint_tensor(name):
             continue
         mapped[model.checkpoint_name(name)] = t
+    if any(n.startswith("mtp.") for n in mapped) and getattr(model, "mtp", "absent") is None:
+        model.attach_mtp()  # the checkpoint carries a multi-token-prediction head
     params = dict(model.named_parameters())
     tied = getattr(model.config, "tie_word_embeddings", False)
     if tied:

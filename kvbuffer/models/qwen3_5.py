@@ -228,11 +228,22 @@ class Qwen35ForCausalLM(nn.Module):
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 
-    def forward(self, input_ids, batch, caches):
+        self.mtp = None  # the multi-token-prediction head, attached when a checkpoint has one
+
+    def forward(self, input_ids, batch, caches, return_hidden: bool = False):
+        """Logits (B, T, vocab); with return_hidden also the final-norm hidden states the MTP head reads."""
         x = self.model.embed_tokens(input_ids)
         for layer in self.model.layers:
             x = layer(x, batch, caches)
-        return self.lm_head(self.model.norm(x))
+        h = self.model.norm(x)
+        logits = self.lm_head(h)
+        return (logits, h) if return_hidden else logits
+
+    def attach_mtp(self) -> None:
+        """Add the MTP head (checkpoint tensors mtp.*); its weights are loaded with the rest."""
+        from .mtp import MultiTokenPredictor
+
+        self.mtp = MultiTokenPredictor(self.config)
 
     def cache_geometry(self) -> dict:
         """What the engine needs to size the pools and the KV cache."""
@@ -250,9 +261,11 @@ class Qwen35ForCausalLM(nn.Module):
         """Map a checkpoint tensor name to this module's (published Qwen3.5 files nest the LM)."""
         if name.startswith("model.language_model."):
             return "model." + name[len("model.language_model."):]
+        if name.startswith("model.mtp."):
+            return name[len("model."):]
         return name
 
     @staticmethod
     def skip_checkpoint_tensor(name: str) -> bool:
-        """Vision tower and MTP weights are not used by the text decoder."""
-        return name.startswith(("model.visual.", "visual.", "mtp.", "model.mtp."))
+        """The vision tower is not used by the text decoder."""
+        return name.startswith(("model.visual.", "visual."))
