@@ -97,7 +97,7 @@ def _gdn_pools(shape, batch, cap, gen, device, lo, hi):
     kk = torch.nn.functional.normalize(torch.randn(batch, cap, Hk, K, generator=gen, device=device), dim=-1)
     buf_v = (0.5 * torch.randn(batch, cap, Hv, V, generator=gen, device=device)).to(dt)
     buf_g = torch.cumsum(-(0.02 + 0.5 * torch.rand(batch, cap, Hv, generator=gen, device=device)), dim=1)
-    slots = torch.randperm(batch, generator=gen, device="cpu").to(device=device, dtype=torch.int32)
+    slots = torch.randperm(batch, generator=gen, device=gen.device).to(device=device, dtype=torch.int32)
     lengths = torch.randint(lo, hi, (batch,), generator=gen, device=device, dtype=torch.int32)
     return state, slots, kk.to(dt), buf_v, buf_g, slots.clone(), lengths
 
@@ -107,7 +107,7 @@ def _gdn_recurrent_inputs(shape, batch, chunk_size, device, gen):
 
     q, k, v, a, b, A_log, dt_bias = _gdn_tokens(shape, batch, gen, device)
     state = 0.5 * torch.randn(batch, shape["Hv"], shape["K"], shape["V"], generator=gen, device=device)
-    slots = torch.randperm(batch, generator=gen, device="cpu").to(device=device, dtype=torch.int32)
+    slots = torch.randperm(batch, generator=gen, device=gen.device).to(device=device, dtype=torch.int32)
     return [q, k, v, a, b, A_log, dt_bias, state, slots, torch.empty_like(v)]
 
 
@@ -123,7 +123,7 @@ def _gdn_buffered_inputs(shape, batch, chunk_size, device, gen):
     import torch
 
     q, k, v, a, b, A_log, dt_bias = _gdn_tokens(shape, batch, gen, device)
-    pools = _gdn_pools(shape, batch, chunk_size, gen, device, 0, chunk_size)
+    pools = _gdn_pools(shape, batch, chunk_size + 1, gen, device, 0, chunk_size)
     return [q, k, v, a, b, A_log, dt_bias, *pools, torch.empty_like(v)]
 
 
@@ -137,7 +137,7 @@ def _gdn_buffered_reference(shape, chunk_size, args):
 
 
 def _gdn_flush_inputs(shape, batch, chunk_size, device, gen):
-    return list(_gdn_pools(shape, batch, chunk_size, gen, device, 1, chunk_size + 1))
+    return list(_gdn_pools(shape, batch, chunk_size + 1, gen, device, 1, chunk_size + 1))
 
 
 def _gdn_flush_reference(shape, chunk_size, args):
@@ -161,12 +161,12 @@ def gdn_templates() -> list[Template]:
         return _compile(g.gdn_recurrent(**_gdn_dims(shape), in_dtype=shape["dtype"], **t), target)
 
     def buffered(shape, chunk_size, *, target, **t):
-        prim = g.gdn_buffered(**_gdn_dims(shape), cap=chunk_size, T_new=1, flush_at=chunk_size,
+        prim = g.gdn_buffered(**_gdn_dims(shape), cap=chunk_size + 1, T_new=1, flush_at=chunk_size,
                               in_dtype=shape["dtype"], buf_dtype=shape["dtype"], **t)
         return _compile(prim, target)
 
     def flush(shape, chunk_size, *, target, **t):
-        return _compile(g.gdn_flush(**_gdn_dims(shape), cap=chunk_size, buf_dtype=shape["dtype"], **t), target)
+        return _compile(g.gdn_flush(**_gdn_dims(shape), cap=chunk_size + 1, buf_dtype=shape["dtype"], **t), target)
 
     return [
         Template("gdn_recurrent", "gdn", recurrent, g.get_recurrent_configs, builder_defaults(g.gdn_recurrent, tun),
@@ -205,7 +205,7 @@ def _m2_recurrent_inputs(shape, batch, chunk_size, device, gen):
 
     front = _m2_tokens(shape, batch, gen, device)
     state = 0.5 * torch.randn(batch, shape["Hv"], shape["K"], shape["V"], generator=gen, device=device)
-    slots = torch.randperm(batch, generator=gen, device="cpu").to(device=device, dtype=torch.int32)
+    slots = torch.randperm(batch, generator=gen, device=gen.device).to(device=device, dtype=torch.int32)
     return front + [state, slots, torch.empty_like(front[0])]
 
 
@@ -226,7 +226,7 @@ def _m2_buffered_inputs(shape, batch, chunk_size, device, gen):
     import torch
 
     front = _m2_tokens(shape, batch, gen, device)
-    pools = _gdn_pools(shape, batch, chunk_size, gen, device, 0, chunk_size)
+    pools = _gdn_pools(shape, batch, chunk_size + 1, gen, device, 0, chunk_size)
     return front + [*pools, torch.empty_like(front[0])]
 
 
@@ -248,12 +248,12 @@ def mamba2_templates() -> list[Template]:
         return _compile(m.mamba2_recurrent(**_m2_dims(shape), in_dtype=shape["dtype"], **t), target)
 
     def buffered(shape, chunk_size, *, target, **t):
-        prim = m.mamba2_buffered(**_m2_dims(shape), cap=chunk_size, T_new=1, flush_at=chunk_size,
+        prim = m.mamba2_buffered(**_m2_dims(shape), cap=chunk_size + 1, T_new=1, flush_at=chunk_size,
                                  in_dtype=shape["dtype"], buf_dtype=shape["dtype"], **t)
         return _compile(prim, target)
 
     def flush(shape, chunk_size, *, target, **t):
-        return _compile(m.mamba2_flush(**_m2_dims(shape), cap=chunk_size, buf_dtype=shape["dtype"], **t), target)
+        return _compile(m.mamba2_flush(**_m2_dims(shape), cap=chunk_size + 1, buf_dtype=shape["dtype"], **t), target)
 
     return [
         Template("mamba2_recurrent", "mamba2", recurrent, m.get_recurrent_configs,

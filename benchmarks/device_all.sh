@@ -20,7 +20,7 @@ timeout ${PRE_TIMEOUT:-140} python3 benchmarks/precompile_ops.py 15 "$PRESET" "$
 
 set -o pipefail
 # this change's tests first, then the rest of tests/gpu (pytest drops the duplicate)
-KVB_ERROR_LOG="$OUT/errors.jsonl" timeout ${TEST_TIMEOUT:-240} python3 -m pytest -q -x -p no:cacheprovider \
+KVB_ERROR_LOG="$OUT/errors.jsonl" timeout ${TEST_TIMEOUT:-240} python3 -m pytest -q --maxfail=15 -p no:cacheprovider \
   tests/gpu/test_ops_and_engine.py tests/gpu 2>&1 | grep -v INFO | tee "$OUT/gpu_tests.log" | tail -30
 TESTS_RC=$?
 set +o pipefail

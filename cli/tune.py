@@ -135,13 +135,42 @@ def tune(gpu, list_gpus, model, heads, family, dtype, chunk_sizes, batch_buckets
     _summary(results, measuring)
     from ..autotune.policy import ChunkPolicy
 
-    policy = ChunkPolicy.from_json(cache.tuning(record)["chunk_policy"])
+    tuning = cache.tuning(record)
+    if measuring:
+        _table(winners_table(tuning, target.mem_bandwidth_gbs))
+    policy = ChunkPolicy.from_json(tuning["chunk_policy"])
     click.echo(f"tuning record {record} ({policy.status}); chunk size per batch bucket: "
                + ", ".join(f"B<={b}: C={c}" for b, c in zip(policy.buckets, policy.chunk_sizes)))
 
 
 def _shape_text(shape) -> str:
     return f"{shape['family']} Hk={shape['Hk']} Hv={shape['Hv']} K={shape['K']} V={shape['V']} {shape['dtype']}"
+
+
+def traffic_bytes(kernel: str, shape: dict, C: int, B: int) -> float:
+    """The fewest DRAM bytes a call moves (fp32 states, 2-byte entries), to report achieved bandwidth.
+
+    Recurrent step: read + write every state. Buffered step: read every state, write it in the 1/C
+    of rows that flush, read on average C/2 buffer entries. Flush: read + write, read C entries.
+    """
+    state = 4 * shape["Hv"] * shape["K"] * shape["V"]
+    entry = 2 * (shape["Hk"] * shape["K"] + shape["Hv"] * shape["V"]) + 4 * shape["Hv"]
+    if kernel.endswith("recurrent"):
+        return 2.0 * state * B
+    if kernel.endswith("buffered_step"):
+        return B * (state * (1 + 1 / C) + entry * C / 2)
+    return B * (2.0 * state + entry * C)
+
+
+def winners_table(tuning: dict, peak_gbs: float) -> list[tuple]:
+    """Per kernel, chunk size and batch bucket: the chosen config, its time and achieved bandwidth."""
+    rows = [("kernel", "C", "batch", "tunables", "median us", "GB/s", "of peak")]
+    for w in sorted(tuning["winners"], key=lambda w: (w["kernel"], w["chunk_size"], w["batch_bucket"])):
+        gbs = traffic_bytes(w["kernel"], tuning["shape"], w["chunk_size"] or 1, w["batch_bucket"]) / w["median_us"] / 1e3
+        tun = " ".join(f"{k}={v}" for k, v in sorted(w["tunables"].items()))
+        rows.append((w["kernel"], w["chunk_size"] or "-", w["batch_bucket"], tun, f"{w['median_us']:.1f}",
+                     f"{gbs:.0f}", f"{gbs / peak_gbs:.0%}"))
+    return rows
 
 
 def _summary(results, measured: bool) -> None:

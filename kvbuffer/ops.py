@@ -90,20 +90,21 @@ class KernelKey:
     def tune_command(self) -> str:
         return (f"kvbuffer tune --gpu <gpu> --heads {self.Hk},{self.Hv},{self.K},{self.V}"
                 + (f" --family {self.family}" if self.family != "gdn" else "")
-                + (f" --chunk-sizes {self.C or self.cap}" if self.kind != "recurrent" else ""))
+                + (f" --chunk-sizes {self.C or self.cap - 1}" if self.kind != "recurrent" else ""))
 
 
 def _template(key: KernelKey) -> str | None:
     """The `kvbuffer tune` template that builds this kernel, or None if tune builds no such variant.
 
-    tune builds the recurrent step, the decode step with the flush fused at C and cap = C, and the
-    flush with cap = C, all without z and with activations and entries of one dtype.
+    tune builds the recurrent step, and the decode step (flush fused at C) and the flush for the
+    engine's buffer layout, cap = C + 1 entries, all without z and with activations and entries of
+    one dtype.
     """
     if key.has_z or (key.kind == "buffered" and key.in_dtype != key.buf_dtype):
         return None
     if key.kind == "recurrent":
         return f"{key.family}_recurrent"
-    if key.kind == "buffered" and key.T == 1 and key.C == key.cap:
+    if key.kind == "buffered" and key.T == 1 and key.cap == key.C + 1:
         return f"{key.family}_buffered_step"
     if key.kind == "flush":
         return f"{key.family}_flush"
@@ -149,7 +150,7 @@ def _from_artifacts(key: KernelKey, batch: int):
     template = _template(key)
     if template is None:
         raise ArtifactError(f"`kvbuffer tune` builds no {key.kind} kernel with cap={key.cap}, T={key.T}, "
-                            f"flush_at={key.C}, has_z={key.has_z} (only decode steps with cap == flush_at)")
+                            f"flush_at={key.C}, has_z={key.has_z} (only decode steps with cap == flush_at + 1)")
     gpu = detect_local_gpu()
     if gpu is None:
         raise ArtifactError("no CUDA GPU here: compiled kernels run on CUDA tensors")
@@ -157,7 +158,7 @@ def _from_artifacts(key: KernelKey, batch: int):
     hint = f"build it with `{key.tune_command().replace('<gpu>', gpu.name)}`"
     try:
         record = store.find_tuning(gpu.name, gpu.arch, key.shape)
-        name, _ = select(record, template, batch, key.C or key.cap or None)
+        name, _ = select(record, template, batch, key.C or (key.cap - 1 if key.cap else None))
     except ArtifactError as e:
         raise ArtifactError(f"no compiled {template} kernel for {key.shape} on {gpu.name}: {e}; {hint}") from None
     except KeyError as e:

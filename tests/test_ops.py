@@ -154,7 +154,7 @@ def test_missing_artifact_without_jit_names_the_tune_command(monkeypatch, tmp_pa
     monkeypatch.setattr(gpus, "detect_local_gpu", lambda device=0: gpus.get_gpu("h200"))
     ops.allow_jit(False)
     try:
-        key = ops.KernelKey("gdn", "buffered", 16, 32, 128, 128, "bfloat16", "bfloat16", cap=16, T=1, C=16)
+        key = ops.KernelKey("gdn", "buffered", 16, 32, 128, 128, "bfloat16", "bfloat16", cap=17, T=1, C=16)
         with pytest.raises(ArtifactError, match=r"kvbuffer tune --gpu h200 --heads 16,32,128,128 --chunk-sizes 16"):
             ops.kernel_for(key, 8)
         verify = ops.KernelKey("mamba2", "buffered", 8, 64, 128, 64, "bfloat16", "bfloat16", cap=17, T=4, C=0)

@@ -172,8 +172,9 @@ q, k, v, a, b = (r(B, Hk, K).bfloat16(), r(B, Hk, K).bfloat16(), r(B, Hv, V).bfl
                  r(B, Hv).bfloat16(), r(B, Hv).bfloat16())
 A_log, dt_bias = torch.log(1 + 8 * torch.rand(Hv, device="cuda")), r(Hv)
 state = r(4, Hv, K, V)
-bk = torch.nn.functional.normalize(r(4, C, Hk, K), dim=-1).bfloat16()
-bv, bg = r(4, C, Hv, V).bfloat16(), torch.cumsum(-0.3 * torch.rand(4, C, Hv, device="cuda"), 1)
+E = C + 1  # the engine's buffer layout: C entries plus the one a decode step appends
+bk = torch.nn.functional.normalize(r(4, E, Hk, K), dim=-1).bfloat16()
+bv, bg = r(4, E, Hv, V).bfloat16(), torch.cumsum(-0.3 * torch.rand(4, E, Hv, device="cuda"), 1)
 i32 = lambda x: torch.tensor(x, dtype=torch.int32, device="cuda")
 args = [q, k, v, a, b, A_log, dt_bias, state, i32([2, 0, 1]), bk, bv, bg, i32([3, 1, 0]), i32([0, C - 1, 4])]
 theirs = [t.clone() for t in args]
