@@ -26,10 +26,14 @@ from .presets import resolve_model
 @click.option("--mode", type=click.Choice(["kvbuffer", "recurrent"]), default="kvbuffer", show_default=True)
 @click.option("--chunk-size", default=16, show_default=True, type=click.IntRange(min=1),
               help="Buffer entries folded into the state per flush (C).")
+@click.option("--speculative", type=click.Choice(["ngram", "mtp"]), default=None,
+              help="Speculative decoding: n-gram prompt lookup, or the checkpoint's MTP head.")
+@click.option("--draft-tokens", default=4, show_default=True, type=click.IntRange(1, 16),
+              help="Draft tokens per step with --speculative.")
 @click.option("--device", default=None, help="cpu, cuda, cuda:1 ... (default: cuda when available).")
 @click.option("--dtype", type=click.Choice(["float32", "bfloat16", "float16"]), default=None)
 def generate(model, prompts, prompts_file, max_new_tokens, temperature, top_k, top_p, seed, mode, chunk_size,
-             device, dtype):
+             speculative, draft_tokens, device, dtype):
     """Generate text. Streams the output when there is a single prompt."""
     import torch
 
@@ -42,7 +46,8 @@ def generate(model, prompts, prompts_file, max_new_tokens, temperature, top_k, t
         texts = ["The "]
     path = resolve_model(model)
     llm = LLM(str(path), device=device, dtype=getattr(torch, dtype) if dtype else None, mode=mode,
-              chunk_size=chunk_size, max_batch=max(1, min(len(texts), 64)))
+              chunk_size=chunk_size, max_batch=max(1, min(len(texts), 64)),
+              speculative={"method": speculative, "num_draft_tokens": draft_tokens} if speculative else None)
     if llm.tokenizer is None:
         raise click.UsageError(f"{path} has no tokenizer files, so text prompts cannot be encoded")
     stream = len(texts) == 1
@@ -60,9 +65,14 @@ def generate(model, prompts, prompts_file, max_new_tokens, temperature, top_k, t
     elapsed = time.perf_counter() - t0
     if stream:
         click.echo()
+        sys.stdout.flush()
     else:
         for text, out in zip(texts, outs):
             click.echo(f"--- {text!r}\n{out.text}")
     stats = llm.last_stats
+    spec = ""
+    if speculative:
+        acc = llm.acceptance
+        spec = f", {speculative} drafts accepted {acc['acceptance_rate']:.0%}, {acc['tokens_per_step']:.2f} tokens/step"
     click.echo(f"[{stats.generated_tokens} tokens from {stats.requests} prompt(s) in {elapsed:.2f}s: "
-               f"{stats.tokens_per_second:.1f} tok/s, mode={mode}, device={llm.device}]", err=True)
+               f"{stats.tokens_per_second:.1f} tok/s, mode={mode}, device={llm.device}{spec}]", err=True)

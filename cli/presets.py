@@ -7,15 +7,11 @@ from pathlib import Path
 import click
 
 
-def _package_demo() -> Path:
-    import kvbuffer
-
-    return Path(kvbuffer.__file__).resolve().parent / "demo"
-
-
 def resolve_model(model: str | None) -> Path:
     """A checkpoint directory for --model (None = the bundled demo model)."""
-    path = _package_demo() if model is None else Path(model)
+    from kvbuffer import demo_checkpoint
+
+    path = demo_checkpoint() if model is None else Path(model)
     if not (path / "config.json").is_file():
         raise click.BadParameter(f"{path} is not a checkpoint directory (no config.json)", param_hint="--model")
     return path

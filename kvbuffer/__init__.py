@@ -20,8 +20,15 @@ from .pools import BufferPool, ConvPool, LinearLayerShape, SlotAllocator, StateP
 
 __version__ = "0.1.0"
 
+
+def demo_checkpoint():
+    """Path of the small demo model bundled with kvbuffer (trained by scripts/train_demo.py)."""
+    from pathlib import Path
+
+    return Path(__file__).resolve().parent / "demo"
+
 __all__ = [
     "ArtifactError", "GenerationOutput", "LLM", "BufferOverflowError", "BufferPool", "ConvPool", "DTypeError", "DeviceError",
     "KVBufferError", "LinearLayerShape", "PoolExhaustedError", "ShapeError", "SlotAllocator",
-    "SlotError", "StatePool", "reference", "__version__",
+    "SlotError", "StatePool", "demo_checkpoint", "reference", "__version__",
 ]

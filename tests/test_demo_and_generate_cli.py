@@ -68,3 +68,12 @@ def test_training_forward_matches_transformers_chunked_gdn():
     ours, s1 = train.parallel_gated_delta_rule(q, k, v, gg, beta, output_final_state=True, use_qk_l2norm_in_kernel=True)
     ref, s2 = chunked(q, k, v, gg, beta, output_final_state=True, use_qk_l2norm_in_kernel=True)
     assert float((ours - ref).abs().max()) < 1e-5 and float((s1 - s2).abs().max()) < 1e-5
+
+
+def test_generate_cli_speculative_matches_plain():
+    args = ["generate", "--prompt", "The built-in function ", "--max-new-tokens", "32", "--device", "cpu"]
+    plain = CliRunner().invoke(main, args)
+    spec = CliRunner().invoke(main, args + ["--speculative", "ngram", "--draft-tokens", "3"])
+    assert plain.exit_code == 0 and spec.exit_code == 0, spec.output
+    assert spec.output.split("[")[0] == plain.output.split("[")[0]
+    assert "ngram drafts accepted" in spec.output
