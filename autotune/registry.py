@@ -10,8 +10,10 @@ A Template is all the tuner needs and nothing TileLang-specific beyond `build`:
 buffer entries); see kvbuffer.pools.LinearLayerShape for the Mamba-2 mapping onto Hk/Hv/K/V.
 
 Registered now: the decode kernels of tiles/gdn.py and tiles/mamba2.py (recurrent step, buffered
-step with the flush fused at C, stand-alone flush). TileLang and torch are imported only inside
-the callables.
+step with the flush fused at C, stand-alone flush) and the prefill chunks the engine cuts prompts
+into (T = 8, 4, 2 tokens, flush fused at C), all for the engine's buffer layout of C + 1 entries.
+Speculative verify (T drafts, no flush) is not built here yet. TileLang and torch are imported
+only inside the callables.
 """
 
 from __future__ import annotations
@@ -41,6 +43,7 @@ class Template:
     source: str = ""          # sha256 of the template's source file: part of the artifact key
     uses_chunk: bool = True   # False: one kernel serves every chunk size (stored with chunk_size 0)
     tolerance: float = 2e-2   # relative error (vs the fp32 reference) a variant may have
+    min_chunk: int = 1        # smallest chunk size the kernel makes sense for (a T-token chunk needs C >= T)
 
 
 def source_digest(package: str = "kvbuffer.tiles") -> str:
@@ -74,14 +77,17 @@ def _gdn_dims(shape: Mapping) -> dict:
     return {k: shape[k] for k in ("Hk", "Hv", "K", "V")}
 
 
-def _gdn_tokens(shape, batch, gen, device):
+PREFILL_CHUNKS = (8, 4, 2)  # the engine's prefill cuts prompts into chunks of 8/4/2/1 tokens
+
+
+def _gdn_tokens(shape, batch, gen, device, T=1):
     import torch
 
     dt = getattr(torch, shape["dtype"])
     Hk, Hv, K, V = (shape[k] for k in ("Hk", "Hv", "K", "V"))
     r = lambda *s: torch.randn(*s, generator=gen, device=device)  # noqa: E731
-    q, k, v = r(batch, 1, Hk, K).to(dt), r(batch, 1, Hk, K).to(dt), r(batch, 1, Hv, V).to(dt)
-    a, b = r(batch, 1, Hv).to(dt), r(batch, 1, Hv).to(dt)
+    q, k, v = r(batch, T, Hk, K).to(dt), r(batch, T, Hk, K).to(dt), r(batch, T, Hv, V).to(dt)
+    a, b = r(batch, T, Hv).to(dt), r(batch, T, Hv).to(dt)
     A_log = torch.log(1.0 + 15.0 * torch.rand(Hv, generator=gen, device=device))
     dt_bias = torch.log(torch.expm1(0.001 + 0.099 * torch.rand(Hv, generator=gen, device=device)))
     return q, k, v, a, b, A_log, dt_bias
@@ -136,6 +142,35 @@ def _gdn_buffered_reference(shape, chunk_size, args):
     return {7: state, 14: o[:, None]}
 
 
+def _chunk_inputs(tokens, offset):
+    """make_inputs of a T-token prefill chunk: rows hold n <= C - T entries, so some reach C and flush."""
+    def make(T):
+        def inputs(shape, batch, chunk_size, device, gen):
+            import torch
+
+            front = tokens(shape, batch, gen, device, T)
+            pools = _gdn_pools(shape, batch, chunk_size + 1, gen, device, 0, chunk_size - T + 1)
+            return [*front, *pools, torch.empty_like(front[offset])]
+        return inputs
+    return make
+
+
+def _chunk_reference(ops_module, front, first_pool):
+    """Expected state and outputs of a prefill chunk: verify, then flush the rows that reached C."""
+    def reference(shape, chunk_size, args):
+        import torch
+
+        ops = importlib.import_module(ops_module)
+        state, bk, bv, bg = (args[i].clone() for i in (first_pool, first_pool + 2, first_pool + 3, first_pool + 4))
+        sslots, bslots, lengths = args[first_pool + 1], args[first_pool + 5], args[first_pool + 6]
+        T = args[0].shape[1]
+        o = ops.verify(*front(args), state, sslots, bk, bv, bg, bslots, lengths)
+        full = torch.where((lengths + T == chunk_size) & (bslots >= 0), bslots, torch.full_like(bslots, -1))
+        ops.flush(state, sslots, bk, bv, bg, full, lengths + T)
+        return {first_pool: state, first_pool + 7: o}
+    return reference
+
+
 def _gdn_flush_inputs(shape, batch, chunk_size, device, gen):
     return list(_gdn_pools(shape, batch, chunk_size + 1, gen, device, 1, chunk_size + 1))
 
@@ -168,7 +203,19 @@ def gdn_templates() -> list[Template]:
     def flush(shape, chunk_size, *, target, **t):
         return _compile(g.gdn_flush(**_gdn_dims(shape), cap=chunk_size + 1, buf_dtype=shape["dtype"], **t), target)
 
-    return [
+    def chunk(T):
+        def build(shape, chunk_size, *, target, **t):
+            prim = g.gdn_buffered(**_gdn_dims(shape), cap=chunk_size + 1, T_new=T, flush_at=chunk_size,
+                                  in_dtype=shape["dtype"], buf_dtype=shape["dtype"], **t)
+            return _compile(prim, target)
+        return build
+
+    inputs = _chunk_inputs(_gdn_tokens, 2)
+    reference = _chunk_reference("kvbuffer.reference.gdn", lambda a: (*a[:5], a[5], a[6]), 7)
+    chunks = [Template(f"gdn_prefill_chunk{T}", "gdn", chunk(T), g.get_buffered_configs,
+                       builder_defaults(g.gdn_buffered, tun), inputs(T), reference, _run, src, min_chunk=T)
+              for T in PREFILL_CHUNKS]
+    return chunks + [
         Template("gdn_recurrent", "gdn", recurrent, g.get_recurrent_configs, builder_defaults(g.gdn_recurrent, tun),
                  _gdn_recurrent_inputs, _gdn_recurrent_reference, _run, src, uses_chunk=False),
         Template("gdn_buffered_step", "gdn", buffered, g.get_buffered_configs,
@@ -186,17 +233,17 @@ def _m2_dims(shape: Mapping) -> dict:
     return {"G": shape["Hk"], "H": shape["Hv"], "N": shape["K"], "P": shape["V"]}
 
 
-def _m2_tokens(shape, batch, gen, device):
+def _m2_tokens(shape, batch, gen, device, T=1):
     """x, dt, A_log, dt_bias, Bm, Cm, D, z (= x: kernels built without has_z ignore it)."""
     import torch
 
     dt_ = getattr(torch, shape["dtype"])
     G, H, N, P = (shape[k] for k in ("Hk", "Hv", "K", "V"))
     r = lambda *s: torch.randn(*s, generator=gen, device=device)  # noqa: E731
-    x, dt = r(batch, 1, H, P).to(dt_), r(batch, 1, H).to(dt_)
+    x, dt = r(batch, T, H, P).to(dt_), r(batch, T, H).to(dt_)
     A_log = torch.log(1.0 + 15.0 * torch.rand(H, generator=gen, device=device))
     dt_bias = torch.log(torch.expm1(0.001 + 0.099 * torch.rand(H, generator=gen, device=device)))
-    Bm, Cm, D = r(batch, 1, G, N).to(dt_), r(batch, 1, G, N).to(dt_), r(H)
+    Bm, Cm, D = r(batch, T, G, N).to(dt_), r(batch, T, G, N).to(dt_), r(H)
     return [x, dt, A_log, dt_bias, Bm, Cm, D, x]
 
 
@@ -255,7 +302,19 @@ def mamba2_templates() -> list[Template]:
     def flush(shape, chunk_size, *, target, **t):
         return _compile(m.mamba2_flush(**_m2_dims(shape), cap=chunk_size + 1, buf_dtype=shape["dtype"], **t), target)
 
-    return [
+    def chunk(T):
+        def build(shape, chunk_size, *, target, **t):
+            prim = m.mamba2_buffered(**_m2_dims(shape), cap=chunk_size + 1, T_new=T, flush_at=chunk_size,
+                                     in_dtype=shape["dtype"], buf_dtype=shape["dtype"], **t)
+            return _compile(prim, target)
+        return build
+
+    inputs = _chunk_inputs(_m2_tokens, 0)
+    reference = _chunk_reference("kvbuffer.reference.mamba2", lambda a: a[:7], 8)
+    chunks = [Template(f"mamba2_prefill_chunk{T}", "mamba2", chunk(T), m.get_buffered_configs,
+                       builder_defaults(m.mamba2_buffered, tun), inputs(T), reference, _run, src, min_chunk=T)
+              for T in PREFILL_CHUNKS]
+    return chunks + [
         Template("mamba2_recurrent", "mamba2", recurrent, m.get_recurrent_configs,
                  builder_defaults(m.mamba2_recurrent, tun), _m2_recurrent_inputs, _m2_recurrent_reference, _run,
                  src, uses_chunk=False),

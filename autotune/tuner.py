@@ -56,7 +56,8 @@ def plan(templates: Sequence[Template], chunk_sizes: Iterable[int]) -> list[tupl
     """(template, chunk size) pairs to build; chunk-free templates once, with chunk_size 0."""
     out = []
     for tpl in templates:
-        out += [(tpl, c) for c in sorted(set(chunk_sizes))] if tpl.uses_chunk else [(tpl, 0)]
+        chunks = [c for c in sorted(set(chunk_sizes)) if c >= tpl.min_chunk]
+        out += [(tpl, c) for c in chunks] if tpl.uses_chunk else [(tpl, 0)]
     return out
 
 

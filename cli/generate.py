@@ -24,8 +24,8 @@ from .presets import resolve_model
 @click.option("--top-p", default=1.0, show_default=True, type=click.FloatRange(0.0, 1.0, min_open=True))
 @click.option("--seed", default=None, type=int)
 @click.option("--mode", type=click.Choice(["kvbuffer", "recurrent"]), default="kvbuffer", show_default=True)
-@click.option("--chunk-size", default=16, show_default=True, type=click.IntRange(min=1),
-              help="Buffer entries folded into the state per flush (C).")
+@click.option("--chunk-size", default=None, type=click.IntRange(min=1),
+              help="Buffer entries folded into the state per flush (C) [default: the tuned policy, else 16].")
 @click.option("--speculative", type=click.Choice(["ngram", "mtp"]), default=None,
               help="Speculative decoding: n-gram prompt lookup, or the checkpoint's MTP head.")
 @click.option("--draft-tokens", default=4, show_default=True, type=click.IntRange(1, 16),

@@ -45,9 +45,35 @@ def env():
                  ("gpu memory", f"{props.total_memory / 2**30:.1f} GiB")]
     else:
         rows.append(("gpu", "none (reference path on CPU)"))
+    rows += _artifact_rows()
     width = max(len(k) for k, _ in rows)
     for key, value in rows:
         click.echo(f"{key:<{width}}  {value}")
+
+
+def _artifact_rows() -> list[tuple[str, str]]:
+    """The cache dir, and which of its artifacts and tuning records this machine's GPU can use."""
+    from kvbuffer.artifacts import ArtifactStore, cache_dir
+    from kvbuffer.autotune.gpus import detect_local_gpu
+    from kvbuffer.errors import ArtifactError
+
+    rows = [("cache dir", str(cache_dir()))]
+    try:
+        manifest = ArtifactStore().manifest()
+    except ArtifactError as e:
+        return rows + [("artifacts", f"unreadable: {e}")]
+    arts, tunings = manifest["artifacts"], manifest["tunings"]
+    gpu = detect_local_gpu()
+    if gpu is None:
+        return rows + [("artifacts", f"{len(arts)} in the cache; no known GPU here to run them")]
+    mine = [n for n, e in arts.items() if e.get("gpu") == gpu.name and e.get("arch") == gpu.arch]
+    rows.append(("artifacts", f"{len(mine)} of {len(arts)} built for this {gpu.name} ({gpu.arch})"))
+    for name, e in sorted(tunings.items()):
+        if e.get("gpu") == gpu.name:
+            s = e["shape"]
+            rows.append(("tuning record", f"{s['family']} Hk={s['Hk']} Hv={s['Hv']} K={s['K']} V={s['V']} "
+                                          f"{s['dtype']}: {e['status']}"))
+    return rows
 
 
 from .cache import cache  # noqa: E402

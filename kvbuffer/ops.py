@@ -96,9 +96,9 @@ class KernelKey:
 def _template(key: KernelKey) -> str | None:
     """The `kvbuffer tune` template that builds this kernel, or None if tune builds no such variant.
 
-    tune builds the recurrent step, and the decode step (flush fused at C) and the flush for the
-    engine's buffer layout, cap = C + 1 entries, all without z and with activations and entries of
-    one dtype.
+    tune builds the recurrent step, and the decode step (flush fused at C), the 8/4/2-token prefill
+    chunks (flush fused at C) and the flush for the engine's buffer layout, cap = C + 1 entries, all
+    without z and with activations and entries of one dtype. Speculative verify needs JIT for now.
     """
     if key.has_z or (key.kind == "buffered" and key.in_dtype != key.buf_dtype):
         return None
@@ -106,6 +106,8 @@ def _template(key: KernelKey) -> str | None:
         return f"{key.family}_recurrent"
     if key.kind == "buffered" and key.T == 1 and key.cap == key.C + 1:
         return f"{key.family}_buffered_step"
+    if key.kind == "buffered" and key.T in (2, 4, 8) and key.C >= key.T and key.cap == key.C + 1:
+        return f"{key.family}_prefill_chunk{key.T}"  # the engine's prefill chunks, flush fused at C
     if key.kind == "flush":
         return f"{key.family}_flush"
     return None
@@ -150,7 +152,8 @@ def _from_artifacts(key: KernelKey, batch: int):
     template = _template(key)
     if template is None:
         raise ArtifactError(f"`kvbuffer tune` builds no {key.kind} kernel with cap={key.cap}, T={key.T}, "
-                            f"flush_at={key.C}, has_z={key.has_z} (only decode steps with cap == flush_at + 1)")
+                            f"flush_at={key.C}, has_z={key.has_z} (it builds decode steps and 8/4/2-token prefill chunks "
+                            "with cap == flush_at + 1)")
     gpu = detect_local_gpu()
     if gpu is None:
         raise ArtifactError("no CUDA GPU here: compiled kernels run on CUDA tensors")

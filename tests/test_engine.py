@@ -82,3 +82,25 @@ def test_top_k_and_top_p_filtering():
     assert (p[:2] > 0).all() and (p[2:] == 0).all()
     p = filtered_probs(logits, SamplingParams(temperature=1.0, top_p=0.01))
     assert p[0] == 1.0
+
+
+def test_engine_follows_the_tuned_chunk_policy(ckpt, tmp_path, monkeypatch):
+    """chunk_size=None: the tuned policy for this GPU, head shape and batch; the default without one."""
+    from kvbuffer.artifacts import runtime_versions
+    from kvbuffer.autotune import gpus
+    from kvbuffer.autotune.cache import ArtifactCache
+    from kvbuffer.autotune.policy import ChunkPolicy, tuning_name
+    from kvbuffer.engine.llm import DEFAULT_CHUNK_SIZE
+
+    monkeypatch.setenv("KVBUFFER_CACHE_DIR", str(tmp_path))
+    assert LLM(str(ckpt), device="cpu").chunk_size == DEFAULT_CHUNK_SIZE  # no GPU known here (or no record)
+    monkeypatch.setattr(gpus, "detect_local_gpu", lambda device=0: gpus.get_gpu("h200"))
+    shape = {"family": "gdn", "Hk": 2, "Hv": 4, "K": 8, "V": 8, "dtype": "float32"}
+    policy = ChunkPolicy((4, 64), (8, 24), "tuned")
+    name = tuning_name("h200", "sm_90a", shape, runtime_versions())
+    record = {"status": "tuned", "chunk_policy": policy.to_json(), "winners": []}
+    ArtifactCache(tmp_path).put_tuning(name, record, gpu="h200",
+                                       shape=shape, versions=runtime_versions())
+    assert LLM(str(ckpt), device="cpu", max_batch=3).chunk_size == 8
+    assert LLM(str(ckpt), device="cpu", max_batch=50).chunk_size == 24
+    assert LLM(str(ckpt), device="cpu", max_batch=50, chunk_size=5).chunk_size == 5  # explicit wins

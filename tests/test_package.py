@@ -21,12 +21,17 @@ def test_subpackages_install_under_kvbuffer():
         assert spec is None or "site-packages" not in (spec.origin or ""), f"top-level '{generic}' installed"
 
 
-def test_cli_env_runs():
+def test_cli_env_runs(tmp_path, monkeypatch):
+    from kvbuffer.autotune import gpus
     from kvbuffer.cli.main import main
 
+    monkeypatch.setenv("KVBUFFER_CACHE_DIR", str(tmp_path))
     result = CliRunner().invoke(main, ["env"])
     assert result.exit_code == 0, result.output
-    assert "torch" in result.output and "kvbuffer" in result.output
+    assert "torch" in result.output and "kvbuffer" in result.output and str(tmp_path) in result.output
+    monkeypatch.setattr(gpus, "detect_local_gpu", lambda device=0: gpus.get_gpu("h200"))
+    result = CliRunner().invoke(main, ["env"])
+    assert "0 of 0 built for this h200 (sm_90a)" in result.output
 
 
 def test_cli_lists_its_commands_and_bench_needs_a_gpu():

@@ -23,11 +23,11 @@ NEMOTRON_H = dict(model_type="nemotron_h", vocab_size=97, hidden_size=64, num_at
 CONFIGS = {"qwen3_5": QWEN3_5, "nemotron_h": NEMOTRON_H}
 
 
-def tiny_model(kind: str, seed: int = 0):
+def tiny_model(kind: str, seed: int = 0, **overrides):
     """A kvbuffer model (fp32, CPU, eval) with seeded random weights strong enough to matter."""
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)  # default inits (biases) that are perturbed below, not replaced
-        model = build_model(dict(CONFIGS[kind]))
+        model = build_model(dict(CONFIGS[kind], **overrides))
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, p in sorted(model.named_parameters()):

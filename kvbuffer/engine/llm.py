@@ -7,6 +7,7 @@ finished ones (their slots are freed at once) and repeat. Requests that find the
 
 from __future__ import annotations
 
+import logging
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -21,6 +22,8 @@ from .runner import ModelRunner
 from .sampling import SamplingParams, sample_token
 from .drafters import MTPDrafter, NgramDrafter
 from .speculative import SpeculativeConfig, accept_drafts
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -44,6 +47,35 @@ class GenerationStats:
         return self.generated_tokens / self.seconds if self.seconds else 0.0
 
 
+DEFAULT_CHUNK_SIZE = 16
+
+
+def tuned_chunk_size(shape, dtype, batch: int) -> tuple[int, str]:
+    """The chunk size `kvbuffer tune` chose for this GPU, head shape and batch, else the default.
+
+    Returns (C, where it came from). Only a GPU that kvbuffer knows and a tuning record built with
+    this process's versions count; anything else falls back to DEFAULT_CHUNK_SIZE.
+    """
+    if shape is None:
+        return DEFAULT_CHUNK_SIZE, "default: no linear-attention layers"
+    from ..artifacts import ArtifactStore
+    from ..autotune.gpus import detect_local_gpu
+    from ..autotune.policy import ChunkPolicy
+    from ..errors import ArtifactError
+
+    gpu = detect_local_gpu()
+    if gpu is None:
+        return DEFAULT_CHUNK_SIZE, "default: no known GPU here"
+    key = {"family": "gdn" if shape.delta_rule else "mamba2", "Hk": shape.num_k_heads, "Hv": shape.num_v_heads,
+           "K": shape.head_k_dim, "V": shape.head_v_dim, "dtype": str(dtype).replace("torch.", "")}
+    try:
+        record = ArtifactStore().find_tuning(gpu.name, gpu.arch, key)
+    except ArtifactError as e:
+        return DEFAULT_CHUNK_SIZE, f"default: {e}"
+    policy = ChunkPolicy.from_json(record["chunk_policy"])
+    return policy.chunk_for(batch), f"{policy.status} policy for {gpu.name}, batch {batch}"
+
+
 def _default_device(device):
     if device is not None:
         return torch.device(device)
@@ -55,20 +87,21 @@ class LLM:
 
     model: a checkpoint directory (config.json + *.safetensors, tokenizer files optional) or a
         kvbuffer model instance. mode: "kvbuffer" (buffered linear layers, the default) or
-        "recurrent" (today's servers' scheme). chunk_size: buffer entries folded per flush (C).
+        "recurrent" (today's servers' scheme). chunk_size: buffer entries folded per flush (C);
+        None follows `kvbuffer tune`'s chunk-size policy for this GPU and batch (16 without one).
         max_batch: request slots (concurrent requests); max_len: longest context per request.
         kernels: run the linear layers on the compiled kernels (kvbuffer.ops; CUDA, bf16 buffer
         entries, fp32 states): True, False (the pure-torch reference) or "auto" (kernels on CUDA when
         every kernel needed loads from the artifact cache or KVBUFFER_JIT=1 allows compiling them).
     """
 
-    def __init__(self, model, *, device=None, dtype=None, mode: str = "kvbuffer", chunk_size: int = 16,
+    def __init__(self, model, *, device=None, dtype=None, mode: str = "kvbuffer", chunk_size: int | None = None,
                  max_batch: int = 16, max_states: int | None = None, max_len: int = 2048,
                  max_prefill_tokens: int = 1024, tokenizer=None, speculative: dict | None = None,
                  memory_budget: int | None = None, kernels: bool | str = "auto"):
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
-        if chunk_size < 1:
+        if chunk_size is not None and chunk_size < 1:
             raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
         self.device = _default_device(device)
         self.tokenizer = tokenizer
@@ -87,6 +120,10 @@ class LLM:
         self.drafter = None
         self.dtype = next(model.parameters()).dtype
         geo = model.cache_geometry()
+        if chunk_size is None:
+            chunk_size, why = tuned_chunk_size(geo["linear_shape"], self.dtype, max_batch)
+            log.info("kvbuffer: chunk size %d (%s)", chunk_size, why)
+        self.chunk_size = chunk_size
         fed = (self.speculative.num_draft_tokens + 1) if self.speculative else 1
         if memory_budget is not None:  # admit as many requests as the capacity planner says fit
             from ..plan import geometry_of, request_spec

@@ -252,3 +252,40 @@ def test_demo_checkpoint_greedy_identical_cpu_reference_vs_gpu_kernels():
     a = cpu.generate(prompt, max_new_tokens=32, stop_token_ids=[])[0]
     b = gpu.generate(prompt, max_new_tokens=32, stop_token_ids=[])[0]
     assert a.token_ids == b.token_ids, (a.text, b.text)
+
+
+def test_engine_runs_from_artifacts_alone(tmp_path):
+    """`kvbuffer tune --build-only` for a model's head shape, then a process with TileLang blocked and
+    no JIT generates on CUDA with every linear-layer kernel loaded from the cache (decode steps and
+    prefill chunks), matching the same bf16 model on the reference ops."""
+    heads = dict(linear_key_head_dim=64, linear_value_head_dim=64)
+    env = dict(os.environ, KVBUFFER_CACHE_DIR=str(tmp_path))
+    env.pop("KVBUFFER_JIT", None)
+    build = [sys.executable, "-m", "kvbuffer.cli.main", "tune", "--gpu", "h200", "--heads", "2,4,64,64",
+             "--chunk-sizes", "8", "--batch-buckets", "1,4", "--build-only"]
+    res = subprocess.run(build, env=env, capture_output=True, text=True, timeout=400)
+    assert res.returncode == 0, res.stdout + res.stderr
+    code = rf'''
+import sys
+for name in ("tilelang", "tvm"):
+    sys.modules[name] = None
+sys.path.insert(0, {str(ROOT / "tests")!r})
+import torch
+from tiny_models import tiny_model
+from kvbuffer import LLM, ops
+prompts = [[5, 17, 3, 44, 9, 61, 2, 30, 11, 7, 12, 90, 4, 21], [8, 1, 33], [60, 2, 2, 19, 40]]
+fast = LLM(tiny_model("qwen3_5", **{heads!r}), device="cuda", dtype=torch.bfloat16, chunk_size=8,
+           max_batch=4, kernels=True)
+got = fast.generate(prompts, max_new_tokens=16, return_logits=True)
+ref = LLM(tiny_model("qwen3_5", **{heads!r}), device="cuda", dtype=torch.bfloat16, chunk_size=8,
+          max_batch=4, kernels=False).generate(prompts, max_new_tokens=16, return_logits=True)
+worst = max(float((a - b).abs().max()) for g, w in zip(got, ref) for a, b in zip(g.logits, w.logits))
+loaded = sorted(n for n in ops._LOADED if isinstance(n, str))
+assert not any(isinstance(n, tuple) for n in ops._LOADED), ops._LOADED  # nothing compiled
+print("engine from artifacts", worst, [g.token_ids == w.token_ids for g, w in zip(got, ref)], loaded)
+assert worst < 0.06, worst
+'''
+    res = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0 and "engine from artifacts" in res.stdout, res.stdout + res.stderr
+    print(res.stdout)
+    assert "gdn_prefill_chunk" in res.stdout and "gdn_buffered_step" in res.stdout
