@@ -97,17 +97,12 @@ class LinearLayerShape:
         return 4 * self.num_v_heads * self.head_k_dim * self.head_v_dim
 
 
-class StatePool:
-    """fp32 (or fp64) recurrent states: tensor (num_layers, capacity, Hv, K, V)."""
+class _TensorPool:
+    """One tensor (num_layers, capacity, ...) whose slots are handed out zeroed."""
 
-    def __init__(self, shape: LinearLayerShape, num_layers: int, capacity: int, *,
-                 device=None, dtype=torch.float32):
-        if dtype not in (torch.float32, torch.float64):
-            raise ValueError(f"states are kept in float32 (or float64 for tests), got {dtype}")
-        self.shape = shape
+    def __init__(self, capacity: int, shape: tuple, *, device, dtype):
         self.slots = SlotAllocator(capacity)
-        self.state = torch.zeros(num_layers, capacity, shape.num_v_heads, shape.head_k_dim,
-                                 shape.head_v_dim, dtype=dtype, device=device)
+        self.state = torch.zeros((shape[0], capacity) + tuple(shape[1:]), dtype=dtype, device=device)
 
     def allocate(self, slot: int | None = None) -> int:
         slot = self.slots.allocate(slot)
@@ -119,6 +114,18 @@ class StatePool:
 
     def layer(self, i: int) -> torch.Tensor:
         return self.state[i]
+
+
+class StatePool(_TensorPool):
+    """fp32 (or fp64) recurrent states: tensor (num_layers, capacity, Hv, K, V)."""
+
+    def __init__(self, shape: LinearLayerShape, num_layers: int, capacity: int, *,
+                 device=None, dtype=torch.float32):
+        if dtype not in (torch.float32, torch.float64):
+            raise ValueError(f"states are kept in float32 (or float64 for tests), got {dtype}")
+        self.shape = shape
+        super().__init__(capacity, (num_layers, shape.num_v_heads, shape.head_k_dim, shape.head_v_dim),
+                         device=device, dtype=dtype)
 
 
 @dataclass(frozen=True)
@@ -196,7 +203,7 @@ class BufferPool:
         self.lengths[slot] = value
 
 
-class ConvPool:
+class ConvPool(_TensorPool):
     """Short-conv histories: (num_layers, capacity, conv_dim, width - 1 + max_drafts)."""
 
     def __init__(self, conv_dim: int, width: int, num_layers: int, capacity: int, *, max_drafts: int = 8,
@@ -204,17 +211,4 @@ class ConvPool:
         if width < 2:
             raise ShapeError(f"conv width must be >= 2, got {width}")
         self.width = width
-        self.slots = SlotAllocator(capacity)
-        self.state = torch.zeros(num_layers, capacity, conv_dim, width - 1 + max(1, max_drafts),
-                                 dtype=dtype, device=device)
-
-    def allocate(self, slot: int | None = None) -> int:
-        slot = self.slots.allocate(slot)
-        self.state[:, slot].zero_()
-        return slot
-
-    def free(self, slot: int) -> None:
-        self.slots.free(slot)
-
-    def layer(self, i: int) -> torch.Tensor:
-        return self.state[i]
+        super().__init__(capacity, (num_layers, conv_dim, width - 1 + max(1, max_drafts)), device=device, dtype=dtype)
