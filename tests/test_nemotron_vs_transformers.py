@@ -108,16 +108,27 @@ def test_bad_checkpoint_names_the_tensor(checkpoint, tmp_path, corrupt, named):
         load_checkpoint(tmp_path)
 
 
-def test_mtp_tensors_are_skipped(checkpoint, tmp_path):
+def test_mtp_head_loads_and_a_partial_one_is_named(checkpoint, tmp_path):
+    """A checkpoint with Nemotron-3 Super's MTP head (mtp.*, here also under published prefixes)
+    gets the head attached; the decoder's weights are untouched; a partial head names what lacks."""
+    from hf_models import add_mtp_head
+
     _, path, _ = checkpoint
-    tensors = load_file(str(path / "model.safetensors"))
-    tensors["mtp.layers.0.mixer.q_proj.weight"] = torch.zeros(64, 64)
-    save_file(tensors, str(tmp_path / "model.safetensors"))
     (tmp_path / "config.json").write_text((path / "config.json").read_text())
-    model = load_checkpoint(tmp_path)
-    ref = load_checkpoint(path)
-    for (n, p), (_, q) in zip(model.named_parameters(), ref.named_parameters()):
-        assert torch.equal(p, q), n
+    save_file(load_file(str(path / "model.safetensors")), str(tmp_path / "model.safetensors"))
+    add_mtp_head(tmp_path)
+    tensors = load_file(str(tmp_path / "model.safetensors"))
+    renamed = {("backbone." + k if k.startswith("mtp.layers.1") else k): v for k, v in tensors.items()}
+    save_file(renamed, str(tmp_path / "model.safetensors"))
+    model, ref = load_checkpoint(tmp_path), load_checkpoint(path)
+    assert model.mtp is not None and ref.mtp is None
+    for n, p in ref.named_parameters():
+        assert torch.equal(p, model.get_parameter(n)), n
+    torch.testing.assert_close(model.mtp.layers[0].eh_proj.weight, tensors["mtp.layers.0.eh_proj.weight"])
+    tensors.pop("mtp.layers.0.eh_proj.weight")
+    save_file(tensors, str(tmp_path / "model.safetensors"))
+    with pytest.raises(CheckpointError, match="mtp.layers.0.eh_proj.weight"):
+        load_checkpoint(tmp_path)
 
 
 def test_config_pattern_and_unsupported_fields(checkpoint):

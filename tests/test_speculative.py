@@ -130,7 +130,7 @@ def test_greedy_acceptance_rule():
     assert accept_drafts(logits, [None, 0], greedy, None) == (0, 1)
 
 
-@pytest.mark.parametrize("model_type", ["qwen3_5_text", "qwen3_5_moe_text"])
+@pytest.mark.parametrize("model_type", ["qwen3_5_text", "qwen3_5_moe_text", "nemotron_h"])
 @pytest.mark.parametrize("mode", ["kvbuffer", "recurrent"])
 def test_mtp_drafter_keeps_greedy_output(tmp_path, model_type, mode):
     """The checkpoint's MTP head drafts; output equals plain decoding whatever it proposes."""

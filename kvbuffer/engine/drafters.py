@@ -55,9 +55,10 @@ class NgramDrafter(Drafter):
 
 
 class MTPDrafter(Drafter):
-    """Drafts with the model's multi-token-prediction head (kvbuffer.models.mtp).
+    """Drafts with the model's multi-token-prediction head (Qwen3.5's kvbuffer.models.mtp, or
+    Nemotron-3 Super's in kvbuffer.models.nemotron_h).
 
-    The head keeps its own one-layer KV cache per request slot, filled by catching up on every
+    The head keeps its own KV cache per request slot, filled by catching up on every
     position whose next token is known (prompt positions after prefill, kept positions after a
     verify) with the target model's hidden states. Drafting then applies the head recursively;
     those speculative KV entries sit past the committed length and are overwritten next time.
@@ -71,8 +72,8 @@ class MTPDrafter(Drafter):
                              "use method 'ngram' for this model")
         c = model.config
         self.model = model
-        self.kv = KVCache(1, max_requests, max_len + 2 * max_drafts + 2, c.num_key_value_heads, c.head_dim,
-                          device=device, dtype=dtype)
+        self.kv = KVCache(model.mtp.num_attention_layers, max_requests, max_len + 2 * max_drafts + 2,
+                          c.num_key_value_heads, c.head_dim, device=device, dtype=dtype)
         self.device = device
         self.committed: dict[int, int] = {}  # slot -> MTP KV entries that belong to the request
         self.last: dict[int, tuple[int, int, torch.Tensor]] = {}  # slot -> (draft 1, position, head hidden)
@@ -84,7 +85,7 @@ class MTPDrafter(Drafter):
         batch = ForwardBatch(kind="verify", mode="kvbuffer", positions=positions,
                              slots=torch.tensor(slots, **i32), state_slots=torch.full((B,), -1, **i32),
                              lengths=torch.zeros(B, **i32), cached=torch.tensor(kv_start, **i32), flush_at=1)
-        embeds = self.model.model.embed_tokens(tokens)
+        embeds = self.model.embed(tokens)
         return self.model.mtp(embeds, hidden.to(embeds.dtype), batch, self)
 
     def _greedy(self, h: torch.Tensor) -> list[int]:

@@ -31,6 +31,7 @@ class MultiTokenPredictor(nn.Module):
         layer_cfg = dataclasses.replace(cfg, layer_types=("full_attention",), mlp_only_layers=())
         self.layers = nn.ModuleList([DecoderLayer(layer_cfg, 0, linear_index=0, attn_index=0)])
         self.norm = RMSNorm(H, cfg.rms_norm_eps, zero_centered=True)
+        self.num_attention_layers = 1
 
     def forward(self, embeds: torch.Tensor, hidden: torch.Tensor, batch, caches) -> torch.Tensor:
         """embeds of the next tokens and hidden states (B, T, H) -> the head's hidden states (B, T, H)."""

@@ -58,6 +58,18 @@ def _layer_types(d: dict) -> tuple[str, ...]:
     return types
 
 
+def _mtp_layer_types(d: dict) -> tuple[str, ...]:
+    """The MTP head's block kinds: `mtp_layers_block_type`, or vLLM's `mtp_hybrid_override_pattern`."""
+    if d.get("mtp_layers_block_type"):
+        types = tuple(_LEGACY.get(t, t) for t in d["mtp_layers_block_type"])
+    else:
+        types = tuple(_PATTERN.get(ch, ch) for ch in d.get("mtp_hybrid_override_pattern", "*E"))
+    bad = sorted(set(types) - {"full_attention", "moe", "mlp"})
+    if bad:
+        raise _unsupported(f"MTP layers of kinds {bad} are not supported (attention, MoE and MLP blocks are)")
+    return types
+
+
 @dataclass(frozen=True)
 class NemotronHConfig:
     model_type: str
@@ -93,6 +105,7 @@ class NemotronHConfig:
     norm_topk_prob: bool
     routed_scaling_factor: float
     num_nextn_predict_layers: int = 0
+    mtp_layer_types: tuple[str, ...] = ("full_attention", "moe")  # the MTP head's blocks (Nemotron-3 Super)
 
     @classmethod
     def from_hf(cls, d: dict) -> "NemotronHConfig":
@@ -136,6 +149,7 @@ class NemotronHConfig:
             norm_topk_prob=bool(d.get("norm_topk_prob", True)),
             routed_scaling_factor=float(d.get("routed_scaling_factor", 1.0)),
             num_nextn_predict_layers=d.get("num_nextn_predict_layers", 0),
+            mtp_layer_types=_mtp_layer_types(d),
         )
 
     @property
@@ -380,11 +394,23 @@ class NemotronHForCausalLM(nn.Module):
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embeddings.weight
 
-    def forward(self, input_ids, batch, caches):
+        self.mtp = None  # the multi-token-prediction head, attached when a checkpoint has one
+
+    def embed(self, input_ids):
+        return self.model.embeddings(input_ids)
+
+    def forward(self, input_ids, batch, caches, return_hidden: bool = False):
+        """Logits (B, T, vocab); with return_hidden also the final-norm hidden states the MTP head reads."""
         x = self.model.embeddings(input_ids)
         for layer in self.model.layers:
             x = layer(x, batch, caches)
-        return self.lm_head(self.model.norm_f(x))
+        h = self.model.norm_f(x)
+        logits = self.lm_head(h)
+        return (logits, h) if return_hidden else logits
+
+    def attach_mtp(self) -> None:
+        """Add Nemotron-3 Super's MTP head (checkpoint tensors mtp.*); loaded with the rest."""
+        self.mtp = MultiTokenPredictor(self.config)
 
     def cache_layout(self) -> list[tuple[str, int] | None]:
         return cache_layout(self.config.layer_types)
@@ -400,11 +426,52 @@ class NemotronHForCausalLM(nn.Module):
     @staticmethod
     def checkpoint_name(name: str) -> str:
         """Published Nemotron-H files store the backbone as `backbone.*` (transformers renames it `model.*`)."""
+        for prefix in ("language_model.", "backbone.mtp.", "model.mtp."):
+            if name.startswith(prefix):
+                name = ("mtp." if prefix != "language_model." else "") + name[len(prefix):]
         if name.startswith("backbone."):
             return "model." + name[len("backbone."):]
         return name
 
     @staticmethod
     def skip_checkpoint_tensor(name: str) -> bool:
-        """Multi-token-prediction layers (Nemotron-3 Super) are not used by the decoder."""
-        return name.startswith(("mtp.", "model.mtp.", "backbone.mtp."))
+        return False
+
+
+class MTPBlock(Block):
+    """A block of the MTP head: the first also fuses the token embedding with the target's hidden
+    state (enorm, hnorm, eh_proj), the last ends with final_layernorm (vLLM's checkpoint layout)."""
+
+    def __init__(self, cfg: NemotronHConfig, i: int, attn_index: int, first: bool, last: bool):
+        super().__init__(cfg, i, 0, attn_index)
+        H, eps = cfg.hidden_size, cfg.layer_norm_epsilon
+        if first:
+            self.enorm, self.hnorm = RMSNorm(H, eps), RMSNorm(H, eps)
+            self.eh_proj = nn.Linear(2 * H, H, bias=False)
+        if last:
+            self.final_layernorm = RMSNorm(H, eps)
+
+
+class MultiTokenPredictor(nn.Module):
+    """Nemotron-3 Super's MTP head: fuse(embedding of t+1, hidden at t) -> its blocks -> final norm.
+
+    Its attention blocks have their own KV cache (attention layer indices count from 0 here).
+    """
+
+    def __init__(self, cfg: NemotronHConfig):
+        super().__init__()
+        import dataclasses
+
+        types = cfg.mtp_layer_types
+        mcfg = dataclasses.replace(cfg, layer_types=types)
+        attn = [sum(t == "full_attention" for t in types[:i]) for i in range(len(types))]
+        self.layers = nn.ModuleList(MTPBlock(mcfg, i, attn[i], i == 0, i == len(types) - 1)
+                                    for i in range(len(types)))
+        self.num_attention_layers = types.count("full_attention")
+
+    def forward(self, embeds, hidden, batch, caches):
+        first = self.layers[0]
+        x = first.eh_proj(torch.cat([first.enorm(embeds), first.hnorm(hidden)], dim=-1))
+        for layer in self.layers:
+            x = layer(x, batch, caches)
+        return self.layers[-1].final_layernorm(x)

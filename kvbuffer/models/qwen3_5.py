@@ -230,6 +230,9 @@ class Qwen35ForCausalLM(nn.Module):
 
         self.mtp = None  # the multi-token-prediction head, attached when a checkpoint has one
 
+    def embed(self, input_ids):
+        return self.model.embed_tokens(input_ids)
+
     def forward(self, input_ids, batch, caches, return_hidden: bool = False):
         """Logits (B, T, vocab); with return_hidden also the final-norm hidden states the MTP head reads."""
         x = self.model.embed_tokens(input_ids)
