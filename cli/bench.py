@@ -1,4 +1,4 @@
-"""`kvbuffer bench KERNEL [ARGS...]`: run a benchmark script from benchmarks/ (needs a GPU).
+"""`kvbuffer bench gdn|mamba2|decode|spec [ARGS...]`: run a benchmark script from benchmarks/ (needs a GPU).
 
 The benchmark scripts live in the source checkout's benchmarks/ folder next to their committed
 results, so this command works from a checkout installed with `pip install -e .`. Arguments after
@@ -12,7 +12,9 @@ from pathlib import Path
 
 import click
 
-SCRIPTS = {"gdn": "bench_gdn.py", "mamba2": "bench_mamba2.py"}
+# kernel or job -> (script in benchmarks/, arguments put first)
+SCRIPTS = {"gdn": ("bench_gdn.py", []), "mamba2": ("bench_mamba2.py", []),
+           "decode": ("bench_e2e.py", ["decode"]), "spec": ("bench_e2e.py", ["spec"])}
 
 
 def _benchmarks_dir() -> Path:
@@ -22,7 +24,7 @@ def _benchmarks_dir() -> Path:
 
 
 def _load(kernel: str):
-    path = _benchmarks_dir() / SCRIPTS[kernel]
+    path = _benchmarks_dir() / SCRIPTS[kernel][0]
     if not path.is_file():
         raise click.ClickException(f"{path} not found: `kvbuffer bench` runs the scripts of a source checkout "
                                    "(git clone, then pip install -e .)")
@@ -42,4 +44,4 @@ def bench(kernel, args):
     if not torch.cuda.is_available():
         raise click.ClickException("kvbuffer bench times GPU kernels and needs a CUDA GPU; none is visible")
     module = _load(kernel)
-    module.main(list(args))
+    module.main(SCRIPTS[kernel][1] + list(args))

@@ -41,10 +41,18 @@ class GenerationStats:
     prompt_tokens: int = 0
     generated_tokens: int = 0
     seconds: float = 0.0
+    decode_seconds: float = 0.0  # time in decode (or draft + verify) steps, sampling included
+    decode_steps: int = 0
+    decode_tokens: int = 0  # tokens those steps emitted
+    peak_batch: int = 0  # most requests decoded together
 
     @property
     def tokens_per_second(self) -> float:
         return self.generated_tokens / self.seconds if self.seconds else 0.0
+
+    @property
+    def decode_tokens_per_second(self) -> float:
+        return self.decode_tokens / self.decode_seconds if self.decode_seconds else 0.0
 
 
 DEFAULT_CHUNK_SIZE = 16
@@ -191,13 +199,15 @@ class LLM:
         gens = {r.rid: (torch.Generator().manual_seed(r.params.seed) if r.params.seed is not None else None)
                 for r in reqs}
         start = time.perf_counter()
-        self._run(reqs, gens, return_logits, on_token, _prepare)
-        self.last_stats = GenerationStats(len(reqs), sum(len(p) for p in prompt_ids),
-                                          sum(len(r.output) for r in reqs), time.perf_counter() - start)
+        stats = GenerationStats(len(reqs), sum(len(p) for p in prompt_ids))
+        self._run(reqs, gens, return_logits, on_token, _prepare, stats)
+        stats.generated_tokens = sum(len(r.output) for r in reqs)
+        stats.seconds = time.perf_counter() - start
+        self.last_stats = stats
         return [GenerationOutput(r.prompt, r.output, r.finish_reason, self._decode_text(r.output), r.logits)
                 for r in reqs]
 
-    def _run(self, reqs, gens, return_logits, on_token, prepare):
+    def _run(self, reqs, gens, return_logits, on_token, prepare, stats):
         index = {r.rid: i for i, r in enumerate(reqs)}
         waiting, running = deque(reqs), []
         free = self.runner.caches.requests
@@ -227,12 +237,17 @@ class LLM:
                         self._retire(req)
                 if not running:
                     continue
+                t0, before = time.perf_counter(), sum(len(r.output) for r in running)
                 if self.speculative is not None:
                     self._speculative_step(running, gens, return_logits, on_token, index)
                 else:
                     logits = self.runner.decode(running)
                     for req, row in zip(running, logits):
                         self._take(req, row, gens, return_logits, on_token, index)
+                stats.decode_seconds += time.perf_counter() - t0  # sampling synchronised the device
+                stats.decode_steps += 1
+                stats.decode_tokens += sum(len(r.output) for r in running) - before
+                stats.peak_batch = max(stats.peak_batch, len(running))
                 for req in [r for r in running if r.finish_reason is not None]:
                     running.remove(req)
                     self._retire(req)
