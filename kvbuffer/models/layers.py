@@ -55,12 +55,55 @@ class GatedMLP(nn.Module):
         return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
 
 
-class Experts(nn.Module):
-    """Routed experts stored as 3-D tensors: gate_up_proj (E, 2I, H), down_proj (E, H, I).
+def _grouped_ok(x: torch.Tensor, w: torch.Tensor) -> bool:
+    """torch's grouped matmul serves bf16 on CUDA and fp32/bf16 on CPU, with every row 16-byte
+    aligned; anything else loops over the experts."""
+    if not hasattr(torch, "_grouped_mm") or x.dtype != w.dtype:
+        return False
+    if x.dtype not in ((torch.bfloat16,) if x.is_cuda else (torch.float32, torch.bfloat16)):
+        return False
+    return all(n * x.element_size() % 16 == 0 for n in (x.shape[-1], w.shape[1], w.shape[2]))
 
-    Tokens are sorted by expert and each expert runs one matmul over its tokens: a grouped matmul
-    (on the GPU the per-expert loop is over experts actually hit, not over tokens).
+
+def _per_expert_matmul(x: torch.Tensor, w: torch.Tensor, counts: list[int], offs: torch.Tensor) -> torch.Tensor:
+    """Rows of x grouped by expert (counts[e] consecutive rows each) times w[e]^T: (M, O) for w (E, O, H)."""
+    if _grouped_ok(x, w):
+        return torch._grouped_mm(x, w.transpose(1, 2), offs=offs)
+    parts, start = [], 0
+    for e, n in enumerate(counts):
+        if n:
+            parts.append(F.linear(x[start:start + n], w[e]))
+        start += n
+    return torch.cat(parts) if parts else x.new_zeros((0, w.shape[1]))
+
+
+def route_to_experts(x, top_idx, top_w, first, down, act, accumulate_dtype=None):
+    """Mixture-of-experts dispatch: each token through its top-k experts, weighted and summed.
+
+    first (E, O, H) and down (E, H, I) are the experts' stacked weights; `act` maps the first
+    matmul's output (M, O) to the down matmul's input (M, I) (gated: silu(gate) * up). Tokens are
+    sorted by expert so each matmul is one grouped matmul over all experts (torch._grouped_mm where
+    it serves the dtype, else a loop over the experts that got tokens). Contributions are summed in
+    `accumulate_dtype` (default x's).
     """
+    E = first.shape[0]
+    flat = top_idx.reshape(-1)
+    order = torch.argsort(flat, stable=True)
+    counts_t = torch.bincount(flat, minlength=E)
+    offs = torch.cumsum(counts_t, 0).to(torch.int32)
+    counts = counts_t.tolist()
+    token_of = order // top_idx.shape[1]
+    xs = x[token_of]
+    y = _per_expert_matmul(act(_per_expert_matmul(xs, first, counts, offs)), down, counts, offs)
+    y = y * top_w.reshape(-1)[order, None]
+    out = torch.zeros(x.shape, dtype=accumulate_dtype or x.dtype, device=x.device)
+    # index_put_ with accumulate rather than index_add_, whose CPU kernel is slow on a busy machine
+    out.index_put_((token_of,), y.to(out.dtype), accumulate=True)
+    return out.to(x.dtype)
+
+
+class Experts(nn.Module):
+    """Gated routed experts as 3-D tensors: gate_up_proj (E, 2I, H), down_proj (E, H, I)."""
 
     def __init__(self, num_experts: int, hidden: int, intermediate: int, act=F.silu):
         super().__init__()
@@ -68,24 +111,13 @@ class Experts(nn.Module):
         self.down_proj = nn.Parameter(torch.empty(num_experts, hidden, intermediate))
         self.act = act
 
+    def _gated(self, y):
+        gate, up = y.chunk(2, dim=-1)
+        return self.act(gate) * up
+
     def forward(self, x, top_idx, top_w):
         """x (N, H); top_idx, top_w (N, k)."""
-        out = torch.zeros_like(x)
-        flat = top_idx.reshape(-1)
-        order = torch.argsort(flat, stable=True)
-        counts = torch.bincount(flat, minlength=self.gate_up_proj.shape[0]).tolist()
-        token_of = order // top_idx.shape[1]
-        weight_of = top_w.reshape(-1)[order]
-        start = 0
-        for e, n in enumerate(counts):
-            if not n:
-                continue
-            tok = token_of[start:start + n]
-            gate, up = F.linear(x[tok], self.gate_up_proj[e]).chunk(2, dim=-1)
-            y = F.linear(self.act(gate) * up, self.down_proj[e])
-            out.index_add_(0, tok, (y * weight_of[start:start + n, None]).to(out.dtype))
-            start += n
-        return out
+        return route_to_experts(x, top_idx, top_w.to(x.dtype), self.gate_up_proj, self.down_proj, self._gated)
 
 
 class SoftmaxTopKMoE(nn.Module):

@@ -21,7 +21,7 @@ from torch import nn
 
 from ..pools import LinearLayerShape
 from ..runtime import mixing
-from .layers import cache_layout
+from .layers import cache_layout, route_to_experts
 
 MODEL_TYPES = ("nemotron_h",)
 
@@ -274,14 +274,8 @@ class UngatedExperts(nn.Module):
 
     def forward(self, x, top_idx, top_w):
         """x (N, dim); top_idx, top_w (N, k)."""
-        out = torch.zeros_like(x, dtype=top_w.dtype)
-        for e in torch.unique(top_idx).tolist():
-            tok, pos = torch.where(top_idx == e)
-            y = F.linear(self.act(F.linear(x[tok], self.up_proj[e])), self.down_proj[e])
-            # a token meets each expert at most once; index_put_ rather than index_add_, whose CPU kernel
-            # costs milliseconds per call on a busy machine
-            out.index_put_((tok,), (y * top_w[tok, pos, None]).to(out.dtype), accumulate=True)
-        return out.to(x.dtype)
+        return route_to_experts(x, top_idx, top_w, self.up_proj, self.down_proj, self.act,
+                                accumulate_dtype=top_w.dtype)
 
 
 class TopKRouter(nn.Module):
