@@ -71,11 +71,14 @@ def conv_accept(conv_state, slots, accepted, width: int):
     pending = conv_state.shape[2] - (width - 1)
     if B and (int(accepted.min()) < 0 or int(accepted.max()) > pending):
         raise ShapeError(f"accepted counts must be in [0, {pending}], got {accepted.tolist()}")
-    for b in range(B):  # a handful of rows, each a (D, W-1) copy
-        s, m = int(slots[b]), int(accepted[b])
-        if s >= 0 and m:
-            seq = conv_state[s, :, : width - 1 + m].clone()
-            conv_state[s, :, : width - 1] = seq[:, -(width - 1):]
+    real = slots >= 0
+    if not bool(real.any()):
+        return
+    rows = slots[real].long()
+    # the new history of a row that kept m drafts is positions m .. m + W-2 of [history, drafts]
+    window = accepted[real].long()[:, None] + torch.arange(width - 1, device=conv_state.device)[None, :]
+    seq = conv_state[rows]  # (R, D, W-1+P), a copy
+    conv_state[rows, :, : width - 1] = seq.gather(2, window[:, None, :].expand(-1, seq.shape[1], -1))
 
 
 def conv_step(x, conv_state, slots, weight, bias=None, activation="silu"):
