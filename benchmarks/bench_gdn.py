@@ -203,7 +203,7 @@ def bench_shape(name, Hk, Hv, ops, fla_fn, batches, copy_bw) -> list[dict]:
             row[f"verify{T}_over_recurrent"] = t[f"verify{T}"] / t["recurrent"]
         rows.append(row)
         print(f"{name:12s} B={B:5d} " + " ".join(f"{k}={v * 1e3:8.1f}us" for k, v in t.items()), flush=True)
-        del S
+        S = None  # drop the inputs before the next shape (the lambdas above are done with them)
         torch.cuda.empty_cache()
     return rows
 
@@ -228,7 +228,7 @@ def tune(Hk, Hv, *, C, cap, B=256) -> dict:
     for kind in ("recurrent", "buffered"):
         best[kind] = min((x for x in log if x[0] == kind), key=lambda x: x[2])[1]
     best["log"] = [{"kind": k, **c, "us": 1e3 * t} for k, c, t in log]
-    del S
+    S = None  # drop the inputs before the next shape (the lambdas above are done with them)
     torch.cuda.empty_cache()
     return best
 
