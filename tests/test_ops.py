@@ -225,3 +225,20 @@ def test_llm_kernels_argument():
     with pytest.raises(ValueError, match="not CUDA"):
         LLM(tiny_model("qwen3_5"), device="cpu", kernels=True)
     assert LLM(tiny_model("qwen3_5"), device="cpu").kernels is False  # "auto" on CPU: the reference
+
+
+def test_launchers_fill_rules_name_the_problem():
+    """The GDN and Mamba-2 launchers share one check of the buffer's fill against cap and flush_at."""
+    from kvbuffer import BufferOverflowError, ShapeError, SlotError
+    from kvbuffer.kernels.gdn import check_fill_rules
+
+    op = {"cap": 9, "flush_at": 8}
+    i32 = lambda xs: torch.tensor(xs, dtype=torch.int32)  # noqa: E731
+    check_fill_rules(op, i32([0, -1]), i32([0, 1]), i32([3, 5]), 2)  # fine: no row reaches 8
+    with pytest.raises(BufferOverflowError):
+        check_fill_rules(op, i32([0]), i32([0]), i32([8]), 2)
+    with pytest.raises(ShapeError, match="would pass flush_at=8"):
+        check_fill_rules(op, i32([0]), i32([0]), i32([7]), 2)
+    with pytest.raises(SlotError, match="no state slot"):
+        check_fill_rules(op, i32([-1]), i32([0]), i32([6]), 2)
+    check_fill_rules(op, i32([-1]), i32([-1]), i32([7]), 2)  # padding rows are not checked

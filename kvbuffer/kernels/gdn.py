@@ -143,12 +143,9 @@ def gdn_recurrent_step(op: CompiledOp, q, k, v, a, b, A_log, dt_bias, state, sta
     return o
 
 
-def _run_buffered(op, q, k, v, a, b, A_log, dt_bias, state, state_slots, buf_k, buf_v, buf_g,
-                  buffer_slots, lengths, out, T_new):
-    B = q.shape[0]
-    dev = _check_tokens(op, q, k, v, a, b, A_log, dt_bias, (B, T_new))
-    _check_state(op, state, state_slots, B, dev)
-    _check_buffer(op, buf_k, buf_v, buf_g, buffer_slots, lengths, B, dev)
+def check_fill_rules(op, state_slots, buffer_slots, lengths, T_new: int) -> None:
+    """The buffer must hold the new tokens, must not pass the fused flush point, and a row that
+    reaches it needs a state to fold into (shared by the GDN and Mamba-2 launchers)."""
     valid = buffer_slots >= 0
     check_capacity(lengths, valid, T_new, op["cap"])
     C = op["flush_at"]
@@ -157,6 +154,15 @@ def _run_buffered(op, q, k, v, a, b, A_log, dt_bias, state, state_slots, buf_k, 
             raise ShapeError(f"a row would pass flush_at={C} with {T_new} new token(s): flush it first")
         if bool((valid & (lengths + T_new == C) & (state_slots < 0)).any()):
             raise SlotError("a row fills its buffer in this call but has no state slot: allocate a state first")
+
+
+def _run_buffered(op, q, k, v, a, b, A_log, dt_bias, state, state_slots, buf_k, buf_v, buf_g,
+                  buffer_slots, lengths, out, T_new):
+    B = q.shape[0]
+    dev = _check_tokens(op, q, k, v, a, b, A_log, dt_bias, (B, T_new))
+    _check_state(op, state, state_slots, B, dev)
+    _check_buffer(op, buf_k, buf_v, buf_g, buffer_slots, lengths, B, dev)
+    check_fill_rules(op, state_slots, buffer_slots, lengths, T_new)
     o = _out(out, tuple(v.shape), v)
     if B:
         op.fn(q, k, v, a, b, A_log, dt_bias, state, state_slots, buf_k, buf_v, buf_g, buffer_slots, lengths, o)

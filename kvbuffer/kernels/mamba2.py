@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import torch
 
-from ..checks import check_capacity, check_tensor
-from ..errors import ShapeError, SlotError
+from ..checks import check_tensor
+from ..errors import ShapeError
 from .gdn import (
     ACT_DTYPES,
     CompiledOp,
@@ -21,6 +21,7 @@ from .gdn import (
     _contiguous,
     _expect,
     _out,
+    check_fill_rules,
     prefill_chunks,
 )
 
@@ -103,14 +104,7 @@ def _run_buffered(op, x, dt, A_log, dt_bias, Bm, Cm, D, z, state, state_slots, b
     dev = _check_tokens(op, x, dt, A_log, dt_bias, Bm, Cm, D, z, (Bt, T_new))
     _check_state(op, state, state_slots, Bt, dev)
     _check_buffer(op, buf_k, buf_v, buf_g, buffer_slots, lengths, Bt, dev)
-    valid = buffer_slots >= 0
-    check_capacity(lengths, valid, T_new, op["cap"])
-    C = op["flush_at"]
-    if C:
-        if bool((valid & (lengths + T_new > C)).any()):
-            raise ShapeError(f"a row would pass flush_at={C} with {T_new} new token(s): flush it first")
-        if bool((valid & (lengths + T_new == C) & (state_slots < 0)).any()):
-            raise SlotError("a row fills its buffer in this call but has no state slot: allocate a state first")
+    check_fill_rules(op, state_slots, buffer_slots, lengths, T_new)
     y = _out(out, tuple(x.shape), x)
     if Bt:
         op.fn(x, dt, A_log, dt_bias, Bm, Cm, D, x if z is None else z, state, state_slots,
