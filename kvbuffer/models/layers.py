@@ -65,12 +65,16 @@ def _grouped_ok(x: torch.Tensor, w: torch.Tensor) -> bool:
     return all(n * x.element_size() % 16 == 0 for n in (x.shape[-1], w.shape[1], w.shape[2]))
 
 
-def _per_expert_matmul(x: torch.Tensor, w: torch.Tensor, counts: list[int], offs: torch.Tensor) -> torch.Tensor:
-    """Rows of x grouped by expert (counts[e] consecutive rows each) times w[e]^T: (M, O) for w (E, O, H)."""
+def _per_expert_matmul(x: torch.Tensor, w: torch.Tensor, counts: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    """Rows of x grouped by expert (counts[e] consecutive rows each) times w[e]^T: (M, O) for w (E, O, H).
+
+    The grouped matmul reads the offsets on the device; only the fallback loop needs the counts on
+    the host (a sync, so that path cannot be captured in a CUDA graph).
+    """
     if _grouped_ok(x, w):
         return torch._grouped_mm(x, w.transpose(1, 2), offs=offs)
     parts, start = [], 0
-    for e, n in enumerate(counts):
+    for e, n in enumerate(counts.tolist()):
         if n:
             parts.append(F.linear(x[start:start + n], w[e]))
         start += n
@@ -89,16 +93,18 @@ def route_to_experts(x, top_idx, top_w, first, down, act, accumulate_dtype=None)
     E = first.shape[0]
     flat = top_idx.reshape(-1)
     order = torch.argsort(flat, stable=True)
-    counts_t = torch.bincount(flat, minlength=E)
-    offs = torch.cumsum(counts_t, 0).to(torch.int32)
-    counts = counts_t.tolist()
+    # not torch.bincount: on CUDA it reads the largest id back to the host to size its output
+    counts = torch.zeros(E, dtype=torch.long, device=x.device).index_add_(0, flat, torch.ones_like(flat))
+    offs = torch.cumsum(counts, 0).to(torch.int32)
     token_of = order // top_idx.shape[1]
     xs = x[token_of]
     y = _per_expert_matmul(act(_per_expert_matmul(xs, first, counts, offs)), down, counts, offs)
     y = y * top_w.reshape(-1)[order, None]
     out = torch.zeros(x.shape, dtype=accumulate_dtype or x.dtype, device=x.device)
-    # index_put_ with accumulate rather than index_add_, whose CPU kernel is slow on a busy machine
-    out.index_put_((token_of,), y.to(out.dtype), accumulate=True)
+    if x.is_cuda:  # atomic adds, no sort and no host sync
+        out.index_add_(0, token_of, y.to(out.dtype))
+    else:  # index_put_ with accumulate: index_add_'s CPU kernel is slow on a busy machine
+        out.index_put_((token_of,), y.to(out.dtype), accumulate=True)
     return out.to(x.dtype)
 
 

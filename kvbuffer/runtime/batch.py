@@ -28,6 +28,9 @@ class ForwardBatch:
     lengths   (B,) int32: buffer fill of each row before this forward (kvbuffer mode).
     cached    (B,) int32: tokens already in each row's attention KV cache.
     flush_at: the chunk size C at which a buffer is folded into its state.
+    context_len: at least the longest row context after this forward (max of cached + T), known on
+              the host so attention sizes its window without reading the device; None = compute it
+              (a sync). CUDA graphs fix it to a bucket.
     """
 
     kind: str
@@ -38,6 +41,7 @@ class ForwardBatch:
     lengths: torch.Tensor
     cached: torch.Tensor
     flush_at: int
+    context_len: int | None = None
 
     def __post_init__(self):
         if self.kind not in KINDS:

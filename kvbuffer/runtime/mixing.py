@@ -17,13 +17,44 @@ from .batch import ForwardBatch
 from .caches import ModelCaches
 
 
+def put_rows(dst: torch.Tensor, index: tuple[torch.Tensor, ...], values: torch.Tensor, real: torch.Tensor) -> None:
+    """dst[index] = values for the real rows of a batch, with no host sync (CUDA-graph safe).
+
+    index: tensors shaped like values' leading dims, row b first; values (B, ...); real (B,) bool.
+    Boolean indexing would sync; instead padding rows repeat row 0's write with row 0's values (or,
+    when row 0 is padding too, rewrite what is already there), so duplicate indices store equal
+    bytes and no write races. The engine puts real rows first.
+    """
+    values = values.to(dst.dtype)
+    lead = index[0].dim()
+    row_mask = real.view((-1,) + (1,) * (lead - 1))
+    index = tuple(torch.where(row_mask, i, i[:1]) for i in index)
+    # i[:1], not i[0]: indexing with a 0-d tensor reads it back to the host
+    first = torch.where(real[0], values[0], dst[tuple(i[:1] for i in index)][0])
+    dst[index] = torch.where(real.view((-1,) + (1,) * (values.dim() - 1)), values, first[None])
+
+
+def _conv_decode(x, state, slots, weight, bias):
+    """conv_ops.conv_step for one token per row, x (B, D), without its checks or host syncs: the
+    engine built the slots. The four-tap dot product runs in fp32, then SiLU."""
+    W = weight.shape[1]
+    real = slots >= 0
+    rows = slots.clamp(min=0).long()
+    window = torch.cat([state[rows, :, :W - 1].to(x.dtype), x[:, :, None]], dim=-1)  # (B, D, W)
+    out = (window.float() * weight.float()).sum(-1)
+    if bias is not None:
+        out = out + bias.float()
+    put_rows(state[:, :, :W - 1], (rows,), window[:, :, 1:], real)
+    return torch.where(real[:, None], F.silu(out).to(x.dtype), torch.zeros((), dtype=x.dtype, device=x.device))
+
+
 def short_conv(x, weight, bias, batch: ForwardBatch, caches: ModelCaches, layer: int):
     """Causal depthwise conv + SiLU over x (B, T, D) with each row's history; verify keeps drafts pending."""
     state = caches.convs.layer(layer)
     if batch.kind == "prefill":
         return conv_ops.conv_prefill(x[0], state, int(batch.slots[0]), weight, bias)[None]
     if batch.kind == "decode":
-        return conv_ops.conv_step(x[:, 0], state, batch.slots, weight, bias)[:, None]
+        return _conv_decode(x[:, 0], state, batch.slots, weight, bias)[:, None]
     return conv_ops.conv_verify(x, state, batch.slots, weight, bias)
 
 
@@ -99,23 +130,26 @@ def attention(q, k, v, batch: ForwardBatch, caches: ModelCaches, layer: int, sca
 
     New keys and values are written at positions cached .. cached+T-1 of the row's slot; for a
     verify, the engine keeps the accepted prefix by advancing `cached` (rejected ones are overwritten).
+    The window is batch.context_len positions (known on the host, so nothing is read back); query
+    heads are grouped per KV head in the matmuls instead of repeating the keys.
     """
     kc, vc = caches.kv.layer(layer)
     B, T, H, D = q.shape
     real = batch.slots >= 0
     rows = batch.slots.clamp(min=0).long()
-    start = batch.cached.long()
-    pos = start[:, None] + torch.arange(T, device=q.device)[None, :]
-    kc[rows[real][:, None], pos[real]] = k[real].to(kc.dtype)
-    vc[rows[real][:, None], pos[real]] = v[real].to(vc.dtype)
-    L = int((start + T).max())
-    keys, vals = kc[rows, :L], vc[rows, :L]  # (B, L, Hkv, D)
-    groups = H // keys.shape[2]
-    keys = keys.repeat_interleave(groups, dim=2).transpose(1, 2).to(q.dtype)
-    vals = vals.repeat_interleave(groups, dim=2).transpose(1, 2).to(q.dtype)
+    pos = batch.cached.long()[:, None] + torch.arange(T, device=q.device)[None, :]  # (B, T)
+    at = (rows[:, None].expand(B, T), pos)
+    put_rows(kc, at, k, real)
+    put_rows(vc, at, v, real)
+    L = batch.context_len if batch.context_len is not None else int(pos.max()) + 1
+    Hkv = kc.shape[2]
+    G = H // Hkv
+    keys = kc[rows, :L].to(q.dtype).permute(0, 2, 3, 1)  # (B, Hkv, D, L)
+    vals = vc[rows, :L].to(q.dtype).transpose(1, 2)  # (B, Hkv, L, D)
+    qg = q.reshape(B, T, Hkv, G, D).permute(0, 2, 3, 1, 4).reshape(B, Hkv, G * T, D)  # rows (g, t)
+    scores = torch.matmul(qg, keys) * scaling  # (B, Hkv, G*T, L)
     visible = torch.arange(L, device=q.device)[None, None, :] <= pos[:, :, None]  # (B, T, L)
-    scores = torch.matmul(q.transpose(1, 2), keys.transpose(2, 3)) * scaling
-    scores = scores.masked_fill(~visible[:, None], float("-inf"))
+    scores = scores.masked_fill(~visible[:, None, None].expand(B, 1, G, T, L).reshape(B, 1, G * T, L), float("-inf"))
     probs = F.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
-    out = torch.matmul(probs, vals).transpose(1, 2)  # (B, T, H, D)
+    out = torch.matmul(probs, vals).reshape(B, Hkv, G, T, D).permute(0, 3, 1, 2, 4).reshape(B, T, H, D)
     return torch.where(real[:, None, None, None], out, torch.zeros((), dtype=out.dtype, device=out.device))
