@@ -7,8 +7,9 @@ Models are random-weight (bf16 on CUDA) with the named model's layer and head sh
 directly on the device; numbers measure the serving path, not the model's quality.
 
 decode: B requests of `--prompt-len` random tokens, `--new-tokens` greedy tokens each; reported are
-decode tokens/s and per-step latency (prefill excluded; each step ends with sampling, which
-synchronises the device), for mode "kvbuffer" and mode "recurrent" in the same process.
+the median decode step's latency and the decode throughput it gives (prefill excluded; each step
+ends with sampling, which synchronises the device; the first step, which captures the CUDA graph,
+is left out), for mode "kvbuffer" and mode "recurrent" in the same process.
 
 spec: a fixed memory budget for the per-request caches; the capacity planner says how many
 requests each scheme admits with T drafts (KVBuffer keeps no per-draft state, the recurrent
@@ -23,6 +24,7 @@ import argparse
 import datetime
 import json
 import os
+import statistics
 import time
 
 import torch
@@ -91,21 +93,31 @@ def _sync(device):
         torch.cuda.synchronize()
 
 
-def bench_decode(model, *, batches, modes, prompt_len, new_tokens, chunk_size, device, kernels) -> list[dict]:
+def _warm_steps(st):
+    """(seconds, tokens) of the decode steps after the first (which captures a CUDA graph)."""
+    steps = list(zip(st.step_seconds, st.step_tokens))[1:] or list(zip(st.step_seconds, st.step_tokens))
+    return [s for s, _ in steps], [t for _, t in steps]
+
+
+def bench_decode(model, *, batches, modes, prompt_len, new_tokens, chunk_size, device, kernels,
+                 cuda_graphs) -> list[dict]:
     rows = []
     vocab = model.config.vocab_size
     for B in batches:
         prompts = _prompts(B, prompt_len, vocab, seed=B)
         for mode in modes:
             llm = LLM(model, device=device, mode=mode, chunk_size=chunk_size, max_batch=B,
-                      max_len=prompt_len + new_tokens + 8, kernels=kernels)
+                      max_len=prompt_len + new_tokens + 8, kernels=kernels, cuda_graphs=cuda_graphs)
             llm.generate(prompts[:1], max_new_tokens=2, stop_token_ids=[])  # warm-up: kernels loaded
             _sync(device)
             llm.generate(prompts, max_new_tokens=new_tokens, stop_token_ids=[])
             st = llm.last_stats
-            rows.append(dict(batch=B, mode=mode, decode_tokens_per_s=st.decode_tokens_per_second,
-                             step_ms=1e3 * st.decode_seconds / max(st.decode_steps, 1),
-                             peak_batch=st.peak_batch, kernels=bool(llm.kernels)))
+            secs, toks = _warm_steps(st)
+            med = statistics.median(secs)
+            rows.append(dict(batch=B, mode=mode, decode_tokens_per_s=B / med, step_ms=1e3 * med,
+                             step_ms_mean=1e3 * sum(secs) / len(secs), steps=len(secs),
+                             peak_batch=st.peak_batch, kernels=bool(llm.kernels),
+                             cuda_graphs=bool(llm.cuda_graphs and llm.runner.graphs.enabled)))
             print(f"decode B={B:4d} {mode:9s} {rows[-1]['decode_tokens_per_s']:10.1f} tok/s "
                   f"{rows[-1]['step_ms']:8.2f} ms/step", flush=True)
             del llm
@@ -115,7 +127,7 @@ def bench_decode(model, *, batches, modes, prompt_len, new_tokens, chunk_size, d
 
 
 def bench_spec(model, *, budget_bytes, drafts, modes, prompt_len, new_tokens, chunk_size, device, kernels,
-               max_requests) -> list[dict]:
+               cuda_graphs, max_requests) -> list[dict]:
     rows = []
     geo = geometry_of(model)
     dtype = next(model.parameters()).dtype
@@ -129,18 +141,19 @@ def bench_spec(model, *, budget_bytes, drafts, modes, prompt_len, new_tokens, ch
                 rows.append(dict(draft_tokens=T, mode=mode, planned_requests=int(planned), admitted=0))
                 continue
             llm = LLM(model, device=device, mode=mode, chunk_size=chunk_size, max_batch=n,
-                      max_len=prompt_len + new_tokens + T + 2, kernels=kernels,
+                      max_len=prompt_len + new_tokens + T + 2, kernels=kernels, cuda_graphs=cuda_graphs,
                       speculative={"method": "ngram", "num_draft_tokens": T})
             prompts = _prompts(n, prompt_len, model.config.vocab_size, seed=T, repeat=True)
             llm.generate(prompts[:1], max_new_tokens=2, stop_token_ids=[])
             _sync(device)
             llm.generate(prompts, max_new_tokens=new_tokens, stop_token_ids=[])
             st, acc = llm.last_stats, llm.acceptance
+            secs, toks = _warm_steps(st)
             rows.append(dict(draft_tokens=T, mode=mode, planned_requests=int(planned), admitted=st.peak_batch,
-                             decode_tokens_per_s=st.decode_tokens_per_second, acceptance=acc["acceptance_rate"],
-                             tokens_per_step=acc["tokens_per_step"]))
+                             decode_tokens_per_s=sum(toks) / sum(secs), acceptance=acc["acceptance_rate"],
+                             tokens_per_step=acc["tokens_per_step"], step_ms=1e3 * statistics.median(secs)))
             print(f"spec T={T} {mode:9s} planned {int(planned):6d} admitted {st.peak_batch:5d} "
-                  f"{st.decode_tokens_per_second:10.1f} tok/s acceptance {acc['acceptance_rate']:.2f}", flush=True)
+                  f"{rows[-1]['decode_tokens_per_s']:10.1f} tok/s acceptance {acc['acceptance_rate']:.2f}", flush=True)
             del llm
             if torch.device(device).type == "cuda":
                 torch.cuda.empty_cache()
@@ -166,6 +179,7 @@ def main(argv=None):
     p.add_argument("--memory-budget", type=float, default=40.0, help="GiB for per-request caches (spec)")
     p.add_argument("--max-requests", type=int, default=1024, help="cap on admitted requests (spec)")
     p.add_argument("--kernels", default="auto", choices=["auto", "true", "false"])
+    p.add_argument("--cuda-graphs", default="auto", choices=["auto", "true", "false"])
     p.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
     a = p.parse_args(argv)
     dtype = getattr(torch, a.dtype) if a.dtype else (torch.bfloat16 if a.device.startswith("cuda") else torch.float32)
@@ -174,8 +188,9 @@ def main(argv=None):
     model = random_model(a.preset, a.device, dtype)
     print(f"{a.preset}: built in {time.time() - t0:.0f} s", flush=True)
     modes = a.modes.split(",")
+    graphs = {"auto": "auto", "true": True, "false": False}[a.cuda_graphs]
     common = dict(modes=modes, prompt_len=a.prompt_len, new_tokens=a.new_tokens, chunk_size=a.chunk_size,
-                  device=a.device, kernels=kernels)
+                  device=a.device, kernels=kernels, cuda_graphs=graphs)
     if a.what == "decode":
         rows = bench_decode(model, batches=_ints(a.batches), **common)
     else:

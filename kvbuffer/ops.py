@@ -29,8 +29,10 @@ same shapes eagerly first, which also loads the kernel.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
+import threading
 from dataclasses import dataclass
 from typing import Optional
 
@@ -215,8 +217,27 @@ def _dtype(t: torch.Tensor) -> str:
     return _DTYPE_NAMES.get(t.dtype, str(t.dtype).removeprefix("torch."))
 
 
-def _capturing() -> bool:
-    return torch.cuda.is_current_stream_capturing()
+_TRUST = threading.local()
+
+
+@contextlib.contextmanager
+def unchecked():
+    """Within this block the CUDA ops skip their data-dependent checks (slot ranges, duplicate
+    slots, buffer room, the fill rules), which read the device back and so stall the launch queue.
+    For callers that built the slots and lengths themselves, like kvbuffer's engine; shapes, dtypes
+    and contiguity are still checked by the compiled kernels' entry. CUDA-graph capture skips the
+    checks too (it must)."""
+    before = getattr(_TRUST, "on", False)
+    _TRUST.on = True
+    try:
+        yield
+    finally:
+        _TRUST.on = before
+
+
+def _launch_directly() -> bool:
+    """Launch directly, without the reading-back checks: under capture or unchecked()."""
+    return torch.cuda.is_current_stream_capturing() or getattr(_TRUST, "on", False)
 
 
 def _on_torch_stream(fn, *args):
@@ -261,7 +282,7 @@ def _(q, k, v, a, b, A_log, dt_bias, state, state_slots):
     from . import kernels
 
     op = kernel_for(_gdn_key("recurrent", k, v), q.shape[0])
-    if not _capturing():
+    if not _launch_directly():
         return _on_torch_stream(kernels.gdn_recurrent_step, op, q, k, v, a, b, A_log, dt_bias, state, state_slots)
     o = torch.empty_like(v)
     u = lambda t: t.unsqueeze(1)  # noqa: E731  (the kernel takes a token axis of 1)
@@ -310,7 +331,7 @@ def _(q, k, v, a, b, A_log, dt_bias, state, state_slots, buf_k, buf_v, buf_g, bu
 
     op = kernel_for(_gdn_key("buffered", k, v, buf_k, 1, flush_at), q.shape[0])
     bufs = (state, state_slots, buf_k, buf_v, buf_g, buffer_slots, lengths)
-    if not _capturing():
+    if not _launch_directly():
         return _on_torch_stream(kernels.gdn_buffered_step, op, q, k, v, a, b, A_log, dt_bias, *bufs)
     u = lambda t: t.unsqueeze(1)  # noqa: E731
     o = torch.empty_like(v)
@@ -334,7 +355,7 @@ def _(q, k, v, a, b, A_log, dt_bias, state, state_slots, buf_k, buf_v, buf_g, bu
 
     op = kernel_for(_gdn_key("buffered", k, v, buf_k, q.shape[1], flush_at), q.shape[0])
     args = (q, k, v, a, b, A_log, dt_bias, state, state_slots, buf_k, buf_v, buf_g, buffer_slots, lengths)
-    if not _capturing():
+    if not _launch_directly():
         return _on_torch_stream(kernels.gdn_verify, op, *args)
     o = torch.empty_like(v)
     _on_torch_stream(op.fn, *args, o)
@@ -354,7 +375,7 @@ def _flush_cuda(family: str, launcher_name: str):
 
         op = kernel_for(_flush_key(family, state, buf_k), buffer_slots.shape[0])
         args = (state, state_slots, buf_k, buf_v, buf_g, buffer_slots, lengths)
-        if _capturing():
+        if _launch_directly():
             _on_torch_stream(op.fn, *args)
         else:
             _on_torch_stream(getattr(kernels, launcher_name), op, *args)
@@ -381,7 +402,7 @@ def _(x, dt, A_log, dt_bias, B, C, D, state, state_slots, z=None):
     from . import kernels
 
     op = kernel_for(_m2_key("recurrent", x, B, z=z), x.shape[0])
-    if not _capturing():
+    if not _launch_directly():
         return _on_torch_stream(kernels.mamba2_recurrent_step, op, x, dt, A_log, dt_bias, B, C, D, state,
                                 state_slots, z)
     u = lambda t: t.unsqueeze(1)  # noqa: E731
@@ -418,7 +439,7 @@ def _(x, dt, A_log, dt_bias, B, C, D, state, state_slots, buf_k, buf_v, buf_g, b
 
     op = kernel_for(_m2_key("buffered", x, B, buf_k, 1, flush_at, z), x.shape[0])
     pools = (state, state_slots, buf_k, buf_v, buf_g, buffer_slots, lengths)
-    if not _capturing():
+    if not _launch_directly():
         return _on_torch_stream(kernels.mamba2_buffered_step, op, x, dt, A_log, dt_bias, B, C, D, *pools, z)
     u = lambda t: t.unsqueeze(1)  # noqa: E731
     y = torch.empty_like(x)
@@ -443,7 +464,7 @@ def _(x, dt, A_log, dt_bias, B, C, D, state, state_slots, buf_k, buf_v, buf_g, b
 
     op = kernel_for(_m2_key("buffered", x, B, buf_k, x.shape[1], flush_at, z), x.shape[0])
     pools = (state, state_slots, buf_k, buf_v, buf_g, buffer_slots, lengths)
-    if not _capturing():
+    if not _launch_directly():
         return _on_torch_stream(kernels.mamba2_verify, op, x, dt, A_log, dt_bias, B, C, D, *pools, z)
     y = torch.empty_like(x)
     _on_torch_stream(op.fn, x, dt, A_log, dt_bias, B, C, D, x if z is None else z, *pools, y)

@@ -157,8 +157,9 @@ class BufferPool:
         self.keys = torch.zeros(L, capacity, entries, Hk, shape.head_k_dim, dtype=dtype, device=device)
         self.values = torch.zeros(L, capacity, entries, Hv, shape.head_v_dim, dtype=dtype, device=device)
         self.log_decay = torch.zeros(L, capacity, entries, Hv, dtype=log_decay_dtype, device=device)
-        self.lengths = torch.zeros(capacity, dtype=torch.int32, device=device)
+        self._device_lengths = torch.zeros(capacity, dtype=torch.int32, device=device)
         self._host_lengths = [0] * capacity
+        self._stale = False  # the device copy lags the host's until someone reads `lengths`
 
     def allocate(self, slot: int | None = None) -> int:
         slot = self.slots.allocate(slot)
@@ -179,10 +180,22 @@ class BufferPool:
         self.slots.check_used(slot)
         return self._host_lengths[slot]
 
+    @property
+    def lengths(self) -> torch.Tensor:
+        """Every slot's fill, (capacity,) int32 on the pool's device.
+
+        The host's list is the truth; the device copy is refreshed in one transfer when read, so
+        the engine's per-request bookkeeping after each forward costs no device writes.
+        """
+        if self._stale:
+            self._device_lengths.copy_(torch.tensor(self._host_lengths, dtype=torch.int32))
+            self._stale = False
+        return self._device_lengths
+
     def batch_lengths(self, slots: list[int]) -> torch.Tensor:
         """Fill per batch row (0 for padding rows), on the pool's device, for the ops."""
         return torch.tensor([self._host_lengths[s] if s >= 0 else 0 for s in slots],
-                            dtype=torch.int32, device=self.lengths.device)
+                            dtype=torch.int32, device=self._device_lengths.device)
 
     def accept(self, slot: int, count: int) -> None:
         """Keep `count` more entries: a decode step's one, accepted drafts, or a prefill chunk."""
@@ -200,7 +213,7 @@ class BufferPool:
 
     def _set(self, slot: int, value: int) -> None:
         self._host_lengths[slot] = value
-        self.lengths[slot] = value
+        self._stale = True
 
 
 class ConvPool(_TensorPool):

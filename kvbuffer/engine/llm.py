@@ -19,7 +19,7 @@ from ..runtime.batch import MODES
 from ..runtime.caches import CacheSpec
 from .request import Request
 from .runner import ModelRunner
-from .sampling import SamplingParams, sample_token
+from .sampling import SamplingParams, sample_rows, sample_token
 from .drafters import MTPDrafter, NgramDrafter
 from .speculative import SpeculativeConfig, accept_drafts
 
@@ -45,6 +45,8 @@ class GenerationStats:
     decode_steps: int = 0
     decode_tokens: int = 0  # tokens those steps emitted
     peak_batch: int = 0  # most requests decoded together
+    step_seconds: list[float] = field(default_factory=list, repr=False)  # each decode step's wall time
+    step_tokens: list[int] = field(default_factory=list, repr=False)  # and the tokens it emitted
 
     @property
     def tokens_per_second(self) -> float:
@@ -101,12 +103,14 @@ class LLM:
         kernels: run the linear layers on the compiled kernels (kvbuffer.ops; CUDA, bf16 buffer
         entries, fp32 states): True, False (the pure-torch reference) or "auto" (kernels on CUDA when
         every kernel needed loads from the artifact cache or KVBUFFER_JIT=1 allows compiling them).
+        cuda_graphs: capture the decode step in CUDA graphs (True, False or "auto": on CUDA when the
+        linear layers run on the compiled kernels or the model has none).
     """
 
     def __init__(self, model, *, device=None, dtype=None, mode: str = "kvbuffer", chunk_size: int | None = None,
                  max_batch: int = 16, max_states: int | None = None, max_len: int = 2048,
                  max_prefill_tokens: int = 1024, tokenizer=None, speculative: dict | None = None,
-                 memory_budget: int | None = None, kernels: bool | str = "auto"):
+                 memory_budget: int | None = None, kernels: bool | str = "auto", cuda_graphs: bool | str = "auto"):
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
         if chunk_size is not None and chunk_size < 1:
@@ -157,8 +161,9 @@ class LLM:
             from ..runtime.kernel_ops import kernel_dtype
 
             buffer_dtype = kernel_dtype(self.dtype)
+        self.cuda_graphs = self._use_graphs(cuda_graphs, spec)
         self.runner = ModelRunner(model, spec, mode=mode, device=self.device, dtype=self.dtype,
-                                  buffer_dtype=buffer_dtype, kernels=self.kernels)
+                                  buffer_dtype=buffer_dtype, kernels=self.kernels, cuda_graphs=self.cuda_graphs)
         if self.speculative is not None and self.speculative.method == "mtp":
             self.drafter = MTPDrafter(model, max_requests=spec.max_requests, max_len=max_len, max_drafts=fed,
                                       device=self.device, dtype=self.dtype)
@@ -178,6 +183,15 @@ class LLM:
         from ..runtime.kernel_ops import resolve
 
         return resolve(kernels, self.device, spec, self.dtype, mode)
+
+    def _use_graphs(self, cuda_graphs, spec: CacheSpec) -> bool:
+        if cuda_graphs not in (True, False, "auto"):
+            raise ValueError(f"cuda_graphs must be True, False or 'auto', got {cuda_graphs!r}")
+        capturable = self.device.type == "cuda" and (self.kernels or not spec.num_linear_layers)
+        if cuda_graphs is True and not capturable:
+            raise ValueError("cuda_graphs=True needs a CUDA device and the compiled kernels "
+                             "(the reference ops read the device back, which a capture forbids)")
+        return bool(cuda_graphs) and capturable
 
     # ------------------------------------------------------------------------------------------
     def generate(self, prompts, max_new_tokens: int = 64, temperature: float = 0.0, top_k: int = 0,
@@ -242,11 +256,16 @@ class LLM:
                     self._speculative_step(running, gens, return_logits, on_token, index)
                 else:
                     logits = self.runner.decode(running)
-                    for req, row in zip(running, logits):
-                        self._take(req, row, gens, return_logits, on_token, index)
-                stats.decode_seconds += time.perf_counter() - t0  # sampling synchronised the device
+                    tokens = sample_rows(logits, [r.params for r in running], [gens[r.rid] for r in running])
+                    for req, row, token in zip(running, logits, tokens):
+                        self._emit(req, token, row, return_logits, on_token, index)
+                took = time.perf_counter() - t0  # sampling synchronised the device
+                emitted = sum(len(r.output) for r in running) - before
+                stats.decode_seconds += took
                 stats.decode_steps += 1
-                stats.decode_tokens += sum(len(r.output) for r in running) - before
+                stats.decode_tokens += emitted
+                stats.step_seconds.append(took)
+                stats.step_tokens.append(emitted)
                 stats.peak_batch = max(stats.peak_batch, len(running))
                 for req in [r for r in running if r.finish_reason is not None]:
                     running.remove(req)
@@ -266,8 +285,10 @@ class LLM:
         out = self.runner.verify(running, fed, want_hidden=want)
         logits, hidden = out if want else (out, None)
         kept, following = [], []
-        for req, row, ds in zip(running, logits, drafts):
-            m, nxt = accept_drafts(row, ds, req.params, gens[req.rid])
+        greedy = any(r.params.temperature == 0.0 for r in running)
+        argmax = torch.argmax(logits, dim=-1).tolist() if greedy else [None] * len(running)  # one sync
+        for req, row, ds, top in zip(running, logits, drafts, argmax):
+            m, nxt = accept_drafts(row, ds, req.params, gens[req.rid], top)
             kept.append(m + 1)  # the real token and m drafts enter the caches
             following.append(ds[:m] + [nxt])
             for i, token in enumerate(ds[:m] + [nxt]):

@@ -6,21 +6,33 @@ advance (or reset where a flush folded the buffer into the state), and KV length
 
 from __future__ import annotations
 
+import logging
+
 import torch
 
+from .. import ops
 from ..reference import conv as conv_ops
 from ..reference import core
 from ..runtime.batch import ForwardBatch
 from ..runtime.caches import CacheSpec, ModelCaches
+from .graphs import DecodeGraphs, StepInputs
 from .request import Request
+
+log = logging.getLogger("kvbuffer")
 
 
 class ModelRunner:
-    def __init__(self, model, spec: CacheSpec, *, mode: str, device, dtype, buffer_dtype=None, kernels: bool = False):
+    """cuda_graphs: capture the decode forward (CUDA with the compiled kernels, or no linear layers:
+    the reference ops read the device back, which a capture forbids)."""
+
+    def __init__(self, model, spec: CacheSpec, *, mode: str, device, dtype, buffer_dtype=None, kernels: bool = False,
+                 cuda_graphs: bool = False):
         self.model, self.spec, self.mode = model, spec, mode
         self.device = device
         self.caches = ModelCaches(spec, device=device, dtype=dtype, buffer_dtype=buffer_dtype, kernels=kernels)
         self.has_linear = spec.num_linear_layers > 0
+        self.inputs = StepInputs(spec.max_requests, torch.device(device))
+        self.graphs = DecodeGraphs(self._decode_forward, self.inputs, spec.max_len) if cuda_graphs else None
 
     # slots -----------------------------------------------------------------------------------
     def admit(self, req: Request) -> None:
@@ -50,7 +62,25 @@ class ModelRunner:
             lengths=torch.tensor([self._fill(r) for r in reqs], **i32),
             cached=torch.tensor([r.cached for r in reqs], **i32),
             flush_at=self.spec.chunk_size,
+            context_len=max(r.cached for r in reqs) + positions.shape[1],
         )
+
+    def _decode_batch(self, view: torch.Tensor, context_len: int) -> ForwardBatch:
+        """The decode ForwardBatch over StepInputs' device view (FIELDS order)."""
+        ids, positions, slots, state_slots, lengths, cached = view
+        i32 = torch.int32
+        return ForwardBatch(kind="decode", mode=self.mode, positions=positions[:, None], slots=slots.to(i32),
+                            state_slots=state_slots.to(i32), lengths=lengths.to(i32), cached=cached.to(i32),
+                            flush_at=self.spec.chunk_size, context_len=context_len)
+
+    def _decode_forward(self, view: torch.Tensor, context_len: int) -> torch.Tensor:
+        return self._forward(view[0][:, None], self._decode_batch(view, context_len))[:, 0]
+
+    def _forward(self, ids, batch: ForwardBatch, **kw):
+        """The model's forward. The engine built every slot and fill itself and checked them on
+        the host, so the kernels launch without the checks that read the device back."""
+        with ops.unchecked():
+            return self.model(ids, batch, self.caches, **kw)
 
     def _advance(self, req: Request, count: int) -> None:
         """After a forward that kept `count` tokens: buffer fill and KV length move on."""
@@ -75,7 +105,7 @@ class ModelRunner:
         self._ensure_state(req, len(tokens))
         ids = torch.tensor([tokens], dtype=torch.long, device=self.device)
         positions = torch.arange(req.cached, req.cached + len(tokens), device=self.device)[None]
-        out = self.model(ids, self._batch("prefill", [req], positions), self.caches, **self._hidden(want_hidden))
+        out = self._forward(ids, self._batch("prefill", [req], positions), **self._hidden(want_hidden))
         logits, hidden = out if want_hidden else (out, None)
         self._advance(req, len(tokens))
         last = logits[0, -1] if not req.pending else None
@@ -92,12 +122,23 @@ class ModelRunner:
             if r.cached + 1 > self.spec.max_len:
                 raise ValueError(f"request {r.rid}: context exceeds max_len={self.spec.max_len}")
             self._ensure_state(r, 1)
-        ids = torch.tensor([[r.context[r.cached]] for r in reqs], dtype=torch.long, device=self.device)
-        positions = torch.tensor([[r.cached] for r in reqs], dtype=torch.long, device=self.device)
-        logits = self.model(ids, self._batch("decode", reqs, positions), self.caches)
+        columns = [[r.context[r.cached] for r in reqs], [r.cached for r in reqs], [r.slot for r in reqs],
+                   [r.state_slot for r in reqs], [self._fill(r) for r in reqs], [r.cached for r in reqs]]
+        context_len = max(r.cached for r in reqs) + 1
+        logits = None
+        if self.graphs is not None and self.graphs.enabled:
+            try:
+                logits = self.graphs.run(columns, context_len)
+            except RuntimeError as e:  # a capture that failed leaves the caches untouched
+                cause = e.__context__ or e  # the error inside the capture, not capture_end's follow-up
+                log.warning("kvbuffer: CUDA graph capture failed, decoding eagerly from now on: %s",
+                            str(cause).splitlines()[0] if str(cause) else repr(cause))
+                self.graphs.enabled = False
+        if logits is None:
+            logits = self._decode_forward(self.inputs.upload(columns, len(reqs)), context_len)
         for r in reqs:
             self._advance(r, 1)
-        return logits[:, 0]
+        return logits
 
     @torch.inference_mode()
     def verify(self, reqs: list[Request], drafts: list[list[int]], want_hidden: bool = False):
@@ -116,39 +157,52 @@ class ModelRunner:
                            device=self.device)
         positions = torch.tensor([[r.cached + i for i in range(T1)] for r in reqs], dtype=torch.long,
                                  device=self.device)
-        return self.model(ids, self._batch("verify", reqs, positions), self.caches, **self._hidden(want_hidden))
+        return self._forward(ids, self._batch("verify", reqs, positions), **self._hidden(want_hidden))
 
     @torch.inference_mode()
     def commit(self, reqs: list[Request], kept: list[int]) -> None:
         """Keep the first kept[b] fed tokens of each request's last verify (at least its real token)."""
+        i32 = dict(dtype=torch.int32, device=self.device)
+        slots = torch.tensor([r.slot for r in reqs], **i32)
         if self.has_linear:
-            i32 = dict(dtype=torch.int32, device=self.device)
-            slots = torch.tensor([r.slot for r in reqs], **i32)
             counts = torch.tensor(kept, **i32)
             for layer in range(self.spec.num_linear_layers):  # conv histories take the kept inputs
                 conv_ops.conv_accept(self.caches.convs.layer(layer), slots, counts, self.spec.conv_width)
         for r, m in zip(reqs, kept):
-            if self.caches.draft_states is not None:
-                for layer in range(self.spec.num_linear_layers):  # copy back the accepted draft's state
-                    self.caches.states.layer(layer)[r.state_slot] = self.caches.draft_states[layer][r.slot, m - 1]
-                r.cached += m
-            else:
-                self._commit_buffer(r, m)
-
-    def _commit_buffer(self, r: Request, m: int) -> None:
-        """Accepted entries simply stay in the buffer; a buffer that reached C is folded into the state."""
-        r.cached += m
+            r.cached += m
+        if self.caches.draft_states is not None:  # copy back each request's accepted draft state
+            states = torch.tensor([r.state_slot for r in reqs], dtype=torch.long, device=self.device)
+            which = torch.tensor(kept, dtype=torch.long, device=self.device) - 1
+            for layer in range(self.spec.num_linear_layers):
+                self.caches.states.layer(layer)[states] = self.caches.draft_states[layer][slots.long(), which]
+            return
         buffers = self.caches.buffers
         if buffers is None:
             return
-        buffers.accept(r.slot, m)
-        if buffers.length(r.slot) < self.spec.chunk_size:
-            return
-        if r.state_slot < 0:
-            r.state_slot = self.caches.allocate_state()
+        full = []  # accepted entries simply stay; buffers that reached C are folded into their states
+        for r, m in zip(reqs, kept):
+            buffers.accept(r.slot, m)
+            if buffers.length(r.slot) >= self.spec.chunk_size:
+                if r.state_slot < 0:
+                    r.state_slot = self.caches.allocate_state()
+                full.append(r)
+        if full:
+            self._flush(full)
+
+    def _flush(self, reqs: list[Request]) -> None:
+        """Fold the buffers of these requests into their states, every layer in one launch each."""
         i32 = dict(dtype=torch.int32, device=self.device)
-        rows = (torch.tensor([r.state_slot], **i32), torch.tensor([r.slot], **i32))
-        fill = torch.tensor([buffers.length(r.slot)], **i32)
-        for layer in range(self.spec.num_linear_layers):
-            core.flush(self.caches.states.layer(layer), rows[0], *buffers.layer(layer).tensors(), rows[1], fill)
-        buffers.reset(r.slot)
+        buffers = self.caches.buffers
+        state_slots = torch.tensor([r.state_slot for r in reqs], **i32)
+        slots = torch.tensor([r.slot for r in reqs], **i32)
+        fills = torch.tensor([buffers.length(r.slot) for r in reqs], **i32)
+        if self.caches.kernels:
+            family = "gdn" if self.spec.linear_shape.delta_rule else "mamba2"
+            fold = getattr(torch.ops.kvbuffer, f"{family}_flush")
+        else:
+            fold = core.flush
+        with ops.unchecked():
+            for layer in range(self.spec.num_linear_layers):
+                fold(self.caches.states.layer(layer), state_slots, *buffers.layer(layer).tensors(), slots, fills)
+        for r in reqs:
+            buffers.reset(r.slot)

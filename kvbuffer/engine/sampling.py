@@ -50,3 +50,18 @@ def sample_token(logits: torch.Tensor, params: SamplingParams, generator: torch.
         return int(torch.argmax(logits))
     probs = filtered_probs(logits, params)
     return int(torch.multinomial(probs.cpu(), 1, generator=generator))
+
+
+def sample_rows(logits: torch.Tensor, params: list[SamplingParams], generators: list) -> list[int]:
+    """One token per row of logits (B, V): greedy rows share one argmax and one transfer to the
+    host (a per-row argmax would synchronise B times); sampled rows draw with their own generator."""
+    greedy = [i for i, p in enumerate(params) if p.temperature == 0.0]
+    out = [0] * len(params)
+    if greedy:
+        picked = logits if len(greedy) == len(params) else logits[greedy]
+        for i, token in zip(greedy, torch.argmax(picked, dim=-1).tolist()):
+            out[i] = token
+    for i, p in enumerate(params):
+        if p.temperature != 0.0:
+            out[i] = sample_token(logits[i], p, generators[i])
+    return out

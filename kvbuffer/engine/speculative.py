@@ -44,15 +44,18 @@ class SpeculativeConfig:
 
 
 def accept_drafts(logits: torch.Tensor, drafts: list[int | None], params: SamplingParams,
-                  generator: torch.Generator | None) -> tuple[int, int]:
+                  generator: torch.Generator | None, argmax: list[int] | None = None) -> tuple[int, int]:
     """Decide how many deterministic drafts to keep and the token that follows them.
 
     logits: (T+1, V), row i is the target's prediction after the real token and drafts[:i].
     drafts: T proposals; None marks padding (never kept). Returns (kept m, next token).
+    argmax: logits' argmax per row when the caller computed it for the whole batch at once.
     """
+    if params.temperature == 0.0 and argmax is None:
+        argmax = torch.argmax(logits, dim=-1).tolist()
     for i, d in enumerate(drafts):
         if params.temperature == 0.0:
-            target = int(torch.argmax(logits[i]))
+            target = argmax[i]
             if d is None or d != target:
                 return i, target
             continue
@@ -66,5 +69,5 @@ def accept_drafts(logits: torch.Tensor, drafts: list[int | None], params: Sampli
         return i, int(torch.multinomial(p.cpu(), 1, generator=generator))
     last = logits[len(drafts)]
     if params.temperature == 0.0:
-        return len(drafts), int(torch.argmax(last))
+        return len(drafts), argmax[len(drafts)]
     return len(drafts), int(torch.multinomial(filtered_probs(last, params).cpu(), 1, generator=generator))

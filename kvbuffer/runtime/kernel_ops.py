@@ -100,8 +100,9 @@ def needed_kernels(spec, dtype: torch.dtype, mode: str) -> list[ops.KernelKey]:
         return [ops.KernelKey(family, "recurrent", *dims, name, "")]
     cap, C = spec.chunk_size + spec.max_drafts, spec.chunk_size
     keys = [ops.KernelKey(family, "buffered", *dims, name, name, cap, T, C) for T in PREFILL_CHUNKS if T <= C]
-    if spec.max_drafts > 1:
+    if spec.max_drafts > 1:  # speculative verify, and the flush of buffers that accepted drafts past C
         keys.append(ops.KernelKey(family, "buffered", *dims, name, name, cap, spec.max_drafts, 0))
+        keys.append(ops.KernelKey(family, "flush", *dims, "", name, cap))
     return keys
 
 
