@@ -93,6 +93,10 @@ def _sync(device):
         torch.cuda.synchronize()
 
 
+def _allocated(device) -> int:
+    return torch.cuda.memory_allocated() if torch.device(device).type == "cuda" else 0
+
+
 def _warm_steps(st):
     """(seconds, tokens) of the decode steps after the first (which captures a CUDA graph)."""
     steps = list(zip(st.step_seconds, st.step_tokens))[1:] or list(zip(st.step_seconds, st.step_tokens))
@@ -136,13 +140,19 @@ def bench_spec(model, *, budget_bytes, drafts, modes, prompt_len, new_tokens, ch
             spec = request_spec(geo, scheme=mode, context=prompt_len + new_tokens, draft_tokens=T,
                                 chunk_size=chunk_size)
             planned = budget_bytes // sum(spec.nbytes(dtype).values())
-            n = int(min(planned, max_requests))
-            if n < 1:
+            if planned < 1:
                 rows.append(dict(draft_tokens=T, mode=mode, planned_requests=int(planned), admitted=0))
                 continue
-            llm = LLM(model, device=device, mode=mode, chunk_size=chunk_size, max_batch=n,
-                      max_len=prompt_len + new_tokens + T + 2, kernels=kernels, cuda_graphs=cuda_graphs,
+            # the engine sizes its pools from the same budget; it must arrive at the planner's count
+            before = _allocated(device)
+            llm = LLM(model, device=device, mode=mode, chunk_size=chunk_size, memory_budget=budget_bytes,
+                      max_len=prompt_len + new_tokens + T + 1, kernels=kernels, cuda_graphs=cuda_graphs,
                       speculative={"method": "ngram", "num_draft_tokens": T})
+            slots = llm.runner.spec.max_requests
+            if slots != planned:
+                raise AssertionError(f"engine holds {slots} request slots, the planner said {planned}")
+            cache_gib = (_allocated(device) - before) / 2**30  # what the pools really took
+            n = int(min(planned, max_requests))
             prompts = _prompts(n, prompt_len, model.config.vocab_size, seed=T, repeat=True)
             llm.generate(prompts[:1], max_new_tokens=2, stop_token_ids=[])
             _sync(device)
@@ -151,7 +161,8 @@ def bench_spec(model, *, budget_bytes, drafts, modes, prompt_len, new_tokens, ch
             secs, toks = _warm_steps(st)
             rows.append(dict(draft_tokens=T, mode=mode, planned_requests=int(planned), admitted=st.peak_batch,
                              decode_tokens_per_s=sum(toks) / sum(secs), acceptance=acc["acceptance_rate"],
-                             tokens_per_step=acc["tokens_per_step"], step_ms=1e3 * statistics.median(secs)))
+                             tokens_per_step=acc["tokens_per_step"], step_ms=1e3 * statistics.median(secs),
+                             cache_gib=cache_gib))
             print(f"spec T={T} {mode:9s} planned {int(planned):6d} admitted {st.peak_batch:5d} "
                   f"{rows[-1]['decode_tokens_per_s']:10.1f} tok/s acceptance {acc['acceptance_rate']:.2f}", flush=True)
             del llm
