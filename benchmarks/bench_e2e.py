@@ -104,7 +104,7 @@ def _warm_steps(st):
 
 
 def bench_decode(model, *, batches, modes, prompt_len, new_tokens, chunk_size, device, kernels,
-                 cuda_graphs) -> list[dict]:
+                 cuda_graphs, on_row=None) -> list[dict]:
     rows = []
     vocab = model.config.vocab_size
     for B in batches:
@@ -124,6 +124,8 @@ def bench_decode(model, *, batches, modes, prompt_len, new_tokens, chunk_size, d
                              cuda_graphs=bool(llm.cuda_graphs and llm.runner.graphs.enabled)))
             print(f"decode B={B:4d} {mode:9s} {rows[-1]['decode_tokens_per_s']:10.1f} tok/s "
                   f"{rows[-1]['step_ms']:8.2f} ms/step", flush=True)
+            if on_row:
+                on_row(rows)
             del llm
             if torch.device(device).type == "cuda":
                 torch.cuda.empty_cache()
@@ -131,7 +133,7 @@ def bench_decode(model, *, batches, modes, prompt_len, new_tokens, chunk_size, d
 
 
 def bench_spec(model, *, budget_bytes, drafts, modes, prompt_len, new_tokens, chunk_size, device, kernels,
-               cuda_graphs, max_requests) -> list[dict]:
+               cuda_graphs, max_requests, on_row=None) -> list[dict]:
     rows = []
     geo = geometry_of(model)
     dtype = next(model.parameters()).dtype
@@ -142,6 +144,8 @@ def bench_spec(model, *, budget_bytes, drafts, modes, prompt_len, new_tokens, ch
             planned = budget_bytes // sum(spec.nbytes(dtype).values())
             if planned < 1:
                 rows.append(dict(draft_tokens=T, mode=mode, planned_requests=int(planned), admitted=0))
+                if on_row:
+                    on_row(rows)
                 continue
             # the engine sizes its pools from the same budget; it must arrive at the planner's count
             before = _allocated(device)
@@ -165,6 +169,8 @@ def bench_spec(model, *, budget_bytes, drafts, modes, prompt_len, new_tokens, ch
                              cache_gib=cache_gib))
             print(f"spec T={T} {mode:9s} planned {int(planned):6d} admitted {st.peak_batch:5d} "
                   f"{rows[-1]['decode_tokens_per_s']:10.1f} tok/s acceptance {acc['acceptance_rate']:.2f}", flush=True)
+            if on_row:
+                on_row(rows)
             del llm
             if torch.device(device).type == "cuda":
                 torch.cuda.empty_cache()
@@ -200,21 +206,26 @@ def main(argv=None):
     print(f"{a.preset}: built in {time.time() - t0:.0f} s", flush=True)
     modes = a.modes.split(",")
     graphs = {"auto": "auto", "true": True, "false": False}[a.cuda_graphs]
-    common = dict(modes=modes, prompt_len=a.prompt_len, new_tokens=a.new_tokens, chunk_size=a.chunk_size,
-                  device=a.device, kernels=kernels, cuda_graphs=graphs)
-    if a.what == "decode":
-        rows = bench_decode(model, batches=_ints(a.batches), **common)
-    else:
-        rows = bench_spec(model, budget_bytes=int(a.memory_budget * 2**30), drafts=_ints(a.draft_tokens),
-                          max_requests=a.max_requests, **common)
     gpu = torch.cuda.get_device_name(0) if a.device.startswith("cuda") else "cpu"
     result = dict(what=a.what, preset=a.preset, date=datetime.date.today().isoformat(), gpu=gpu,
-                  dtype=str(dtype).replace("torch.", ""), args=vars(a), rows=rows,
+                  dtype=str(dtype).replace("torch.", ""), args=vars(a), rows=[],
                   note="random weights; MLP/expert widths of the presets are approximate")
     os.makedirs(a.out, exist_ok=True)
     path = os.path.join(a.out, f"e2e_{a.what}_{a.preset}_{result['date']}_{gpu.replace(' ', '_')}.json")
-    with open(path, "w") as f:
-        json.dump(result, f, indent=1)
+
+    def save(rows):  # after every row, so a run cut short by its time box keeps what it measured
+        result["rows"] = rows
+        with open(path + ".tmp", "w") as f:
+            json.dump(result, f, indent=1)
+        os.replace(path + ".tmp", path)
+
+    common = dict(modes=modes, prompt_len=a.prompt_len, new_tokens=a.new_tokens, chunk_size=a.chunk_size,
+                  device=a.device, kernels=kernels, cuda_graphs=graphs, on_row=save)
+    if a.what == "decode":
+        bench_decode(model, batches=_ints(a.batches), **common)
+    else:
+        bench_spec(model, budget_bytes=int(a.memory_budget * 2**30), drafts=_ints(a.draft_tokens),
+                   max_requests=a.max_requests, **common)
     print(f"wrote {path}")
     return result
 

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device call for the end-to-end numbers: engine GPU tests (CUDA graphs included), then
-# `bench_e2e.py decode` for the Qwen3.5-9B and Nemotron-3-Nano shapes and, with SPEC=1, `spec`.
+# `bench_e2e.py decode` for the Qwen3.5-9B and Nemotron-3-Nano shapes and `spec` for the presets in $SPEC_PRESETS.
 #   run on the GPU machine from the repo root, with carry [".device"]: bash benchmarks/device_e2e.sh
 # Kernels JIT-compile there (KVBUFFER_JIT=1). Writes under $OUT: tests.log, e2e_*.json, bench_*.log.
 set -u
@@ -18,7 +18,7 @@ E2E="--prompt-len ${PROMPT_LEN:-24} --new-tokens ${NEW_TOKENS:-32} --chunk-size 
 for preset in ${PRESETS:-qwen3.5-9b nemotron-3-nano}; do
   timeout ${BENCH_TIMEOUT:-170} python3 benchmarks/bench_e2e.py decode --preset $preset \
     --batches ${BATCHES:-1,8,64,256,512} $E2E 2>&1 | grep -v INFO | tee "$OUT/bench_decode_$preset.log" | tail -12
-  if [ -n "${SPEC:-}" ]; then
+  if [[ " ${SPEC_PRESETS:-} " == *" $preset "* ]]; then
     timeout ${BENCH_TIMEOUT:-170} python3 benchmarks/bench_e2e.py spec --preset $preset \
       --memory-budget ${BUDGET:-12} --draft-tokens ${DRAFTS:-2,4,8} $E2E 2>&1 | grep -v INFO \
       | tee "$OUT/bench_spec_$preset.log" | tail -8
