@@ -7,36 +7,12 @@ import torch
 from hf_models import make_hf_model
 from kvbuffer import LLM
 from kvbuffer.engine.sampling import SamplingParams
-from kvbuffer.engine.drafters import Drafter, NgramDrafter
+from kvbuffer.engine.drafters import NgramDrafter
+from scripted_drafter import ScriptedDrafter
 from kvbuffer.engine.speculative import SpeculativeConfig, accept_drafts
 
 C, NEW = 5, 24
 PROMPTS = [[3, 1, 4, 1, 5, 9, 2, 6], [7], [2, 7, 1, 8, 2, 8, 1, 8, 2, 8, 4, 5, 9], [1, 2, 3, 4, 5, 6]]
-
-
-class ScriptedDrafter(Drafter):
-    """Proposes the plain-decoding continuation, corrupted by pattern: 'all' drafts right, 'none'
-    all wrong, 'some' right except every third."""
-
-    def __init__(self, references, pattern, vocab):
-        self.refs, self.pattern, self.vocab = references, pattern, vocab
-
-    def propose(self, reqs, count):
-        return [self._one(r.context, count) for r in reqs]
-
-    def _one(self, context, count):
-        for prompt, cont in self.refs:
-            full = prompt + cont
-            if context == full[: len(context)]:
-                nxt = full[len(context): len(context) + count]
-                return [self._corrupt(i, t) for i, t in enumerate(nxt, start=len(context))]
-        raise AssertionError("context left the reference continuation")
-
-    def _corrupt(self, pos, token):
-        wrong = (token + 1) % self.vocab
-        if self.pattern == "none" or (self.pattern == "some" and pos % 3 == 0):
-            return wrong
-        return token
 
 
 TYPES = ["qwen3_5_text", "qwen3_5_moe_text", "qwen3_next", "nemotron_h"]

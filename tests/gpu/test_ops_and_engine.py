@@ -296,6 +296,37 @@ def test_demo_checkpoint_greedy_identical_cpu_reference_vs_gpu_kernels():
     assert a.token_ids == b.token_ids, (a.text, b.text)
 
 
+SPEC_PROMPTS = ["The following are the keywords of Python:", "A list is", "Return the number of items in"]
+
+
+@pytest.mark.skipif(not (DEMO / "config.json").exists(), reason="no trained demo checkpoint at kvbuffer/demo")
+@pytest.mark.parametrize("pattern", ["all", "some", "none"])
+@pytest.mark.parametrize("T", [1, 4, 8])
+@pytest.mark.parametrize("mode", ["kvbuffer", "recurrent"])
+def test_speculative_greedy_equals_plain_on_kernels(mode, T, pattern):
+    """bf16 on the compiled kernels: drafts that are all right, partly right or all wrong, verified
+    in one pass (kvbuffer: through the buffer, flushes of buffers that passed C included; recurrent:
+    one state per fed token), give exactly plain decoding's greedy tokens. The n-gram drafter too."""
+    from scripted_drafter import ScriptedDrafter
+
+    from kvbuffer import LLM
+
+    kw = dict(device="cuda", dtype=torch.bfloat16, mode=mode, kernels=True, chunk_size=8, max_batch=4)
+    plain = LLM(str(DEMO), **kw).generate(SPEC_PROMPTS, max_new_tokens=40, stop_token_ids=[])
+    llm = LLM(str(DEMO), speculative={"method": "ngram", "num_draft_tokens": T}, **kw)
+    prompts = [llm.tokenizer.encode(p) for p in SPEC_PROMPTS]
+    llm.drafter = ScriptedDrafter([(p, o.token_ids) for p, o in zip(prompts, plain)], pattern, llm.vocab_size)
+    got = llm.generate(SPEC_PROMPTS, max_new_tokens=40, stop_token_ids=[])
+    assert [g.token_ids for g in got] == [p.token_ids for p in plain]
+    expect = {"all": 1.0, "none": 0.0}.get(pattern)
+    if expect is not None:
+        assert llm.acceptance["acceptance_rate"] == pytest.approx(expect)
+    if pattern == "all":
+        ngram = LLM(str(DEMO), speculative={"method": "ngram", "num_draft_tokens": T}, **kw)
+        assert [g.token_ids for g in ngram.generate(SPEC_PROMPTS, max_new_tokens=40, stop_token_ids=[])] == \
+            [p.token_ids for p in plain]
+
+
 def test_engine_runs_from_artifacts_alone(tmp_path):
     """`kvbuffer tune --build-only` for a model's head shape, then a process with TileLang blocked and
     no JIT generates on CUDA with every linear-layer kernel loaded from the cache (decode steps and
