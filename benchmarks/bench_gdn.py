@@ -158,16 +158,28 @@ def _fla():
     return run
 
 
-def build_ops(Hk, Hv, *, C, cap, buffered_cfg=None, recurrent_cfg=None) -> dict:
+def build_ops(Hk, Hv, *, C, cap, buffered_cfg=None, recurrent_cfg=None, verify_cfg=None, reduce_cfg=None) -> dict:
+    """Compile every op of one head shape; `reduce_cfg` adds the superseded reduction template (variant
+    "reduce": tiles.gdn.gdn_buffered_reduce) so both are timed in the same run."""
     from kvbuffer.kernels import build_gdn_buffered, build_gdn_flush, build_gdn_recurrent
 
     bc, rc = buffered_cfg or {}, recurrent_cfg or {}
+    vc = verify_cfg or bc
     ops = {"C": C, "cap": cap,
            "recurrent": build_gdn_recurrent(Hk, Hv, **rc),
            "buffered": build_gdn_buffered(Hk, Hv, cap=cap, T_new=1, flush_at=C, **bc),
            "flush": build_gdn_flush(Hk, Hv, cap=cap)}
     for T in (2, 4, 8):
-        ops[f"verify{T}"] = build_gdn_buffered(Hk, Hv, cap=cap, T_new=T, flush_at=0, **bc)
+        ops[f"verify{T}"] = build_gdn_buffered(Hk, Hv, cap=cap, T_new=T, flush_at=0, **vc)
+    if reduce_cfg is not None:
+        from kvbuffer.kernels.gdn import _build
+
+        def red(T, C_):
+            return _build("buffered", "gdn_buffered_reduce",
+                          dict(Hk=Hk, Hv=Hv, K=128, V=128, cap=cap, T_new=T, flush_at=C_, **reduce_cfg))
+        ops["buffered_reduce"] = red(1, C)
+        for T in (2, 4, 8):
+            ops[f"verify{T}_reduce"] = red(T, 0)
     return ops
 
 
@@ -187,11 +199,22 @@ def bench_shape(name, Hk, Hv, ops, fla_fn, batches, copy_bw) -> list[dict]:
             t[f"verify{T}"] = _time(lambda i: ops[f"verify{T}"].fn(
                 *S.tok(T, i), S.A_log, S.dt_bias, S.state, S.win(i), S.buf_k, S.buf_v, S.buf_g, S.win(i + 1),
                 S.staggered[i % S.C], oT), reps=4 * S.C)
+        if "buffered_reduce" in ops:
+            t["buffered_reduce"] = _time(lambda i: ops["buffered_reduce"].fn(
+                *S.tok(1, i), S.A_log, S.dt_bias, S.state, S.win(i), S.buf_k, S.buf_v, S.buf_g, S.win(i + 1),
+                S.staggered[i % S.C], o1t), reps=4 * S.C)
+            for T in (2, 4, 8):
+                oT = S.out[T]
+                t[f"verify{T}_reduce"] = _time(lambda i: ops[f"verify{T}_reduce"].fn(
+                    *S.tok(T, i), S.A_log, S.dt_bias, S.state, S.win(i), S.buf_k, S.buf_v, S.buf_g,
+                    S.win(i + 1), S.staggered[i % S.C], oT), reps=4 * S.C)
         if fla_fn is not None:
             t["fla"] = _time(lambda i: fla_fn(S, i, S.win(i)))
         row = {"shape": name, "Hk": Hk, "Hv": Hv, "B": B, "us": {k: 1e3 * v for k, v in t.items()}}
         kinds = {"recurrent": ("recurrent", 1), "fla": ("fla", 1), "buffered": ("buffered", 1),
-                 "verify2": ("verify", 2), "verify4": ("verify", 4), "verify8": ("verify", 8)}
+                 "verify2": ("verify", 2), "verify4": ("verify", 4), "verify8": ("verify", 8),
+                 "buffered_reduce": ("buffered", 1), "verify2_reduce": ("verify", 2),
+                 "verify4_reduce": ("verify", 4), "verify8_reduce": ("verify", 8)}
         row["GBps"] = {k: _bytes(S, *kinds[k]) / (v * 1e-3) / 1e9 for k, v in t.items()}
         row["frac_copy_bw"] = {k: g * 1e9 / copy_bw for k, g in row["GBps"].items()}
         row["speedup_buffered_vs_recurrent"] = t["recurrent"] / t["buffered"]
@@ -201,6 +224,9 @@ def bench_shape(name, Hk, Hv, ops, fla_fn, batches, copy_bw) -> list[dict]:
         for T in (2, 4, 8):
             row[f"verify{T}_over_step"] = t[f"verify{T}"] / t["buffered"]
             row[f"verify{T}_over_recurrent"] = t[f"verify{T}"] / t["recurrent"]
+        if "buffered_reduce" in t:
+            row["speedup_buffered_vs_reduce"] = t["buffered_reduce"] / t["buffered"]
+            row["verify4_reduce_over_step"] = t["verify4_reduce"] / t["buffered_reduce"]
         rows.append(row)
         print(f"{name:12s} B={B:5d} " + " ".join(f"{k}={v * 1e3:8.1f}us" for k, v in t.items()), flush=True)
         S = None  # drop the inputs before the next shape (the lambdas above are done with them)
@@ -208,24 +234,31 @@ def bench_shape(name, Hk, Hv, ops, fla_fn, batches, copy_bw) -> list[dict]:
     return rows
 
 
-def tune(Hk, Hv, *, C, cap, B=256) -> dict:
-    """Pick BV/threads for the recurrent and buffered step by their median time at batch B."""
+def tune(Hk, Hv, *, C, cap, B=256, kinds=("recurrent", "buffered", "verify")) -> dict:
+    """Pick BV/threads per kind by the median time at batch B (verify: 4 drafts, used for 2/4/8)."""
     from kvbuffer.kernels import build_gdn_buffered, build_gdn_recurrent
     from kvbuffer.tiles.gdn import get_buffered_configs, get_recurrent_configs
 
     S = Setup(Hk, Hv, B, cap=cap, C=C)
-    o1t = S.out[1]
+    o1t, o4t = S.out[1], S.out[4]
     best, log = {}, []
-    for cfg in get_recurrent_configs():
-        op = build_gdn_recurrent(Hk, Hv, **cfg)
-        t = _time(lambda i: op.fn(*S.tok(1, i), S.A_log, S.dt_bias, S.state, S.win(i), o1t))
-        log.append(("recurrent", cfg, t))
+    if "recurrent" in kinds:
+        for cfg in get_recurrent_configs():
+            op = build_gdn_recurrent(Hk, Hv, **cfg)
+            t = _time(lambda i: op.fn(*S.tok(1, i), S.A_log, S.dt_bias, S.state, S.win(i), o1t))
+            log.append(("recurrent", cfg, t))
     for cfg in get_buffered_configs():
-        op = build_gdn_buffered(Hk, Hv, cap=cap, T_new=1, flush_at=C, **cfg)
-        t = _time(lambda i: op.fn(*S.tok(1, i), S.A_log, S.dt_bias, S.state, S.win(i), S.buf_k, S.buf_v, S.buf_g,
-                                  S.win(i + 1), S.staggered[i % C], o1t), reps=2 * C)
-        log.append(("buffered", cfg, t))
-    for kind in ("recurrent", "buffered"):
+        if "buffered" in kinds:
+            op = build_gdn_buffered(Hk, Hv, cap=cap, T_new=1, flush_at=C, **cfg)
+            t = _time(lambda i: op.fn(*S.tok(1, i), S.A_log, S.dt_bias, S.state, S.win(i), S.buf_k, S.buf_v,
+                                      S.buf_g, S.win(i + 1), S.staggered[i % C], o1t), reps=2 * C)
+            log.append(("buffered", cfg, t))
+        if "verify" in kinds:
+            op = build_gdn_buffered(Hk, Hv, cap=cap, T_new=4, flush_at=0, **cfg)
+            t = _time(lambda i: op.fn(*S.tok(4, i), S.A_log, S.dt_bias, S.state, S.win(i), S.buf_k, S.buf_v,
+                                      S.buf_g, S.win(i + 1), S.staggered[i % C], o4t), reps=2 * C)
+            log.append(("verify", cfg, t))
+    for kind in kinds:
         best[kind] = min((x for x in log if x[0] == kind), key=lambda x: x[2])[1]
     best["log"] = [{"kind": k, **c, "us": 1e3 * t} for k, c, t in log]
     S = None  # drop the inputs before the next shape (the lambdas above are done with them)
@@ -233,41 +266,61 @@ def tune(Hk, Hv, *, C, cap, B=256) -> dict:
     return best
 
 
-def run_benchmark(shapes=tuple(SHAPES), batches=BATCHES, C=16, cap=24, configs=None, autotune=True) -> dict:
-    """Gate, then time every op at every (shape, batch); returns the result dict."""
+REDUCE_CFG = {"BV": 128, "threads": 128}  # the reduction template's tuned winner (H200, 2026-11-30)
+
+
+def run_benchmark(shapes=tuple(SHAPES), batches=BATCHES, C=16, cap=24, configs=None, autotune=True,
+                  reduce_cfg=None, checkpoint=None) -> dict:
+    """Gate, then time every op at every (shape, batch); returns the result dict.
+
+    `configs[shape]` may fix any of recurrent / buffered / verify; the missing ones are tuned (when
+    `autotune`). `reduce_cfg` also times the superseded reduction template (see build_ops)."""
     copy_bw = copy_bandwidth()
     fla_fn = _fla()
     result = {"date": datetime.date.today().isoformat(), "gpu": torch.cuda.get_device_name(),
               "copy_GBps": copy_bw / 1e9, "C": C, "cap": cap, "buffer_dtype": "bfloat16",
               "notes": "FLA: fused_recurrent_gated_delta_rule with l2norm, gate and beta fused in-kernel",
-              "gate": {}, "rows": [], "configs": configs or {}}
+              "gate": {}, "rows": [], "configs": {}}
+    if reduce_cfg is not None:
+        result["reduce_cfg"] = reduce_cfg
     for name in shapes:
         Hk, Hv = SHAPES[name]
-        cfg = (configs or {}).get(name)
-        if cfg is None:
-            cfg = tune(Hk, Hv, C=C, cap=cap) if autotune else {}
-            result["configs"][name] = cfg
-            print(f"tuned {name}: recurrent {cfg.get('recurrent')} buffered {cfg.get('buffered')}", flush=True)
-        ops = build_ops(Hk, Hv, C=C, cap=cap, buffered_cfg=cfg.get("buffered"), recurrent_cfg=cfg.get("recurrent"))
+        cfg = dict((configs or {}).get(name) or {})
+        missing = tuple(k for k in ("recurrent", "buffered", "verify") if k not in cfg)
+        if missing and autotune:
+            tuned = tune(Hk, Hv, C=C, cap=cap, kinds=missing)
+            cfg.update(tuned)
+        result["configs"][name] = cfg
+        print(f"configs {name}: recurrent {cfg.get('recurrent')} buffered {cfg.get('buffered')} "
+              f"verify {cfg.get('verify')}", flush=True)
+        ops = build_ops(Hk, Hv, C=C, cap=cap, buffered_cfg=cfg.get("buffered"), recurrent_cfg=cfg.get("recurrent"),
+                        verify_cfg=cfg.get("verify"), reduce_cfg=reduce_cfg)
         gate = correctness_gate(ops, Hk, Hv, fla_fn)
         result["gate"][name] = gate
         print(f"gate {name}: " + " ".join(f"{k}={v:.2e}" for k, v in gate.items()), flush=True)
         if any(not (v < 2e-2) for v in gate.values()):
             raise RuntimeError(f"correctness gate failed for {name}: {gate}")
         result["rows"] += bench_shape(name, Hk, Hv, ops, fla_fn, batches, copy_bw)
+        if checkpoint:  # partial results survive a time limit
+            with open(checkpoint, "w") as f:
+                json.dump(result, f, indent=1)
     return result
 
 
 def table(result: dict) -> str:
-    lines = [f"{result['gpu']}  copy {result['copy_GBps']:.0f} GB/s  C={result['C']}",
-             f"{'shape':12s} {'B':>5s} {'fla':>8s} {'rec':>8s} {'buf':>8s} {'v2':>8s} {'v4':>8s} {'v8':>8s}"
-             f" {'buf/fla':>7s} {'buf/rec':>7s} {'v4/step':>7s} {'bufGB/s':>7s}"]
+    nan = float("nan")
+    lines = [f"{result['gpu']}  copy {result['copy_GBps']:.0f} GB/s  C={result['C']}  (us; *R = reduction template)",
+             f"{'shape':12s} {'B':>5s} {'fla':>7s} {'rec':>7s} {'buf':>7s} {'bufR':>7s} {'v2':>7s} {'v4':>7s}"
+             f" {'v8':>7s} {'v4R':>7s} {'buf/fla':>7s} {'buf/rec':>7s} {'v2/st':>6s} {'v4/st':>6s} {'v8/st':>6s}"
+             f" {'buf%bw':>6s}"]
     for r in result["rows"]:
         u = r["us"]
-        lines.append(f"{r['shape']:12s} {r['B']:5d} {u.get('fla', float('nan')):8.1f} {u['recurrent']:8.1f}"
-                     f" {u['buffered']:8.1f} {u['verify2']:8.1f} {u['verify4']:8.1f} {u['verify8']:8.1f}"
-                     f" {r.get('speedup_buffered_vs_fla', float('nan')):7.2f} {r['speedup_buffered_vs_recurrent']:7.2f}"
-                     f" {r['verify4_over_step']:7.2f} {r['GBps']['buffered']:7.0f}")
+        lines.append(f"{r['shape']:12s} {r['B']:5d} {u.get('fla', nan):7.1f} {u['recurrent']:7.1f}"
+                     f" {u['buffered']:7.1f} {u.get('buffered_reduce', nan):7.1f} {u['verify2']:7.1f}"
+                     f" {u['verify4']:7.1f} {u['verify8']:7.1f} {u.get('verify4_reduce', nan):7.1f}"
+                     f" {r.get('speedup_buffered_vs_fla', nan):7.2f} {r['speedup_buffered_vs_recurrent']:7.2f}"
+                     f" {r['verify2_over_step']:6.2f} {r['verify4_over_step']:6.2f} {r['verify8_over_step']:6.2f}"
+                     f" {r['frac_copy_bw']['buffered']:6.2f}")
     return "\n".join(lines)
 
 
@@ -278,10 +331,11 @@ def plot(result: dict, path: str) -> bool:
         import matplotlib.pyplot as plt
     except Exception:  # noqa: BLE001
         return False
-    fig, axes = plt.subplots(1, len(SHAPES), figsize=(12, 4))
-    for ax, name in zip(axes, SHAPES):
+    names = [n for n in SHAPES if any(r["shape"] == n for r in result["rows"])]
+    fig, axes = plt.subplots(1, len(names), figsize=(6 * len(names), 4), squeeze=False)
+    for ax, name in zip(axes[0], names):
         rows = [r for r in result["rows"] if r["shape"] == name]
-        for k in ("fla", "recurrent", "buffered", "verify4"):
+        for k in ("fla", "recurrent", "buffered", "verify4", "buffered_reduce", "verify4_reduce"):
             if rows and k in rows[0]["us"]:
                 ax.plot([r["B"] for r in rows], [r["us"][k] / r["B"] for r in rows], marker="o", label=k)
         ax.set_xscale("log", base=2)
@@ -298,17 +352,23 @@ def plot(result: dict, path: str) -> bool:
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
+    p.add_argument("--shapes", default=",".join(SHAPES))
     p.add_argument("--batches", default=",".join(map(str, BATCHES)))
     p.add_argument("--C", type=int, default=16)
-    p.add_argument("--configs", default=None, help="JSON file of tuned configs per shape")
+    p.add_argument("--configs", default=None, help="JSON file of configs per shape (missing kinds are tuned)")
+    p.add_argument("--compare-reduce", action="store_true",
+                   help=f"also time the superseded reduction template ({REDUCE_CFG})")
     a = p.parse_args(argv)
     configs = json.load(open(a.configs)) if a.configs else None
-    res = run_benchmark(batches=tuple(int(x) for x in a.batches.split(",")), C=a.C, configs=configs)
     os.makedirs(a.out, exist_ok=True)
+    res = run_benchmark(shapes=tuple(a.shapes.split(",")), batches=tuple(int(x) for x in a.batches.split(",")),
+                        C=a.C, configs=configs, reduce_cfg=REDUCE_CFG if a.compare_reduce else None,
+                        checkpoint=os.path.join(a.out, "gdn_partial.json"))
     stem = os.path.join(a.out, f"gdn_{res['date']}_{res['gpu'].replace(' ', '_')}")
     with open(stem + ".json", "w") as f:
         json.dump(res, f, indent=1)
     plot(res, stem + ".png")
+    os.remove(os.path.join(a.out, "gdn_partial.json"))
     print(table(res))
     return res
 

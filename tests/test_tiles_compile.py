@@ -20,6 +20,11 @@ CASES = {
     "recurrent": ("gdn_recurrent", dict(Hk=16, Hv=32)),
     "buffered_step_fused_flush": ("gdn_buffered", dict(Hk=16, Hv=32, cap=24, T_new=1, flush_at=16)),
     "verify_T4": ("gdn_buffered", dict(Hk=16, Hv=32, cap=24, T_new=4, flush_at=0)),
+    "prefill_T8_fused_flush_256_threads": ("gdn_buffered", dict(Hk=16, Hv=32, cap=24, T_new=8, flush_at=16,
+                                                                 BV=128, threads=256)),
+    "buffered_small_heads": ("gdn_buffered", dict(Hk=2, Hv=4, K=32, V=32, cap=9, T_new=1, flush_at=8,
+                                                  BV=32, threads=64)),
+    "buffered_reduce_variant": ("gdn_buffered_reduce", dict(Hk=16, Hv=32, cap=24, T_new=1, flush_at=16)),
     "flush": ("gdn_flush", dict(Hk=16, Hv=32, cap=24)),
     "mamba2_recurrent": ("mamba2.mamba2_recurrent", dict(G=8, H=64, has_z=True)),
     "mamba2_buffered_step_fused_flush": ("mamba2.mamba2_buffered", dict(G=8, H=64, cap=24, T_new=1, flush_at=16,
@@ -38,6 +43,8 @@ def test_template_compiles_for_sm90a(case):
     kernel = compile_template(getattr(importlib.import_module(f"kvbuffer.tiles.{module or 'gdn'}"), name)(**params))
     src = kernel.get_kernel_source()
     assert "__global__" in src
+    if name == "gdn_buffered":  # the SIMT template: its own barriers only (4, a 5th in the fused flush)
+        assert src.count("__syncthreads()") == 4 + bool(params.get("flush_at"))
 
 
 def test_import_kvbuffer_does_not_import_tilelang():

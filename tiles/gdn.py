@@ -1,12 +1,12 @@
 """Qwen3.5 Gated DeltaNet decode templates (recurrent and flush from tiles.linear_decode, buffered below).
 
 The GDN entry points under their established names. The recurrent step and the flush are the generic
-family (linear_decode.py: delta rule on, GDN gating front). `gdn_buffered` is still the in-block-
-reduction template below: the generic `linear_buffered("gdn", ...)` passes the same GPU tests
-(H200, 2026-11-30: 155/156, the miss a fused-flush state at 1.12e-5 against 1e-5) but runs ~3.5x
-slower on GDN shapes (3xTF32 GEMM path, ~73+ KB shared memory per block), so it replaces this one
-only once it is faster (see docs/kernels.md). Tensor ABI: linear_decode's module docstring (GDN rows);
-the recurrent step takes a token axis of 1.
+family (linear_decode.py: delta rule on, GDN gating front). `gdn_buffered` (buffered step, speculative
+verify, prefill chunk) is GDN's own thread-level template: no T.reduce_sum, four block barriers, S0
+streamed into registers while the front, the Gram and the buffer's history run (see its docstring).
+`gdn_buffered_reduce` is the superseded in-block-reduction template, kept only so the benchmark can
+time both in one run (`bench_gdn.py --compare-reduce`). Tensor ABI: linear_decode's module docstring
+(GDN rows); the recurrent step takes a token axis of 1.
 """
 
 import itertools
@@ -32,13 +32,412 @@ def gdn_recurrent(Hk: int, Hv: int, K: int = 128, V: int = 128, *, BV: int = 32,
     return linear_recurrent("gdn", Hk, Hv, K, V, BV=BV, threads=threads, in_dtype=in_dtype)
 
 
+def _simt_layout(K: int, BV: int, threads: int) -> tuple[int, int, int, int]:
+    """(CG, KG, KR, NW) of `gdn_buffered`: CG column groups of 4 columns, KG row groups of KR rows, NW warps."""
+    if BV % 4 or not 4 <= BV <= 128:
+        raise ValueError(f"BV={BV} must be a multiple of 4 in [4, 128]")
+    CG = BV // 4
+    if threads % 32 or threads % CG or threads < BV:
+        raise ValueError(f"threads={threads} must be a multiple of 32 and of BV/4, and at least BV={BV}")
+    KG, NW = threads // CG, threads // 32
+    if K % KG or K // KG > 64:
+        raise ValueError(f"K={K} over {KG} row groups must give at most 64 rows per thread")
+    if K % (4 * NW):
+        raise ValueError(f"K={K} must split into 4-element chunks over {NW} warps")
+    return CG, KG, K // KG, NW
+
+
+# (BV, threads, blocks): blocks > 0 caps registers so that many blocks share an SM (0: the compiler's
+# choice); best first (H200, Qwen3.5 shapes), since `kvbuffer tune --max-configs N` tries the first N
+_BUFFERED_CONFIGS = ((128, 128, 0), (128, 128, 3), (64, 64, 0), (64, 128, 0), (64, 128, 5), (128, 256, 0),
+                     (32, 64, 0), (32, 64, 10), (32, 128, 0), (64, 256, 0), (32, 256, 0))
+
+
 def get_buffered_configs() -> list[dict]:
-    """Tunables of `gdn_buffered` (BV * K / threads >= 16: smaller per-thread tiles fail layout inference)."""
+    """Tunables of `gdn_buffered` (K = 128): a thread holds K * BV / threads state values (16..128)."""
+    out = []
+    for bv, th, blocks in _BUFFERED_CONFIGS:
+        try:
+            _simt_layout(128, bv, th)
+        except ValueError:
+            continue
+        out.append({"BV": bv, "threads": th, **({"blocks": blocks} if blocks else {})})
+    return out
+
+
+def gdn_buffered(Hk: int, Hv: int, K: int = 128, V: int = 128, *, cap: int = 16, T_new: int = 1,
+                 flush_at: int = 0, BV: int = 64, threads: int = 128, blocks: int = 0,
+                 in_dtype: str = "bfloat16", buf_dtype: str = "bfloat16"):
+    """T_new tokens after each row's n buffered entries: one read of S0, no state write.
+
+    Writes the T_new entries (k, delta, G) at buffer positions n .. n+T_new-1 (lengths untouched).
+    The deltas of the new tokens are coupled by (I + A) Delta = R, solved by forward substitution.
+    With flush_at = C > 0, a row with n + T_new == C also folds its full buffer into its state in
+    the same launch (the flush fused into the step that fills the buffer; S0 is in registers).
+
+    Thread-level (SIMT) layout: one block per (value tile of BV columns, value head, row); thread
+    (rg, cg) owns rows rg*KR .. rg*KR+KR-1 and columns 4cg .. 4cg+3 of the K x BV S0 tile. No
+    T.reduce_sum: four block barriers in all (a fifth only in the step that flushes):
+      0. the row's q, k, v, a, b are loaded before the slots are known (their latency overlaps the slots'
+         round trip); thread t computes g_t, beta_t in fp64. Then the buffer (keys, deltas, G; entries
+         i < n only) goes to shared memory (bf16 -> fp32) and the S0 slice is issued as float4 loads into
+         registers, first used in phase 3b: phases 1-3a run while it streams in.
+      1. Gram: lane = one vector of [new k, new q, buffer keys], warp = a K slice, dotted with every new
+         k and q (partial sums per warp, no reductions); thread t: G_t = G_{n-1} + g_0 + .. + g_t (fp64).
+      2. Scalars, one task per thread, in fp64: norms, decay weights exp(G_t - G_i) (k_i . k^_t), the
+         T x T system, exp(G_t) / |k_t|, the flush weights.
+      3. (a) one thread per value column: the buffer's history sums; the new keys and G are written.
+         (b) every thread: S0^T k and S0^T q of the *raw* k, q (normalised by the phase-2 scalars),
+         serial FMAs over its rows; the row groups of a warp are summed by shuffles, the warps in
+         shared memory.
+      4. One thread per value column: forward substitution, outputs, the new deltas.
+    Verifying T drafts costs T times the per-thread FMAs, not more barriers. `blocks` > 0 caps the
+    registers (__launch_bounds__ min blocks per SM) so more S0 bytes are in flight per SM.
+
+    Args: q, k, v, a, b, A_log, dt_bias, state, state_slots, buf_k, buf_v, buf_g, buffer_slots,
+    lengths, o (module docstring; token axis T present).
+    """
+    _check_shape(Hk, Hv, K, V, BV)
+    if not 1 <= T_new <= cap:
+        raise ValueError(f"T_new={T_new} must be in [1, cap={cap}]")
+    if flush_at and not T_new <= flush_at <= cap:
+        raise ValueError(f"flush_at={flush_at} must be in [T_new={T_new}, cap={cap}] (or 0)")
+    CG, KG, KR, NW = _simt_layout(K, BV, threads)
+    RV = 4 if KR % 4 == 0 else (2 if KR % 2 == 0 else 1)  # rows per shared-memory vector read
+    T = _tl()
+    B = T.dynamic("batch")
+    NS = T.dynamic("num_state_slots")
+    NB = T.dynamic("num_buffer_slots")
+    r = Hv // Hk
+    f32, f64 = "float32", "float64"
+    q_scale = K ** -0.5
+    Tn = T_new
+    C = flush_at
+    NT = threads
+    T2 = 2 * Tn
+    XR = T2 + cap            # X rows: new k (0..Tn-1), new q (Tn..2Tn-1), buffer keys (2Tn + i)
+    NR = Tn + cap            # rows of the Gram (2Tn + n <= Tn + cap)
+    KP = K + 4               # padded row: float4 reads of 32 different rows hit distinct banks
+    KS = K // NW             # K slice of one warp in the Gram
+    RGW = 32 // CG if CG < 32 else 1   # row groups per warp
+    K8, BV8 = K // 8, BV // 8
+    ceil = lambda a, b: -(-a // b)  # noqa: E731
+    IT_TOK, IT_BK, IT_BV, IT_G = ceil(Tn * K8, NT), ceil(cap * K8, NT), ceil(cap * BV8, NT), ceil(cap, NT)
+    IT_ROWS, IT_KN, IT_OUT = ceil(NR, 32), ceil(Tn * K, NT), ceil(Tn * BV, NT)
+    # scalar tasks (phase 2): W (2 Tn cap), the Tn x Tn system, per-token scales, flush weights
+    NA, NBt, NC = 2 * Tn * cap, Tn * Tn, Tn
+    NTASK = NA + NBt + NC + C
+    IT_TASK = -(-NTASK // NT)
+
+    @T.prim_func
+    def gdn_buffered_step(
+        q: T.Tensor((B, Tn, Hk, K), in_dtype),
+        k: T.Tensor((B, Tn, Hk, K), in_dtype),
+        v: T.Tensor((B, Tn, Hv, V), in_dtype),
+        a: T.Tensor((B, Tn, Hv), in_dtype),
+        b: T.Tensor((B, Tn, Hv), in_dtype),
+        A_log: T.Tensor((Hv,), f32),
+        dt_bias: T.Tensor((Hv,), f32),
+        state: T.Tensor((NS, Hv, K, V), f32),
+        state_slots: T.Tensor((B,), "int32"),
+        buf_k: T.Tensor((NB, cap, Hk, K), buf_dtype),
+        buf_v: T.Tensor((NB, cap, Hv, V), buf_dtype),
+        buf_g: T.Tensor((NB, cap, Hv), f32),
+        buffer_slots: T.Tensor((B,), "int32"),
+        lengths: T.Tensor((B,), "int32"),
+        o: T.Tensor((B, Tn, Hv, V), in_dtype),
+    ):
+        with T.Kernel(V // BV, Hv, B, threads=NT) as (bv, hv, bb):
+            # the block barriers below are all there is (TileLang's inserted ones would sit in
+            # thread-divergent branches)
+            T.annotate_pass_configs({"tl.disable_thread_storage_sync": True})
+            if blocks:  # cap registers so `blocks` blocks fit on an SM (more S0 bytes in flight per SM)
+                T.annotate_min_blocks_per_sm(blocks)
+            tx = T.get_thread_binding()
+            X = T.alloc_shared((XR, KP), f32)
+            Db = T.alloc_shared((cap, BV), f32)      # buffer deltas (and the new ones for a flush)
+            Gb = T.alloc_shared((cap,), f32)
+            gld = T.alloc_shared((Tn,), f64)         # g_t
+            Gd = T.alloc_shared((Tn,), f64)          # G_t = G_{n-1} + g_0 + ... + g_t
+            betas = T.alloc_shared((Tn,), f32)
+            Pd = T.alloc_shared((NW, NR, T2), f32)   # Gram partial sums per warp
+            Ps = T.alloc_shared((NW, T2, BV), f32)   # S0^T [k, q] partial sums per warp
+            W = T.alloc_shared((2, Tn, cap), f32)    # exp(G_t - G_i) (k_i . k^_t), (k_i . q^_t)
+            Am = T.alloc_shared((Tn, Tn), f32)       # beta_t exp(G_t - G_s) (k^_s . k^_t), s < t
+            Bm = T.alloc_shared((Tn, Tn), f32)       # exp(G_t - G_s) (k^_s . q^_t), s <= t
+            ck = T.alloc_shared((Tn,), f32)          # exp(G_t) / |k_t|
+            cq = T.alloc_shared((Tn,), f32)          # exp(G_t) K**-0.5 / |q_t|
+            rks = T.alloc_shared((Tn,), f32)         # 1 / |k_t|
+            FW = T.alloc_shared((cap,), f32)         # flush weights exp(G_C - G_e)
+
+            Sr = T.alloc_local((KR * 4,), f32)
+            acc = T.alloc_local((T2 * 4,), f32)
+            gacc = T.alloc_local((max(T2, 4),), f32)
+            dacc = T.alloc_local((4,), f64)
+            xv = T.alloc_local((4,), f32)
+            yv = T.alloc_local((4,), f32)
+            tb = T.alloc_local((8,), in_dtype)
+            bb8 = T.alloc_local((8,), buf_dtype)
+            vr = T.alloc_local((Tn,), f32)
+            hk_ = T.alloc_local((Tn,), f32)
+            hq_ = T.alloc_local((Tn,), f32)
+            dl = T.alloc_local((Tn,), f32)
+
+            hk = hv // r
+            v0 = bv * BV
+            cg = tx % CG
+            rg = tx // CG
+            lane = tx % 32
+            w = tx // 32
+            sslot = state_slots[bb]
+            bslot = buffer_slots[bb]
+            n = lengths[bb]
+
+            # ---- phase 0a: the row's own inputs need no slot (their loads overlap the slots' round trip):
+            # raw k (X rows 0..Tn-1), raw q (rows Tn..2Tn-1), v, and g_t, beta_t in fp64 (thread t)
+            for it in T.unroll(IT_TOK):
+                idx = it * NT + tx
+                if idx < Tn * K8:
+                    for c in T.vectorized(8):
+                        tb[c] = k[bb, idx // K8, hk, (idx % K8) * 8 + c]
+                    for c in T.vectorized(8):
+                        X[idx // K8, (idx % K8) * 8 + c] = T.cast(tb[c], f32)
+            for it in T.unroll(IT_TOK):
+                idx = it * NT + tx
+                if idx < Tn * K8:
+                    for c in T.vectorized(8):
+                        tb[c] = q[bb, idx // K8, hk, (idx % K8) * 8 + c]
+                    for c in T.vectorized(8):
+                        X[Tn + idx // K8, (idx % K8) * 8 + c] = T.cast(tb[c], f32)
+            if tx < BV:
+                for t in T.unroll(Tn):
+                    vr[t] = T.cast(v[bb, t, hv, v0 + tx], f32)
+            if tx < Tn:
+                dacc[0] = T.cast(a[bb, tx, hv], f64) + T.cast(dt_bias[hv], f64)
+                gld[tx] = -T.exp(T.cast(A_log[hv], f64)) * T.if_then_else(
+                    dacc[0] > SOFTPLUS_THRESHOLD, dacc[0], T.log1p(T.exp(dacc[0])))
+                betas[tx] = T.cast(1.0 / (1.0 + T.exp(-T.cast(b[bb, tx, hv], f64))), f32)
+
+            if bslot >= 0:
+                # ---- phase 0b: the buffer (entries i < n only; the rest is never read), then the S0 slice
+                # into registers (it streams in while phases 1-3a run; first used in phase 3b)
+                for it in T.unroll(IT_BK):
+                    idx = it * NT + tx
+                    if idx < n * K8:
+                        for c in T.vectorized(8):
+                            bb8[c] = buf_k[bslot, idx // K8, hk, (idx % K8) * 8 + c]
+                        for c in T.vectorized(8):
+                            X[T2 + idx // K8, (idx % K8) * 8 + c] = T.cast(bb8[c], f32)
+                for it in T.unroll(IT_BV):
+                    idx = it * NT + tx
+                    if idx < n * BV8:
+                        for c in T.vectorized(8):
+                            bb8[c] = buf_v[bslot, idx // BV8, hv, v0 + (idx % BV8) * 8 + c]
+                        for c in T.vectorized(8):
+                            Db[idx // BV8, (idx % BV8) * 8 + c] = T.cast(bb8[c], f32)
+                for it in T.unroll(IT_G):
+                    if it * NT + tx < n:
+                        Gb[it * NT + tx] = buf_g[bslot, it * NT + tx, hv]
+                if sslot >= 0:
+                    for rr in T.unroll(KR):
+                        for c in T.vectorized(4):
+                            Sr[rr * 4 + c] = state[sslot, hv, rg * KR + rr, v0 + cg * 4 + c]
+                else:
+                    for rr in T.unroll(KR * 4):
+                        Sr[rr] = 0.0
+                T.sync_threads()
+
+                # ---- phase 1: Gram partials, lane = row of X, warp = K slice; thread t: G_t (fp64)
+                for rb in T.unroll(IT_ROWS):
+                    if lane + 32 * rb < T2 + n:
+                        for cc in T.unroll(T2):
+                            gacc[cc] = 0.0
+                        for ch in T.unroll(KS // 4):
+                            for e in T.vectorized(4):
+                                xv[e] = X[lane + 32 * rb, w * KS + ch * 4 + e]
+                            for cc in T.unroll(T2):
+                                for e in T.vectorized(4):
+                                    yv[e] = X[cc, w * KS + ch * 4 + e]
+                                for e in T.unroll(4):
+                                    gacc[cc] = gacc[cc] + xv[e] * yv[e]
+                        for cc in T.unroll(T2):
+                            Pd[w, lane + 32 * rb, cc] = gacc[cc]
+                if tx < Tn:
+                    dacc[1] = T.if_then_else(n > 0, T.cast(Gb[T.max(n - 1, 0)], f64), T.cast(0.0, f64))
+                    for s in T.unroll(Tn):
+                        if s <= tx:
+                            dacc[1] = dacc[1] + gld[s]
+                    Gd[tx] = dacc[1]
+                T.sync_threads()
+
+                # ---- phase 2: scalars, one task per thread (norms and decays in fp64)
+                for it in T.unroll(IT_TASK):
+                    idx = it * NT + tx
+                    if idx < NA:
+                        ti = idx % cap
+                        tt = (idx // cap) % Tn
+                        kind = idx // (cap * Tn)
+                        if ti < n:
+                            gacc[0] = 0.0
+                            gacc[1] = 0.0
+                            for ww in T.unroll(NW):
+                                gacc[0] = gacc[0] + Pd[ww, T2 + ti, kind * Tn + tt]
+                                gacc[1] = gacc[1] + Pd[ww, kind * Tn + tt, kind * Tn + tt]
+                            W[kind, tt, ti] = T.cast(
+                                T.exp(Gd[tt] - T.cast(Gb[ti], f64)) / T.sqrt(T.cast(gacc[1], f64) + L2NORM_EPS)
+                                * T.if_then_else(kind == 0, T.cast(1.0, f64), T.cast(q_scale, f64)), f32) * gacc[0]
+                    elif idx < NA + NBt:
+                        tt = (idx - NA) // Tn
+                        ts = (idx - NA) % Tn
+                        if ts <= tt:
+                            for cc in T.unroll(4):
+                                gacc[cc] = 0.0
+                            for ww in T.unroll(NW):
+                                gacc[0] = gacc[0] + Pd[ww, ts, tt]            # k_s . k_t
+                                gacc[1] = gacc[1] + Pd[ww, ts, Tn + tt]       # k_s . q_t
+                                gacc[2] = gacc[2] + Pd[ww, ts, ts]            # |k_s|^2
+                                gacc[3] = gacc[3] + Pd[ww, tt, tt]            # |k_t|^2
+                            dacc[2] = T.exp(Gd[tt] - Gd[ts]) / T.sqrt(T.cast(gacc[2], f64) + L2NORM_EPS)
+                            Am[tt, ts] = T.cast(betas[tt] * dacc[2] / T.sqrt(T.cast(gacc[3], f64) + L2NORM_EPS),
+                                                f32) * gacc[0]
+                            gacc[3] = 0.0
+                            for ww in T.unroll(NW):
+                                gacc[3] = gacc[3] + Pd[ww, Tn + tt, Tn + tt]  # |q_t|^2
+                            Bm[tt, ts] = T.cast(dacc[2] / T.sqrt(T.cast(gacc[3], f64) + L2NORM_EPS) * q_scale,
+                                                f32) * gacc[1]
+                    elif idx < NA + NBt + NC:
+                        tt = idx - NA - NBt
+                        gacc[0] = 0.0
+                        gacc[1] = 0.0
+                        for ww in T.unroll(NW):
+                            gacc[0] = gacc[0] + Pd[ww, tt, tt]
+                            gacc[1] = gacc[1] + Pd[ww, Tn + tt, Tn + tt]
+                        dacc[2] = 1.0 / T.sqrt(T.cast(gacc[0], f64) + L2NORM_EPS)
+                        rks[tt] = T.cast(dacc[2], f32)
+                        ck[tt] = T.cast(T.exp(Gd[tt]) * dacc[2], f32)
+                        cq[tt] = T.cast(T.exp(Gd[tt]) / T.sqrt(T.cast(gacc[1], f64) + L2NORM_EPS) * q_scale, f32)
+                    elif idx < NTASK:
+                        te = idx - NA - NBt - NC
+                        if n + Tn == C:
+                            FW[te] = T.cast(T.exp(Gd[Tn - 1] - T.if_then_else(
+                                te < n, T.cast(Gb[T.min(te, cap - 1)], f64), Gd[T.max(T.min(te - n, Tn - 1), 0)])),
+                                f32)
+                T.sync_threads()
+
+                # ---- phase 3a: one thread per value column: the buffer's history (no S0 needed yet)
+                if tx < BV:
+                    for t in T.unroll(Tn):
+                        hk_[t] = 0.0
+                        hq_[t] = 0.0
+                    for i in T.serial(n):
+                        for t in T.unroll(Tn):
+                            hk_[t] = hk_[t] + W[0, t, i] * Db[i, tx]
+                            hq_[t] = hq_[t] + W[1, t, i] * Db[i, tx]
+                # the new entries' keys and G (lengths are the host's business)
+                if bv == 0:
+                    if tx < Tn:
+                        buf_g[bslot, n + tx, hv] = T.cast(Gd[tx], f32)
+                    if hv % r == 0:
+                        for it in T.unroll(IT_KN):
+                            idx = it * NT + tx
+                            if idx < Tn * K:
+                                buf_k[bslot, n + idx // K, hk, idx % K] = T.cast(
+                                    X[idx // K, idx % K] * rks[idx // K], buf_dtype)
+                if C > 0:
+                    if n + Tn == C and sslot >= 0:  # the new keys as stored, for the fused flush
+                        for it in T.unroll(IT_KN):
+                            idx = it * NT + tx
+                            if idx < Tn * K:
+                                X[T2 + n + idx // K, idx % K] = T.cast(
+                                    T.cast(X[idx // K, idx % K] * rks[idx // K], buf_dtype), f32)
+                # ---- phase 3b: S0^T [k_raw, q_raw] over this thread's rows (normalised later by ck, cq)
+                for i in T.unroll(T2 * 4):
+                    acc[i] = 0.0
+                for r4 in T.unroll(KR // RV):
+                    for cc in T.unroll(T2):
+                        for e in T.vectorized(RV):
+                            xv[e] = X[cc, rg * KR + r4 * RV + e]
+                        for e in T.unroll(RV):
+                            for c in T.unroll(4):
+                                acc[cc * 4 + c] = acc[cc * 4 + c] + Sr[(r4 * RV + e) * 4 + c] * xv[e]
+                if RGW > 1:  # sum the row groups a warp holds (lanes CG, 2 CG, ... apart)
+                    for i in T.unroll(T2 * 4):
+                        acc[i] = acc[i] + T.shfl_xor(acc[i], CG)
+                if RGW > 2:
+                    for i in T.unroll(T2 * 4):
+                        acc[i] = acc[i] + T.shfl_xor(acc[i], 2 * CG)
+                if RGW > 4:
+                    for i in T.unroll(T2 * 4):
+                        acc[i] = acc[i] + T.shfl_xor(acc[i], 4 * CG)
+                if RGW > 8:
+                    for i in T.unroll(T2 * 4):
+                        acc[i] = acc[i] + T.shfl_xor(acc[i], 8 * CG)
+                if RGW > 16:
+                    for i in T.unroll(T2 * 4):
+                        acc[i] = acc[i] + T.shfl_xor(acc[i], 16 * CG)
+                if lane < CG:
+                    for cc in T.unroll(T2):
+                        for c in T.vectorized(4):
+                            Ps[w, cc, cg * 4 + c] = acc[cc * 4 + c]
+                T.sync_threads()
+
+                # ---- phase 4: one thread per value column: forward substitution, outputs, new deltas
+                if tx < BV:
+                    for t in T.unroll(Tn):
+                        acc[t] = 0.0
+                        acc[Tn + t] = 0.0
+                        for ww in T.unroll(NW):
+                            acc[t] = acc[t] + Ps[ww, t, tx]
+                            acc[Tn + t] = acc[Tn + t] + Ps[ww, Tn + t, tx]
+                    for t in T.unroll(Tn):
+                        dl[t] = betas[t] * (vr[t] - ck[t] * acc[t] - hk_[t])
+                        for s in T.serial(t):
+                            dl[t] = dl[t] - Am[t, s] * dl[s]
+                    for t in T.unroll(Tn):
+                        hq_[t] = hq_[t] + cq[t] * acc[Tn + t]
+                        for s in T.serial(t + 1):
+                            hq_[t] = hq_[t] + Bm[t, s] * dl[s]
+                        o[bb, t, hv, v0 + tx] = T.cast(hq_[t], in_dtype)
+                        buf_v[bslot, n + t, hv, v0 + tx] = T.cast(dl[t], buf_dtype)
+                        if C > 0:
+                            Db[n + t, tx] = T.cast(T.cast(dl[t], buf_dtype), f32)
+
+                # ---- fused flush: S0 <- exp(G_C) S0 + sum_e exp(G_C - G_e) k_e delta_e^T (entries as stored)
+                if C > 0:
+                    if n + Tn == C and sslot >= 0:
+                        T.sync_threads()
+                        gacc[0] = T.cast(T.exp(Gd[Tn - 1]), f32)
+                        for i in T.unroll(KR * 4):
+                            Sr[i] = Sr[i] * gacc[0]
+                        for e in T.serial(C):
+                            for c in T.vectorized(4):
+                                yv[c] = Db[e, cg * 4 + c]
+                            for r4 in T.unroll(KR // RV):
+                                for c in T.vectorized(RV):
+                                    xv[c] = X[T2 + e, rg * KR + r4 * RV + c]
+                                for rr in T.unroll(RV):
+                                    for c in T.unroll(4):
+                                        Sr[(r4 * RV + rr) * 4 + c] = Sr[(r4 * RV + rr) * 4 + c] \
+                                            + FW[e] * xv[rr] * yv[c]
+                        for rr in T.unroll(KR):
+                            for c in T.vectorized(4):
+                                state[sslot, hv, rg * KR + rr, v0 + cg * 4 + c] = Sr[rr * 4 + c]
+            else:
+                for it in T.unroll(IT_OUT):
+                    idx = it * NT + tx
+                    if idx < Tn * BV:
+                        o[bb, idx // BV, hv, v0 + idx % BV] = T.cast(0.0, in_dtype)
+
+    return gdn_buffered_step
+
+
+def get_buffered_reduce_configs() -> list[dict]:
+    """Tunables of `gdn_buffered_reduce` (BV * K / threads >= 16: smaller per-thread tiles fail layout inference)."""
     return [{"BV": bv, "threads": th} for bv, th in itertools.product((32, 64, 128), (64, 128, 256))
             if 16 <= bv * 128 // th <= 128]
 
 
-def gdn_buffered(Hk: int, Hv: int, K: int = 128, V: int = 128, *, cap: int = 16, T_new: int = 1,
+def gdn_buffered_reduce(Hk: int, Hv: int, K: int = 128, V: int = 128, *, cap: int = 16, T_new: int = 1,
                  flush_at: int = 0, BV: int = 32, threads: int = 128, in_dtype: str = "bfloat16",
                  buf_dtype: str = "bfloat16"):
     """T_new tokens after each row's n buffered entries: one read of S0, no state write.
@@ -61,7 +460,7 @@ def gdn_buffered(Hk: int, Hv: int, K: int = 128, V: int = 128, *, cap: int = 16,
     NS = T.dynamic("num_state_slots")
     NB = T.dynamic("num_buffer_slots")
     r = Hv // Hk
-    f32 = "float32"
+    f32, f64 = "float32", "float64"
     q_scale = K ** -0.5
     Tn = T_new
     C = flush_at

@@ -42,8 +42,8 @@ def recurrent_op(Hk, Hv):
 
 
 @functools.cache
-def buffered_op(Hk, Hv, T_new=1, flush_at=C):
-    return build_gdn_buffered(Hk, Hv, cap=CAP, T_new=T_new, flush_at=flush_at)
+def buffered_op(Hk, Hv, T_new=1, flush_at=C, **tunables):
+    return build_gdn_buffered(Hk, Hv, cap=CAP, T_new=T_new, flush_at=flush_at, **tunables)
 
 
 @functools.cache
@@ -164,6 +164,28 @@ def test_verify(B, fill, T):
     record(f"{tag}/o", eo)
     assert eo < OUT_TOL
     assert bits_equal(r["state"], r["before"]), "verify wrote state"
+    _check_entries(r, T, tag)
+
+
+def _configs():
+    from kvbuffer.tiles.gdn import get_buffered_configs
+
+    return [pytest.param(c, id="-".join(f"{k}{v}" for k, v in c.items())) for c in get_buffered_configs()]
+
+
+@pytest.mark.parametrize("T", [1, 4])
+@pytest.mark.parametrize("cfg", _configs())
+def test_buffered_configs(cfg, T):
+    """Every tunable config the tuner may pick: a filling step (fused flush) and a 4-draft verify."""
+    Hk, Hv = HEADS["ratio2"]
+    fill, flush_at = (C - 1, C) if T == 1 else (5, 0)
+    op = buffered_op(Hk, Hv, T, flush_at, **cfg)
+    r = _run_buffered_pair(op, Hk, Hv, 64, T, fill, 3700 + T + cfg["BV"] + cfg["threads"], flush_at=flush_at)
+    tag = "configs/" + "-".join(f"{k}{v}" for k, v in cfg.items()) + f"/T{T}"
+    eo, es = rel_err(r["out"], r["o64"]), rel_err(r["state"], r["s64"])
+    record(f"{tag}/o", eo)
+    record(f"{tag}/state", es)
+    assert eo < OUT_TOL and es < STATE_TOL
     _check_entries(r, T, tag)
 
 

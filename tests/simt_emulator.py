@@ -1,0 +1,124 @@
+"""Run TileLang-generated SIMT CUDA on the CPU: one std::thread per CUDA thread (tests only).
+
+Covers the subset the thread-level GDN template (tiles/gdn.py `gdn_buffered`) emits: threadIdx /
+blockIdx, dynamic shared memory, __syncthreads, __shfl_xor_sync, float4 / uint4 vector moves and bf16
+conversions. Shared memory starts NaN-poisoned, so reading a value no thread wrote shows in the
+outputs. Blocks run one after another; rsqrtf is exact here (the GPU's is within 2 ulp).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import re
+import subprocess
+import tempfile
+
+PRELUDE = r"""
+#include <cstdint>
+#include <cmath>
+#include <cstring>
+#include <thread>
+#include <barrier>
+#include <vector>
+#include <memory>
+#include <algorithm>
+using std::max; using std::min;
+typedef unsigned int uint;
+#define uchar unsigned char
+#define __global__
+#define __launch_bounds__(a, b)
+#define __restrict__
+#define __align__(x)
+struct dim3_ { int x, y, z; };
+thread_local dim3_ threadIdx;
+dim3_ blockIdx;
+std::barrier<>* g_bar;
+std::barrier<>* g_warpbar[32];
+float g_xch[32][32];
+uchar* g_shmem;
+static inline void __syncthreads() { g_bar->arrive_and_wait(); }
+static inline float __shfl_xor_sync(uint, float v, int d, int) {
+  int t = threadIdx.x, wp = t / 32, l = t % 32;
+  g_xch[wp][l] = v; g_warpbar[wp]->arrive_and_wait();
+  float r = g_xch[wp][l ^ d]; g_warpbar[wp]->arrive_and_wait();
+  return r;
+}
+struct bfloat16_t {
+  uint16_t bits;
+  bfloat16_t() = default;
+  explicit bfloat16_t(float f) {
+    uint32_t u; std::memcpy(&u, &f, 4);
+    if ((u & 0x7fffffff) > 0x7f800000) { bits = 0x7fc0; return; }
+    u += 0x7fff + ((u >> 16) & 1); bits = u >> 16;
+  }
+  explicit operator float() const { uint32_t u = uint32_t(bits) << 16; float f; std::memcpy(&f, &u, 4); return f; }
+  explicit operator double() const { return double(float(*this)); }
+};
+struct __nv_bfloat162 { bfloat16_t x, y; };
+struct float2 { float x, y; };
+struct alignas(16) float4 { float x, y, z, w; };
+struct alignas(8) uint2 { uint x, y; };
+struct alignas(16) uint4 { uint x, y, z, w; };
+static inline float4 make_float4(float a, float b, float c, float d) { return {a, b, c, d}; }
+static inline uint4 make_uint4(uint a, uint b, uint c, uint d) { return {a, b, c, d}; }
+static inline float2 __bfloat1622float2(__nv_bfloat162 v) { return {float(v.x), float(v.y)}; }
+static inline uint __pack_nv_bfloat162(bfloat16_t a, bfloat16_t b) { return uint(a.bits) | (uint(b.bits) << 16); }
+static inline float rsqrtf(float x) { return 1.0f / std::sqrt(x); }
+"""
+
+LAUNCH = r"""
+extern "C" void launch(void** ptrs, int* ints, int gx, int gy, int gz, int nt) {
+  std::vector<uchar> smem(262144);
+  for (int bz = 0; bz < gz; ++bz) for (int by = 0; by < gy; ++by) for (int bx = 0; bx < gx; ++bx) {
+    blockIdx = {bx, by, bz};
+    std::memset(smem.data(), 0xff, smem.size());
+    g_shmem = smem.data();
+    std::barrier<> bar(nt); g_bar = &bar;
+    std::vector<std::unique_ptr<std::barrier<>>> wb;
+    for (int w = 0; w < (nt + 31) / 32; ++w) { wb.emplace_back(new std::barrier<>(32)); g_warpbar[w] = wb.back().get(); }
+    std::vector<std::thread> th;
+    for (int t = 0; t < nt; ++t) th.emplace_back([&, t] { threadIdx = {t, 0, 0}; KERNEL_CALL; });
+    for (auto& x : th) x.join();
+  }
+}
+"""
+
+
+class Emulated:
+    """A compiled CPU stand-in for one kernel; call with the grid, the block size and named arguments."""
+
+    def __init__(self, cuda_source: str, workdir: str | None = None):
+        body = cuda_source[cuda_source.index('extern "C" __global__ void __launch_bounds__'):]
+        body = body.replace("extern __shared__ __align__(1024) uchar buf_dyn_shmem[];", "uchar* buf_dyn_shmem = g_shmem;")
+        sig = re.search(r"void __launch_bounds__\([^)]*\) (\w+)\(([^)]*)\)", body)
+        params = [p.strip() for p in sig.group(2).split(",")]
+        self.names = [p.split()[-1].lstrip("*") for p in params]
+        self.pointer = ["*" in p for p in params]
+        args = [f"({p.rsplit(' ', 1)[0].replace('__restrict__', '').strip()})ptrs[{i}]" if ptr else f"ints[{i}]"
+                for i, (p, ptr) in enumerate(zip(params, self.pointer))]
+        code = PRELUDE + body.replace('extern "C" ', "") + LAUNCH.replace("KERNEL_CALL", f"{sig.group(1)}({', '.join(args)})")
+        workdir = workdir or tempfile.gettempdir()
+        so = os.path.join(workdir, f"kvb_emu_{hashlib.sha1(code.encode()).hexdigest()[:16]}.so")
+        if not os.path.exists(so):
+            src = so[:-3] + ".cpp"
+            with open(src, "w") as f:
+                f.write(code)
+            r = subprocess.run(["g++", "-O1", "-std=c++20", "-pthread", "-shared", "-fPIC", "-w", "-o", so, src],
+                               capture_output=True, text=True)
+            if r.returncode:
+                raise RuntimeError(f"emulator build failed:\n{r.stderr[-3000:]}")
+        self.lib = ctypes.CDLL(so)
+
+    def __call__(self, grid: tuple, threads: int, **args) -> None:
+        n = len(self.names)
+        ptrs, ints = (ctypes.c_void_p * n)(), (ctypes.c_int * n)()
+        for i, (name, ptr) in enumerate(zip(self.names, self.pointer)):
+            a = args[name]
+            if ptr:
+                assert a.is_contiguous() and a.device.type == "cpu", name
+                ptrs[i] = a.data_ptr()
+            else:
+                ints[i] = int(a)
+        self.lib.launch(ptrs, ints, *grid, threads)
