@@ -8,7 +8,7 @@ import torch
 from hf_models import make_hf_model
 from kvbuffer import LLM
 from kvbuffer.engine.graphs import DecodeGraphs, context_bucket, row_bucket
-from kvbuffer.runtime.mixing import put_rows
+from kvbuffer.reference.conv import put_rows
 
 
 def test_buckets():
@@ -19,10 +19,10 @@ def test_buckets():
     assert context_bucket(300, 280) == 280
 
 
-@pytest.mark.parametrize("slots", [[3, 0, -1, -1], [3, -1, 0, -1], [-1, -1, -1, -1]])
+@pytest.mark.parametrize("slots", [[3, 0, -1, -1], [3, -1, 0, -1], [-1, 3, -1, 0], [-1, -1, -1, -1]])
 def test_put_rows_ignores_padding_rows(slots):
-    """Padding rows (slot -1, clamped to 0) must not disturb slot 0 or any real row's write; row 0
-    is real whenever any row is (the engine pads at the end)."""
+    """Padding rows (slot -1, clamped to 0) must not disturb slot 0 or any real row's write,
+    wherever they sit in the batch."""
     gen = torch.Generator().manual_seed(0)
     dst = torch.randn(6, 3, 2, generator=gen)
     slots = torch.tensor(slots)

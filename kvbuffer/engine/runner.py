@@ -167,7 +167,7 @@ class ModelRunner:
         if self.has_linear:
             counts = torch.tensor(kept, **i32)
             for layer in range(self.spec.num_linear_layers):  # conv histories take the kept inputs
-                conv_ops.conv_accept(self.caches.convs.layer(layer), slots, counts, self.spec.conv_width)
+                conv_ops.accept_rows(self.caches.convs.layer(layer), slots, counts, self.spec.conv_width)
         for r, m in zip(reqs, kept):
             r.cached += m
         if self.caches.draft_states is not None:  # copy back each request's accepted draft state

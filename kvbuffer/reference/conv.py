@@ -15,20 +15,45 @@ import torch.nn.functional as F
 from ..checks import FLOAT_DTYPES, INDEX_DTYPES, check_slots, check_tensor, check_unique
 from ..errors import BufferOverflowError, ShapeError
 
-__all__ = ["conv_verify", "conv_accept", "conv_step", "conv_prefill"]
+__all__ = ["conv_verify", "conv_accept", "conv_step", "conv_prefill", "verify_rows", "accept_rows", "step_rows",
+           "put_rows"]
+
+
+def put_rows(dst: torch.Tensor, index: tuple[torch.Tensor, ...], values: torch.Tensor, real: torch.Tensor) -> None:
+    """dst[index] = values for the real rows of a batch, with no host sync (CUDA-graph safe).
+
+    index: tensors shaped like values' leading dims, row b first; values (B, ...); real (B,) bool.
+    Boolean indexing would sync; instead the rows are ordered real-first and padding rows repeat
+    row 0's write with row 0's values (or, when every row is padding, rewrite what is already
+    there), so duplicate indices store equal bytes and no write races.
+    """
+    order = torch.argsort((~real).to(torch.uint8), stable=True)  # real rows first, no host sync
+    index, values, real = tuple(i[order] for i in index), values[order].to(dst.dtype), real[order]
+    lead = index[0].dim()
+    row_mask = real.view((-1,) + (1,) * (lead - 1))
+    index = tuple(torch.where(row_mask, i, i[:1]) for i in index)
+    # i[:1], not i[0]: indexing with a 0-d tensor reads it back to the host
+    first = torch.where(real[0], values[0], dst[tuple(i[:1] for i in index)][0])
+    dst[index] = torch.where(real.view((-1,) + (1,) * (values.dim() - 1)), values, first[None])
 
 
 def _apply(window: torch.Tensor, weight: torch.Tensor, bias, activation: str | None, steps: int):
-    """Depthwise conv over window (B, D, W-1+T) -> the last `steps` outputs, (B, T, D)."""
+    """Depthwise conv over window (B, D, W-1+T) -> the last `steps` outputs, (B, T, D).
+
+    W shifted multiply-adds in at least fp32 (bf16 activations too), so a token's output is the
+    same whether it came through a decode step, a verify or a prefill."""
     D, W = weight.shape
-    out = F.conv1d(window, weight.to(window.dtype).unsqueeze(1),
-                   None if bias is None else bias.to(window.dtype), groups=D)
-    out = out[:, :, -steps:]
+    start = window.shape[-1] - (steps + W - 1)
+    acc = torch.promote_types(window.dtype, torch.float32)
+    w = weight.to(acc)
+    out = sum(window[:, :, start + j:start + j + steps].to(acc) * w[:, j, None] for j in range(W))
+    if bias is not None:
+        out = out + bias.to(acc)[:, None]
     if activation == "silu":
         out = F.silu(out)
     elif activation is not None:
         raise ValueError(f"activation must be 'silu' or None, got {activation!r}")
-    return out.transpose(1, 2)
+    return out.to(window.dtype).transpose(1, 2)
 
 
 def _check(x, conv_state, slots, weight, with_time):
@@ -44,6 +69,45 @@ def _check(x, conv_state, slots, weight, with_time):
     return B, D, W, span
 
 
+def _zero_padding(out, real):
+    return torch.where(real.view((-1,) + (1,) * (out.dim() - 1)), out, torch.zeros((), dtype=out.dtype, device=out.device))
+
+
+def verify_rows(x, conv_state, slots, weight, bias=None, activation="silu"):
+    """conv_verify without its checks and without host syncs, for batches the caller built itself
+    (slots in range and unique, T drafts fit)."""
+    W = weight.shape[1]
+    T = x.shape[1]
+    real = slots >= 0
+    rows = slots.clamp(min=0).long()
+    window = torch.cat([conv_state[rows, :, : W - 1].to(x.dtype), x.transpose(1, 2)], dim=-1)
+    out = _apply(window, weight, bias, activation, T)
+    put_rows(conv_state[:, :, W - 1 : W - 1 + T], (rows,), x.transpose(1, 2), real)
+    return _zero_padding(out, real)
+
+
+def accept_rows(conv_state, slots, accepted, width: int):
+    """conv_accept without its checks and without host syncs (see verify_rows)."""
+    real = slots >= 0
+    rows = slots.clamp(min=0).long()
+    # the new history of a row that kept m drafts is positions m .. m + W-2 of [history, drafts]
+    window = accepted.long()[:, None] + torch.arange(width - 1, device=conv_state.device)[None, :]
+    seq = conv_state[rows]  # (B, D, W-1+P), a copy
+    history = seq.gather(2, window[:, None, :].expand(-1, seq.shape[1], -1))
+    put_rows(conv_state[:, :, : width - 1], (rows,), history, real)
+
+
+def step_rows(x, conv_state, slots, weight, bias=None, activation="silu"):
+    """conv_step without its checks and without host syncs (see verify_rows): x (B, D) -> (B, D)."""
+    W = weight.shape[1]
+    real = slots >= 0
+    rows = slots.clamp(min=0).long()
+    window = torch.cat([conv_state[rows, :, : W - 1].to(x.dtype), x[:, :, None]], dim=-1)  # (B, D, W)
+    out = _apply(window, weight, bias, activation, 1)[:, 0]
+    put_rows(conv_state[:, :, : W - 1], (rows,), window[:, :, 1:], real)
+    return _zero_padding(out, real)
+
+
 def conv_verify(x, conv_state, slots, weight, bias=None, activation="silu"):
     """Outputs for T draft inputs x (B, T, D) after each row's history; the drafts are stored as pending.
 
@@ -53,12 +117,7 @@ def conv_verify(x, conv_state, slots, weight, bias=None, activation="silu"):
     T = x.shape[1]
     if W - 1 + T > span:
         raise BufferOverflowError(f"{T} drafts do not fit the conv state's {span - (W - 1)} pending positions")
-    real = slots >= 0
-    hist = conv_state[slots.clamp(min=0).long(), :, : W - 1].to(x.dtype)
-    window = torch.cat([hist, x.transpose(1, 2)], dim=-1)
-    out = _apply(window, weight, bias, activation, T)
-    conv_state[slots[real].long(), :, W - 1 : W - 1 + T] = x[real].transpose(1, 2).to(conv_state.dtype)
-    return torch.where(real[:, None, None], out, torch.zeros((), dtype=out.dtype, device=out.device))
+    return verify_rows(x, conv_state, slots, weight, bias, activation)
 
 
 def conv_accept(conv_state, slots, accepted, width: int):
@@ -71,22 +130,14 @@ def conv_accept(conv_state, slots, accepted, width: int):
     pending = conv_state.shape[2] - (width - 1)
     if B and (int(accepted.min()) < 0 or int(accepted.max()) > pending):
         raise ShapeError(f"accepted counts must be in [0, {pending}], got {accepted.tolist()}")
-    real = slots >= 0
-    if not bool(real.any()):
-        return
-    rows = slots[real].long()
-    # the new history of a row that kept m drafts is positions m .. m + W-2 of [history, drafts]
-    window = accepted[real].long()[:, None] + torch.arange(width - 1, device=conv_state.device)[None, :]
-    seq = conv_state[rows]  # (R, D, W-1+P), a copy
-    conv_state[rows, :, : width - 1] = seq.gather(2, window[:, None, :].expand(-1, seq.shape[1], -1))
+    if B:
+        accept_rows(conv_state, slots, accepted, width)
 
 
 def conv_step(x, conv_state, slots, weight, bias=None, activation="silu"):
     """One decode token per row, x (B, D): output (B, D), history advanced by one input."""
     _check(x, conv_state, slots, weight, with_time=False)
-    out = conv_verify(x[:, None], conv_state, slots, weight, bias, activation)
-    conv_accept(conv_state, slots, torch.ones_like(slots), weight.shape[1])
-    return out[:, 0]
+    return step_rows(x, conv_state, slots, weight, bias, activation)
 
 
 def conv_prefill(x, conv_state, slot: int, weight, bias=None, activation="silu"):

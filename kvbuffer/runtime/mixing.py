@@ -17,45 +17,14 @@ from .batch import ForwardBatch
 from .caches import ModelCaches
 
 
-def put_rows(dst: torch.Tensor, index: tuple[torch.Tensor, ...], values: torch.Tensor, real: torch.Tensor) -> None:
-    """dst[index] = values for the real rows of a batch, with no host sync (CUDA-graph safe).
-
-    index: tensors shaped like values' leading dims, row b first; values (B, ...); real (B,) bool.
-    Boolean indexing would sync; instead padding rows repeat row 0's write with row 0's values (or,
-    when row 0 is padding too, rewrite what is already there), so duplicate indices store equal
-    bytes and no write races. The engine puts real rows first.
-    """
-    values = values.to(dst.dtype)
-    lead = index[0].dim()
-    row_mask = real.view((-1,) + (1,) * (lead - 1))
-    index = tuple(torch.where(row_mask, i, i[:1]) for i in index)
-    # i[:1], not i[0]: indexing with a 0-d tensor reads it back to the host
-    first = torch.where(real[0], values[0], dst[tuple(i[:1] for i in index)][0])
-    dst[index] = torch.where(real.view((-1,) + (1,) * (values.dim() - 1)), values, first[None])
-
-
-def _conv_decode(x, state, slots, weight, bias):
-    """conv_ops.conv_step for one token per row, x (B, D), without its checks or host syncs: the
-    engine built the slots. The four-tap dot product runs in fp32, then SiLU."""
-    W = weight.shape[1]
-    real = slots >= 0
-    rows = slots.clamp(min=0).long()
-    window = torch.cat([state[rows, :, :W - 1].to(x.dtype), x[:, :, None]], dim=-1)  # (B, D, W)
-    out = (window.float() * weight.float()).sum(-1)
-    if bias is not None:
-        out = out + bias.float()
-    put_rows(state[:, :, :W - 1], (rows,), window[:, :, 1:], real)
-    return torch.where(real[:, None], F.silu(out).to(x.dtype), torch.zeros((), dtype=x.dtype, device=x.device))
-
-
 def short_conv(x, weight, bias, batch: ForwardBatch, caches: ModelCaches, layer: int):
     """Causal depthwise conv + SiLU over x (B, T, D) with each row's history; verify keeps drafts pending."""
     state = caches.convs.layer(layer)
     if batch.kind == "prefill":
         return conv_ops.conv_prefill(x[0], state, int(batch.slots[0]), weight, bias)[None]
-    if batch.kind == "decode":
-        return _conv_decode(x[:, 0], state, batch.slots, weight, bias)[:, None]
-    return conv_ops.conv_verify(x, state, batch.slots, weight, bias)
+    if batch.kind == "decode":  # engine-built rows: the unchecked, sync-free forms
+        return conv_ops.step_rows(x[:, 0], state, batch.slots, weight, bias)[:, None]
+    return conv_ops.verify_rows(x, state, batch.slots, weight, bias)
 
 
 def _gdn_args(tokens, params):
@@ -139,8 +108,8 @@ def attention(q, k, v, batch: ForwardBatch, caches: ModelCaches, layer: int, sca
     rows = batch.slots.clamp(min=0).long()
     pos = batch.cached.long()[:, None] + torch.arange(T, device=q.device)[None, :]  # (B, T)
     at = (rows[:, None].expand(B, T), pos)
-    put_rows(kc, at, k, real)
-    put_rows(vc, at, v, real)
+    conv_ops.put_rows(kc, at, k, real)
+    conv_ops.put_rows(vc, at, v, real)
     L = batch.context_len if batch.context_len is not None else int(pos.max()) + 1
     Hkv = kc.shape[2]
     G = H // Hkv
