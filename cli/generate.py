@@ -32,8 +32,10 @@ from .presets import resolve_model
               help="Draft tokens per step with --speculative.")
 @click.option("--device", default=None, help="cpu, cuda, cuda:1 ... (default: cuda when available).")
 @click.option("--dtype", type=click.Choice(["float32", "bfloat16", "float16"]), default=None)
+@click.option("--cuda-graphs/--no-cuda-graphs", default=True, show_default=True,
+              help="Replay decode steps as CUDA graphs (on CUDA with the compiled kernels).")
 def generate(model, prompts, prompts_file, max_new_tokens, temperature, top_k, top_p, seed, mode, chunk_size,
-             speculative, draft_tokens, device, dtype):
+             speculative, draft_tokens, device, dtype, cuda_graphs):
     """Generate text. Streams the output when there is a single prompt."""
     import torch
 
@@ -47,7 +49,8 @@ def generate(model, prompts, prompts_file, max_new_tokens, temperature, top_k, t
     path = resolve_model(model)
     llm = LLM(str(path), device=device, dtype=getattr(torch, dtype) if dtype else None, mode=mode,
               chunk_size=chunk_size, max_batch=max(1, min(len(texts), 64)),
-              speculative={"method": speculative, "num_draft_tokens": draft_tokens} if speculative else None)
+              speculative={"method": speculative, "num_draft_tokens": draft_tokens} if speculative else None,
+              cuda_graphs="auto" if cuda_graphs else False)
     if llm.tokenizer is None:
         raise click.UsageError(f"{path} has no tokenizer files, so text prompts cannot be encoded")
     stream = len(texts) == 1

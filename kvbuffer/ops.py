@@ -237,7 +237,7 @@ def unchecked():
 
 def _launch_directly() -> bool:
     """Launch directly, without the reading-back checks: under capture or unchecked()."""
-    return torch.cuda.is_current_stream_capturing() or getattr(_TRUST, "on", False)
+    return getattr(_TRUST, "on", False) or (torch.cuda.is_available() and torch.cuda.is_current_stream_capturing())
 
 
 def _on_torch_stream(fn, *args):

@@ -242,3 +242,17 @@ def test_launchers_fill_rules_name_the_problem():
     with pytest.raises(SlotError, match="no state slot"):
         check_fill_rules(op, i32([-1]), i32([0]), i32([6]), 2)
     check_fill_rules(op, i32([-1]), i32([-1]), i32([7]), 2)  # padding rows are not checked
+
+
+def test_unchecked_is_scoped_and_nests():
+    """ops.unchecked() lets the CUDA ops skip their read-back checks inside the block only."""
+    assert not ops._launch_directly()
+    with ops.unchecked():
+        with ops.unchecked():
+            assert ops._launch_directly()
+        assert ops._launch_directly()
+    assert not ops._launch_directly()
+    with pytest.raises(RuntimeError):
+        with ops.unchecked():
+            raise RuntimeError("boom")
+    assert not ops._launch_directly()
