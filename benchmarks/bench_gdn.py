@@ -158,9 +158,8 @@ def _fla():
     return run
 
 
-def build_ops(Hk, Hv, *, C, cap, buffered_cfg=None, recurrent_cfg=None, verify_cfg=None, reduce_cfg=None) -> dict:
-    """Compile every op of one head shape; `reduce_cfg` adds the superseded reduction template (variant
-    "reduce": tiles.gdn.gdn_buffered_reduce) so both are timed in the same run."""
+def build_ops(Hk, Hv, *, C, cap, buffered_cfg=None, recurrent_cfg=None, verify_cfg=None) -> dict:
+    """Compile every op of one head shape (verify 2/4/8 with `verify_cfg`, else the buffered config)."""
     from kvbuffer.kernels import build_gdn_buffered, build_gdn_flush, build_gdn_recurrent
 
     bc, rc = buffered_cfg or {}, recurrent_cfg or {}
@@ -171,15 +170,6 @@ def build_ops(Hk, Hv, *, C, cap, buffered_cfg=None, recurrent_cfg=None, verify_c
            "flush": build_gdn_flush(Hk, Hv, cap=cap)}
     for T in (2, 4, 8):
         ops[f"verify{T}"] = build_gdn_buffered(Hk, Hv, cap=cap, T_new=T, flush_at=0, **vc)
-    if reduce_cfg is not None:
-        from kvbuffer.kernels.gdn import _build
-
-        def red(T, C_):
-            return _build("buffered", "gdn_buffered_reduce",
-                          dict(Hk=Hk, Hv=Hv, K=128, V=128, cap=cap, T_new=T, flush_at=C_, **reduce_cfg))
-        ops["buffered_reduce"] = red(1, C)
-        for T in (2, 4, 8):
-            ops[f"verify{T}_reduce"] = red(T, 0)
     return ops
 
 
@@ -199,22 +189,11 @@ def bench_shape(name, Hk, Hv, ops, fla_fn, batches, copy_bw) -> list[dict]:
             t[f"verify{T}"] = _time(lambda i: ops[f"verify{T}"].fn(
                 *S.tok(T, i), S.A_log, S.dt_bias, S.state, S.win(i), S.buf_k, S.buf_v, S.buf_g, S.win(i + 1),
                 S.staggered[i % S.C], oT), reps=4 * S.C)
-        if "buffered_reduce" in ops:
-            t["buffered_reduce"] = _time(lambda i: ops["buffered_reduce"].fn(
-                *S.tok(1, i), S.A_log, S.dt_bias, S.state, S.win(i), S.buf_k, S.buf_v, S.buf_g, S.win(i + 1),
-                S.staggered[i % S.C], o1t), reps=4 * S.C)
-            for T in (2, 4, 8):
-                oT = S.out[T]
-                t[f"verify{T}_reduce"] = _time(lambda i: ops[f"verify{T}_reduce"].fn(
-                    *S.tok(T, i), S.A_log, S.dt_bias, S.state, S.win(i), S.buf_k, S.buf_v, S.buf_g,
-                    S.win(i + 1), S.staggered[i % S.C], oT), reps=4 * S.C)
         if fla_fn is not None:
             t["fla"] = _time(lambda i: fla_fn(S, i, S.win(i)))
         row = {"shape": name, "Hk": Hk, "Hv": Hv, "B": B, "us": {k: 1e3 * v for k, v in t.items()}}
         kinds = {"recurrent": ("recurrent", 1), "fla": ("fla", 1), "buffered": ("buffered", 1),
-                 "verify2": ("verify", 2), "verify4": ("verify", 4), "verify8": ("verify", 8),
-                 "buffered_reduce": ("buffered", 1), "verify2_reduce": ("verify", 2),
-                 "verify4_reduce": ("verify", 4), "verify8_reduce": ("verify", 8)}
+                 "verify2": ("verify", 2), "verify4": ("verify", 4), "verify8": ("verify", 8)}
         row["GBps"] = {k: _bytes(S, *kinds[k]) / (v * 1e-3) / 1e9 for k, v in t.items()}
         row["frac_copy_bw"] = {k: g * 1e9 / copy_bw for k, g in row["GBps"].items()}
         row["speedup_buffered_vs_recurrent"] = t["recurrent"] / t["buffered"]
@@ -224,9 +203,6 @@ def bench_shape(name, Hk, Hv, ops, fla_fn, batches, copy_bw) -> list[dict]:
         for T in (2, 4, 8):
             row[f"verify{T}_over_step"] = t[f"verify{T}"] / t["buffered"]
             row[f"verify{T}_over_recurrent"] = t[f"verify{T}"] / t["recurrent"]
-        if "buffered_reduce" in t:
-            row["speedup_buffered_vs_reduce"] = t["buffered_reduce"] / t["buffered"]
-            row["verify4_reduce_over_step"] = t["verify4_reduce"] / t["buffered_reduce"]
         rows.append(row)
         print(f"{name:12s} B={B:5d} " + " ".join(f"{k}={v * 1e3:8.1f}us" for k, v in t.items()), flush=True)
         S = None  # drop the inputs before the next shape (the lambdas above are done with them)
@@ -266,23 +242,18 @@ def tune(Hk, Hv, *, C, cap, B=256, kinds=("recurrent", "buffered", "verify")) ->
     return best
 
 
-REDUCE_CFG = {"BV": 128, "threads": 128}  # the reduction template's tuned winner (H200, 2026-11-30)
-
-
 def run_benchmark(shapes=tuple(SHAPES), batches=BATCHES, C=16, cap=24, configs=None, autotune=True,
-                  reduce_cfg=None, checkpoint=None) -> dict:
+                  checkpoint=None) -> dict:
     """Gate, then time every op at every (shape, batch); returns the result dict.
 
     `configs[shape]` may fix any of recurrent / buffered / verify; the missing ones are tuned (when
-    `autotune`). `reduce_cfg` also times the superseded reduction template (see build_ops)."""
+    `autotune`). `checkpoint`: a JSON path rewritten after each shape."""
     copy_bw = copy_bandwidth()
     fla_fn = _fla()
     result = {"date": datetime.date.today().isoformat(), "gpu": torch.cuda.get_device_name(),
               "copy_GBps": copy_bw / 1e9, "C": C, "cap": cap, "buffer_dtype": "bfloat16",
               "notes": "FLA: fused_recurrent_gated_delta_rule with l2norm, gate and beta fused in-kernel",
               "gate": {}, "rows": [], "configs": {}}
-    if reduce_cfg is not None:
-        result["reduce_cfg"] = reduce_cfg
     for name in shapes:
         Hk, Hv = SHAPES[name]
         cfg = dict((configs or {}).get(name) or {})
@@ -294,7 +265,7 @@ def run_benchmark(shapes=tuple(SHAPES), batches=BATCHES, C=16, cap=24, configs=N
         print(f"configs {name}: recurrent {cfg.get('recurrent')} buffered {cfg.get('buffered')} "
               f"verify {cfg.get('verify')}", flush=True)
         ops = build_ops(Hk, Hv, C=C, cap=cap, buffered_cfg=cfg.get("buffered"), recurrent_cfg=cfg.get("recurrent"),
-                        verify_cfg=cfg.get("verify"), reduce_cfg=reduce_cfg)
+                        verify_cfg=cfg.get("verify"))
         gate = correctness_gate(ops, Hk, Hv, fla_fn)
         result["gate"][name] = gate
         print(f"gate {name}: " + " ".join(f"{k}={v:.2e}" for k, v in gate.items()), flush=True)
@@ -309,7 +280,8 @@ def run_benchmark(shapes=tuple(SHAPES), batches=BATCHES, C=16, cap=24, configs=N
 
 def table(result: dict) -> str:
     nan = float("nan")
-    lines = [f"{result['gpu']}  copy {result['copy_GBps']:.0f} GB/s  C={result['C']}  (us; *R = reduction template)",
+    lines = [f"{result['gpu']}  copy {result['copy_GBps']:.0f} GB/s  C={result['C']}  (us; *R = the removed reduction "
+             "template, in results measured before 2026-11-30's switch)",
              f"{'shape':12s} {'B':>5s} {'fla':>7s} {'rec':>7s} {'buf':>7s} {'bufR':>7s} {'v2':>7s} {'v4':>7s}"
              f" {'v8':>7s} {'v4R':>7s} {'buf/fla':>7s} {'buf/rec':>7s} {'v2/st':>6s} {'v4/st':>6s} {'v8/st':>6s}"
              f" {'buf%bw':>6s}"]
@@ -356,14 +328,11 @@ def main(argv=None):
     p.add_argument("--batches", default=",".join(map(str, BATCHES)))
     p.add_argument("--C", type=int, default=16)
     p.add_argument("--configs", default=None, help="JSON file of configs per shape (missing kinds are tuned)")
-    p.add_argument("--compare-reduce", action="store_true",
-                   help=f"also time the superseded reduction template ({REDUCE_CFG})")
     a = p.parse_args(argv)
     configs = json.load(open(a.configs)) if a.configs else None
     os.makedirs(a.out, exist_ok=True)
     res = run_benchmark(shapes=tuple(a.shapes.split(",")), batches=tuple(int(x) for x in a.batches.split(",")),
-                        C=a.C, configs=configs, reduce_cfg=REDUCE_CFG if a.compare_reduce else None,
-                        checkpoint=os.path.join(a.out, "gdn_partial.json"))
+                        C=a.C, configs=configs, checkpoint=os.path.join(a.out, "gdn_partial.json"))
     stem = os.path.join(a.out, f"gdn_{res['date']}_{res['gpu'].replace(' ', '_')}")
     with open(stem + ".json", "w") as f:
         json.dump(res, f, indent=1)

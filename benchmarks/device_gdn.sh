@@ -2,7 +2,7 @@
 # One device call: fill the kernel cache in parallel, run the GDN GPU tests, run the benchmark.
 #   run on the GPU machine from the repo root: bash benchmarks/device_gdn.sh
 # Writes under $OUT (default ./out): precompile.log, tests.log, errors.jsonl, gdn_*.json/png, bench.log
-# Knobs: PRECOMPILE_ARGS (e.g. --reduce), TESTS, PYTEST_ARGS, TEST_TIMEOUT, BENCH_ARGS, BENCH_TIMEOUT
+# Knobs: PRECOMPILE_ARGS (e.g. --no-tune), TESTS, PYTEST_ARGS, TEST_TIMEOUT, BENCH_ARGS, BENCH_TIMEOUT
 set -u
 OUT=${OUT:-out}; mkdir -p "$OUT"
 source .device/activate || exit 1

@@ -27,9 +27,9 @@ def _compile(spec: dict) -> tuple[str, float, str]:
         return json.dumps(spec), time.time() - t, f"{type(e).__name__}: {str(e)[-400:]}"
 
 
-def specs(C: int = 16, cap: int = 24, tune: bool = True, reduce_cfg: dict | None = None) -> list[dict]:
-    """The GPU tests' kernels, the benchmark's, and (tune) every buffered config at T = 1 and 4 for the two
-    benchmark shapes; `reduce_cfg` adds the superseded reduction template the benchmark can compare against."""
+def specs(C: int = 16, cap: int = 24, tune: bool = True) -> list[dict]:
+    """The GPU tests' kernels, the benchmark's, and (tune) every recurrent config and every buffered config at
+    T = 1, 2, 4, 8 for the two benchmark shapes."""
     from kvbuffer.tiles.gdn import get_buffered_configs, get_recurrent_configs
 
     out = []
@@ -52,20 +52,12 @@ def specs(C: int = 16, cap: int = 24, tune: bool = True, reduce_cfg: dict | None
                 for T in (1, 2, 4, 8):
                     out.append(dict(template="gdn_buffered", Hk=Hk, Hv=Hv, cap=cap, T_new=T,
                                     flush_at=C if T == 1 else 0, **cfg))
-        if reduce_cfg is not None:
-            for T in (1, 2, 4, 8):
-                out.append(dict(template="gdn_buffered_reduce", Hk=Hk, Hv=Hv, cap=cap, T_new=T,
-                                flush_at=C if T == 1 else 0, **reduce_cfg))
     uniq = {json.dumps(s, sort_keys=True): s for s in out}
     return list(uniq.values())
 
 
-def main(workers: int = 14, tune: bool = True, reduce: bool = False) -> int:
-    reduce_cfg = None
-    if reduce:
-        sys.path.insert(0, __import__("os").path.dirname(__file__))
-        from bench_gdn import REDUCE_CFG as reduce_cfg
-    todo = specs(tune=tune, reduce_cfg=reduce_cfg)
+def main(workers: int = 14, tune: bool = True) -> int:
+    todo = specs(tune=tune)
     t0 = time.time()
     bad = 0
     with ProcessPoolExecutor(workers) as ex:
@@ -84,6 +76,5 @@ if __name__ == "__main__":
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("workers", nargs="?", type=int, default=14)
     ap.add_argument("--no-tune", action="store_true", help="skip the benchmark's tuning configs")
-    ap.add_argument("--reduce", action="store_true", help="also the reduction template (bench --compare-reduce)")
     a = ap.parse_args()
-    sys.exit(main(a.workers, tune=not a.no_tune, reduce=a.reduce))
+    sys.exit(main(a.workers, tune=not a.no_tune))

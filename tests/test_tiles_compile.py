@@ -24,7 +24,6 @@ CASES = {
                                                                  BV=128, threads=256)),
     "buffered_small_heads": ("gdn_buffered", dict(Hk=2, Hv=4, K=32, V=32, cap=9, T_new=1, flush_at=8,
                                                   BV=32, threads=64)),
-    "buffered_reduce_variant": ("gdn_buffered_reduce", dict(Hk=16, Hv=32, cap=24, T_new=1, flush_at=16)),
     "flush": ("gdn_flush", dict(Hk=16, Hv=32, cap=24)),
     "mamba2_recurrent": ("mamba2.mamba2_recurrent", dict(G=8, H=64, has_z=True)),
     "mamba2_buffered_step_fused_flush": ("mamba2.mamba2_buffered", dict(G=8, H=64, cap=24, T_new=1, flush_at=16,
