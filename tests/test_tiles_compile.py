@@ -28,6 +28,14 @@ CASES = {
     "mamba2_recurrent": ("mamba2.mamba2_recurrent", dict(G=8, H=64, has_z=True)),
     "mamba2_buffered_step_fused_flush": ("mamba2.mamba2_buffered", dict(G=8, H=64, cap=24, T_new=1, flush_at=16,
                                                                           has_z=True)),
+    # the thread-level Mamba-2 variant (tiles/mamba2_simt.py): Nano and Super shapes, step / verify / prefill
+    "mamba2_simt_step_fused_flush_z": ("mamba2.mamba2_buffered", dict(G=8, H=64, cap=17, T_new=1, flush_at=16,
+                                                                      has_z=True, variant="simt")),
+    "mamba2_simt_verify_T4": ("mamba2.mamba2_buffered", dict(G=8, H=64, cap=17, T_new=4, flush_at=0,
+                                                             variant="simt", BV=32, threads=64)),
+    "mamba2_simt_prefill_T8_super_blocks": ("mamba2.mamba2_buffered", dict(G=8, H=128, cap=17, T_new=8, flush_at=16,
+                                                                           variant="simt", BV=64, threads=256,
+                                                                           blocks=4)),
 }
 
 
@@ -42,7 +50,8 @@ def test_template_compiles_for_sm90a(case):
     kernel = compile_template(getattr(importlib.import_module(f"kvbuffer.tiles.{module or 'gdn'}"), name)(**params))
     src = kernel.get_kernel_source()
     assert "__global__" in src
-    if name == "gdn_buffered":  # the SIMT template: its own barriers only (4, a 5th in the fused flush)
+    if name == "gdn_buffered" or params.get("variant") == "simt":
+        # the SIMT templates: their own barriers only (4, a 5th in the fused flush)
         assert src.count("__syncthreads()") == 4 + bool(params.get("flush_at"))
 
 
@@ -62,3 +71,11 @@ def test_configs_are_listed():
                mamba2.get_recurrent_configs, mamba2.get_buffered_configs):
         cfgs = fn()
         assert cfgs and all({"BV", "threads"} <= set(c) for c in cfgs)
+    # Mamba-2 buffered: both variants, the default first and the thread-level one second
+    # (`kvbuffer tune --max-configs 2` times both); the default is still the generic template
+    m2 = mamba2.get_buffered_configs()
+    assert m2[0] == {"BV": 64, "threads": 128} and m2[1].get("variant") == "simt"
+    assert {c.get("variant", "reduce") for c in m2} == set(mamba2.VARIANTS)
+    import inspect
+
+    assert inspect.signature(mamba2.mamba2_buffered).parameters["variant"].default == "reduce"

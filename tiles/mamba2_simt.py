@@ -1,0 +1,368 @@
+"""Mamba-2 buffered decode as a thread-level (SIMT) template: `mamba2_buffered(..., variant="simt")`.
+
+The decay-only sibling of tiles/gdn.py `gdn_buffered` (same layout, barriers and S0 streaming), with
+the Mamba-2 front of tiles/linear_decode.py: key = B, value = dt * x, query = C, g = dt * A,
+dt = softplus(dt + dt_bias) (no floor), y = o + D x (* silu(z)). No delta rule, so no key-key Gram
+and no forward substitution: the new tokens' values are known before S0 is read, and a new token t
+sees the buffer entries i < n and the new entries s <= t through one weight row W[t, e].
+
+Same ABI as the generic template (linear_decode.py module docstring, Mamba-2 rows): x, dt, A_log,
+dt_bias, Bm, Cm, D, z, state (NS, H, N, P) fp32 key-major, state_slots, buf_k, buf_v, buf_g,
+buffer_slots, lengths, y. All arithmetic is fp32 FMA (scalars in fp64); no tensor cores, no TF32.
+"""
+
+from .linear_decode import SOFTPLUS_THRESHOLD, _tl, check_shape
+
+
+def simt_layout(K: int, BV: int, threads: int) -> tuple[int, int, int, int]:
+    """(CG, KG, KR, NW): CG column groups of 4 columns, KG row groups of KR rows, NW warps."""
+    if BV % 4 or not 4 <= BV <= 128:
+        raise ValueError(f"BV={BV} must be a multiple of 4 in [4, 128]")
+    CG = BV // 4
+    if threads % 32 or threads % CG or threads < BV:
+        raise ValueError(f"threads={threads} must be a multiple of 32 and of BV/4, and at least BV={BV}")
+    KG, NW = threads // CG, threads // 32
+    if K % KG or K // KG > 64:
+        raise ValueError(f"K={K} over {KG} row groups must give at most 64 rows per thread")
+    if K % (4 * NW):
+        raise ValueError(f"K={K} must split into 4-element chunks over {NW} warps")
+    return CG, KG, K // KG, NW
+
+
+# (BV, threads, blocks) for N = 128, P = 64; blocks > 0 caps registers (__launch_bounds__ min blocks/SM).
+# Unmeasured on a GPU: ordered by the GDN template's H200 results, scaled to P = 64 (a thread holds
+# N * BV / threads state values; GDN's best held 128 (BV 128, 128 threads) or 64 with 3 blocks/SM).
+SIMT_CONFIGS = ((64, 128, 0), (64, 64, 0), (32, 64, 0), (64, 128, 4), (64, 256, 0), (32, 128, 0),
+                (32, 64, 8))
+
+
+def get_simt_configs(K: int = 128) -> list[dict]:
+    out = []
+    for bv, th, blocks in SIMT_CONFIGS:
+        try:
+            simt_layout(K, bv, th)
+        except ValueError:
+            continue
+        out.append({"variant": "simt", "BV": bv, "threads": th, **({"blocks": blocks} if blocks else {})})
+    return out
+
+
+def mamba2_buffered_simt(G: int, H: int, N: int = 128, P: int = 64, *, cap: int = 16, T_new: int = 1,
+                         flush_at: int = 0, BV: int = 64, threads: int = 128, blocks: int = 0,
+                         in_dtype: str = "bfloat16", buf_dtype: str = "bfloat16", has_z: bool = False):
+    """T_new Mamba-2 tokens after each row's n buffered entries: one read of S0, no state write.
+
+    Writes the T_new entries (B, dt * x, G) at buffer positions n .. n+T_new-1 (lengths untouched).
+    With flush_at = C > 0, a row with n + T_new == C also folds its full buffer into its state in the
+    same launch (S0 is already in registers).
+
+    One block per (value tile of BV columns, head, row); thread (rg, cg) owns rows rg*KR .. rg*KR+KR-1
+    and columns 4cg .. 4cg+3 of the N x BV S0 tile. Shared rows X: C_t at 0..Tn-1, then the keys in
+    buffer order at Tn + e (e < n: the buffer, e = n + s: the new B_s). Four block barriers (a fifth
+    only in a step that flushes):
+      0. x (and z) per value column and dt_t, g_t (fp64, thread t) before the slots are known; then the
+         buffer's keys, values and G (entries i < n only), and the new keys; S0 is issued as float4
+         loads into registers, first used in phase 3b.
+      1. Gram C_t . k_e: lane = key row, warp = N slice (partials per warp); thread t: G_t (fp64).
+      2. Scalars, one task per thread: W[t, e] = exp(G_t - G_e) (k_e . C_t) for e <= n + t, exp(G_t),
+         the flush weights exp(G_C - G_e).
+      3. (a) one thread per value column: sum_e W[t, e] v_e (buffer, then the new values dt_s x_s);
+         the new keys and G are written. (b) every thread: S0^T C_t over its rows; row groups of a
+         warp summed by shuffles, warps in shared memory.
+      4. One thread per value column: y_t = exp(G_t) S0^T C_t + history + D x_t (* silu(z_t)); the new
+         values are written.
+    """
+    check_shape(G, H, N, P, BV)
+    if not 1 <= T_new <= cap:
+        raise ValueError(f"T_new={T_new} must be in [1, cap={cap}]")
+    if flush_at and not T_new <= flush_at <= cap:
+        raise ValueError(f"flush_at={flush_at} must be in [T_new={T_new}, cap={cap}] (or 0)")
+    K, V = N, P
+    CG, KG, KR, NW = simt_layout(K, BV, threads)
+    RV = 4 if KR % 4 == 0 else (2 if KR % 2 == 0 else 1)  # rows per shared-memory vector read
+    T = _tl()
+    B = T.dynamic("batch")
+    NS = T.dynamic("num_state_slots")
+    NB = T.dynamic("num_buffer_slots")
+    r = H // G
+    f32, f64 = "float32", "float64"
+    Tn = T_new
+    C = flush_at
+    NT = threads
+    XR = Tn + cap            # X rows: C_t (0..Tn-1), keys in buffer order (Tn + e, e < n + Tn <= cap)
+    KP = K + 4               # padded row: float4 reads of 32 different rows hit distinct banks
+    KS = K // NW             # N slice of one warp in the Gram
+    RGW = 32 // CG if CG < 32 else 1   # row groups per warp
+    K8, BV8 = K // 8, BV // 8
+    round_keys = in_dtype != buf_dtype  # the fused flush folds the new keys as stored
+    ceil = lambda a, b: -(-a // b)  # noqa: E731
+    IT_TOK, IT_BK, IT_BV, IT_G = ceil(Tn * K8, NT), ceil(cap * K8, NT), ceil(cap * BV8, NT), ceil(cap, NT)
+    IT_ROWS, IT_KN, IT_OUT = ceil(cap, 32), ceil(Tn * K, NT), ceil(Tn * BV, NT)
+    NA, NE = Tn * cap, Tn    # phase-2 tasks: W, exp(G_t), then C flush weights
+    NTASK = NA + NE + C
+    IT_TASK = ceil(NTASK, NT)
+
+    @T.prim_func
+    def mamba2_buffered_simt_step(
+        x: T.Tensor((B, Tn, H, V), in_dtype),
+        dt: T.Tensor((B, Tn, H), in_dtype),
+        A_log: T.Tensor((H,), f32),
+        dt_bias: T.Tensor((H,), f32),
+        Bm: T.Tensor((B, Tn, G, K), in_dtype),
+        Cm: T.Tensor((B, Tn, G, K), in_dtype),
+        D: T.Tensor((H,), f32),
+        z: T.Tensor((B, Tn, H, V), in_dtype),
+        state: T.Tensor((NS, H, K, V), f32),
+        state_slots: T.Tensor((B,), "int32"),
+        buf_k: T.Tensor((NB, cap, G, K), buf_dtype),
+        buf_v: T.Tensor((NB, cap, H, V), buf_dtype),
+        buf_g: T.Tensor((NB, cap, H), f32),
+        buffer_slots: T.Tensor((B,), "int32"),
+        lengths: T.Tensor((B,), "int32"),
+        y: T.Tensor((B, Tn, H, V), in_dtype),
+    ):
+        with T.Kernel(V // BV, H, B, threads=NT) as (bv, hv, bb):
+            # the block barriers below are all there is (TileLang's inserted ones would sit in
+            # thread-divergent branches)
+            T.annotate_pass_configs({"tl.disable_thread_storage_sync": True})
+            if blocks:
+                T.annotate_min_blocks_per_sm(blocks)
+            tx = T.get_thread_binding()
+            X = T.alloc_shared((XR, KP), f32)
+            Db = T.alloc_shared((cap, BV), f32)      # buffer values (and the new ones for a flush)
+            Gb = T.alloc_shared((cap,), f32)
+            gld = T.alloc_shared((Tn,), f64)         # g_t
+            dts = T.alloc_shared((Tn,), f64)         # dt_t
+            Gd = T.alloc_shared((Tn,), f64)          # G_t = G_{n-1} + g_0 + ... + g_t
+            Pd = T.alloc_shared((NW, cap, Tn), f32)  # Gram partial sums per warp
+            Ps = T.alloc_shared((NW, Tn, BV), f32)   # S0^T C_t partial sums per warp
+            W = T.alloc_shared((Tn, cap), f32)       # exp(G_t - G_e) (k_e . C_t), e <= n + t
+            Es = T.alloc_shared((Tn,), f32)          # exp(G_t)
+            FW = T.alloc_shared((cap,), f32)         # flush weights exp(G_C - G_e)
+
+            Sr = T.alloc_local((KR * 4,), f32)
+            acc = T.alloc_local((Tn * 4,), f32)
+            gacc = T.alloc_local((max(Tn, 2),), f32)
+            dacc = T.alloc_local((4,), f64)
+            xv = T.alloc_local((4,), f32)
+            yv = T.alloc_local((4,), f32)
+            tb = T.alloc_local((8,), in_dtype)
+            bb8 = T.alloc_local((8,), buf_dtype)
+            xr = T.alloc_local((Tn,), f32)
+            zr = T.alloc_local((Tn,), f32)
+            vn = T.alloc_local((Tn,), f32)
+            hq = T.alloc_local((Tn,), f32)
+
+            hk = hv // r
+            v0 = bv * BV
+            cg = tx % CG
+            rg = tx // CG
+            lane = tx % 32
+            w = tx // 32
+            sslot = state_slots[bb]
+            bslot = buffer_slots[bb]
+            n = lengths[bb]
+
+            # ---- phase 0a: the row's own inputs need no slot: C_t (X rows 0..Tn-1), x and z of this
+            # thread's value column, dt_t and g_t in fp64 (thread t)
+            for it in T.unroll(IT_TOK):
+                idx = it * NT + tx
+                if idx < Tn * K8:
+                    for c in T.vectorized(8):
+                        tb[c] = Cm[bb, idx // K8, hk, (idx % K8) * 8 + c]
+                    for c in T.vectorized(8):
+                        X[idx // K8, (idx % K8) * 8 + c] = T.cast(tb[c], f32)
+            if tx < BV:
+                for t in T.unroll(Tn):
+                    xr[t] = T.cast(x[bb, t, hv, v0 + tx], f32)
+                    if has_z:
+                        zr[t] = T.cast(z[bb, t, hv, v0 + tx], f32)
+            if tx < Tn:
+                dacc[0] = T.cast(dt[bb, tx, hv], f64) + T.cast(dt_bias[hv], f64)
+                dacc[1] = T.if_then_else(dacc[0] > SOFTPLUS_THRESHOLD, dacc[0], T.log1p(T.exp(dacc[0])))
+                dts[tx] = dacc[1]
+                gld[tx] = -T.exp(T.cast(A_log[hv], f64)) * dacc[1]
+
+            if bslot >= 0:
+                # ---- phase 0b: the buffer (entries i < n only; the rest is never read) and the new keys
+                # behind it, then the S0 slice into registers (streams in while phases 1-3a run)
+                for it in T.unroll(IT_BK):
+                    idx = it * NT + tx
+                    if idx < n * K8:
+                        for c in T.vectorized(8):
+                            bb8[c] = buf_k[bslot, idx // K8, hk, (idx % K8) * 8 + c]
+                        for c in T.vectorized(8):
+                            X[Tn + idx // K8, (idx % K8) * 8 + c] = T.cast(bb8[c], f32)
+                for it in T.unroll(IT_TOK):
+                    idx = it * NT + tx
+                    if idx < Tn * K8:
+                        for c in T.vectorized(8):
+                            tb[c] = Bm[bb, idx // K8, hk, (idx % K8) * 8 + c]
+                        for c in T.vectorized(8):
+                            X[Tn + n + idx // K8, (idx % K8) * 8 + c] = T.cast(tb[c], f32)
+                for it in T.unroll(IT_BV):
+                    idx = it * NT + tx
+                    if idx < n * BV8:
+                        for c in T.vectorized(8):
+                            bb8[c] = buf_v[bslot, idx // BV8, hv, v0 + (idx % BV8) * 8 + c]
+                        for c in T.vectorized(8):
+                            Db[idx // BV8, (idx % BV8) * 8 + c] = T.cast(bb8[c], f32)
+                for it in T.unroll(IT_G):
+                    if it * NT + tx < n:
+                        Gb[it * NT + tx] = buf_g[bslot, it * NT + tx, hv]
+                if sslot >= 0:
+                    for rr in T.unroll(KR):
+                        for c in T.vectorized(4):
+                            Sr[rr * 4 + c] = state[sslot, hv, rg * KR + rr, v0 + cg * 4 + c]
+                else:
+                    for rr in T.unroll(KR * 4):
+                        Sr[rr] = 0.0
+                T.sync_threads()
+
+                # ---- phase 1: Gram partials C_t . k_e, lane = key row e, warp = N slice; thread t: G_t
+                for rb in T.unroll(IT_ROWS):
+                    if lane + 32 * rb < n + Tn:
+                        for cc in T.unroll(Tn):
+                            gacc[cc] = 0.0
+                        for ch in T.unroll(KS // 4):
+                            for e in T.vectorized(4):
+                                xv[e] = X[Tn + lane + 32 * rb, w * KS + ch * 4 + e]
+                            for cc in T.unroll(Tn):
+                                for e in T.vectorized(4):
+                                    yv[e] = X[cc, w * KS + ch * 4 + e]
+                                for e in T.unroll(4):
+                                    gacc[cc] = gacc[cc] + xv[e] * yv[e]
+                        for cc in T.unroll(Tn):
+                            Pd[w, lane + 32 * rb, cc] = gacc[cc]
+                if tx < Tn:
+                    dacc[2] = T.if_then_else(n > 0, T.cast(Gb[T.max(n - 1, 0)], f64), T.cast(0.0, f64))
+                    for s in T.unroll(Tn):
+                        if s <= tx:
+                            dacc[2] = dacc[2] + gld[s]
+                    Gd[tx] = dacc[2]
+                T.sync_threads()
+
+                # ---- phase 2: scalars, one task per thread (decays in fp64)
+                for it in T.unroll(IT_TASK):
+                    idx = it * NT + tx
+                    if idx < NA:
+                        te = idx % cap
+                        tt = idx // cap
+                        if te <= n + tt:
+                            gacc[0] = 0.0
+                            for ww in T.unroll(NW):
+                                gacc[0] = gacc[0] + Pd[ww, te, tt]
+                            W[tt, te] = T.cast(T.exp(Gd[tt] - T.if_then_else(
+                                te < n, T.cast(Gb[T.min(te, cap - 1)], f64),
+                                Gd[T.max(T.min(te - n, Tn - 1), 0)])), f32) * gacc[0]
+                    elif idx < NA + NE:
+                        Es[idx - NA] = T.cast(T.exp(Gd[idx - NA]), f32)
+                    elif idx < NTASK:
+                        te = idx - NA - NE
+                        if n + Tn == C:
+                            FW[te] = T.cast(T.exp(Gd[Tn - 1] - T.if_then_else(
+                                te < n, T.cast(Gb[T.min(te, cap - 1)], f64), Gd[T.max(T.min(te - n, Tn - 1), 0)])),
+                                f32)
+                T.sync_threads()
+
+                # ---- phase 3a: one thread per value column: the history over the buffer and new entries
+                if tx < BV:
+                    for t in T.unroll(Tn):
+                        vn[t] = T.cast(T.cast(dts[t], f64) * T.cast(xr[t], f64), f32)
+                        hq[t] = 0.0
+                    for i in T.serial(n):
+                        for t in T.unroll(Tn):
+                            hq[t] = hq[t] + W[t, i] * Db[i, tx]
+                    for t in T.unroll(Tn):
+                        for s in T.unroll(Tn):
+                            if s <= t:
+                                hq[t] = hq[t] + W[t, n + s] * vn[s]
+                # the new entries' keys and G (lengths are the host's business)
+                if bv == 0:
+                    if tx < Tn:
+                        buf_g[bslot, n + tx, hv] = T.cast(Gd[tx], f32)
+                    if hv % r == 0:
+                        for it in T.unroll(IT_KN):
+                            idx = it * NT + tx
+                            if idx < Tn * K:
+                                buf_k[bslot, n + idx // K, hk, idx % K] = T.cast(X[Tn + n + idx // K, idx % K],
+                                                                                 buf_dtype)
+                if C > 0 and round_keys:
+                    if n + Tn == C and sslot >= 0:  # the new keys as stored, for the fused flush
+                        for it in T.unroll(IT_KN):
+                            idx = it * NT + tx
+                            if idx < Tn * K:
+                                X[Tn + n + idx // K, idx % K] = T.cast(
+                                    T.cast(X[Tn + n + idx // K, idx % K], buf_dtype), f32)
+                # ---- phase 3b: S0^T C_t over this thread's rows
+                for i in T.unroll(Tn * 4):
+                    acc[i] = 0.0
+                for r4 in T.unroll(KR // RV):
+                    for cc in T.unroll(Tn):
+                        for e in T.vectorized(RV):
+                            xv[e] = X[cc, rg * KR + r4 * RV + e]
+                        for e in T.unroll(RV):
+                            for c in T.unroll(4):
+                                acc[cc * 4 + c] = acc[cc * 4 + c] + Sr[(r4 * RV + e) * 4 + c] * xv[e]
+                if RGW > 1:  # sum the row groups a warp holds (lanes CG, 2 CG, ... apart)
+                    for i in T.unroll(Tn * 4):
+                        acc[i] = acc[i] + T.shfl_xor(acc[i], CG)
+                if RGW > 2:
+                    for i in T.unroll(Tn * 4):
+                        acc[i] = acc[i] + T.shfl_xor(acc[i], 2 * CG)
+                if RGW > 4:
+                    for i in T.unroll(Tn * 4):
+                        acc[i] = acc[i] + T.shfl_xor(acc[i], 4 * CG)
+                if RGW > 8:
+                    for i in T.unroll(Tn * 4):
+                        acc[i] = acc[i] + T.shfl_xor(acc[i], 8 * CG)
+                if RGW > 16:
+                    for i in T.unroll(Tn * 4):
+                        acc[i] = acc[i] + T.shfl_xor(acc[i], 16 * CG)
+                if lane < CG:
+                    for cc in T.unroll(Tn):
+                        for c in T.vectorized(4):
+                            Ps[w, cc, cg * 4 + c] = acc[cc * 4 + c]
+                T.sync_threads()
+
+                # ---- phase 4: one thread per value column: outputs and the new values
+                if tx < BV:
+                    for t in T.unroll(Tn):
+                        acc[t] = 0.0
+                        for ww in T.unroll(NW):
+                            acc[t] = acc[t] + Ps[ww, t, tx]
+                        acc[t] = Es[t] * acc[t] + hq[t] + D[hv] * xr[t]
+                        if has_z:
+                            acc[t] = acc[t] * zr[t] / (1.0 + T.exp(-zr[t]))
+                        y[bb, t, hv, v0 + tx] = T.cast(acc[t], in_dtype)
+                        buf_v[bslot, n + t, hv, v0 + tx] = T.cast(vn[t], buf_dtype)
+                        if C > 0:
+                            Db[n + t, tx] = T.cast(T.cast(vn[t], buf_dtype), f32)
+
+                # ---- fused flush: S0 <- exp(G_C) S0 + sum_e exp(G_C - G_e) k_e v_e^T (entries as stored)
+                if C > 0:
+                    if n + Tn == C and sslot >= 0:
+                        T.sync_threads()
+                        gacc[0] = T.cast(T.exp(Gd[Tn - 1]), f32)
+                        for i in T.unroll(KR * 4):
+                            Sr[i] = Sr[i] * gacc[0]
+                        for e in T.serial(C):
+                            for c in T.vectorized(4):
+                                yv[c] = Db[e, cg * 4 + c]
+                            for r4 in T.unroll(KR // RV):
+                                for c in T.vectorized(RV):
+                                    xv[c] = X[Tn + e, rg * KR + r4 * RV + c]
+                                for rr in T.unroll(RV):
+                                    for c in T.unroll(4):
+                                        Sr[(r4 * RV + rr) * 4 + c] = Sr[(r4 * RV + rr) * 4 + c] \
+                                            + FW[e] * xv[rr] * yv[c]
+                        for rr in T.unroll(KR):
+                            for c in T.vectorized(4):
+                                state[sslot, hv, rg * KR + rr, v0 + cg * 4 + c] = Sr[rr * 4 + c]
+            else:
+                for it in T.unroll(IT_OUT):
+                    idx = it * NT + tx
+                    if idx < Tn * BV:
+                        y[bb, idx // BV, hv, v0 + idx % BV] = T.cast(0.0, in_dtype)
+
+    return mamba2_buffered_simt_step
