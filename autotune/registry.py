@@ -226,7 +226,8 @@ def gdn_templates() -> list[Template]:
 
 
 # ----------------------------------------------------------------------------------------------
-# Mamba-2 (tiles/mamba2.py): G = Hk groups, H = Hv heads, N = K state size, P = V head dim; z not used
+# Mamba-2 (tiles/mamba2.py): G = Hk groups, H = Hv heads, N = K state size, P = V head dim; z not used.
+# The buffered step and prefill chunks try two templates with one ABI (tunable `variant`).
 
 
 def _m2_dims(shape: Mapping) -> dict:
@@ -289,7 +290,13 @@ def _m2_buffered_reference(shape, chunk_size, args):
 def mamba2_templates() -> list[Template]:
     m = importlib.import_module(MAMBA2_TILES)
     src = source_digest()
-    tun = ("BV", "threads")
+    tun = ("BV", "threads")  # the defaults (variant "reduce", the generic template) until a GPU run decides
+
+    def buffered_configs() -> list[dict]:
+        """Both buffered variants, interleaved: the generic default, then the thread-level template's best
+        guess (tiles/mamba2_simt.py, variant "simt"), ...: `--max-configs 2` already times both, and the
+        tuner keeps whichever is faster (and passes the reference check) per batch bucket."""
+        return m.get_buffered_configs()
 
     def recurrent(shape, chunk_size, *, target, **t):
         return _compile(m.mamba2_recurrent(**_m2_dims(shape), in_dtype=shape["dtype"], **t), target)
@@ -311,14 +318,14 @@ def mamba2_templates() -> list[Template]:
 
     inputs = _chunk_inputs(_m2_tokens, 0)
     reference = _chunk_reference("kvbuffer.reference.mamba2", lambda a: a[:7], 8)
-    chunks = [Template(f"mamba2_prefill_chunk{T}", "mamba2", chunk(T), m.get_buffered_configs,
+    chunks = [Template(f"mamba2_prefill_chunk{T}", "mamba2", chunk(T), buffered_configs,
                        builder_defaults(m.mamba2_buffered, tun), inputs(T), reference, _run, src, min_chunk=T)
               for T in PREFILL_CHUNKS]
     return chunks + [
         Template("mamba2_recurrent", "mamba2", recurrent, m.get_recurrent_configs,
                  builder_defaults(m.mamba2_recurrent, tun), _m2_recurrent_inputs, _m2_recurrent_reference, _run,
                  src, uses_chunk=False),
-        Template("mamba2_buffered_step", "mamba2", buffered, m.get_buffered_configs,
+        Template("mamba2_buffered_step", "mamba2", buffered, buffered_configs,
                  builder_defaults(m.mamba2_buffered, tun), _m2_buffered_inputs, _m2_buffered_reference, _run, src),
         Template("mamba2_flush", "mamba2", flush, m.get_flush_configs, builder_defaults(m.mamba2_flush, tun),
                  _gdn_flush_inputs, _gdn_flush_reference, _run, src),

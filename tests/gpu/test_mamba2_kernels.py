@@ -3,6 +3,8 @@
 Mirrors test_gdn_kernels: fresh random inputs per case, NaN-poisoned outputs, NaN beyond each row's
 fill in the buffer (a kernel reading past lengths[b] fails), pool slots outside the batch bit-exact.
 Shapes: Nemotron-3 Nano (8 groups, 64 heads x P 64, N 128) and Super (8 groups, 128 heads).
+The buffered kernels run in both variants of tiles/mamba2.py: "reduce" (the generic template, the default)
+and "simt" (tiles/mamba2_simt.py, the thread-level template; results recorded under m2simt/...).
 """
 
 from __future__ import annotations
@@ -39,6 +41,11 @@ STATE_TOL = 1e-5     # fp32 state against fp64
 # here (A up to 16), so G carries ~1e-5 absolute error: measured 1.03e-5 max (H200, 2026-11-30, Super B=257)
 FUSED_FLUSH_STATE_TOL = 3e-5
 BATCHES = [1, 3, 64, 257]
+VARIANTS = ["reduce", "simt"]  # mamba2_buffered(variant=...): the generic template and the thread-level one
+
+
+def _tag(variant: str) -> str:
+    return "m2" if variant == "reduce" else f"m2{variant}"
 
 
 @functools.cache
@@ -47,8 +54,9 @@ def recurrent_op(G, H, has_z=True):
 
 
 @functools.cache
-def buffered_op(G, H, T_new=1, flush_at=C, has_z=True):
-    return build_mamba2_buffered(G, H, N, P, cap=CAP, T_new=T_new, flush_at=flush_at, has_z=has_z)
+def buffered_op(G, H, T_new=1, flush_at=C, has_z=True, variant="reduce"):
+    extra = {} if variant == "reduce" else {"variant": variant}  # the default build stays as it was
+    return build_mamba2_buffered(G, H, N, P, cap=CAP, T_new=T_new, flush_at=flush_at, has_z=has_z, **extra)
 
 
 @functools.cache
@@ -147,13 +155,14 @@ def _check_entries(r, T, tag):
         assert bits_equal(r[name][~written], r[name + "0"][~written]), f"{name} changed outside the new entries"
 
 
+@pytest.mark.parametrize("variant", VARIANTS)
 @pytest.mark.parametrize("fill", [0, 1, C - 2, C - 1])
 @pytest.mark.parametrize("B", BATCHES)
 @pytest.mark.parametrize("shape", SHAPES)
-def test_buffered_step(shape, B, fill):
+def test_buffered_step(shape, B, fill, variant):
     G, H = SHAPES[shape]
-    r = _run_pair(buffered_op(G, H), G, H, B, 1, fill, 2000 + 7 * B + fill, flush_at=C)
-    tag = f"m2/buffered/{shape}/B{B}/n{fill}"
+    r = _run_pair(buffered_op(G, H, variant=variant), G, H, B, 1, fill, 2000 + 7 * B + fill, flush_at=C)
+    tag = f"{_tag(variant)}/buffered/{shape}/B{B}/n{fill}"
     ey, es = rel_err(r["out"], r["y64"]), rel_err(r["state"], r["s64"])
     record(f"{tag}/y", ey)
     record(f"{tag}/state", es)
@@ -167,13 +176,14 @@ def test_buffered_step(shape, B, fill):
     _check_entries(r, 1, tag)
 
 
+@pytest.mark.parametrize("variant", VARIANTS)
 @pytest.mark.parametrize("T", range(1, 9))
 @pytest.mark.parametrize("fill", [0, 1, C - 1, C])
 @pytest.mark.parametrize("B", [3, 64])
-def test_verify(B, fill, T):
+def test_verify(B, fill, T, variant):
     G, H = SHAPES["nano"]
-    r = _run_pair(buffered_op(G, H, T, 0), G, H, B, T, fill, 3000 + 11 * T + fill, flush_at=0)
-    tag = f"m2/verify/T{T}/B{B}/n{fill}"
+    r = _run_pair(buffered_op(G, H, T, 0, variant=variant), G, H, B, T, fill, 3000 + 11 * T + fill, flush_at=0)
+    tag = f"{_tag(variant)}/verify/T{T}/B{B}/n{fill}"
     ey = rel_err(r["out"], r["y64"])
     record(f"{tag}/y", ey)
     assert ey < OUT_TOL
@@ -181,18 +191,37 @@ def test_verify(B, fill, T):
     _check_entries(r, T, tag)
 
 
+@pytest.mark.parametrize("variant", VARIANTS)
 @pytest.mark.parametrize("T", [2, 4, 8])
-def test_verify_super_noz(T):
+def test_verify_super_noz(T, variant):
     G, H = SHAPES["super"]
-    r = _run_pair(buffered_op(G, H, T, 0, False), G, H, 257, T, 5, 3500 + T, flush_at=0, has_z=False)
+    r = _run_pair(buffered_op(G, H, T, 0, False, variant), G, H, 257, T, 5, 3500 + T, flush_at=0, has_z=False)
     ey = rel_err(r["out"], r["y64"])
-    record(f"m2/verify/super/T{T}/B257/y", ey)
+    record(f"{_tag(variant)}/verify/super/T{T}/B257/y", ey)
     assert ey < OUT_TOL
-    _check_entries(r, T, f"m2/verify/super/T{T}/B257")
+    _check_entries(r, T, f"{_tag(variant)}/verify/super/T{T}/B257")
 
 
+@pytest.mark.parametrize("T", [1, 2, 4, 8])
+@pytest.mark.parametrize("B", [1, 5, 257])
+def test_simt_prefill_chunk_fused_flush(B, T):
+    """The thread-level variant's T-token chunk that fills the buffer (n = C - T): outputs, entries, state."""
+    G, H = SHAPES["super"]
+    r = _run_pair(buffered_op(G, H, T, C, variant="simt"), G, H, B, T, C - T, 3700 + 13 * T + B, flush_at=C)
+    tag = f"m2simt/chunk/super/T{T}/B{B}"
+    ey, es = rel_err(r["out"], r["y64"]), rel_err(r["state"], r["s64"])
+    record(f"{tag}/y", ey)
+    record(f"{tag}/state", es)
+    assert ey < OUT_TOL and es < FUSED_FLUSH_STATE_TOL, (ey, es)
+    assert _untouched(r["before"], r["state"], torch.where(r["bs"] >= 0, r["ss"], -1))
+    if B > 2:
+        assert bool((r["out"][2] == 0).all()), "a padding row must output exact zeros"
+    _check_entries(r, T, tag)
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
 @pytest.mark.parametrize("m", range(0, 5))
-def test_verify_accept_then_step(m):
+def test_verify_accept_then_step(m, variant):
     """Verify 4 drafts, accept m (lengths += m), then decode one token: matches the reference path."""
     G, H = SHAPES["nano"]
     T, B, fill = 4, 5, 3
@@ -201,7 +230,7 @@ def test_verify_accept_then_step(m):
     x, dt, Bm, Cm, z, A_log, dt_bias, D = tokens(B, T + 1, G, H, gen=g)
     rs, rk, rv, rg = state.double(), _clean(bk), _clean(bv), _clean(bg)
     d = lambda t: t[:, :T].contiguous()  # noqa: E731
-    mamba2_verify(buffered_op(G, H, T, 0), d(x), d(dt), A_log, dt_bias, d(Bm), d(Cm), D, state, ss, bk, bv, bg,
+    mamba2_verify(buffered_op(G, H, T, 0, variant=variant), d(x), d(dt), A_log, dt_bias, d(Bm), d(Cm), D, state, ss, bk, bv, bg,
                   bs, ln, z=d(z))
     x64, dt64, B64, C64, z64 = _d(x, dt, Bm, Cm, z)
     ref.verify(x64[:, :T], dt64[:, :T], A_log, dt_bias, B64[:, :T], C64[:, :T], D, rs, ss, rk, rv, rg, bs, ln,
@@ -209,12 +238,12 @@ def test_verify_accept_then_step(m):
     ln2 = ln + m
     e = lambda t: t[:, T].contiguous()  # noqa: E731
     out = torch.full_like(x[:, T], float("nan"))
-    mamba2_buffered_step(buffered_op(G, H), e(x), e(dt), A_log, dt_bias, e(Bm), e(Cm), D, state, ss, bk, bv, bg,
+    mamba2_buffered_step(buffered_op(G, H, variant=variant), e(x), e(dt), A_log, dt_bias, e(Bm), e(Cm), D, state, ss, bk, bv, bg,
                          bs, ln2, z=e(z), out=out)
     y64 = ref.buffered_step(x64[:, T], dt64[:, T], A_log, dt_bias, B64[:, T], C64[:, T], D, rs, ss, rk, rv, rg,
                             bs, ln2, flush_at=C, z=z64[:, T])
     ey = rel_err(out, y64)
-    record(f"m2/accept/m{m}/y", ey)
+    record(f"{_tag(variant)}/accept/m{m}/y", ey)
     assert ey < OUT_TOL
 
 
@@ -233,32 +262,34 @@ def test_flush(B, fill):
     assert _untouched(before, state, torch.where((bs >= 0) & (ln > 0), ss, -1))
 
 
-def test_prefill_chunks():
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_prefill_chunks(variant):
     """Prefill of a 53-token prompt after 3 buffered entries: verify chunks (8/4/2/1) with fused flushes."""
     G, H = SHAPES["nano"]
     g = _gen(6000)
     state, ss, bk, bv, bg, bs, ln = pools(1, G, H, N, P, cap=CAP, fill=3, gen=g)
     x, dt, Bm, Cm, z, A_log, dt_bias, D = (t[0] if t.dim() > 1 else t for t in tokens(1, 53, G, H, gen=g))
     rs, rk, rv, rg = state.double(), _clean(bk), _clean(bv), _clean(bg)
-    ops = {t: buffered_op(G, H, t, C) for t in (8, 4, 2, 1)}
+    ops = {t: buffered_op(G, H, t, C, variant=variant) for t in (8, 4, 2, 1)}
     y, n = mamba2_prefill(ops, x, dt, A_log, dt_bias, Bm, Cm, D, state, int(ss[0]), bk, bv, bg, int(bs[0]), 3, z=z)
     x64, dt64, B64, C64, z64 = _d(x, dt, Bm, Cm, z)
     y64, n64 = ref.prefill(x64, dt64, A_log, dt_bias, B64, C64, D, rs, int(ss[0]), rk, rv, rg, int(bs[0]), 3, C,
                            z=z64)
     ey, es = rel_err(y, y64), rel_err(state, rs)
-    record("m2/prefill/T53/y", ey)
-    record("m2/prefill/T53/state", es)
+    record(f"{_tag(variant)}/prefill/T53/y", ey)
+    record(f"{_tag(variant)}/prefill/T53/state", es)
     assert n == n64 and ey < OUT_TOL and es < STATE_TOL, (ey, es)
 
 
-def test_long_run_with_flushes():
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_long_run_with_flushes(variant):
     """1,000 buffered steps (62 fused flushes) against the fp64 recurrence and our recurrent kernel."""
     G, H = SHAPES["nano"]
     B, steps = 3, 1000
     g = _gen(7000)
     state, ss, bk, bv, bg, bs, ln = pools(B, G, H, N, P, cap=CAP, fill=0, gen=g, spare=0)
     s_rec, s64 = state.clone(), state.double()
-    op, rop = buffered_op(G, H), recurrent_op(G, H)
+    op, rop = buffered_op(G, H, variant=variant), recurrent_op(G, H)
     worst_buf = worst_rec = 0.0
     for _ in range(steps):
         x, dt, Bm, Cm, z, A_log, dt_bias, D = (t[:, 0] if t.dim() > 1 else t for t in tokens(B, 1, G, H, gen=g))
@@ -273,6 +304,6 @@ def test_long_run_with_flushes():
     es, es_rec = rel_err(state, s64), rel_err(s_rec, s64)
     for name, v in (("buffered/y_max", worst_buf), ("recurrent/y_max", worst_rec),
                     ("buffered/state", es), ("recurrent/state", es_rec)):
-        record(f"m2/long/{name}", v)
+        record(f"{_tag(variant)}/long/{name}", v)
     assert worst_buf < 2e-2 and es < 1e-2, (worst_buf, es)
     assert worst_rec < OUT_TOL and es_rec < 1e-4, (worst_rec, es_rec)
