@@ -292,23 +292,9 @@ def _(q, k, v, a, b, A_log, dt_bias, state, state_slots):
 
 def _gdn_buffered_cpu(q, k, v, a, b, A_log, dt_bias, state, state_slots, buf_k, buf_v, buf_g, buffer_slots,
                       lengths, flush_at):
-    """reference verify of T tokens plus the fused flush of rows that reach flush_at."""
-    o = ref_gdn.verify(q, k, v, a, b, A_log, dt_bias, state, state_slots, buf_k, buf_v, buf_g, buffer_slots, lengths)
-    _fused_flush(q.shape[1], state, state_slots, buf_k, buf_v, buf_g, buffer_slots, lengths, flush_at)
-    return o
-
-
-def _fused_flush(T, state, state_slots, buf_k, buf_v, buf_g, buffer_slots, lengths, flush_at):
-    if not flush_at:
-        return
-    if flush_at > buf_k.shape[1] or flush_at < T:
-        from .errors import ShapeError
-
-        raise ShapeError(f"flush_at={flush_at} must be in [T={T}, cap={buf_k.shape[1]}] (or 0)")
-    full = (buffer_slots >= 0) & (lengths + T == flush_at)
-    if bool(full.any()):
-        keep = torch.where(full, buffer_slots, torch.full_like(buffer_slots, -1))
-        ref_core.flush(state, state_slots, buf_k, buf_v, buf_g, keep, lengths + T)
+    """reference verify of T tokens, folding the buffers that reach flush_at (the kernels' semantics)."""
+    return ref_gdn.verify(q, k, v, a, b, A_log, dt_bias, state, state_slots, buf_k, buf_v, buf_g, buffer_slots,
+                          lengths, flush_at)
 
 
 _BUFFER_MUTATIONS = ("state", "buf_k", "buf_v", "buf_g")
@@ -414,10 +400,8 @@ def _(x, dt, A_log, dt_bias, B, C, D, state, state_slots, z=None):
 
 def _m2_buffered_cpu(x, dt, A_log, dt_bias, B, C, D, state, state_slots, buf_k, buf_v, buf_g, buffer_slots,
                      lengths, flush_at, z):
-    y = ref_mamba2.verify(x, dt, A_log, dt_bias, B, C, D, state, state_slots, buf_k, buf_v, buf_g, buffer_slots,
-                          lengths, z)
-    _fused_flush(x.shape[1], state, state_slots, buf_k, buf_v, buf_g, buffer_slots, lengths, flush_at)
-    return y
+    return ref_mamba2.verify(x, dt, A_log, dt_bias, B, C, D, state, state_slots, buf_k, buf_v, buf_g, buffer_slots,
+                             lengths, z, flush_at)
 
 
 @torch.library.custom_op("kvbuffer::mamba2_buffered_step", mutates_args=_BUFFER_MUTATIONS, device_types="cpu")

@@ -104,3 +104,30 @@ def test_engine_follows_the_tuned_chunk_policy(ckpt, tmp_path, monkeypatch):
     assert LLM(str(ckpt), device="cpu", max_batch=3).chunk_size == 8
     assert LLM(str(ckpt), device="cpu", max_batch=50).chunk_size == 24
     assert LLM(str(ckpt), device="cpu", max_batch=50, chunk_size=5).chunk_size == 5  # explicit wins
+
+
+def test_equal_length_prompts_prefill_in_one_forward(ckpt):
+    """Admitted requests with prompts of one length share each prefill forward; the tokens equal
+    one-request-at-a-time generation."""
+    llm = LLM(str(ckpt), device="cpu", chunk_size=4, max_batch=8)
+    calls, forward = [], llm.runner._forward
+
+    def counting(ids, batch, **kw):
+        calls.append((batch.kind, tuple(ids.shape)))
+        return forward(ids, batch, **kw)
+
+    llm.runner._forward = counting
+    prompts = [[i + 1] * 10 for i in range(6)] + [[7, 8, 9]]
+    out = llm.generate(prompts, max_new_tokens=3)
+    assert sorted(c for c in calls if c[0] == "prefill") == [("prefill", (1, 3)), ("prefill", (6, 10))]
+    one = LLM(str(ckpt), device="cpu", chunk_size=4, max_batch=1)
+    assert [o.token_ids for o in out] == [one.generate([p], max_new_tokens=3)[0].token_ids for p in prompts]
+
+
+def test_prefill_plan_stops_at_every_flush_point():
+    from kvbuffer.runtime.mixing import prefill_plan
+
+    assert prefill_plan(0, 21, 16, kernels=True) == [8, 8, 4, 1]  # chunk sizes the kernels are built for
+    assert prefill_plan(3, 40, 16, kernels=False) == [13, 16, 11]
+    assert prefill_plan(5, 2, 16, kernels=False) == [2]
+    assert prefill_plan(15, 3, 16, kernels=True) == [1, 2]

@@ -49,7 +49,7 @@ def prefill_to_hf(llm, token_ids: list[int]):
     llm.runner.admit(req)
     try:
         while req.pending:
-            llm.runner.prefill(req, llm.max_prefill_tokens)
+            llm.runner.prefill([req], llm.max_prefill_tokens)
         return _export(llm, req, DynamicCache(config=llm.hf_config()))
     finally:
         llm.runner.release(req)

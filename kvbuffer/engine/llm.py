@@ -223,32 +223,24 @@ class LLM:
 
     def _run(self, reqs, gens, return_logits, on_token, prepare, stats):
         index = {r.rid: i for i, r in enumerate(reqs)}
-        waiting, running = deque(reqs), []
+        waiting, running, admitted = deque(reqs), [], []
         free = self.runner.caches.requests
         try:
             while waiting or running:
                 while waiting and free.num_free:
                     req = waiting.popleft()
                     self.runner.admit(req)
+                    admitted.append(req)  # released by the finally clause if anything below fails
                     if prepare is not None:  # e.g. caches imported from transformers
-                        running.append(req)  # released by the finally clause if prepare fails
                         prepare(req)
-                        running.remove(req)
-                    logits, hidden = None, []
-                    want = self.drafter is not None and self.drafter.needs_hidden
-                    start = req.cached
-                    while req.pending:
-                        out = self.runner.prefill(req, self.max_prefill_tokens, want_hidden=want)
-                        logits = out[0] if want else out
-                        if want:
-                            hidden.append(out[1])
-                    self._take(req, logits, gens, return_logits, on_token, index)
-                    if want:  # the head learns the prompt: each position with the token after it
-                        self.drafter.on_prefill(req, torch.cat(hidden), req.context[start + 1:req.cached + 1])
-                    if req.finish_reason is None:
-                        running.append(req)
-                    else:
-                        self._retire(req)
+                if admitted:
+                    self._prefill(admitted, gens, return_logits, on_token, index)
+                    for req in admitted:
+                        if req.finish_reason is None:
+                            running.append(req)
+                        else:
+                            self._retire(req)
+                    admitted = []
                 if not running:
                     continue
                 t0, before = time.perf_counter(), sum(len(r.output) for r in running)
@@ -271,9 +263,28 @@ class LLM:
                     running.remove(req)
                     self._retire(req)
         finally:  # an error must not leak slots: release whatever is still held
-            for req in running:
+            for req in running + admitted:
                 if req.slot >= 0:
                     self._retire(req)
+
+    def _prefill(self, reqs, gens, return_logits, on_token, index):
+        """Feed the newly admitted requests' prompts, many requests per forward, then sample each
+        one's first token (and let a drafter that reads hidden states learn the prompt)."""
+        want = self.drafter is not None and self.drafter.needs_hidden
+        start = {r.rid: r.cached for r in reqs}
+        last, hidden = {}, {r.rid: [] for r in reqs}
+        todo = list(reqs)
+        while todo:
+            for req, logits, h in self.runner.prefill(todo, self.max_prefill_tokens, want_hidden=want):
+                if logits is not None:
+                    last[req.rid] = logits
+                if want:
+                    hidden[req.rid].append(h)
+            todo = [r for r in todo if r.pending]
+        for req in reqs:
+            self._take(req, last.get(req.rid), gens, return_logits, on_token, index)
+            if want:  # the head learns the prompt: each position with the token after it
+                self.drafter.on_prefill(req, torch.cat(hidden[req.rid]), req.context[start[req.rid] + 1:req.cached + 1])
 
     def _speculative_step(self, running, gens, return_logits, on_token, index):
         """Draft T tokens per request, verify them in one forward, keep the accepted prefix + one more."""

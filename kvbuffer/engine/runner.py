@@ -92,24 +92,39 @@ class ModelRunner:
 
     # forwards --------------------------------------------------------------------------------
     @torch.inference_mode()
-    def prefill(self, req: Request, max_tokens: int, want_hidden: bool = False):
-        """Feed up to `max_tokens` of the request's pending tokens.
+    def prefill(self, reqs: list[Request], max_tokens: int, want_hidden: bool = False):
+        """One prefill forward: up to max_tokens pending tokens for each of as many of `reqs` as have
+        the same buffer fill and the same number of tokens to feed (at least one request; prompts
+        of equal length go together). The linear layers cut the chunk at the flush points.
 
-        Returns the logits of the last one if it was the last pending token (else None), and with
-        want_hidden also the final hidden states of the tokens fed, (T, H).
+        Returns [(request, logits of its last prompt token if it has none pending now, else None,
+        hidden states (T, H) of the tokens fed with want_hidden, else None)] for the rows fed.
+        Call again until no request has pending tokens.
         """
-        tokens = req.pending[:max_tokens]
-        if req.cached + len(tokens) > self.spec.max_len:
-            raise ValueError(f"request {req.rid}: context of {req.cached + len(tokens)} tokens exceeds "
-                             f"max_len={self.spec.max_len}")
-        self._ensure_state(req, len(tokens))
-        ids = torch.tensor([tokens], dtype=torch.long, device=self.device)
-        positions = torch.arange(req.cached, req.cached + len(tokens), device=self.device)[None]
-        out = self._forward(ids, self._batch("prefill", [req], positions), **self._hidden(want_hidden))
+        groups: dict[tuple[int, int], list[Request]] = {}
+        for r in reqs:
+            if r.pending:
+                groups.setdefault((self._fill(r), min(len(r.pending), max_tokens)), []).append(r)
+        if not groups:
+            return []
+        (fill, T), rows = max(groups.items(), key=lambda kv: kv[0][1] * len(kv[1]))
+        rows = rows[:max(1, max_tokens // T)]
+        for r in rows:
+            if r.cached + T > self.spec.max_len:
+                raise ValueError(f"request {r.rid}: context of {r.cached + T} tokens exceeds "
+                                 f"max_len={self.spec.max_len}")
+            self._ensure_state(r, T)
+        ids = torch.tensor([r.pending[:T] for r in rows], dtype=torch.long, device=self.device)
+        positions = torch.tensor([list(range(r.cached, r.cached + T)) for r in rows], dtype=torch.long,
+                                 device=self.device)
+        batch = self._batch("prefill", rows, positions)
+        batch.common_fill = fill
+        out = self._forward(ids, batch, **self._hidden(want_hidden))
         logits, hidden = out if want_hidden else (out, None)
-        self._advance(req, len(tokens))
-        last = logits[0, -1] if not req.pending else None
-        return (last, hidden[0]) if want_hidden else last
+        for r in rows:
+            self._advance(r, T)
+        return [(r, None if r.pending else logits[b, -1], hidden[b] if want_hidden else None)
+                for b, r in enumerate(rows)]
 
     @staticmethod
     def _hidden(want: bool) -> dict:

@@ -16,7 +16,7 @@ from ..checks import FLOAT_DTYPES, INDEX_DTYPES, check_slots, check_tensor, chec
 from ..errors import BufferOverflowError, ShapeError
 
 __all__ = ["conv_verify", "conv_accept", "conv_step", "conv_prefill", "verify_rows", "accept_rows", "step_rows",
-           "put_rows"]
+           "prefill_rows", "put_rows"]
 
 
 def put_rows(dst: torch.Tensor, index: tuple[torch.Tensor, ...], values: torch.Tensor, real: torch.Tensor) -> None:
@@ -140,14 +140,22 @@ def conv_step(x, conv_state, slots, weight, bias=None, activation="silu"):
     return step_rows(x, conv_state, slots, weight, bias, activation)
 
 
+def prefill_rows(x, conv_state, slots, weight, bias=None, activation="silu"):
+    """T prompt inputs per row, x (B, T, D), after each row's history: outputs (B, T, D); the history
+    becomes each row's last W-1 inputs. No checks and no host syncs (see verify_rows)."""
+    W = weight.shape[1]
+    real = slots >= 0
+    rows = slots.clamp(min=0).long()
+    window = torch.cat([conv_state[rows, :, : W - 1].to(x.dtype), x.transpose(1, 2)], dim=-1)
+    out = _apply(window, weight, bias, activation, x.shape[1])
+    put_rows(conv_state[:, :, : W - 1], (rows,), window[:, :, -(W - 1):], real)
+    return _zero_padding(out, real)
+
+
 def conv_prefill(x, conv_state, slot: int, weight, bias=None, activation="silu"):
     """A whole prompt x (T, D) for one request after its history: outputs (T, D), history = last W-1 inputs."""
     slots = torch.tensor([slot], dtype=torch.int32, device=conv_state.device)
-    B, D, W, _ = _check(x[None], conv_state, slots, weight, with_time=True)
+    _check(x[None], conv_state, slots, weight, with_time=True)
     if slot < 0:
         raise ShapeError("conv_prefill needs a real slot, got -1")
-    hist = conv_state[slot, :, : W - 1].to(x.dtype)
-    window = torch.cat([hist, x.transpose(0, 1)], dim=-1)
-    out = _apply(window[None], weight, bias, activation, x.shape[0])[0]
-    conv_state[slot, :, : W - 1] = window[:, -(W - 1):].to(conv_state.dtype)
-    return out
+    return prefill_rows(x[None], conv_state, slots, weight, bias, activation)[0]

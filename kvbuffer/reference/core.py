@@ -165,7 +165,7 @@ def recurrent_step(q, k, v, g, beta, state, state_slots):
 # the buffered form
 
 
-def verify(q, k, v, g, beta, state, state_slots, buf_k, buf_v, buf_g, buffer_slots, lengths):
+def verify(q, k, v, g, beta, state, state_slots, buf_k, buf_v, buf_g, buffer_slots, lengths, flush_at=0):
     """Outputs of T new tokens after each row's n buffered entries, in one pass; no state is written.
 
     The T tokens' entries (k_j, u_j, G_j) are written to buffer positions n .. n+T-1 but `lengths`
@@ -173,12 +173,18 @@ def verify(q, k, v, g, beta, state, state_slots, buf_k, buf_v, buf_g, buffer_slo
     Under the delta rule the T deltas are coupled by the unit lower-triangular system
     (I + A) U = R (KVBUFFER.md), solved by forward substitution. With T = 1 this is the decode step;
     with T = a prompt chunk it is chunked prefill. Returns o of shape (B, T, Hv, V).
+
+    With flush_at = C > 0 (a prompt chunk, or the step that fills the buffer) no row may pass C, and
+    a row whose buffer reaches exactly C with these tokens has it folded into its state in the same
+    call (the fused flush); the caller then empties those rows (see `rows_flushed`).
     """
     B, T, Hk, Hv, K, V = _check_tokens(q, k, v, g, beta, state, with_time=True)
     n_slots, cap = _check_buffer(buf_k, buf_v, buf_g, state, Hk, Hv, K, V)
     _check_rows(state, state_slots, buffer_slots, lengths, B, n_slots)
     valid = buffer_slots >= 0
     check_capacity(lengths, valid, T, cap)
+    if flush_at:
+        _check_fold(flush_at, cap, buffer_slots, state_slots, lengths, T)
 
     dt = state.dtype
     S0 = _read_states(state, state_slots)
@@ -224,7 +230,24 @@ def verify(q, k, v, g, beta, state, state_slots, buf_k, buf_v, buf_g, buffer_slo
         buf_k[slot_rows, pos] = k[valid].to(buf_k.dtype)
         buf_v[slot_rows, pos] = u[valid].to(buf_v.dtype)
         buf_g[slot_rows, pos] = G[valid].to(buf_g.dtype)
+    if flush_at:
+        full = rows_flushed(buffer_slots, lengths, flush_at, T)
+        if bool(full.any()):
+            keep = torch.where(full, buffer_slots, torch.full_like(buffer_slots, -1))
+            flush(state, state_slots, buf_k, buf_v, buf_g, keep, lengths + T)
     return o.to(v.dtype)
+
+
+def _check_fold(flush_at, cap, buffer_slots, state_slots, lengths, T):
+    if flush_at > cap:
+        raise ShapeError(f"flush_at={flush_at} exceeds the buffer capacity {cap}")
+    if flush_at < T:
+        raise ShapeError(f"flush_at={flush_at} is below the {T} tokens of this call: flush_at must be in [T, cap] (or 0)")
+    valid = buffer_slots >= 0
+    if bool((valid & (lengths + T > flush_at)).any()):
+        raise ShapeError(f"a row would pass flush_at={flush_at} with {T} new token(s): flush it first")
+    if bool((rows_flushed(buffer_slots, lengths, flush_at, T) & (state_slots < 0)).any()):
+        raise SlotError("a row fills its buffer in this call but has no state slot: allocate a state first")
 
 
 def flush(state, state_slots, buf_k, buf_v, buf_g, buffer_slots, lengths):
@@ -266,26 +289,14 @@ def buffered_step(q, k, v, g, beta, state, state_slots, buf_k, buf_v, buf_g, buf
     lead = (q, k, v, g) + ((beta,) if beta is not None else ())
     for name, t in zip(("q", "k", "v", "g", "beta"), lead):
         check_tensor(name, t)
-    if flush_at and flush_at > buf_k.shape[1]:
-        raise ShapeError(f"flush_at={flush_at} exceeds the buffer capacity {buf_k.shape[1]}")
-    if flush_at:
-        full = rows_flushed(buffer_slots, lengths, flush_at)
-        if bool((full & (state_slots < 0)).any()):
-            raise SlotError("a row fills its buffer this step but has no state slot: allocate a state first")
     unsq = lambda t: None if t is None else t.unsqueeze(1)  # noqa: E731
-    o = verify(unsq(q), unsq(k), unsq(v), unsq(g), unsq(beta), state, state_slots,
-               buf_k, buf_v, buf_g, buffer_slots, lengths)
-    if flush_at:
-        full = rows_flushed(buffer_slots, lengths, flush_at)
-        if bool(full.any()):
-            keep = torch.where(full, buffer_slots, torch.full_like(buffer_slots, -1))
-            flush(state, state_slots, buf_k, buf_v, buf_g, keep, lengths + 1)
-    return o[:, 0]
+    return verify(unsq(q), unsq(k), unsq(v), unsq(g), unsq(beta), state, state_slots,
+                  buf_k, buf_v, buf_g, buffer_slots, lengths, flush_at)[:, 0]
 
 
-def rows_flushed(buffer_slots: torch.Tensor, lengths: torch.Tensor, flush_at: int) -> torch.Tensor:
-    """Which rows a buffered step with `flush_at` folds into their state (their buffer is then empty)."""
-    return (buffer_slots >= 0) & (lengths + 1 == flush_at)
+def rows_flushed(buffer_slots: torch.Tensor, lengths: torch.Tensor, flush_at: int, T: int = 1) -> torch.Tensor:
+    """Which rows a call of T tokens with `flush_at` folds into their state (their buffer is then empty)."""
+    return (buffer_slots >= 0) & (lengths + T == flush_at)
 
 
 def prefill(q, k, v, g, beta, state, state_slot, buf_k, buf_v, buf_g, buffer_slot, length, flush_at):
@@ -312,11 +323,8 @@ def prefill(q, k, v, g, beta, state, state_slot, buf_k, buf_v, buf_g, buffer_slo
         take = min(flush_at - length, T - start)
         part = lambda t: None if t is None else t[start:start + take].unsqueeze(0)  # noqa: E731
         outs.append(verify(part(q), part(k), part(v), part(g), part(beta), state, s_slot,
-                           buf_k, buf_v, buf_g, b_slot, as_row(length))[0])
-        length += take
+                           buf_k, buf_v, buf_g, b_slot, as_row(length), flush_at)[0])
+        length = (length + take) % flush_at  # a chunk that reached flush_at was folded into the state
         start += take
-        if length == flush_at:
-            flush(state, s_slot, buf_k, buf_v, buf_g, b_slot, as_row(length))
-            length = 0
     o = torch.cat(outs, 0) if outs else v.new_zeros((0,) + tuple(v.shape[1:]))
     return o, length

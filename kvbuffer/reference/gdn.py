@@ -27,10 +27,12 @@ def buffered_step(q, k, v, a, b, A_log, dt_bias, state, state_slots, buf_k, buf_
                               buffer_slots, lengths, flush_at)
 
 
-def verify(q, k, v, a, b, A_log, dt_bias, state, state_slots, buf_k, buf_v, buf_g, buffer_slots, lengths):
-    """Speculative verify of T drafts (inputs (B, T, ...)); returns o (B, T, Hv, V), writes no state."""
+def verify(q, k, v, a, b, A_log, dt_bias, state, state_slots, buf_k, buf_v, buf_g, buffer_slots, lengths,
+           flush_at=0):
+    """T tokens per row (inputs (B, T, ...)): o (B, T, Hv, V). Speculative verify writes no state;
+    a prompt chunk with flush_at folds the buffers it fills (core.verify)."""
     qn, kn, g, beta = gdn_front(q, k, a, b, A_log, dt_bias, state.dtype)
-    return core.verify(qn, kn, v, g, beta, state, state_slots, buf_k, buf_v, buf_g, buffer_slots, lengths)
+    return core.verify(qn, kn, v, g, beta, state, state_slots, buf_k, buf_v, buf_g, buffer_slots, lengths, flush_at)
 
 
 def prefill(q, k, v, a, b, A_log, dt_bias, state, state_slot, buf_k, buf_v, buf_g, buffer_slot, length, flush_at):

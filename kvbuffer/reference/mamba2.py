@@ -31,10 +31,12 @@ def buffered_step(x, dt, A_log, dt_bias, B, C, D, state, state_slots, buf_k, buf
     return mamba2_output(o, x, D, z, real=buffer_slots >= 0).to(x.dtype)
 
 
-def verify(x, dt, A_log, dt_bias, B, C, D, state, state_slots, buf_k, buf_v, buf_g, buffer_slots, lengths, z=None):
-    """Speculative verify of T drafts (inputs (Bt, T, ...)): y (Bt, T, H, P), no state written."""
+def verify(x, dt, A_log, dt_bias, B, C, D, state, state_slots, buf_k, buf_v, buf_g, buffer_slots, lengths, z=None,
+           flush_at=0):
+    """T tokens per row (inputs (Bt, T, ...)): y (Bt, T, H, P). Speculative verify writes no state;
+    a prompt chunk with flush_at folds the buffers it fills (core.verify)."""
     value, g, _ = mamba2_front(x, dt, A_log, dt_bias, state.dtype)
-    o = core.verify(C, B, value, g, None, state, state_slots, buf_k, buf_v, buf_g, buffer_slots, lengths)
+    o = core.verify(C, B, value, g, None, state, state_slots, buf_k, buf_v, buf_g, buffer_slots, lengths, flush_at)
     return mamba2_output(o, x, D, z, real=buffer_slots >= 0).to(x.dtype)
 
 

@@ -19,8 +19,8 @@ MODES = ("kvbuffer", "recurrent")
 class ForwardBatch:
     """B rows, each with T new tokens.
 
-    kind:     "prefill" (one request, T prompt tokens), "decode" (T = 1) or "verify" (T drafts,
-              nothing committed until the engine accepts some of them).
+    kind:     "prefill" (T prompt tokens per row, every row at the same buffer fill), "decode"
+              (T = 1) or "verify" (T drafts, nothing committed until the engine accepts some of them).
     mode:     "kvbuffer" (buffered linear layers) or "recurrent" (today's servers' scheme).
     positions (B, T) int64: absolute position of each new token.
     slots     (B,) int32: request slots (buffer, conv, KV cache); -1 marks a padding row.
@@ -42,14 +42,13 @@ class ForwardBatch:
     cached: torch.Tensor
     flush_at: int
     context_len: int | None = None
+    common_fill: int = 0  # prefill: the rows' shared buffer fill, on the host (the chunk plan)
 
     def __post_init__(self):
         if self.kind not in KINDS:
             raise ValueError(f"kind must be one of {KINDS}, got {self.kind!r}")
         if self.mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {self.mode!r}")
-        if self.kind == "prefill" and self.positions.shape[0] != 1:
-            raise ValueError("a prefill forward takes exactly one request")
 
     @property
     def num_rows(self) -> int:

@@ -4,8 +4,8 @@ mixing.py calls `recurrent_step`, `buffered_step`, `verify` and `prefill` of eit
 module or one of the objects here, with the same arguments. These cast the activations to the
 kernels' dtype (the buffer's: bf16 unless the model is fp16) and the layer parameters to fp32, make
 them contiguous (the model's projections are split views), call the custom op, and cast the output
-back. A prefill is cut into verify chunks of 8/4/2/1 tokens that never cross a flush boundary; the
-chunk that fills the buffer folds it into the state in the same launch.
+back. The engine cuts prompts into chunks of PREFILL_CHUNKS tokens that never cross a flush boundary;
+the chunk that fills a buffer folds it into the state in the same launch.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from ..reference import mamba2 as ref_mamba2
 
 log = logging.getLogger("kvbuffer")
 
-PREFILL_CHUNKS = (8, 4, 2, 1)
+PREFILL_CHUNKS = (8, 4, 2, 1)  # the prompt-chunk lengths the engine feeds the kernels, which tune builds
 
 
 def kernel_dtype(model_dtype: torch.dtype) -> torch.dtype:
@@ -60,24 +60,10 @@ class KernelOps:
     def buffered_step(self, *args, flush_at=0):
         return self._buffered("buffered_step", args, flush_at)
 
-    def verify(self, *args):
-        return self._buffered("verify", args, 0)
-
-    def prefill(self, *args):
-        """One request's T tokens (inputs (T, ...)): (o (T, ...), new buffer length)."""
-        front, rest = args[:self.width], args[self.width:]
-        state, state_slot, buf_k, buf_v, buf_g, buffer_slot, length, flush_at = rest
-        row = lambda s: torch.tensor([s], dtype=torch.int32, device=state.device)  # noqa: E731
-        pools = (state, row(state_slot), buf_k, buf_v, buf_g, row(buffer_slot))
-        T, start, outs = front[self.acts[0]].shape[0], 0, []
-        while start < T:
-            take = next(s for s in PREFILL_CHUNKS if s <= min(flush_at - length, T - start))
-            part = [t[start:start + take].unsqueeze(0) if i in self.acts else t for i, t in enumerate(front)]
-            outs.append(self._buffered("verify", (*part, *pools, row(length)), flush_at)[0])
-            length = (length + take) % flush_at
-            start += take
-        out = front[self.out_like]
-        return (torch.cat(outs, 0) if outs else out.new_zeros((0,) + tuple(out.shape[1:]))), length
+    def verify(self, *args, flush_at=0):
+        """T tokens per row; with flush_at, a prompt chunk (T in PREFILL_CHUNKS) that folds the
+        buffers it fills in the same launch."""
+        return self._buffered("verify", args, flush_at)
 
 
 GDN = KernelOps("gdn", acts=(0, 1, 2, 3, 4), params=(5, 6), out_like=2)        # q k v a b | A_log dt_bias

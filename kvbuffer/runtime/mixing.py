@@ -15,16 +15,31 @@ from ..reference import gdn as gdn_ops
 from ..reference import mamba2 as mamba2_ops
 from .batch import ForwardBatch
 from .caches import ModelCaches
+from .kernel_ops import PREFILL_CHUNKS
 
 
 def short_conv(x, weight, bias, batch: ForwardBatch, caches: ModelCaches, layer: int):
     """Causal depthwise conv + SiLU over x (B, T, D) with each row's history; verify keeps drafts pending."""
     state = caches.convs.layer(layer)
+    # engine-built rows: the unchecked, sync-free forms
     if batch.kind == "prefill":
-        return conv_ops.conv_prefill(x[0], state, int(batch.slots[0]), weight, bias)[None]
-    if batch.kind == "decode":  # engine-built rows: the unchecked, sync-free forms
+        return conv_ops.prefill_rows(x, state, batch.slots, weight, bias)
+    if batch.kind == "decode":
         return conv_ops.step_rows(x[:, 0], state, batch.slots, weight, bias)[:, None]
     return conv_ops.verify_rows(x, state, batch.slots, weight, bias)
+
+
+def prefill_plan(fill: int, tokens: int, flush_at: int, kernels: bool) -> list[int]:
+    """How a prefill of `tokens` tokens after `fill` buffered ones is cut: no chunk crosses a flush
+    point; on the compiled kernels each chunk is one of PREFILL_CHUNKS."""
+    plan = []
+    while tokens:
+        take = min(flush_at - fill, tokens)
+        if kernels:
+            take = next(s for s in PREFILL_CHUNKS if s <= take)
+        plan.append(take)
+        fill, tokens = (fill + take) % flush_at, tokens - take
+    return plan
 
 
 def _gdn_args(tokens, params):
@@ -67,10 +82,15 @@ def _linear_mix(ops, arrange, tokens, params, batch: ForwardBatch, caches: Model
     if caches.buffers is None:
         raise ValueError("kvbuffer mode needs caches built with buffers=True")
     buf = caches.buffers.layer(layer).tensors()
-    if batch.kind == "prefill":
-        o, _ = ops.prefill(*arrange([t[0] for t in tokens], params), state, int(batch.state_slots[0]), *buf,
-                           int(batch.slots[0]), int(batch.lengths[0]), batch.flush_at)
-        return o[None]
+    if batch.kind == "prefill":  # chunks that stop at each flush point; the chunk reaching it folds the buffer
+        outs, start, fill = [], 0, batch.common_fill
+        for take in prefill_plan(fill, batch.num_tokens, batch.flush_at, caches.kernels):
+            part = [t[:, start:start + take] for t in tokens]
+            lengths = torch.full_like(batch.lengths, fill)
+            outs.append(ops.verify(*arrange(part, params), state, batch.state_slots, *buf, batch.slots, lengths,
+                                   flush_at=batch.flush_at))
+            fill, start = (fill + take) % batch.flush_at, start + take
+        return torch.cat(outs, 1)
     if batch.kind == "decode":
         o = ops.buffered_step(*arrange([t[:, 0] for t in tokens], params), state, batch.state_slots, *buf,
                               batch.slots, batch.lengths, flush_at=batch.flush_at)
