@@ -29,11 +29,14 @@ def simt_layout(K: int, BV: int, threads: int) -> tuple[int, int, int, int]:
     return CG, KG, K // KG, NW
 
 
-# (BV, threads, blocks) for N = 128, P = 64; blocks > 0 caps registers (__launch_bounds__ min blocks/SM).
-# Unmeasured on a GPU: ordered by the GDN template's H200 results, scaled to P = 64 (a thread holds
-# N * BV / threads state values; GDN's best held 128 (BV 128, 128 threads) or 64 with 3 blocks/SM).
-SIMT_CONFIGS = ((64, 128, 0), (64, 64, 0), (32, 64, 0), (64, 128, 4), (64, 256, 0), (32, 128, 0),
-                (32, 64, 8))
+# (BV, threads, blocks) for N = 128, P = 64; blocks > 0 caps registers (__launch_bounds__ min blocks/SM) so
+# more S0 bytes are in flight per SM. Unmeasured on a GPU: ordered by the GDN template's H200 results. ptxas
+# (sm_90a, step with fused flush, T = 1): (64,128) 116 registers, 4 blocks/SM = 128 KB of S0 in flight;
+# (64,64,6) 168 (8 B spilled), 192 KB like GDN's winner (128 state values a thread, 3 x 64 KB);
+# (64,64) 182, 160 KB; (32,64,10) 96 (4 B spilled), 160 KB. A cap spills more at T = 8 (240-356 B), where
+# the uncapped configs (151-255 registers) do not spill; tune picks per kernel.
+SIMT_CONFIGS = ((64, 128, 0), (64, 64, 6), (64, 64, 0), (32, 64, 10), (64, 128, 5), (32, 64, 0), (64, 256, 0),
+                (32, 128, 0))
 
 
 def get_simt_configs(K: int = 128) -> list[dict]:
