@@ -2,7 +2,7 @@
 compiled for sm_90a by TileLang, run on the CPU through tests/simt_emulator.py against the fp64 reference
 (kvbuffer.reference.mamba2): outputs (padding rows exactly zero), written entries, untouched buffer
 positions (NaN-poisoned beyond lengths) and pool slots bit-exact, the fused-flush state. Rows of one launch
-hold different fills (0, 1, C-1 flushing, cap-T), so one compile covers several. The GPU tests
+hold different fills (0, 1, C-1 flushing, C, cap-T), so one compile covers several. The GPU tests
 (tests/gpu/test_mamba2_kernels.py) cover the real device; this catches indexing and barrier bugs on CPU.
 """
 
@@ -29,9 +29,10 @@ CASES = {
     "step_fused_flush_nemotron_tile_z": (
         dict(G=2, H=4, N=128, P=64, cap=17, T_new=1, flush_at=16, BV=64, threads=128, has_z=True),
         [15, 0, 1, 15, 7], [1], [4]),
+    # drafts after fills 0, 1, C-1, C (C = 16 nominal; the last one also fills the buffer to cap)
     "verify4_no_flush_full_buffer": (
-        dict(G=2, H=4, N=64, P=32, cap=12, T_new=4, flush_at=0, BV=32, threads=64),
-        [0, 8, 3, 5], [2], [3]),
+        dict(G=2, H=4, N=64, P=32, cap=20, T_new=4, flush_at=0, BV=32, threads=64),
+        [0, 16, 1, 15, 3], [2], [4]),
     "prefill2_fused_flush_BV16_shuffles": (
         dict(G=1, H=2, N=64, P=32, cap=9, T_new=2, flush_at=8, BV=16, threads=64, has_z=True),
         [6, 0, 1], [1], []),
