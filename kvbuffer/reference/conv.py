@@ -23,18 +23,17 @@ def put_rows(dst: torch.Tensor, index: tuple[torch.Tensor, ...], values: torch.T
     """dst[index] = values for the real rows of a batch, with no host sync (CUDA-graph safe).
 
     index: tensors shaped like values' leading dims, row b first; values (B, ...); real (B,) bool.
-    Boolean indexing would sync; instead the rows are ordered real-first and padding rows repeat
-    row 0's write with row 0's values (or, when every row is padding, rewrite what is already
-    there), so duplicate indices store equal bytes and no write races.
+    Boolean indexing would sync; instead padding rows repeat the first real row's write with its
+    values (or, when every row is padding, rewrite what is already there), so duplicate indices
+    store equal bytes and no write races.
     """
-    order = torch.argsort((~real).to(torch.uint8), stable=True)  # real rows first, no host sync
-    index, values, real = tuple(i[order] for i in index), values[order].to(dst.dtype), real[order]
-    lead = index[0].dim()
-    row_mask = real.view((-1,) + (1,) * (lead - 1))
-    index = tuple(torch.where(row_mask, i, i[:1]) for i in index)
-    # i[:1], not i[0]: indexing with a 0-d tensor reads it back to the host
-    first = torch.where(real[0], values[0], dst[tuple(i[:1] for i in index)][0])
-    dst[index] = torch.where(real.view((-1,) + (1,) * (values.dim() - 1)), values, first[None])
+    values = values.to(dst.dtype)
+    # the first real row (row 0 if none), 1-D: indexing with a 0-d tensor would read it back
+    first = torch.argmax(real.to(torch.int32)).view(1)
+    index = tuple(torch.where(real.view((-1,) + (1,) * (i.dim() - 1)), i, i[first]) for i in index)
+    lead = (-1,) + (1,) * (values.dim() - 1)
+    head = torch.where(real[first].view(lead), values[first], dst[tuple(i[first] for i in index)])
+    dst[index] = torch.where(real.view(lead), values, head)
 
 
 def _apply(window: torch.Tensor, weight: torch.Tensor, bias, activation: str | None, steps: int):
