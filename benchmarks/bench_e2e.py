@@ -97,6 +97,14 @@ def _allocated(device) -> int:
     return torch.cuda.memory_allocated() if torch.device(device).type == "cuda" else 0
 
 
+def _row_done(rows, on_row, device):
+    """Report the rows so far; hand the freed pools' memory back to the device."""
+    if on_row:
+        on_row(rows)
+    if torch.device(device).type == "cuda":
+        torch.cuda.empty_cache()
+
+
 def _warm_steps(st):
     """(seconds, tokens) of the decode steps after the first (which captures a CUDA graph)."""
     steps = list(zip(st.step_seconds, st.step_tokens))[1:] or list(zip(st.step_seconds, st.step_tokens))
@@ -124,11 +132,8 @@ def bench_decode(model, *, batches, modes, prompt_len, new_tokens, chunk_size, d
                              cuda_graphs=bool(llm.cuda_graphs and llm.runner.graphs.enabled)))
             print(f"decode B={B:4d} {mode:9s} {rows[-1]['decode_tokens_per_s']:10.1f} tok/s "
                   f"{rows[-1]['step_ms']:8.2f} ms/step", flush=True)
-            if on_row:
-                on_row(rows)
-            del llm
-            if torch.device(device).type == "cuda":
-                torch.cuda.empty_cache()
+            del llm  # its pools go before the next engine is built
+            _row_done(rows, on_row, device)
     return rows
 
 
@@ -169,11 +174,8 @@ def bench_spec(model, *, budget_bytes, drafts, modes, prompt_len, new_tokens, ch
                              cache_gib=cache_gib))
             print(f"spec T={T} {mode:9s} planned {int(planned):6d} admitted {st.peak_batch:5d} "
                   f"{rows[-1]['decode_tokens_per_s']:10.1f} tok/s acceptance {acc['acceptance_rate']:.2f}", flush=True)
-            if on_row:
-                on_row(rows)
-            del llm
-            if torch.device(device).type == "cuda":
-                torch.cuda.empty_cache()
+            del llm  # its pools go before the next engine is built
+            _row_done(rows, on_row, device)
     return rows
 
 
