@@ -10,6 +10,7 @@ the recurrent step takes a token axis of 1.
 """
 
 from .linear_decode import _tl, check_shape as _check_shape, pow2 as _pow2  # noqa: F401
+from .simt_parts import simt_layout, state_macros
 from .linear_decode import (  # noqa: F401  (the tunables lists are part of this module's API)
     L2NORM_EPS,
     SOFTPLUS_THRESHOLD,
@@ -30,21 +31,6 @@ def gdn_recurrent(Hk: int, Hv: int, K: int = 128, V: int = 128, *, BV: int = 32,
     return linear_recurrent("gdn", Hk, Hv, K, V, BV=BV, threads=threads, in_dtype=in_dtype)
 
 
-def _simt_layout(K: int, BV: int, threads: int) -> tuple[int, int, int, int]:
-    """(CG, KG, KR, NW) of `gdn_buffered`: CG column groups of 4 columns, KG row groups of KR rows, NW warps."""
-    if BV % 4 or not 4 <= BV <= 128:
-        raise ValueError(f"BV={BV} must be a multiple of 4 in [4, 128]")
-    CG = BV // 4
-    if threads % 32 or threads % CG or threads < BV:
-        raise ValueError(f"threads={threads} must be a multiple of 32 and of BV/4, and at least BV={BV}")
-    KG, NW = threads // CG, threads // 32
-    if K % KG or K // KG > 64:
-        raise ValueError(f"K={K} over {KG} row groups must give at most 64 rows per thread")
-    if K % (4 * NW):
-        raise ValueError(f"K={K} must split into 4-element chunks over {NW} warps")
-    return CG, KG, K // KG, NW
-
-
 # (BV, threads, blocks): blocks > 0 caps registers so that many blocks share an SM (0: the compiler's
 # choice); best first (H200, Qwen3.5 shapes), since `kvbuffer tune --max-configs N` tries the first N
 _BUFFERED_CONFIGS = ((128, 128, 0), (128, 128, 3), (64, 64, 0), (64, 128, 0), (64, 128, 5), (128, 256, 0),
@@ -56,7 +42,7 @@ def get_buffered_configs() -> list[dict]:
     out = []
     for bv, th, blocks in _BUFFERED_CONFIGS:
         try:
-            _simt_layout(128, bv, th)
+            simt_layout(128, bv, th)
         except ValueError:
             continue
         out.append({"BV": bv, "threads": th, **({"blocks": blocks} if blocks else {})})
@@ -100,8 +86,7 @@ def gdn_buffered(Hk: int, Hv: int, K: int = 128, V: int = 128, *, cap: int = 16,
         raise ValueError(f"T_new={T_new} must be in [1, cap={cap}]")
     if flush_at and not T_new <= flush_at <= cap:
         raise ValueError(f"flush_at={flush_at} must be in [T_new={T_new}, cap={cap}] (or 0)")
-    CG, KG, KR, NW = _simt_layout(K, BV, threads)
-    RV = 4 if KR % 4 == 0 else (2 if KR % 2 == 0 else 1)  # rows per shared-memory vector read
+    CG, KG, KR, NW = simt_layout(K, BV, threads)
     T = _tl()
     B = T.dynamic("batch")
     NS = T.dynamic("num_state_slots")
@@ -113,11 +98,12 @@ def gdn_buffered(Hk: int, Hv: int, K: int = 128, V: int = 128, *, cap: int = 16,
     C = flush_at
     NT = threads
     T2 = 2 * Tn
+    load_state, s0_products, fused_flush = state_macros(T, KR=KR, CG=CG, C=C, tokens=Tn, queries=T2,
+                                                        key_row0=T2)
     XR = T2 + cap            # X rows: new k (0..Tn-1), new q (Tn..2Tn-1), buffer keys (2Tn + i)
     NR = Tn + cap            # rows of the Gram (2Tn + n <= Tn + cap)
     KP = K + 4               # padded row: float4 reads of 32 different rows hit distinct banks
     KS = K // NW             # K slice of one warp in the Gram
-    RGW = 32 // CG if CG < 32 else 1   # row groups per warp
     K8, BV8 = K // 8, BV // 8
     ceil = lambda a, b: -(-a // b)  # noqa: E731
     IT_TOK, IT_BK, IT_BV, IT_G = ceil(Tn * K8, NT), ceil(cap * K8, NT), ceil(cap * BV8, NT), ceil(cap, NT)
@@ -236,13 +222,7 @@ def gdn_buffered(Hk: int, Hv: int, K: int = 128, V: int = 128, *, cap: int = 16,
                 for it in T.unroll(IT_G):
                     if it * NT + tx < n:
                         Gb[it * NT + tx] = buf_g[bslot, it * NT + tx, hv]
-                if sslot >= 0:
-                    for rr in T.unroll(KR):
-                        for c in T.vectorized(4):
-                            Sr[rr * 4 + c] = state[sslot, hv, rg * KR + rr, v0 + cg * 4 + c]
-                else:
-                    for rr in T.unroll(KR * 4):
-                        Sr[rr] = 0.0
+                load_state(Sr, state, sslot, hv, rg, cg, v0)
                 T.sync_threads()
 
                 # ---- phase 1: Gram partials, lane = row of X, warp = K slice; thread t: G_t (fp64)
@@ -349,35 +329,7 @@ def gdn_buffered(Hk: int, Hv: int, K: int = 128, V: int = 128, *, cap: int = 16,
                                 X[T2 + n + idx // K, idx % K] = T.cast(
                                     T.cast(X[idx // K, idx % K] * rks[idx // K], buf_dtype), f32)
                 # ---- phase 3b: S0^T [k_raw, q_raw] over this thread's rows (normalised later by ck, cq)
-                for i in T.unroll(T2 * 4):
-                    acc[i] = 0.0
-                for r4 in T.unroll(KR // RV):
-                    for cc in T.unroll(T2):
-                        for e in T.vectorized(RV):
-                            xv[e] = X[cc, rg * KR + r4 * RV + e]
-                        for e in T.unroll(RV):
-                            for c in T.unroll(4):
-                                acc[cc * 4 + c] = acc[cc * 4 + c] + Sr[(r4 * RV + e) * 4 + c] * xv[e]
-                if RGW > 1:  # sum the row groups a warp holds (lanes CG, 2 CG, ... apart)
-                    for i in T.unroll(T2 * 4):
-                        acc[i] = acc[i] + T.shfl_xor(acc[i], CG)
-                if RGW > 2:
-                    for i in T.unroll(T2 * 4):
-                        acc[i] = acc[i] + T.shfl_xor(acc[i], 2 * CG)
-                if RGW > 4:
-                    for i in T.unroll(T2 * 4):
-                        acc[i] = acc[i] + T.shfl_xor(acc[i], 4 * CG)
-                if RGW > 8:
-                    for i in T.unroll(T2 * 4):
-                        acc[i] = acc[i] + T.shfl_xor(acc[i], 8 * CG)
-                if RGW > 16:
-                    for i in T.unroll(T2 * 4):
-                        acc[i] = acc[i] + T.shfl_xor(acc[i], 16 * CG)
-                if lane < CG:
-                    for cc in T.unroll(T2):
-                        for c in T.vectorized(4):
-                            Ps[w, cc, cg * 4 + c] = acc[cc * 4 + c]
-                T.sync_threads()
+                s0_products(acc, Sr, X, xv, Ps, rg, cg, w, lane)
 
                 # ---- phase 4: one thread per value column: forward substitution, outputs, new deltas
                 if tx < BV:
@@ -403,23 +355,7 @@ def gdn_buffered(Hk: int, Hv: int, K: int = 128, V: int = 128, *, cap: int = 16,
                 # ---- fused flush: S0 <- exp(G_C) S0 + sum_e exp(G_C - G_e) k_e delta_e^T (entries as stored)
                 if C > 0:
                     if n + Tn == C and sslot >= 0:
-                        T.sync_threads()
-                        gacc[0] = T.cast(T.exp(Gd[Tn - 1]), f32)
-                        for i in T.unroll(KR * 4):
-                            Sr[i] = Sr[i] * gacc[0]
-                        for e in T.serial(C):
-                            for c in T.vectorized(4):
-                                yv[c] = Db[e, cg * 4 + c]
-                            for r4 in T.unroll(KR // RV):
-                                for c in T.vectorized(RV):
-                                    xv[c] = X[T2 + e, rg * KR + r4 * RV + c]
-                                for rr in T.unroll(RV):
-                                    for c in T.unroll(4):
-                                        Sr[(r4 * RV + rr) * 4 + c] = Sr[(r4 * RV + rr) * 4 + c] \
-                                            + FW[e] * xv[rr] * yv[c]
-                        for rr in T.unroll(KR):
-                            for c in T.vectorized(4):
-                                state[sslot, hv, rg * KR + rr, v0 + cg * 4 + c] = Sr[rr * 4 + c]
+                        fused_flush(Sr, X, xv, yv, Db, FW, Gd, gacc, state, sslot, hv, rg, cg, v0)
             else:
                 for it in T.unroll(IT_OUT):
                     idx = it * NT + tx

@@ -12,21 +12,7 @@ buffer_slots, lengths, y. All arithmetic is fp32 FMA (scalars in fp64); no tenso
 """
 
 from .linear_decode import SOFTPLUS_THRESHOLD, _tl, check_shape
-
-
-def simt_layout(K: int, BV: int, threads: int) -> tuple[int, int, int, int]:
-    """(CG, KG, KR, NW): CG column groups of 4 columns, KG row groups of KR rows, NW warps."""
-    if BV % 4 or not 4 <= BV <= 128:
-        raise ValueError(f"BV={BV} must be a multiple of 4 in [4, 128]")
-    CG = BV // 4
-    if threads % 32 or threads % CG or threads < BV:
-        raise ValueError(f"threads={threads} must be a multiple of 32 and of BV/4, and at least BV={BV}")
-    KG, NW = threads // CG, threads // 32
-    if K % KG or K // KG > 64:
-        raise ValueError(f"K={K} over {KG} row groups must give at most 64 rows per thread")
-    if K % (4 * NW):
-        raise ValueError(f"K={K} must split into 4-element chunks over {NW} warps")
-    return CG, KG, K // KG, NW
+from .simt_parts import simt_layout, state_macros
 
 
 # (BV, threads, blocks) for N = 128, P = 64; blocks > 0 caps registers (__launch_bounds__ min blocks/SM) so
@@ -82,7 +68,6 @@ def mamba2_buffered_simt(G: int, H: int, N: int = 128, P: int = 64, *, cap: int 
         raise ValueError(f"flush_at={flush_at} must be in [T_new={T_new}, cap={cap}] (or 0)")
     K, V = N, P
     CG, KG, KR, NW = simt_layout(K, BV, threads)
-    RV = 4 if KR % 4 == 0 else (2 if KR % 2 == 0 else 1)  # rows per shared-memory vector read
     T = _tl()
     B = T.dynamic("batch")
     NS = T.dynamic("num_state_slots")
@@ -91,11 +76,12 @@ def mamba2_buffered_simt(G: int, H: int, N: int = 128, P: int = 64, *, cap: int 
     f32, f64 = "float32", "float64"
     Tn = T_new
     C = flush_at
+    load_state, s0_products, fused_flush = state_macros(T, KR=KR, CG=CG, C=C, tokens=Tn, queries=Tn,
+                                                        key_row0=Tn)
     NT = threads
     XR = Tn + cap            # X rows: C_t (0..Tn-1), keys in buffer order (Tn + e, e < n + Tn <= cap)
     KP = K + 4               # padded row: float4 reads of 32 different rows hit distinct banks
     KS = K // NW             # N slice of one warp in the Gram
-    RGW = 32 // CG if CG < 32 else 1   # row groups per warp
     K8, BV8 = K // 8, BV // 8
     round_keys = in_dtype != buf_dtype  # the fused flush folds the new keys as stored
     ceil = lambda a, b: -(-a // b)  # noqa: E731
@@ -213,13 +199,7 @@ def mamba2_buffered_simt(G: int, H: int, N: int = 128, P: int = 64, *, cap: int 
                 for it in T.unroll(IT_G):
                     if it * NT + tx < n:
                         Gb[it * NT + tx] = buf_g[bslot, it * NT + tx, hv]
-                if sslot >= 0:
-                    for rr in T.unroll(KR):
-                        for c in T.vectorized(4):
-                            Sr[rr * 4 + c] = state[sslot, hv, rg * KR + rr, v0 + cg * 4 + c]
-                else:
-                    for rr in T.unroll(KR * 4):
-                        Sr[rr] = 0.0
+                load_state(Sr, state, sslot, hv, rg, cg, v0)
                 T.sync_threads()
 
                 # ---- phase 1: Gram partials C_t . k_e, lane = key row e, warp = N slice; thread t: G_t
@@ -298,35 +278,7 @@ def mamba2_buffered_simt(G: int, H: int, N: int = 128, P: int = 64, *, cap: int 
                                 X[Tn + n + idx // K, idx % K] = T.cast(
                                     T.cast(X[Tn + n + idx // K, idx % K], buf_dtype), f32)
                 # ---- phase 3b: S0^T C_t over this thread's rows
-                for i in T.unroll(Tn * 4):
-                    acc[i] = 0.0
-                for r4 in T.unroll(KR // RV):
-                    for cc in T.unroll(Tn):
-                        for e in T.vectorized(RV):
-                            xv[e] = X[cc, rg * KR + r4 * RV + e]
-                        for e in T.unroll(RV):
-                            for c in T.unroll(4):
-                                acc[cc * 4 + c] = acc[cc * 4 + c] + Sr[(r4 * RV + e) * 4 + c] * xv[e]
-                if RGW > 1:  # sum the row groups a warp holds (lanes CG, 2 CG, ... apart)
-                    for i in T.unroll(Tn * 4):
-                        acc[i] = acc[i] + T.shfl_xor(acc[i], CG)
-                if RGW > 2:
-                    for i in T.unroll(Tn * 4):
-                        acc[i] = acc[i] + T.shfl_xor(acc[i], 2 * CG)
-                if RGW > 4:
-                    for i in T.unroll(Tn * 4):
-                        acc[i] = acc[i] + T.shfl_xor(acc[i], 4 * CG)
-                if RGW > 8:
-                    for i in T.unroll(Tn * 4):
-                        acc[i] = acc[i] + T.shfl_xor(acc[i], 8 * CG)
-                if RGW > 16:
-                    for i in T.unroll(Tn * 4):
-                        acc[i] = acc[i] + T.shfl_xor(acc[i], 16 * CG)
-                if lane < CG:
-                    for cc in T.unroll(Tn):
-                        for c in T.vectorized(4):
-                            Ps[w, cc, cg * 4 + c] = acc[cc * 4 + c]
-                T.sync_threads()
+                s0_products(acc, Sr, X, xv, Ps, rg, cg, w, lane)
 
                 # ---- phase 4: one thread per value column: outputs and the new values
                 if tx < BV:
@@ -345,23 +297,7 @@ def mamba2_buffered_simt(G: int, H: int, N: int = 128, P: int = 64, *, cap: int 
                 # ---- fused flush: S0 <- exp(G_C) S0 + sum_e exp(G_C - G_e) k_e v_e^T (entries as stored)
                 if C > 0:
                     if n + Tn == C and sslot >= 0:
-                        T.sync_threads()
-                        gacc[0] = T.cast(T.exp(Gd[Tn - 1]), f32)
-                        for i in T.unroll(KR * 4):
-                            Sr[i] = Sr[i] * gacc[0]
-                        for e in T.serial(C):
-                            for c in T.vectorized(4):
-                                yv[c] = Db[e, cg * 4 + c]
-                            for r4 in T.unroll(KR // RV):
-                                for c in T.vectorized(RV):
-                                    xv[c] = X[Tn + e, rg * KR + r4 * RV + c]
-                                for rr in T.unroll(RV):
-                                    for c in T.unroll(4):
-                                        Sr[(r4 * RV + rr) * 4 + c] = Sr[(r4 * RV + rr) * 4 + c] \
-                                            + FW[e] * xv[rr] * yv[c]
-                        for rr in T.unroll(KR):
-                            for c in T.vectorized(4):
-                                state[sslot, hv, rg * KR + rr, v0 + cg * 4 + c] = Sr[rr * 4 + c]
+                        fused_flush(Sr, X, xv, yv, Db, FW, Gd, gacc, state, sslot, hv, rg, cg, v0)
             else:
                 for it in T.unroll(IT_OUT):
                     idx = it * NT + tx

@@ -1,0 +1,103 @@
+"""Pieces shared by the thread-level buffered templates (GDN: gdn.py, Mamba-2: mamba2_simt.py).
+
+Both give each thread KR rows x 4 columns of a row's K x BV state tile, held in registers `Sr`:
+thread (rg, cg) owns rows rg*KR .. rg*KR+KR-1 and columns 4cg .. 4cg+3. `X` in shared memory holds
+the query-side rows first (`queries` of them) and the keys in buffer order from `key_row0` on.
+The macros below are the parts that do not depend on the family: reading S0, S0^T over the query
+rows, and the fused flush.
+"""
+
+
+def simt_layout(K: int, BV: int, threads: int) -> tuple[int, int, int, int]:
+    """(CG, KG, KR, NW): CG column groups of 4 columns, KG row groups of KR rows, NW warps."""
+    if BV % 4 or not 4 <= BV <= 128:
+        raise ValueError(f"BV={BV} must be a multiple of 4 in [4, 128]")
+    CG = BV // 4
+    if threads % 32 or threads % CG or threads < BV:
+        raise ValueError(f"threads={threads} must be a multiple of 32 and of BV/4, and at least BV={BV}")
+    KG, NW = threads // CG, threads // 32
+    if K % KG or K // KG > 64:
+        raise ValueError(f"K={K} over {KG} row groups must give at most 64 rows per thread")
+    if K % (4 * NW):
+        raise ValueError(f"K={K} must split into 4-element chunks over {NW} warps")
+    return CG, KG, K // KG, NW
+
+
+def rows_per_vector(KR: int) -> int:
+    """Rows a thread reads from shared memory in one vector load."""
+    return 4 if KR % 4 == 0 else (2 if KR % 2 == 0 else 1)
+
+
+def state_macros(T, *, KR: int, CG: int, C: int, tokens: int, queries: int, key_row0: int):
+    """(load_state, s0_products, fused_flush) TileLang macros for one template's constants."""
+    RV = rows_per_vector(KR)
+    RGW = 32 // CG if CG < 32 else 1  # row groups per warp
+    f32 = "float32"
+
+    @T.macro
+    def load_state(Sr, state, sslot, hv, rg, cg, v0):
+        """This thread's S0 rows as float4 loads (zeros for a row without a state)."""
+        if sslot >= 0:
+            for rr in T.unroll(KR):
+                for c in T.vectorized(4):
+                    Sr[rr * 4 + c] = state[sslot, hv, rg * KR + rr, v0 + cg * 4 + c]
+        else:
+            for rr in T.unroll(KR * 4):
+                Sr[rr] = 0.0
+
+    @T.macro
+    def s0_products(acc, Sr, X, xv, Ps, rg, cg, w, lane):
+        """S0^T X[q] over this thread's rows for every query row q; the row groups of a warp summed
+        by shuffles, each warp's partials to Ps[w, q, column]; ends with a block barrier."""
+        for i in T.unroll(queries * 4):
+            acc[i] = 0.0
+        for r4 in T.unroll(KR // RV):
+            for cc in T.unroll(queries):
+                for e in T.vectorized(RV):
+                    xv[e] = X[cc, rg * KR + r4 * RV + e]
+                for e in T.unroll(RV):
+                    for c in T.unroll(4):
+                        acc[cc * 4 + c] = acc[cc * 4 + c] + Sr[(r4 * RV + e) * 4 + c] * xv[e]
+        if RGW > 1:  # sum the row groups a warp holds (lanes CG, 2 CG, ... apart)
+            for i in T.unroll(queries * 4):
+                acc[i] = acc[i] + T.shfl_xor(acc[i], CG)
+        if RGW > 2:
+            for i in T.unroll(queries * 4):
+                acc[i] = acc[i] + T.shfl_xor(acc[i], 2 * CG)
+        if RGW > 4:
+            for i in T.unroll(queries * 4):
+                acc[i] = acc[i] + T.shfl_xor(acc[i], 4 * CG)
+        if RGW > 8:
+            for i in T.unroll(queries * 4):
+                acc[i] = acc[i] + T.shfl_xor(acc[i], 8 * CG)
+        if RGW > 16:
+            for i in T.unroll(queries * 4):
+                acc[i] = acc[i] + T.shfl_xor(acc[i], 16 * CG)
+        if lane < CG:
+            for cc in T.unroll(queries):
+                for c in T.vectorized(4):
+                    Ps[w, cc, cg * 4 + c] = acc[cc * 4 + c]
+        T.sync_threads()
+
+    @T.macro
+    def fused_flush(Sr, X, xv, yv, Db, FW, Gd, gacc, state, sslot, hv, rg, cg, v0):
+        """S0 <- exp(G_C) S0 + sum_e FW[e] k_e v_e^T over the C entries as stored (keys in X from
+        key_row0, values in Db), written back to the state."""
+        T.sync_threads()
+        gacc[0] = T.cast(T.exp(Gd[tokens - 1]), f32)
+        for i in T.unroll(KR * 4):
+            Sr[i] = Sr[i] * gacc[0]
+        for e in T.serial(C):
+            for c in T.vectorized(4):
+                yv[c] = Db[e, cg * 4 + c]
+            for r4 in T.unroll(KR // RV):
+                for c in T.vectorized(RV):
+                    xv[c] = X[key_row0 + e, rg * KR + r4 * RV + c]
+                for rr in T.unroll(RV):
+                    for c in T.unroll(4):
+                        Sr[(r4 * RV + rr) * 4 + c] = Sr[(r4 * RV + rr) * 4 + c] + FW[e] * xv[rr] * yv[c]
+        for rr in T.unroll(KR):
+            for c in T.vectorized(4):
+                state[sslot, hv, rg * KR + rr, v0 + cg * 4 + c] = Sr[rr * 4 + c]
+
+    return load_state, s0_products, fused_flush
