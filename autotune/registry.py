@@ -44,6 +44,12 @@ class Template:
     uses_chunk: bool = True   # False: one kernel serves every chunk size (stored with chunk_size 0)
     tolerance: float = 2e-2   # relative error (vs the fp32 reference) a variant may have
     min_chunk: int = 1        # smallest chunk size the kernel makes sense for (a T-token chunk needs C >= T)
+    fitted: Callable[[Mapping], Mapping] | None = field(default=None, repr=False)  # shape -> defaults
+
+    def defaults_for(self, shape: Mapping) -> dict:
+        """The untuned tunables for one head shape: `fitted(shape)` where the template narrows its
+        measured best to the head dims, else the fixed `defaults`."""
+        return dict(self.fitted(shape) if self.fitted else self.defaults)
 
 
 def source_digest(package: str = "kvbuffer.tiles") -> str:
@@ -212,14 +218,17 @@ def gdn_templates() -> list[Template]:
 
     inputs = _chunk_inputs(_gdn_tokens, 2)
     reference = _chunk_reference("kvbuffer.reference.gdn", lambda a: (*a[:5], a[5], a[6]), 7)
+    fitted = lambda shape: g.default_buffered_tunables(shape["K"], shape["V"])  # noqa: E731
     chunks = [Template(f"gdn_prefill_chunk{T}", "gdn", chunk(T), g.get_buffered_configs,
-                       builder_defaults(g.gdn_buffered, tun), inputs(T), reference, _run, src, min_chunk=T)
+                       builder_defaults(g.gdn_buffered, tun), inputs(T), reference, _run, src, min_chunk=T,
+                       fitted=fitted)
               for T in PREFILL_CHUNKS]
     return chunks + [
         Template("gdn_recurrent", "gdn", recurrent, g.get_recurrent_configs, builder_defaults(g.gdn_recurrent, tun),
                  _gdn_recurrent_inputs, _gdn_recurrent_reference, _run, src, uses_chunk=False),
         Template("gdn_buffered_step", "gdn", buffered, g.get_buffered_configs,
-                 builder_defaults(g.gdn_buffered, tun), _gdn_buffered_inputs, _gdn_buffered_reference, _run, src),
+                 builder_defaults(g.gdn_buffered, tun), _gdn_buffered_inputs, _gdn_buffered_reference, _run, src,
+                 fitted=fitted),
         Template("gdn_flush", "gdn", flush, g.get_flush_configs, builder_defaults(g.gdn_flush, tun),
                  _gdn_flush_inputs, _gdn_flush_reference, _run, src),
     ]
@@ -290,12 +299,14 @@ def _m2_buffered_reference(shape, chunk_size, args):
 def mamba2_templates() -> list[Template]:
     m = importlib.import_module(MAMBA2_TILES)
     src = source_digest()
-    tun = ("BV", "threads")  # the defaults (variant "reduce", the generic template) until a GPU run decides
+    tun = ("BV", "threads")
+    buffered_tun = ("variant", "BV", "threads", "blocks")
+    fitted = lambda shape: m.default_buffered_tunables(shape["K"], shape["V"])  # noqa: E731
 
     def buffered_configs() -> list[dict]:
-        """Both buffered variants, interleaved: the generic default, then the thread-level template's best
-        guess (tiles/mamba2_simt.py, variant "simt"), ...: `--max-configs 2` already times both, and the
-        tuner keeps whichever is faster (and passes the reference check) per batch bucket."""
+        """Both buffered variants, interleaved: the thread-level default (tiles/mamba2_simt.py, variant
+        "simt"), then the generic template's (variant "reduce"), ...: `--max-configs 2` already times both,
+        and the tuner keeps whichever is faster (and passes the reference check) per batch bucket."""
         return m.get_buffered_configs()
 
     def recurrent(shape, chunk_size, *, target, **t):
@@ -319,14 +330,16 @@ def mamba2_templates() -> list[Template]:
     inputs = _chunk_inputs(_m2_tokens, 0)
     reference = _chunk_reference("kvbuffer.reference.mamba2", lambda a: a[:7], 8)
     chunks = [Template(f"mamba2_prefill_chunk{T}", "mamba2", chunk(T), buffered_configs,
-                       builder_defaults(m.mamba2_buffered, tun), inputs(T), reference, _run, src, min_chunk=T)
+                       builder_defaults(m.mamba2_buffered, buffered_tun), inputs(T), reference, _run, src,
+                       min_chunk=T, fitted=fitted)
               for T in PREFILL_CHUNKS]
     return chunks + [
         Template("mamba2_recurrent", "mamba2", recurrent, m.get_recurrent_configs,
                  builder_defaults(m.mamba2_recurrent, tun), _m2_recurrent_inputs, _m2_recurrent_reference, _run,
                  src, uses_chunk=False),
         Template("mamba2_buffered_step", "mamba2", buffered, buffered_configs,
-                 builder_defaults(m.mamba2_buffered, tun), _m2_buffered_inputs, _m2_buffered_reference, _run, src),
+                 builder_defaults(m.mamba2_buffered, buffered_tun), _m2_buffered_inputs, _m2_buffered_reference, _run,
+                 src, fitted=fitted),
         Template("mamba2_flush", "mamba2", flush, m.get_flush_configs, builder_defaults(m.mamba2_flush, tun),
                  _gdn_flush_inputs, _gdn_flush_reference, _run, src),
     ]

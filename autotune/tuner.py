@@ -84,13 +84,14 @@ def build_untuned(cache: ArtifactCache, req: TuneRequest, templates: Sequence[Te
     """Compile every template with its defaults for req.gpu's arch; returns (results, tuning name)."""
     results = []
     for tpl, chunk in plan(templates, req.chunk_sizes):
-        key = _key(req, tpl, chunk, tpl.defaults)
+        defaults = tpl.defaults_for(req.shape)
+        key = _key(req, tpl, chunk, defaults)
         t0 = time.perf_counter()
         reused = cache.has(key)
         if not reused:
-            kernel = tpl.build(dict(req.shape), chunk, target=req.gpu.target, **tpl.defaults)
+            kernel = tpl.build(dict(req.shape), chunk, target=req.gpu.target, **defaults)
             _publish(cache, key, kernel, "untuned", {"compile_s": round(time.perf_counter() - t0, 2)})
-        res = BuildResult(tpl.name, chunk, dict(tpl.defaults), key.name, cache.status(key.name),
+        res = BuildResult(tpl.name, chunk, defaults, key.name, cache.status(key.name),
                           time.perf_counter() - t0, reused)
         results.append(res)
         progress(res)

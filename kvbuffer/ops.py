@@ -30,6 +30,7 @@ same shapes eagerly first, which also loads the kernel.
 from __future__ import annotations
 
 import contextlib
+import importlib
 import logging
 import os
 import threading
@@ -176,14 +177,15 @@ def _from_artifacts(key: KernelKey, batch: int):
 
 
 def jit_tunables(key: KernelKey) -> dict:
-    """The templates' default tunables, narrowed for small head dims (BV divides V).
+    """The tunables a JIT-compiled kernel gets when nothing was tuned.
 
-    The buffered kernels' M=16 GEMMs split BV over the warps (BV % (8 * warps) == 0); with BV = 32
-    and 4 warps TileLang 0.1.15 finds no layout for T > 1 (checked at K = V = 32), 2 warps compile.
+    Buffered kernels: the template's measured best, narrowed for small head dims
+    (tiles.<family>.default_buffered_tunables). The recurrent step and the flush: BV = 32 (at most V).
     """
-    bv = min({"recurrent": 32, "buffered": 64, "flush": 32}[key.kind], key.V)
-    threads = min(128, 2 * bv) if key.kind == "buffered" else 128
-    return {"BV": bv, "threads": threads}
+    if key.kind == "buffered":
+        tiles = importlib.import_module(f"kvbuffer.tiles.{key.family}")
+        return tiles.default_buffered_tunables(key.K, key.V)
+    return {"BV": min(32, key.V), "threads": 128}
 
 
 def _jit(key: KernelKey):

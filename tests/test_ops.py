@@ -165,12 +165,20 @@ def test_missing_artifact_without_jit_names_the_tune_command(monkeypatch, tmp_pa
         ops.allow_jit(None)
 
 
-def test_jit_tunables_fit_small_heads():
-    key = lambda kind, v: ops.KernelKey("gdn", kind, 2, 4, 32, v, "bfloat16", "bfloat16", 9, 1, 8)  # noqa: E731
-    assert ops.jit_tunables(key("buffered", 128)) == {"BV": 64, "threads": 128}
-    assert ops.jit_tunables(key("buffered", 32)) == {"BV": 32, "threads": 64}
-    assert ops.jit_tunables(key("buffered", 16)) == {"BV": 16, "threads": 32}
-    assert ops.jit_tunables(key("flush", 16)) == {"BV": 16, "threads": 128}
+def test_jit_tunables_are_the_measured_best_narrowed_for_small_heads():
+    def key(family, kind, v):
+        return ops.KernelKey(family, kind, 2, 4, 128, v, "bfloat16", "bfloat16", 9, 1, 8)
+
+    assert ops.jit_tunables(key("gdn", "buffered", 128)) == {"BV": 128, "threads": 128, "blocks": 3}
+    assert ops.jit_tunables(key("gdn", "buffered", 64)) == {"BV": 64, "threads": 128, "blocks": 0}
+    assert ops.jit_tunables(key("gdn", "buffered", 32)) == {"BV": 32, "threads": 64, "blocks": 0}
+    assert ops.jit_tunables(key("gdn", "buffered", 16)) == {"BV": 16, "threads": 32, "blocks": 0}
+    assert ops.jit_tunables(key("mamba2", "buffered", 64)) == {"variant": "simt", "BV": 64, "threads": 64,
+                                                               "blocks": 6}
+    assert ops.jit_tunables(key("mamba2", "buffered", 32)) == {"variant": "simt", "BV": 32, "threads": 64,
+                                                               "blocks": 0}
+    assert ops.jit_tunables(key("gdn", "flush", 16)) == {"BV": 16, "threads": 128}
+    assert ops.jit_tunables(key("mamba2", "recurrent", 64)) == {"BV": 32, "threads": 128}
 
 
 def test_importing_ops_does_not_import_tilelang():

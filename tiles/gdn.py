@@ -10,7 +10,7 @@ the recurrent step takes a token axis of 1.
 """
 
 from .linear_decode import _tl, check_shape as _check_shape, pow2 as _pow2  # noqa: F401
-from .simt_parts import simt_layout, state_macros
+from .simt_parts import fitted_tunables, simt_layout, state_macros
 from .linear_decode import (  # noqa: F401  (the tunables lists are part of this module's API)
     L2NORM_EPS,
     SOFTPLUS_THRESHOLD,
@@ -35,6 +35,15 @@ def gdn_recurrent(Hk: int, Hv: int, K: int = 128, V: int = 128, *, BV: int = 32,
 # choice); best first (H200, Qwen3.5 shapes), since `kvbuffer tune --max-configs N` tries the first N
 _BUFFERED_CONFIGS = ((128, 128, 0), (128, 128, 3), (64, 64, 0), (64, 128, 0), (64, 128, 5), (128, 256, 0),
                      (32, 64, 0), (32, 64, 10), (32, 128, 0), (64, 256, 0), (32, 256, 0))
+
+
+# the winner of every GDN shape measured on the H200 (Qwen3.5-9B and -27B, benchmarks/results/gdn_*)
+BUFFERED_BEST = {"BV": 128, "threads": 128, "blocks": 3}
+
+
+def default_buffered_tunables(K: int = 128, V: int = 128) -> dict:
+    """The tunables an untuned (JIT) buffered kernel gets: BUFFERED_BEST where the head dims allow."""
+    return fitted_tunables(K, V, BUFFERED_BEST)
 
 
 def get_buffered_configs() -> list[dict]:

@@ -8,10 +8,10 @@ output is y = o + D * x, optionally gated y * silu(z) (`selective_state_update` 
 Args of every kernel: x, dt, A_log, dt_bias, B, C, D, z, state, state_slots, [buf_k, buf_v, buf_g,
 buffer_slots, lengths,] y; z is read only by kernels built with has_z=True (pass x otherwise).
 
-The buffered template has two variants with that one ABI (tunable `variant`): "reduce", the generic
-in-block-reduction template (tiles/linear_decode.py, TF32 GEMMs; the default), and "simt", the
-thread-level template of tiles/mamba2_simt.py (fp32 FMA; the GDN design of tiles/gdn.py). "simt" is
-not the default until it has been measured on a GPU; `kvbuffer tune` times both.
+The buffered template has two variants with that one ABI (tunable `variant`): "simt", the thread-level
+template of tiles/mamba2_simt.py (fp32 FMA; the GDN design of tiles/gdn.py; the default: on the H200 it
+is 2.3-2.5x the "reduce" variant at B >= 64, benchmarks/results/mamba2_*), and "reduce", the generic
+in-block-reduction template (tiles/linear_decode.py, TF32 GEMMs). `kvbuffer tune` times both.
 """
 
 from .linear_decode import get_buffered_configs as _reduce_configs
@@ -23,6 +23,7 @@ from .linear_decode import (  # noqa: F401  (the tunables lists are part of this
     linear_recurrent,
 )
 from .mamba2_simt import get_simt_configs, mamba2_buffered_simt
+from .simt_parts import fitted_tunables
 
 VARIANTS = ("reduce", "simt")
 
@@ -35,27 +36,36 @@ def mamba2_recurrent(G: int, H: int, N: int = 128, P: int = 64, *, BV: int = 32,
     return linear_recurrent("mamba2", G, H, N, P, BV=BV, threads=threads, in_dtype=in_dtype, has_z=has_z)
 
 
+# the winner at both Nemotron-3 shapes on the H200 (benchmarks/results/mamba2_*): the signature's defaults
+BUFFERED_BEST = {"variant": "simt", "BV": 64, "threads": 64, "blocks": 6}
+
+
+def default_buffered_tunables(N: int = 128, P: int = 64) -> dict:
+    """The tunables an untuned (JIT) buffered kernel gets: BUFFERED_BEST where the head dims allow."""
+    return fitted_tunables(N, P, BUFFERED_BEST)
+
+
 def get_buffered_configs() -> list[dict]:
     """Tunables of `mamba2_buffered`, both variants interleaved (`kvbuffer tune --max-configs N` tries the
-    first N): the generic default first, then the thread-level template's best guess, so N >= 2 always
-    times both. The first "reduce" entry is the template's default (no `variant` key: "reduce")."""
-    reduce = _reduce_configs()
-    default = {"BV": 64, "threads": 128}
-    reduce = [default] + [c for c in reduce if c != default]
-    simt = get_simt_configs()
+    first N): the default (BUFFERED_BEST) first, then the generic template's default, so N >= 2 always
+    times both variants."""
+    simt = [BUFFERED_BEST] + [c for c in get_simt_configs() if c != BUFFERED_BEST]
+    reduce = [{"variant": "reduce", **c, "blocks": 0} for c in _reduce_configs()]
+    first = {"variant": "reduce", "BV": 64, "threads": 128, "blocks": 0}
+    reduce = [first] + [c for c in reduce if c != first]
     out = []
     for i in range(max(len(reduce), len(simt))):
-        out += reduce[i:i + 1] + simt[i:i + 1]
+        out += simt[i:i + 1] + reduce[i:i + 1]
     return out
 
 
 def mamba2_buffered(G: int, H: int, N: int = 128, P: int = 64, *, cap: int = 16, T_new: int = 1,
-                    flush_at: int = 0, BV: int = 64, threads: int = 128, in_dtype: str = "bfloat16",
-                    buf_dtype: str = "bfloat16", has_z: bool = False, variant: str = "reduce", blocks: int = 0):
+                    flush_at: int = 0, BV: int = 64, threads: int = 64, in_dtype: str = "bfloat16",
+                    buf_dtype: str = "bfloat16", has_z: bool = False, variant: str = "simt", blocks: int = 6):
     """T_new Mamba-2 tokens after each row's n buffered entries (step, verify, prefill chunk; fused flush at C).
 
-    variant "reduce" (default): tiles/linear_decode.py; "simt": tiles/mamba2_simt.py (`blocks` caps its
-    registers). One ABI for both.
+    variant "simt" (default): tiles/mamba2_simt.py (`blocks` caps its registers); "reduce":
+    tiles/linear_decode.py, which has no register cap (pass blocks=0). One ABI for both.
     """
     if variant == "simt":
         return mamba2_buffered_simt(G, H, N, P, cap=cap, T_new=T_new, flush_at=flush_at, BV=BV, threads=threads,
@@ -63,7 +73,7 @@ def mamba2_buffered(G: int, H: int, N: int = 128, P: int = 64, *, cap: int = 16,
     if variant != "reduce":
         raise ValueError(f"variant must be one of {VARIANTS}, got {variant!r}")
     if blocks:
-        raise ValueError("blocks is a tunable of the 'simt' variant only")
+        raise ValueError(f"blocks={blocks} is a tunable of the 'simt' variant only: pass blocks=0 with 'reduce'")
     return linear_buffered("mamba2", G, H, N, P, cap=cap, T_new=T_new, flush_at=flush_at, BV=BV,
                            threads=threads, in_dtype=in_dtype, buf_dtype=buf_dtype, has_z=has_z)
 

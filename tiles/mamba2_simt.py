@@ -32,7 +32,7 @@ def get_simt_configs(K: int = 128) -> list[dict]:
             simt_layout(K, bv, th)
         except ValueError:
             continue
-        out.append({"variant": "simt", "BV": bv, "threads": th, **({"blocks": blocks} if blocks else {})})
+        out.append({"variant": "simt", "BV": bv, "threads": th, "blocks": blocks})
     return out
 
 

@@ -23,6 +23,19 @@ def simt_layout(K: int, BV: int, threads: int) -> tuple[int, int, int, int]:
     return CG, KG, K // KG, NW
 
 
+def fitted_tunables(K: int, V: int, best: dict) -> dict:
+    """`best` (measured at the models' head dims) when a K x V head admits it; otherwise the largest BV
+    that divides V, with 2 * BV threads and no register cap (blocks = 0; the small-head shape the GPU tests run)."""
+    try:
+        if V % best["BV"] == 0:
+            simt_layout(K, best["BV"], best["threads"])
+            return dict(best)
+    except ValueError:
+        pass
+    bv = next(b for b in (64, 32, 16) if V % b == 0)
+    return {k: v for k, v in best.items() if k == "variant"} | {"BV": bv, "threads": min(128, 2 * bv), "blocks": 0}
+
+
 def rows_per_vector(KR: int) -> int:
     """Rows a thread reads from shared memory in one vector load."""
     return 4 if KR % 4 == 0 else (2 if KR % 2 == 0 else 1)

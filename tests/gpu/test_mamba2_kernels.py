@@ -3,8 +3,8 @@
 Mirrors test_gdn_kernels: fresh random inputs per case, NaN-poisoned outputs, NaN beyond each row's
 fill in the buffer (a kernel reading past lengths[b] fails), pool slots outside the batch bit-exact.
 Shapes: Nemotron-3 Nano (8 groups, 64 heads x P 64, N 128) and Super (8 groups, 128 heads).
-The buffered kernels run in both variants of tiles/mamba2.py: "reduce" (the generic template, the default)
-and "simt" (tiles/mamba2_simt.py, the thread-level template; results recorded under m2simt/...).
+The buffered kernels run in both variants of tiles/mamba2.py: "simt" (tiles/mamba2_simt.py, the
+thread-level template and the default; results recorded under m2simt/...) and "reduce" (the generic template).
 """
 
 from __future__ import annotations
@@ -55,7 +55,7 @@ def recurrent_op(G, H, has_z=True):
 
 @functools.cache
 def buffered_op(G, H, T_new=1, flush_at=C, has_z=True, variant="reduce"):
-    extra = {} if variant == "reduce" else {"variant": variant}  # the default build stays as it was
+    extra = {"variant": variant, **({"threads": 128, "blocks": 0} if variant == "reduce" else {})}
     return build_mamba2_buffered(G, H, N, P, cap=CAP, T_new=T_new, flush_at=flush_at, has_z=has_z, **extra)
 
 
