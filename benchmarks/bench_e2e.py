@@ -111,8 +111,50 @@ def _warm_steps(st):
     return [s for s, _ in steps], [t for _, t in steps]
 
 
+def profile_decode(llm, prompts, *, device, steps: int, skip: int = 3) -> dict:
+    """torch.profiler over `steps` decode steps (after `skip` warm ones) of one generate call: the kernels
+    by device time, and how much of the steps' wall time the device was busy (the rest is host time)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    prof, seen, wall = profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]), [0], [0.0]
+    decode = llm.runner.decode
+
+    def profiled(running):
+        seen[0] += 1
+        if seen[0] == skip + 1:
+            _sync(device)
+            prof.start()
+            wall[0] = time.perf_counter()
+        out = decode(running)
+        if seen[0] == skip + steps:
+            _sync(device)
+            wall[0] = time.perf_counter() - wall[0]
+            prof.stop()
+        return out
+
+    llm.runner.decode = profiled
+    try:
+        llm.generate(prompts, max_new_tokens=skip + steps + 1, stop_token_ids=[])
+    finally:
+        llm.runner.decode = decode
+    events = [e for e in prof.key_averages() if getattr(e, "self_device_time_total", 0) > 0]
+    events.sort(key=lambda e: -e.self_device_time_total)
+    busy_us = sum(e.self_device_time_total for e in events)
+    kernels = [dict(name=e.key[:90], us_per_step=e.self_device_time_total / steps, calls_per_step=e.count / steps)
+               for e in events]
+    return dict(steps=steps, wall_ms_per_step=1e3 * wall[0] / steps, device_busy_ms_per_step=busy_us / steps / 1e3,
+                kernels=kernels)
+
+
+def _print_profile(tag, prof, top=14):
+    print(f"profile {tag}: {prof['wall_ms_per_step']:.2f} ms/step wall (profiled), device busy "
+          f"{prof['device_busy_ms_per_step']:.2f} ms/step", flush=True)
+    for k in prof["kernels"][:top]:
+        print(f"  {k['us_per_step']:9.1f} us {k['calls_per_step']:6.1f}x  {k['name']}", flush=True)
+
+
 def bench_decode(model, *, batches, modes, prompt_len, new_tokens, chunk_size, device, kernels,
-                 cuda_graphs, on_row=None) -> list[dict]:
+                 cuda_graphs, on_row=None, profile_batch=0) -> list[dict]:
     rows = []
     vocab = model.config.vocab_size
     for B in batches:
@@ -132,6 +174,9 @@ def bench_decode(model, *, batches, modes, prompt_len, new_tokens, chunk_size, d
                              cuda_graphs=bool(llm.cuda_graphs and llm.runner.graphs.enabled)))
             print(f"decode B={B:4d} {mode:9s} {rows[-1]['decode_tokens_per_s']:10.1f} tok/s "
                   f"{rows[-1]['step_ms']:8.2f} ms/step", flush=True)
+            if B == profile_batch:
+                rows[-1]["profile"] = profile_decode(llm, prompts, device=device, steps=8)
+                _print_profile(f"B={B} {mode}", rows[-1]["profile"])
             del llm  # its pools go before the next engine is built
             _row_done(rows, on_row, device)
     return rows
@@ -199,6 +244,7 @@ def main(argv=None):
     p.add_argument("--max-requests", type=int, default=1024, help="cap on admitted requests (spec)")
     p.add_argument("--kernels", default="auto", choices=["auto", "true", "false"])
     p.add_argument("--cuda-graphs", default="auto", choices=["auto", "true", "false"])
+    p.add_argument("--profile-batch", type=int, default=0, help="decode: profile the steps at this batch")
     p.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
     a = p.parse_args(argv)
     dtype = getattr(torch, a.dtype) if a.dtype else (torch.bfloat16 if a.device.startswith("cuda") else torch.float32)
@@ -224,7 +270,7 @@ def main(argv=None):
     common = dict(modes=modes, prompt_len=a.prompt_len, new_tokens=a.new_tokens, chunk_size=a.chunk_size,
                   device=a.device, kernels=kernels, cuda_graphs=graphs, on_row=save)
     if a.what == "decode":
-        bench_decode(model, batches=_ints(a.batches), **common)
+        bench_decode(model, batches=_ints(a.batches), profile_batch=a.profile_batch, **common)
     else:
         bench_spec(model, budget_bytes=int(a.memory_budget * 2**30), drafts=_ints(a.draft_tokens),
                    max_requests=a.max_requests, **common)

@@ -17,7 +17,7 @@ fi
 E2E="--prompt-len ${PROMPT_LEN:-24} --new-tokens ${NEW_TOKENS:-32} --chunk-size 16 --out $OUT"
 for preset in ${PRESETS:-qwen3.5-9b nemotron-3-nano}; do
   timeout ${BENCH_TIMEOUT:-170} python3 benchmarks/bench_e2e.py decode --preset $preset \
-    --batches ${BATCHES:-1,8,64,256,512} $E2E 2>&1 | grep -v INFO | tee "$OUT/bench_decode_$preset.log" | tail -12
+    --batches ${BATCHES:-1,8,64,256,512} --profile-batch ${PROFILE_BATCH:-256} $E2E 2>&1 | grep -v INFO | tee "$OUT/bench_decode_$preset.log" | grep -v '^  ' | tail -12
   if [[ " ${SPEC_PRESETS:-} " == *" $preset "* ]]; then
     timeout ${BENCH_TIMEOUT:-170} python3 benchmarks/bench_e2e.py spec --preset $preset \
       --memory-budget ${BUDGET:-12} --draft-tokens ${DRAFTS:-2,4,8} $E2E 2>&1 | grep -v INFO \

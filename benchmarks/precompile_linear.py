@@ -49,6 +49,10 @@ def mamba2_specs(C: int = 16, cap: int = 24, tune: bool = True) -> list[dict]:
         out.append(dict(m, template="mamba2_buffered", G=8, H=64, cap=cap, T_new=T, flush_at=0, has_z=True))
     for T in (1, 2, 4, 8):
         out.append(dict(m, template="mamba2_buffered", G=8, H=64, cap=cap, T_new=T, flush_at=C, has_z=True))
+    # the tests build every default-config buffered kernel in both variants (tests/gpu/test_mamba2_kernels.py)
+    plain = [s for s in out if s["template"] == "mamba2_buffered" and "BV" not in s]
+    out = [s for s in out if s not in plain] + [dict(s, variant="simt") for s in plain] + \
+        [dict(s, variant="reduce", threads=128, blocks=0) for s in plain]
     return out
 
 

@@ -3,7 +3,7 @@
 Covers the kernels tests/gpu/test_ops_and_engine.py compiles through kvbuffer.ops (JIT keys), the
 first `--max-configs` configs `kvbuffer tune` measures for one preset, and the other GPU tests'
 kernels (benchmarks/precompile_linear.py). A later compile of the same template, parameters and
-target is a cache hit. Usage: python3 benchmarks/precompile_ops.py WORKERS PRESET MAX_CONFIGS CHUNKS
+target is a cache hit. Usage: python3 benchmarks/precompile_ops.py WORKERS PRESET MAX_CONFIGS CHUNKS [tests|e2e]
 """
 
 from __future__ import annotations
@@ -26,6 +26,33 @@ def ops_keys() -> list[dict]:
         keys += [dict(d, family=fam, kind="recurrent", in_dtype="bfloat16", buf_dtype=""),
                  dict(d, family=fam, kind="flush", in_dtype="", buf_dtype="bfloat16", cap=9)]
     return keys
+
+
+def engine_keys(heads=((True, 2, 4, 32, 32), (False, 2, 4, 32, 32)), chunk_size=8, feds=(1, 2, 5, 9)) -> list[dict]:
+    """The kernels an engine launches in both modes, for each (delta rule?, Hk, Hv, K, V) linear layer;
+    default: the engine tests' tiny models and the demo checkpoint, C = 8, plain decoding and speculative
+    verify of T = 1, 4, 8 drafts (T + 1 fed tokens)."""
+    import dataclasses
+    from types import SimpleNamespace
+
+    import torch
+
+    from kvbuffer.runtime.kernel_ops import needed_kernels
+
+    keys = []
+    for delta_rule, hk, hv, k, v in heads:
+        shape = SimpleNamespace(delta_rule=delta_rule, num_k_heads=hk, num_v_heads=hv, head_k_dim=k, head_v_dim=v)
+        for fed in feds:
+            spec = SimpleNamespace(linear_shape=shape, chunk_size=chunk_size, max_drafts=fed)
+            for mode in ("kvbuffer", "recurrent"):
+                keys += [dataclasses.asdict(k) for k in needed_kernels(spec, torch.bfloat16, mode)]
+    return keys
+
+
+def e2e_keys() -> list[dict]:
+    """bench_e2e.py's kernels (benchmarks/device_e2e.sh): Qwen3.5-9B GDN and Nemotron-3-Nano Mamba-2
+    heads, C = 16, decoding and verify of 2, 4, 8 drafts."""
+    return engine_keys(heads=((True, 16, 32, 128, 128), (False, 8, 64, 128, 64)), chunk_size=16, feds=(1, 3, 5, 9))
 
 
 def _compile(job: dict) -> tuple[str, float, str]:
@@ -74,10 +101,14 @@ def linear_jobs() -> list[dict]:
     return [dict(what="linear", spec=s) for s in mamba2_specs() + gdn_specs(tune=False)]
 
 
-def main(workers=15, preset="qwen3.5-9b", max_configs=2, chunks="8,16,32") -> int:
-    jobs = [dict(what="ops", key=k) for k in ops_keys()]
-    jobs += tune_jobs(preset, int(max_configs), [int(c) for c in chunks.split(",")])
-    jobs += linear_jobs()
+def main(workers=15, preset="qwen3.5-9b", max_configs=2, chunks="8,16,32", what="tests") -> int:
+    """what: "tests" (the GPU tests' kernels and the tuner's first configs) or "e2e" (bench_e2e's)."""
+    if what == "e2e":
+        jobs = [dict(what="ops", key=k) for k in e2e_keys()]
+    else:
+        jobs = [dict(what="ops", key=k) for k in ops_keys() + engine_keys()]
+        jobs += tune_jobs(preset, int(max_configs), [int(c) for c in chunks.split(",")])
+        jobs += linear_jobs()
     jobs = list({json.dumps(j, sort_keys=True): j for j in jobs}.values())
     t0, bad = time.time(), 0
     with ProcessPoolExecutor(int(workers)) as ex:
