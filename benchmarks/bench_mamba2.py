@@ -11,9 +11,9 @@ state_batch_indices), with A, dt, dt_bias, D expanded over the head dim by strid
 as vLLM/SGLang call it. The mamba_ssm package imports its CUDA extension at import time; it is not
 built (MAMBA_SKIP_CUDA_BUILD), so this benchmark alone installs an empty stand-in module for it.
 
-Buffered variants (tiles/mamba2.py `variant`): the timed buffered step and verify are the generic
-template ("reduce", the default). `--simt` also builds, tunes, gates and times the thread-level template
-(tiles/mamba2_simt.py) in the same run, as buffered_simt / verify{T}_simt, with its ratios to both.
+Buffered variants (tiles/mamba2.py `variant`): the timed buffered step and verify are the default
+template ("simt", tiles/mamba2_simt.py). `--reduce` also builds, tunes, gates and times the generic one
+(tiles/linear_decode.py) in the same run, as buffered_reduce / verify{T}_reduce, with the ratios.
 """
 
 from __future__ import annotations
@@ -100,9 +100,9 @@ def _bytes(S: Setup, kind: str, T: int = 1) -> float:
 
 
 def _buffered_keys(ops) -> list[tuple[int, str]]:
-    """(T, key) of every buffered kernel built: the default variant's, then the simt variant's if built."""
+    """(T, key) of every buffered kernel built: the default variant's, then the generic one's if built."""
     keys = [(1, "buffered"), (2, "verify2"), (4, "verify4"), (8, "verify8")]
-    return keys + [(T, f"{k}_simt") for T, k in keys if f"{k}_simt" in ops]
+    return keys + [(T, f"{k}_reduce") for T, k in keys if f"{k}_reduce" in ops]
 
 
 def correctness_gate(ops, G, H, peer) -> dict:
@@ -137,13 +137,13 @@ def correctness_gate(ops, G, H, peer) -> dict:
     return out
 
 
-def build_ops(G, H, *, C, cap, buffered_cfg=None, recurrent_cfg=None, simt_cfg=None) -> dict:
-    """The timed kernels; simt_cfg (a dict, {} for the defaults) adds the simt variant's step and verifies."""
+def build_ops(G, H, *, C, cap, buffered_cfg=None, recurrent_cfg=None, reduce_cfg=None) -> dict:
+    """The timed kernels; reduce_cfg (a dict) adds the generic variant's step and verifies."""
     from kvbuffer.kernels import build_mamba2_buffered, build_mamba2_recurrent
 
     bc, rc = buffered_cfg or {}, recurrent_cfg or {}
     ops = {"C": C, "cap": cap, "recurrent": build_mamba2_recurrent(G, H, N, P, has_z=True, **rc)}
-    variants = [("", bc)] + ([("_simt", dict(simt_cfg, variant="simt"))] if simt_cfg is not None else [])
+    variants = [("", bc)] + ([("_reduce", dict(reduce_cfg, variant="reduce"))] if reduce_cfg is not None else [])
     for suffix, cfg in variants:
         ops["buffered" + suffix] = build_mamba2_buffered(G, H, N, P, cap=cap, T_new=1, flush_at=C, has_z=True, **cfg)
         for T in (2, 4, 8):
@@ -175,7 +175,7 @@ def _launchers(S, ops, peer):
 
 KINDS = {"recurrent": ("recurrent", 1), "peer": ("peer", 1), "buffered": ("buffered", 1),
          "verify2": ("verify", 2), "verify4": ("verify", 4), "verify8": ("verify", 8)}
-KINDS.update({f"{k}_simt": v for k, v in KINDS.items() if k not in ("recurrent", "peer")})
+KINDS.update({f"{k}_reduce": v for k, v in KINDS.items() if k not in ("recurrent", "peer")})
 
 
 def bench_shape(name, G, H, ops, peer, batches, copy_bw) -> list[dict]:
@@ -192,12 +192,11 @@ def bench_shape(name, G, H, ops, peer, batches, copy_bw) -> list[dict]:
             row["speedup_recurrent_vs_peer"] = t["peer"] / t["recurrent"]
         for T in (2, 4, 8):
             row[f"verify{T}_over_step"] = t[f"verify{T}"] / t["buffered"]
-        if "buffered_simt" in t:  # the thread-level variant against the default one and the recurrent step
-            row["speedup_simt_vs_buffered"] = t["buffered"] / t["buffered_simt"]
-            row["speedup_simt_vs_recurrent"] = t["recurrent"] / t["buffered_simt"]
+        if "buffered_reduce" in t:  # the default (thread-level) variant against the generic one
+            row["speedup_buffered_vs_reduce"] = t["buffered_reduce"] / t["buffered"]
             for T in (2, 4, 8):
-                row[f"speedup_simt_vs_buffered_verify{T}"] = t[f"verify{T}"] / t[f"verify{T}_simt"]
-                row[f"verify{T}_simt_over_step"] = t[f"verify{T}_simt"] / t["buffered_simt"]
+                row[f"speedup_verify{T}_vs_reduce"] = t[f"verify{T}_reduce"] / t[f"verify{T}"]
+                row[f"verify{T}_reduce_over_step"] = t[f"verify{T}_reduce"] / t["buffered_reduce"]
         rows.append(row)
         print(f"{name:16s} B={B:5d} " + " ".join(f"{k}={v * 1e3:8.1f}us" for k, v in t.items()), flush=True)
         del S
@@ -205,11 +204,11 @@ def bench_shape(name, G, H, ops, peer, batches, copy_bw) -> list[dict]:
     return rows
 
 
-def tune(G, H, *, C, cap, B=256, simt=False) -> dict:
-    """Pick BV/threads of the recurrent and buffered kernels by their median time at batch B.
+def tune(G, H, *, C, cap, B=256, reduce=False) -> dict:
+    """Pick the tunables of the recurrent and buffered kernels by their median time at batch B.
 
-    The buffered configs of each variant are tuned apart: "buffered" (the default template) and, with
-    simt, "buffered_simt" (the thread-level one; its configs without the `variant` key).
+    The buffered configs of each variant are tuned apart: "buffered" (the default, thread-level template)
+    and, with reduce, "buffered_reduce" (the generic one); the winners are kept without the `variant` key.
     """
     from kvbuffer.kernels import build_mamba2_buffered, build_mamba2_recurrent
     from kvbuffer.tiles.mamba2 import get_buffered_configs, get_recurrent_configs
@@ -220,14 +219,14 @@ def tune(G, H, *, C, cap, B=256, simt=False) -> dict:
         ops = {"recurrent": build_mamba2_recurrent(G, H, N, P, has_z=True, **cfg)}
         log.append(("recurrent", cfg, _time(_launchers(S, ops, None)["recurrent"])))
     for cfg in (c for c in get_buffered_configs() if P % c["BV"] == 0):
-        kind = "buffered_simt" if cfg.get("variant") == "simt" else "buffered"
-        if kind == "buffered_simt" and not simt:
+        kind = "buffered_reduce" if cfg.get("variant") == "reduce" else "buffered"
+        if kind == "buffered_reduce" and not reduce:
             continue
         ops = {"buffered": build_mamba2_buffered(G, H, N, P, cap=cap, T_new=1, flush_at=C, has_z=True, **cfg)}
         ops.update({f"verify{T}": ops["buffered"] for T in (2, 4, 8)})
         log.append((kind, {k: v for k, v in cfg.items() if k != "variant"},
                     _time(_launchers(S, ops, None)["buffered"], reps=2 * C)))
-    kinds = ("recurrent", "buffered") + (("buffered_simt",) if simt else ())
+    kinds = ("recurrent", "buffered") + (("buffered_reduce",) if reduce else ())
     best = {k: min((x for x in log if x[0] == k), key=lambda x: x[2])[1] for k in kinds}
     best["log"] = [{"kind": k, **c, "us": 1e3 * t} for k, c, t in log]
     del S
@@ -235,22 +234,22 @@ def tune(G, H, *, C, cap, B=256, simt=False) -> dict:
     return best
 
 
-def run_benchmark(shapes=tuple(SHAPES), batches=BATCHES, C=16, cap=24, autotune=True, simt=False) -> dict:
+def run_benchmark(shapes=tuple(SHAPES), batches=BATCHES, C=16, cap=24, autotune=True, reduce=False) -> dict:
     copy_bw = copy_bandwidth()
     peer = _peer()
     result = {"date": datetime.date.today().isoformat(), "gpu": torch.cuda.get_device_name(),
               "copy_GBps": copy_bw / 1e9, "C": C, "cap": cap, "buffer_dtype": "bfloat16", "has_z": True,
               "notes": "peer: mamba_ssm 2.3.2.post1 Triton selective_state_update (dt_softplus, dt_bias, D, z, "
                        "state_batch_indices)" if peer else "peer unavailable", "gate": {}, "rows": [], "configs": {},
-              "variants": ["reduce", "simt"] if simt else ["reduce"]}
+              "variants": ["simt", "reduce"] if reduce else ["simt"]}
     for name in shapes:
         G, H = SHAPES[name]
-        cfg = tune(G, H, C=C, cap=cap, simt=simt) if autotune else {}
+        cfg = tune(G, H, C=C, cap=cap, reduce=reduce) if autotune else {}
         result["configs"][name] = cfg
         print(f"tuned {name}: recurrent {cfg.get('recurrent')} buffered {cfg.get('buffered')}"
-              + (f" buffered_simt {cfg.get('buffered_simt')}" if simt else ""), flush=True)
+              + (f" buffered_reduce {cfg.get('buffered_reduce')}" if reduce else ""), flush=True)
         ops = build_ops(G, H, C=C, cap=cap, buffered_cfg=cfg.get("buffered"), recurrent_cfg=cfg.get("recurrent"),
-                        simt_cfg=cfg.get("buffered_simt", {}) if simt else None)
+                        reduce_cfg=cfg.get("buffered_reduce", {"threads": 128, "blocks": 0}) if reduce else None)
         gate = correctness_gate(ops, G, H, peer)
         result["gate"][name] = gate
         print(f"gate {name}: " + " ".join(f"{k}={v:.2e}" for k, v in gate.items()), flush=True)
@@ -271,18 +270,17 @@ def table(result: dict) -> str:
                      f" {u['buffered']:8.1f} {u['verify2']:8.1f} {u['verify4']:8.1f} {u['verify8']:8.1f}"
                      f" {r.get('speedup_buffered_vs_peer', nan):8.2f} {r['speedup_buffered_vs_recurrent']:7.2f}"
                      f" {r['verify4_over_step']:7.2f} {r['GBps']['buffered']:7.0f} {r['GBps'].get('peer', nan):8.0f}")
-    if any("buffered_simt" in r["us"] for r in result["rows"]):
-        lines += ["", "thread-level variant (simt) beside the default buffered template (reduce), same run",
-                  f"{'shape':16s} {'B':>5s} {'buf':>8s} {'simt':>8s} {'v4':>8s} {'v4simt':>8s} {'simt/buf':>8s}"
-                  f" {'simt/rec':>8s} {'v4 s/b':>7s} {'simtGB/s':>8s} {'simt bw':>7s}"]
+    if any("buffered_reduce" in r["us"] for r in result["rows"]):
+        lines += ["", "the default thread-level template (simt) beside the generic one (reduce), same run",
+                  f"{'shape':16s} {'B':>5s} {'reduce':>8s} {'simt':>8s} {'v4red':>8s} {'v4':>8s} {'speedup':>8s}"
+                  f" {'v4 spd':>7s} {'buf bw':>7s}"]
         for r in result["rows"]:
-            if "buffered_simt" not in r["us"]:
+            if "buffered_reduce" not in r["us"]:
                 continue
             u = r["us"]
-            lines.append(f"{r['shape']:16s} {r['B']:5d} {u['buffered']:8.1f} {u['buffered_simt']:8.1f}"
-                         f" {u['verify4']:8.1f} {u['verify4_simt']:8.1f} {r['speedup_simt_vs_buffered']:8.2f}"
-                         f" {r['speedup_simt_vs_recurrent']:8.2f} {r['speedup_simt_vs_buffered_verify4']:7.2f}"
-                         f" {r['GBps']['buffered_simt']:8.0f} {r['frac_copy_bw']['buffered_simt']:7.2f}")
+            lines.append(f"{r['shape']:16s} {r['B']:5d} {u['buffered_reduce']:8.1f} {u['buffered']:8.1f}"
+                         f" {u['verify4_reduce']:8.1f} {u['verify4']:8.1f} {r['speedup_buffered_vs_reduce']:8.2f}"
+                         f" {r['speedup_verify4_vs_reduce']:7.2f} {r['frac_copy_bw']['buffered']:7.2f}")
     return "\n".join(lines)
 
 
@@ -291,10 +289,10 @@ def main(argv=None):
     p.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
     p.add_argument("--batches", default=",".join(map(str, BATCHES)))
     p.add_argument("--no-tune", action="store_true")
-    p.add_argument("--simt", action="store_true",
-                   help="also time the thread-level buffered variant (tiles/mamba2_simt.py) beside the default one")
+    p.add_argument("--reduce", action="store_true",
+                   help="also time the generic buffered variant (tiles/linear_decode.py) beside the default one")
     a = p.parse_args(argv)
-    res = run_benchmark(batches=tuple(int(x) for x in a.batches.split(",")), autotune=not a.no_tune, simt=a.simt)
+    res = run_benchmark(batches=tuple(int(x) for x in a.batches.split(",")), autotune=not a.no_tune, reduce=a.reduce)
     os.makedirs(a.out, exist_ok=True)
     stem = os.path.join(a.out, f"mamba2_{res['date']}_{res['gpu'].replace(' ', '_')}")
     with open(stem + ".json", "w") as f:
