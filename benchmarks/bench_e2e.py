@@ -25,6 +25,7 @@ import datetime
 import json
 import os
 import statistics
+import sys
 import time
 
 import torch
@@ -275,6 +276,11 @@ def main(argv=None):
         bench_spec(model, budget_bytes=int(a.memory_budget * 2**30), drafts=_ints(a.draft_tokens),
                    max_requests=a.max_requests, **common)
     print(f"wrote {path}")
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from plot_e2e import plot
+
+    if plot(result, path.removesuffix(".json") + ".png"):
+        print(f"wrote {path.removesuffix('.json')}.png")
     return result
 
 

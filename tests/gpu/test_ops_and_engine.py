@@ -327,6 +327,28 @@ def test_speculative_greedy_equals_plain_on_kernels(mode, T, pattern):
             [p.token_ids for p in plain]
 
 
+@pytest.mark.parametrize("T, pattern", [(1, "some"), (4, "all"), (4, "some"), (4, "none"), (8, "some")])
+@pytest.mark.parametrize("mode", ["kvbuffer", "recurrent"])
+@pytest.mark.parametrize("kind", ["qwen3_5", "nemotron_h"])
+def test_speculative_greedy_equals_plain_on_kernels_every_family(kind, mode, T, pattern):
+    """The same equality for each model family's tiny random model (GDN and Mamba-2 verify kernels, the
+    conv rollback, attention KV rollback), bf16 on CUDA, 32 new tokens per prompt."""
+    from scripted_drafter import ScriptedDrafter
+    from tiny_models import tiny_model
+
+    from kvbuffer import LLM
+
+    kw = dict(device="cuda", dtype=torch.bfloat16, mode=mode, kernels=True, chunk_size=C, max_batch=4)
+    plain = LLM(tiny_model(kind), **kw).generate(PROMPTS, max_new_tokens=32)
+    llm = LLM(tiny_model(kind), speculative={"method": "ngram", "num_draft_tokens": T}, **kw)
+    llm.drafter = ScriptedDrafter([(p, o.token_ids) for p, o in zip(PROMPTS, plain)], pattern, llm.vocab_size)
+    got = llm.generate(PROMPTS, max_new_tokens=32)
+    assert [g.token_ids for g in got] == [p.token_ids for p in plain]
+    expect = {"all": 1.0, "none": 0.0}.get(pattern)
+    if expect is not None:
+        assert llm.acceptance["acceptance_rate"] == pytest.approx(expect)
+
+
 def test_engine_runs_from_artifacts_alone(tmp_path):
     """`kvbuffer tune --build-only` for a model's head shape, then a process with TileLang blocked and
     no JIT generates on CUDA with every linear-layer kernel loaded from the cache (decode steps and
