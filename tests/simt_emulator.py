@@ -1,9 +1,10 @@
 """Run TileLang-generated SIMT CUDA on the CPU: one std::thread per CUDA thread (tests only).
 
 Covers the subset the thread-level GDN template (tiles/gdn.py `gdn_buffered`) emits: threadIdx /
-blockIdx, dynamic shared memory, __syncthreads, __shfl_xor_sync, float4 / uint4 vector moves and bf16
-conversions. Shared memory starts NaN-poisoned, so reading a value no thread wrote shows in the
-outputs. Blocks run one after another; rsqrtf is exact here (the GPU's is within 2 ulp).
+blockIdx, dynamic shared memory, __syncthreads, __shfl_xor_sync, float4 / uint4 vector moves, bf16
+conversions and the __f*_rn intrinsics (tiles/conv1d.py; plain IEEE float ops here). Shared memory
+starts NaN-poisoned, so reading a value no thread wrote shows in the outputs.
+Blocks run one after another; rsqrtf is exact here (the GPU's is within 2 ulp).
 """
 
 from __future__ import annotations
@@ -66,6 +67,9 @@ static inline uint4 make_uint4(uint a, uint b, uint c, uint d) { return {a, b, c
 static inline float2 __bfloat1622float2(__nv_bfloat162 v) { return {float(v.x), float(v.y)}; }
 static inline uint __pack_nv_bfloat162(bfloat16_t a, bfloat16_t b) { return uint(a.bits) | (uint(b.bits) << 16); }
 static inline float rsqrtf(float x) { return 1.0f / std::sqrt(x); }
+static inline float __fmul_rn(float a, float b) { return a * b; }
+static inline float __fadd_rn(float a, float b) { return a + b; }
+static inline float __fdiv_rn(float a, float b) { return a / b; }
 """
 
 LAUNCH = r"""

@@ -5,6 +5,7 @@ demand); the launchers only take an already compiled `CompiledOp`. Importing thi
 imports TileLang.
 """
 
+from .conv import build_conv1d_accept, build_conv1d_update, conv1d_accept, conv1d_update
 from .gdn import (
     CompiledOp,
     build_gdn_buffered,
@@ -32,4 +33,5 @@ __all__ = [
     "gdn_buffered_step", "gdn_flush", "gdn_prefill", "gdn_recurrent_step", "gdn_verify",
     "build_mamba2_buffered", "build_mamba2_flush", "build_mamba2_recurrent", "mamba2_buffered_step",
     "mamba2_flush", "mamba2_prefill", "mamba2_recurrent_step", "mamba2_verify",
+    "build_conv1d_accept", "build_conv1d_update", "conv1d_accept", "conv1d_update",
 ]
