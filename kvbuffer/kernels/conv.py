@@ -20,7 +20,10 @@ UPDATE_KINDS = {"advance": "conv_advance", "verify": "conv_verify"}
 def build_conv1d_update(D: int, W: int, span: int, T: int = 1, mode: str = "advance", *, dtype: str = "bfloat16",
                         w_dtype: str | None = None, has_bias: bool = False, silu: bool = True,
                         threads: int = 128) -> CompiledOp:
-    """Compile the T-token conv update (mode "advance": decode step / prefill chunk; "verify": drafts)."""
+    """Compile the T-token conv update (mode "advance": decode step / prefill chunk; "verify": drafts).
+
+    T = 0 (mode "advance" only): one kernel for any number of tokens (prompts).
+    """
     if mode not in UPDATE_KINDS:
         raise ValueError(f"mode must be one of {tuple(UPDATE_KINDS)}, got {mode!r}")
     params = dict(D=D, W=W, span=span, T_len=T, mode=mode, dtype=dtype, w_dtype=w_dtype or dtype,
@@ -55,7 +58,7 @@ def conv1d_update(op: CompiledOp, x, conv_state, slots, weight, bias=None, out=N
     p = op.params
     dev = x.device if isinstance(x, torch.Tensor) else None
     act = ACT_DTYPES[p["dtype"]]
-    check_tensor("x", x, (None, p["T"], p["D"]), (act,), dev)
+    check_tensor("x", x, (None, p["T"] or None, p["D"]), (act,), dev)  # T = 0: built for any token count
     if dev.type != "cuda":
         raise ShapeError(f"the compiled kernels run on CUDA tensors; x is on {dev}")
     B = x.shape[0]
