@@ -10,6 +10,19 @@ import torch.nn.functional as F
 from torch import nn
 
 
+def rms_normalize(x: torch.Tensor, eps: float, weight: torch.Tensor | None = None) -> torch.Tensor:
+    """x / rms(x) over the last dim in fp32, times an optional fp32 weight.
+
+    On CUDA one fused kernel (F.rms_norm) instead of six elementwise launches: a decode step runs
+    ~65 norms, and at serving batches such small launches, not the math, are what a step pays for.
+    Elsewhere transformers' formula, op for op (the CPU tests match transformers to 1e-4)."""
+    h = x.float()
+    if h.is_cuda:
+        return F.rms_norm(h, (h.shape[-1],), weight, eps)
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return h if weight is None else h * weight
+
+
 class RMSNorm(nn.Module):
     """RMSNorm computed in fp32; `zero_centered` scales by (1 + w) as Qwen3.5's decoder norms do."""
 
@@ -19,11 +32,9 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.zeros(dim) if zero_centered else torch.ones(dim))
 
     def forward(self, x):
-        h = x.float()
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
         if self.zero_centered:
-            return (h * (1.0 + self.weight.float())).type_as(x)
-        return self.weight * h.to(x.dtype)
+            return rms_normalize(x, self.eps, 1.0 + self.weight.float()).type_as(x)
+        return self.weight * rms_normalize(x, self.eps).to(x.dtype)
 
 
 class GatedRMSNorm(nn.Module):
@@ -35,9 +46,7 @@ class GatedRMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x, gate):
-        h = x.float()
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        h = self.weight * h.to(x.dtype)
+        h = self.weight * rms_normalize(x, self.eps).to(x.dtype)
         return (h * F.silu(gate.float())).to(x.dtype)
 
 

@@ -21,7 +21,7 @@ from torch import nn
 
 from ..pools import LinearLayerShape
 from ..runtime import mixing
-from .layers import cache_layout, route_to_experts
+from .layers import cache_layout, rms_normalize, route_to_experts
 
 MODEL_TYPES = ("nemotron_h",)
 
@@ -176,9 +176,7 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x):
-        h = x.float()
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (self.weight.float() * h).to(x.dtype)
+        return rms_normalize(x, self.eps, self.weight.float()).to(x.dtype)
 
 
 class GroupedGatedRMSNorm(nn.Module):
@@ -191,8 +189,7 @@ class GroupedGatedRMSNorm(nn.Module):
 
     def forward(self, y, gate):
         h = y.float() * F.silu(gate.float())
-        g = h.view(*h.shape[:-1], -1, self.group_size)
-        g = g * torch.rsqrt(g.pow(2).mean(-1, keepdim=True) + self.eps)
+        g = rms_normalize(h.view(*h.shape[:-1], -1, self.group_size), self.eps)
         return self.weight * g.view(h.shape).to(y.dtype)
 
 
