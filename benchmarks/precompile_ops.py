@@ -3,7 +3,7 @@
 Covers the kernels tests/gpu/test_ops_and_engine.py compiles through kvbuffer.ops (JIT keys), the
 first `--max-configs` configs `kvbuffer tune` measures for one preset, and the other GPU tests'
 kernels (benchmarks/precompile_linear.py). A later compile of the same template, parameters and
-target is a cache hit. Usage: python3 benchmarks/precompile_ops.py WORKERS PRESET MAX_CONFIGS CHUNKS [tests|e2e]
+target is a cache hit. Usage: python3 benchmarks/precompile_ops.py WORKERS PRESET MAX_CONFIGS CHUNKS [tests|engine|e2e]
 """
 
 from __future__ import annotations
@@ -102,9 +102,12 @@ def linear_jobs() -> list[dict]:
 
 
 def main(workers=15, preset="qwen3.5-9b", max_configs=2, chunks="8,16,32", what="tests") -> int:
-    """what: "tests" (the GPU tests' kernels and the tuner's first configs) or "e2e" (bench_e2e's)."""
+    """what: "tests" (the GPU tests' kernels and the tuner's first configs), "engine" (only those of
+    tests/gpu/test_ops_and_engine.py) or "e2e" (bench_e2e's)."""
     if what == "e2e":
         jobs = [dict(what="ops", key=k) for k in e2e_keys()]
+    elif what == "engine":
+        jobs = [dict(what="ops", key=k) for k in ops_keys() + engine_keys()]
     else:
         jobs = [dict(what="ops", key=k) for k in ops_keys() + engine_keys()]
         jobs += tune_jobs(preset, int(max_configs), [int(c) for c in chunks.split(",")])
