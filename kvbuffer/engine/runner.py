@@ -15,6 +15,7 @@ from ..reference import conv as conv_ops
 from ..reference import core
 from ..runtime.batch import ForwardBatch
 from ..runtime.caches import CacheSpec, ModelCaches
+from ..runtime.kernel_ops import conv_accept
 from .graphs import DecodeGraphs, StepInputs
 from .request import Request
 
@@ -181,8 +182,11 @@ class ModelRunner:
         slots = torch.tensor([r.slot for r in reqs], **i32)
         if self.has_linear:
             counts = torch.tensor(kept, **i32)
-            for layer in range(self.spec.num_linear_layers):  # conv histories take the kept inputs
-                conv_ops.accept_rows(self.caches.convs.layer(layer), slots, counts, self.spec.conv_width)
+            with ops.unchecked():  # conv histories take the kept inputs
+                for layer in range(self.spec.num_linear_layers):
+                    state = self.caches.convs.layer(layer)
+                    if not (self.caches.kernels and conv_accept(state, slots, counts, self.spec.conv_width)):
+                        conv_ops.accept_rows(state, slots, counts, self.spec.conv_width)
         for r, m in zip(reqs, kept):
             r.cached += m
         if self.caches.draft_states is not None:  # copy back each request's accepted draft state

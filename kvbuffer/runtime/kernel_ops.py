@@ -133,3 +133,53 @@ def _missing_artifact(spec, dtype, mode) -> str | None:
         except ArtifactError as e:
             return f"no compiled kernel and no JIT: {str(e).splitlines()[0]}"
     return None
+
+
+# ----------------------------------------------------------------------------------------------
+# the short conv (kvbuffer.conv_ops): compiled when its kernel loads, else the reference conv
+
+_CONV_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+_CONV_ON_REFERENCE: set = set()  # conv kernel keys that did not load: the reference until JIT is allowed
+
+
+def _conv_kernel_loads(key) -> bool:
+    """Whether the conv kernel for `key` is there (cached, or JIT-compiled now); logs once per key if not.
+
+    `kvbuffer tune` builds no conv artifacts, so without JIT the engine keeps the torch reference conv
+    (the linear mixers still run on their kernels)."""
+    from .. import conv_ops
+    from ..errors import ArtifactError
+
+    if key in _CONV_ON_REFERENCE and not ops.jit_allowed():
+        return False
+    try:
+        conv_ops.kernel_for(key)
+        return True
+    except ArtifactError as e:
+        _CONV_ON_REFERENCE.add(key)
+        log.info("kvbuffer: the short conv runs on the reference ops (%s)", str(e).splitlines()[0])
+        return False
+
+
+def conv_update(x, conv_state, slots, weight, bias, kind: str):
+    """torch.ops.kvbuffer.conv1d_update for the engine's rows (SiLU), or None when its kernel is not
+    there or the dtypes do not suit it (x and the pool one dtype; weight and bias one dtype)."""
+    from .. import conv_ops
+
+    if x.dtype != conv_state.dtype or x.dtype not in _CONV_DTYPES or weight.dtype not in _CONV_DTYPES \
+            or (bias is not None and bias.dtype != weight.dtype):
+        return None
+    if not _conv_kernel_loads(conv_ops.update_key(kind, x, conv_state, weight, bias, True)):
+        return None
+    return torch.ops.kvbuffer.conv1d_update(x.contiguous(), conv_state, slots.contiguous(), weight.contiguous(),
+                                            None if bias is None else bias.contiguous(), kind)
+
+
+def conv_accept(conv_state, slots, accepted, width: int) -> bool:
+    """torch.ops.kvbuffer.conv1d_accept (int32 counts) if its kernel is there; False: call the reference."""
+    from .. import conv_ops
+
+    if conv_state.dtype not in _CONV_DTYPES or not _conv_kernel_loads(conv_ops.accept_key(conv_state, width)):
+        return False
+    torch.ops.kvbuffer.conv1d_accept(conv_state, slots.to(torch.int32), accepted.to(torch.int32), int(width))
+    return True

@@ -15,12 +15,16 @@ from ..reference import gdn as gdn_ops
 from ..reference import mamba2 as mamba2_ops
 from .batch import ForwardBatch
 from .caches import ModelCaches
-from .kernel_ops import PREFILL_CHUNKS
+from .kernel_ops import PREFILL_CHUNKS, conv_update
 
 
 def short_conv(x, weight, bias, batch: ForwardBatch, caches: ModelCaches, layer: int):
     """Causal depthwise conv + SiLU over x (B, T, D) with each row's history; verify keeps drafts pending."""
     state = caches.convs.layer(layer)
+    if caches.kernels:  # the compiled conv when its kernel is there (else the reference below)
+        out = conv_update(x, state, batch.slots, weight, bias, "verify" if batch.kind == "verify" else "advance")
+        if out is not None:
+            return out
     # engine-built rows: the unchecked, sync-free forms
     if batch.kind == "prefill":
         return conv_ops.prefill_rows(x, state, batch.slots, weight, bias)
