@@ -1,4 +1,4 @@
-"""Every GDN and Mamba-2 TileLang template compiles for sm_90a with nvcc (CPU only; no GPU needed).
+"""Every GDN, Mamba-2 and conv1d TileLang template compiles for sm_90a with nvcc (CPU only; no GPU needed).
 
 Skips cleanly when TileLang or nvcc is missing. One small config per template keeps CI near
 a few seconds per kernel; the GPU tests (tests/gpu) cover the numerics.
@@ -36,6 +36,13 @@ CASES = {
     "mamba2_simt_prefill_T8_super_blocks": ("mamba2.mamba2_buffered", dict(G=8, H=128, cap=17, T_new=8, flush_at=16,
                                                                            variant="simt", BV=64, threads=256,
                                                                            blocks=4)),
+    # the short conv (tiles/conv1d.py): Qwen3.5-9B's conv_dim, decode step / verify / any-length prefill / accept
+    "conv1d_step": ("conv1d.conv1d_update", dict(D=8192, W=4, span=12, T_len=1, mode="advance")),
+    "conv1d_verify_T8_bias_fp16": ("conv1d.conv1d_update", dict(D=6144, W=4, span=12, T_len=8, mode="verify",
+                                                                 dtype="float16", has_bias=True)),
+    "conv1d_prefill_any_T_fp32": ("conv1d.conv1d_update", dict(D=8192, W=4, span=12, T_len=0, mode="advance",
+                                                                dtype="float32")),
+    "conv1d_accept": ("conv1d.conv1d_accept", dict(D=8192, W=4, span=12)),
 }
 
 
