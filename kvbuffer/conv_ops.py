@@ -29,7 +29,7 @@ from typing import Optional
 import torch
 
 from . import ops
-from .errors import ArtifactError, ShapeError
+from .errors import ArtifactError, DTypeError, ShapeError
 from .reference import conv as ref_conv
 
 log = logging.getLogger(__name__)
@@ -122,6 +122,8 @@ def _(x, conv_state, slots, weight, bias=None, kind="advance", silu=True):
     from . import kernels
 
     _check_mode(kind)
+    if x.dtype != conv_state.dtype:  # before the lookup: no kernel is compiled for a call that cannot run
+        raise DTypeError(f"x ({x.dtype}) and conv_state ({conv_state.dtype}) must share one dtype on CUDA")
     op = kernel_for(update_key(kind, x, conv_state, weight, bias, silu))
     out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     launch = functools.partial(kernels.conv1d_update, checked=not ops._launch_directly())

@@ -31,8 +31,7 @@ _EMU: dict = {}
 
 
 def _emulated(tmp_path_factory, template: str, **params) -> Emulated:
-    from kvbuffer.tiles import compile_template
-    from kvbuffer.tiles import conv1d
+    from kvbuffer.tiles import compile_template, conv1d
 
     key = (template, tuple(sorted(params.items())))
     if key not in _EMU:

@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch.library import opcheck
 
-import kvbuffer.conv_ops as conv_ops
+from kvbuffer import conv_ops
 from kvbuffer.reference import conv as ref
 
 D, W, SPAN = 10, 4, 3 + 8
