@@ -1,9 +1,9 @@
 """Fill TileLang's disk cache in parallel before `benchmarks/device_all.sh` runs the GPU tests and the tuner.
 
 Covers the kernels tests/gpu/test_ops_and_engine.py compiles through kvbuffer.ops (JIT keys), the
-first `--max-configs` configs `kvbuffer tune` measures for one preset, and the other GPU tests'
-kernels (benchmarks/precompile_linear.py). A later compile of the same template, parameters and
-target is a cache hit. Usage: python3 benchmarks/precompile_ops.py WORKERS PRESET MAX_CONFIGS CHUNKS [tests|engine|e2e]
+conv1d kernels of the GPU tests (kvbuffer.conv_ops), the first `--max-configs` configs `kvbuffer tune`
+measures for one preset, and the other GPU tests' kernels (benchmarks/precompile_linear.py). A later
+compile of the same template, parameters and target is a cache hit. Usage: python3 benchmarks/precompile_ops.py WORKERS PRESET MAX_CONFIGS CHUNKS [tests|engine|e2e]
 """
 
 from __future__ import annotations
@@ -49,6 +49,30 @@ def engine_keys(heads=((True, 2, 4, 32, 32), (False, 2, 4, 32, 32)), chunk_size=
     return keys
 
 
+def conv_keys() -> list[dict]:
+    """The conv1d kernels (kvbuffer.conv_ops.ConvKey) of the GPU tests: the engine tests' tiny models and the
+    demo (D = 256, width 4; GDN without, Mamba-2 with a conv bias; pools of 3 + fed positions, fed as in
+    engine_keys) and tests/gpu/test_conv1d_kernels.py (pool span 11, bf16 D = 256, fp16 / fp32 D = 8229)."""
+    import dataclasses
+
+    from kvbuffer.conv_ops import ConvKey
+
+    bf, keys = "bfloat16", []
+    for fed in (1, 2, 5, 9):
+        for bias in (False, True):
+            keys += [ConvKey("advance", 256, 4, 3 + fed, T, bf, bf, bias) for T in (1, 0)]
+            keys += [ConvKey("verify", 256, 4, 3 + fed, fed, bf, bf, bias)] if fed > 1 else []
+        keys += [ConvKey("accept", 256, 4, 3 + fed, 0, bf)] if fed > 1 else []
+    keys += [ConvKey("verify", 256, 4, 11, T, bf, bf, T % 2 == 0) for T in range(1, 9)]
+    keys += [ConvKey("verify", 256, 4, 11, 2, bf, bf, False), ConvKey("advance", 256, 4, 11, 1, bf, bf, False),
+             ConvKey("advance", 256, 4, 11, 0, bf, bf, False), ConvKey("advance", 256, 4, 11, 0, bf, bf, True),
+             ConvKey("accept", 256, 4, 11, 0, bf)]
+    for dt in ("float16", "float32"):
+        keys += [ConvKey("advance", 8229, 4, 11, 1, dt, dt, False), ConvKey("advance", 8229, 4, 11, 0, dt, dt, True),
+                 ConvKey("verify", 8229, 4, 11, 1, dt, dt, False), ConvKey("verify", 8229, 4, 11, 4, dt, dt, True)]
+    return [dataclasses.asdict(k) for k in keys]
+
+
 def e2e_keys() -> list[dict]:
     """bench_e2e.py's kernels (benchmarks/device_e2e.sh): Qwen3.5-9B GDN and Nemotron-3-Nano Mamba-2
     heads, C = 16, decoding and verify of 2, 4, 8 drafts."""
@@ -62,6 +86,10 @@ def _compile(job: dict) -> tuple[str, float, str]:
             from kvbuffer import ops
 
             ops._jit(ops.KernelKey(**job["key"]))
+        elif job["what"] == "conv":
+            from kvbuffer import conv_ops
+
+            conv_ops.jit(conv_ops.ConvKey(**job["key"]))
         elif job["what"] == "tune":
             from kvbuffer.autotune.registry import templates
 
@@ -108,8 +136,10 @@ def main(workers=15, preset="qwen3.5-9b", max_configs=2, chunks="8,16,32", what=
         jobs = [dict(what="ops", key=k) for k in e2e_keys()]
     elif what == "engine":
         jobs = [dict(what="ops", key=k) for k in ops_keys() + engine_keys()]
+        jobs += [dict(what="conv", key=k) for k in conv_keys()]
     else:
         jobs = [dict(what="ops", key=k) for k in ops_keys() + engine_keys()]
+        jobs += [dict(what="conv", key=k) for k in conv_keys()]
         jobs += tune_jobs(preset, int(max_configs), [int(c) for c in chunks.split(",")])
         jobs += linear_jobs()
     jobs = list({json.dumps(j, sort_keys=True): j for j in jobs}.values())
