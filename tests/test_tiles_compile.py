@@ -78,11 +78,12 @@ def test_configs_are_listed():
                mamba2.get_recurrent_configs, mamba2.get_buffered_configs):
         cfgs = fn()
         assert cfgs and all({"BV", "threads"} <= set(c) for c in cfgs)
-    # Mamba-2 buffered: both variants, the default first and the thread-level one second
-    # (`kvbuffer tune --max-configs 2` times both); the default is still the generic template
-    m2 = mamba2.get_buffered_configs()
-    assert m2[0] == {"BV": 64, "threads": 128} and m2[1].get("variant") == "simt"
-    assert {c.get("variant", "reduce") for c in m2} == set(mamba2.VARIANTS)
+    # Mamba-2 buffered: both variants, the default (thread-level, the H200 winner) first and the generic
+    # one second (`kvbuffer tune --max-configs 2` times both); the first config is the signature's default
     import inspect
 
-    assert inspect.signature(mamba2.mamba2_buffered).parameters["variant"].default == "reduce"
+    m2 = mamba2.get_buffered_configs()
+    assert m2[0] == mamba2.BUFFERED_BEST and m2[1]["variant"] == "reduce"
+    assert {c["variant"] for c in m2} == set(mamba2.VARIANTS)
+    params = inspect.signature(mamba2.mamba2_buffered).parameters
+    assert {k: params[k].default for k in m2[0]} == m2[0]
