@@ -5,10 +5,11 @@ from kvbuffer.engine.drafters import Drafter
 
 class ScriptedDrafter(Drafter):
     """Proposes the plain-decoding continuation, corrupted by pattern: 'all' drafts right, 'none'
-    all wrong, 'some' right except every third."""
+    all wrong, 'some' right except every third. strict=False: past the end of the references (a
+    run that chose another token at a near tie) it proposes zeros instead of failing."""
 
-    def __init__(self, references, pattern, vocab):
-        self.refs, self.pattern, self.vocab = references, pattern, vocab
+    def __init__(self, references, pattern, vocab, strict=True):
+        self.refs, self.pattern, self.vocab, self.strict = references, pattern, vocab, strict
 
     def propose(self, reqs, count):
         return [self._one(r.context, count) for r in reqs]
@@ -19,7 +20,9 @@ class ScriptedDrafter(Drafter):
             if context == full[: len(context)]:
                 nxt = full[len(context): len(context) + count]
                 return [self._corrupt(i, t) for i, t in enumerate(nxt, start=len(context))]
-        raise AssertionError("context left the reference continuation")
+        if self.strict:
+            raise AssertionError("context left the reference continuation")
+        return [0] * count  # bf16 runs may leave it at a near tie (the caller compares margins)
 
     def _corrupt(self, pos, token):
         wrong = (token + 1) % self.vocab
