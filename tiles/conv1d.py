@@ -54,6 +54,20 @@ def _add(T, a, b):
     return T.call_extern(F32, "__fadd_rn", a, b)
 
 
+def _epilogue(T, has_bias: bool, silu: bool, dtype: str):
+    """Macro: acc[0] (the tap sum) + bias, then silu, stored to out[bb, t, d] in the activation dtype."""
+
+    @T.macro
+    def finish(acc, bias, out, bb, t, d):
+        if has_bias:
+            acc[0] = _add(T, acc[0], T.cast(bias[d], F32))
+        if silu:
+            acc[0] = T.call_extern(F32, "__fdiv_rn", acc[0], _add(T, T.float32(1), T.exp(-acc[0])))
+        out[bb, t, d] = T.cast(acc[0], dtype)
+
+    return finish
+
+
 def conv1d_update(D: int, W: int, span: int, T_len: int = 1, mode: str = "advance", *, dtype: str = "bfloat16",
                   w_dtype: str | None = None, has_bias: bool = False, silu: bool = True, threads: int = 128):
     """T_len tokens per row after its history: out = conv(+bias)(silu) of [history, x].
@@ -73,6 +87,7 @@ def conv1d_update(D: int, W: int, span: int, T_len: int = 1, mode: str = "advanc
     if w_dtype not in DTYPES:
         raise ValueError(f"w_dtype must be one of {DTYPES}, got {w_dtype!r}")
     T = _tl()
+    finish = _epilogue(T, has_bias, silu, dtype)
     B = T.dynamic("batch")
     NS = T.dynamic("num_slots")
     Tn, H = T_len, W - 1
@@ -107,12 +122,7 @@ def conv1d_update(D: int, W: int, span: int, T_len: int = 1, mode: str = "advanc
                         acc[0] = T.float32(0)
                         for j in T.unroll(W):
                             acc[0] = _add(T, acc[0], _mul(T, T.cast(raw[t + j], F32), wr[j]))
-                        if has_bias:
-                            acc[0] = _add(T, acc[0], T.cast(bias[d], F32))
-                        if silu:
-                            acc[0] = T.call_extern(F32, "__fdiv_rn", acc[0],
-                                                   _add(T, T.float32(1), T.exp(-acc[0])))
-                        out[bb, t, d] = T.cast(acc[0], dtype)
+                        finish(acc, bias, out, bb, t, d)
                     if advance:
                         for j in T.unroll(H):
                             conv_state[slot, d, j] = raw[Tn + j]
@@ -136,6 +146,7 @@ def _conv1d_prefill(D, W, span, dtype, w_dtype, has_bias, silu, threads):
     if w_dtype not in DTYPES:
         raise ValueError(f"w_dtype must be one of {DTYPES}, got {w_dtype!r}")
     T = _tl()
+    finish = _epilogue(T, has_bias, silu, dtype)
     B = T.dynamic("batch")
     NS = T.dynamic("num_slots")
     Tn = T.dynamic("tokens")
@@ -171,12 +182,7 @@ def _conv1d_prefill(D, W, span, dtype, w_dtype, has_bias, silu, threads):
                             v = T.if_then_else(t + j < H, hist[T.min(t + j, H - 1)],
                                                x[bb, T.max(t + j - H, 0), d])
                             acc[0] = _add(T, acc[0], _mul(T, T.cast(v, F32), wr[j]))
-                        if has_bias:
-                            acc[0] = _add(T, acc[0], T.cast(bias[d], F32))
-                        if silu:
-                            acc[0] = T.call_extern(F32, "__fdiv_rn", acc[0],
-                                                   _add(T, T.float32(1), T.exp(-acc[0])))
-                        out[bb, t, d] = T.cast(acc[0], dtype)
+                        finish(acc, bias, out, bb, t, d)
                     # new history j = window position Tn + j; in place from the top: position Tn + j
                     # of the old history is j' = Tn + j > j, read before hist[j'] is overwritten
                     for j in T.unroll(H):
