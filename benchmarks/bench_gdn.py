@@ -296,23 +296,25 @@ def table(result: dict) -> str:
     return "\n".join(lines)
 
 
-def plot(result: dict, path: str) -> bool:
+def plot(result: dict, path: str, kinds=("fla", "recurrent", "buffered", "verify4", "buffered_reduce",
+                                         "verify4_reduce"), layer: str = "GDN layer") -> bool:
+    """µs per row against the batch, one panel per shape (bench_mamba2 reuses it); False without matplotlib."""
     try:
         import matplotlib
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except Exception:  # noqa: BLE001
         return False
-    names = [n for n in SHAPES if any(r["shape"] == n for r in result["rows"])]
+    names = list(dict.fromkeys(r["shape"] for r in result["rows"]))
     fig, axes = plt.subplots(1, len(names), figsize=(6 * len(names), 4), squeeze=False)
     for ax, name in zip(axes[0], names):
         rows = [r for r in result["rows"] if r["shape"] == name]
-        for k in ("fla", "recurrent", "buffered", "verify4", "buffered_reduce", "verify4_reduce"):
+        for k in kinds:
             if rows and k in rows[0]["us"]:
                 ax.plot([r["B"] for r in rows], [r["us"][k] / r["B"] for r in rows], marker="o", label=k)
         ax.set_xscale("log", base=2)
         ax.set_yscale("log")
-        ax.set_title(f"{name} GDN layer ({result['gpu']})")
+        ax.set_title(f"{name} {layer} ({result['gpu']})")
         ax.set_xlabel("batch")
         ax.set_ylabel("us per row")
         ax.legend()

@@ -28,7 +28,7 @@ import types
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
-from bench_gdn import L2_BYTES, _time, copy_bandwidth  # noqa: E402
+from bench_gdn import L2_BYTES, _time, copy_bandwidth, plot  # noqa: E402
 
 SHAPES = {"nemotron3-nano": (8, 64), "nemotron3-super": (8, 128)}  # (groups, heads); N = 128, P = 64
 N, P = 128, 64
@@ -259,6 +259,9 @@ def run_benchmark(shapes=tuple(SHAPES), batches=BATCHES, C=16, cap=24, autotune=
     return result
 
 
+PLOTTED = ("peer", "recurrent", "buffered", "verify4", "buffered_reduce", "verify4_reduce")
+
+
 def table(result: dict) -> str:
     nan = float("nan")
     lines = [f"{result['gpu']}  copy {result['copy_GBps']:.0f} GB/s  C={result['C']}",
@@ -300,6 +303,7 @@ def main(argv=None):
     txt = table(res)
     with open(stem + ".txt", "w") as f:
         f.write(txt + "\n")
+    plot(res, stem + ".png", kinds=PLOTTED, layer="Mamba-2 layer")
     print(txt)
     return res
 
