@@ -10,7 +10,7 @@ the recurrent step takes a token axis of 1.
 """
 
 from .linear_decode import _tl, check_shape as _check_shape, pow2 as _pow2  # noqa: F401
-from .simt_parts import fitted_tunables, simt_layout, state_macros
+from .simt_parts import fitted_tunables, row_stager, simt_layout, state_macros
 from .linear_decode import (  # noqa: F401  (the tunables lists are part of this module's API)
     L2NORM_EPS,
     SOFTPLUS_THRESHOLD,
@@ -107,6 +107,7 @@ def gdn_buffered(Hk: int, Hv: int, K: int = 128, V: int = 128, *, cap: int = 16,
     C = flush_at
     NT = threads
     T2 = 2 * Tn
+    stage = row_stager(T, NT)
     load_state, s0_products, fused_flush = state_macros(T, KR=KR, CG=CG, C=C, tokens=Tn, queries=T2,
                                                         key_row0=T2)
     XR = T2 + cap            # X rows: new k (0..Tn-1), new q (Tn..2Tn-1), buffer keys (2Tn + i)
@@ -188,20 +189,8 @@ def gdn_buffered(Hk: int, Hv: int, K: int = 128, V: int = 128, *, cap: int = 16,
 
             # ---- phase 0a: the row's own inputs need no slot (their loads overlap the slots' round trip):
             # raw k (X rows 0..Tn-1), raw q (rows Tn..2Tn-1), v, and g_t, beta_t in fp64 (thread t)
-            for it in T.unroll(IT_TOK):
-                idx = it * NT + tx
-                if idx < Tn * K8:
-                    for c in T.vectorized(8):
-                        tb[c] = k[bb, idx // K8, hk, (idx % K8) * 8 + c]
-                    for c in T.vectorized(8):
-                        X[idx // K8, (idx % K8) * 8 + c] = T.cast(tb[c], f32)
-            for it in T.unroll(IT_TOK):
-                idx = it * NT + tx
-                if idx < Tn * K8:
-                    for c in T.vectorized(8):
-                        tb[c] = q[bb, idx // K8, hk, (idx % K8) * 8 + c]
-                    for c in T.vectorized(8):
-                        X[Tn + idx // K8, (idx % K8) * 8 + c] = T.cast(tb[c], f32)
+            stage(X, 0, k, bb, Tn, hk, 0, K8, IT_TOK, tx, tb)
+            stage(X, Tn, q, bb, Tn, hk, 0, K8, IT_TOK, tx, tb)
             if tx < BV:
                 for t in T.unroll(Tn):
                     vr[t] = T.cast(v[bb, t, hv, v0 + tx], f32)
@@ -214,20 +203,8 @@ def gdn_buffered(Hk: int, Hv: int, K: int = 128, V: int = 128, *, cap: int = 16,
             if bslot >= 0:
                 # ---- phase 0b: the buffer (entries i < n only; the rest is never read), then the S0 slice
                 # into registers (it streams in while phases 1-3a run; first used in phase 3b)
-                for it in T.unroll(IT_BK):
-                    idx = it * NT + tx
-                    if idx < n * K8:
-                        for c in T.vectorized(8):
-                            bb8[c] = buf_k[bslot, idx // K8, hk, (idx % K8) * 8 + c]
-                        for c in T.vectorized(8):
-                            X[T2 + idx // K8, (idx % K8) * 8 + c] = T.cast(bb8[c], f32)
-                for it in T.unroll(IT_BV):
-                    idx = it * NT + tx
-                    if idx < n * BV8:
-                        for c in T.vectorized(8):
-                            bb8[c] = buf_v[bslot, idx // BV8, hv, v0 + (idx % BV8) * 8 + c]
-                        for c in T.vectorized(8):
-                            Db[idx // BV8, (idx % BV8) * 8 + c] = T.cast(bb8[c], f32)
+                stage(X, T2, buf_k, bslot, n, hk, 0, K8, IT_BK, tx, bb8)
+                stage(Db, 0, buf_v, bslot, n, hv, v0, BV8, IT_BV, tx, bb8)
                 for it in T.unroll(IT_G):
                     if it * NT + tx < n:
                         Gb[it * NT + tx] = buf_g[bslot, it * NT + tx, hv]

@@ -12,7 +12,7 @@ buffer_slots, lengths, y. All arithmetic is fp32 FMA (scalars in fp64); no tenso
 """
 
 from .linear_decode import SOFTPLUS_THRESHOLD, _tl, check_shape
-from .simt_parts import simt_layout, state_macros
+from .simt_parts import row_stager, simt_layout, state_macros
 
 
 # (BV, threads, blocks) for N = 128, P = 64; blocks > 0 caps registers (__launch_bounds__ min blocks/SM) so
@@ -79,6 +79,7 @@ def mamba2_buffered_simt(G: int, H: int, N: int = 128, P: int = 64, *, cap: int 
     load_state, s0_products, fused_flush = state_macros(T, KR=KR, CG=CG, C=C, tokens=Tn, queries=Tn,
                                                         key_row0=Tn)
     NT = threads
+    stage = row_stager(T, NT)
     XR = Tn + cap            # X rows: C_t (0..Tn-1), keys in buffer order (Tn + e, e < n + Tn <= cap)
     KP = K + 4               # padded row: float4 reads of 32 different rows hit distinct banks
     KS = K // NW             # N slice of one warp in the Gram
@@ -154,13 +155,7 @@ def mamba2_buffered_simt(G: int, H: int, N: int = 128, P: int = 64, *, cap: int 
 
             # ---- phase 0a: the row's own inputs need no slot: C_t (X rows 0..Tn-1), x and z of this
             # thread's value column, dt_t and g_t in fp64 (thread t)
-            for it in T.unroll(IT_TOK):
-                idx = it * NT + tx
-                if idx < Tn * K8:
-                    for c in T.vectorized(8):
-                        tb[c] = Cm[bb, idx // K8, hk, (idx % K8) * 8 + c]
-                    for c in T.vectorized(8):
-                        X[idx // K8, (idx % K8) * 8 + c] = T.cast(tb[c], f32)
+            stage(X, 0, Cm, bb, Tn, hk, 0, K8, IT_TOK, tx, tb)
             if tx < BV:
                 for t in T.unroll(Tn):
                     xr[t] = T.cast(x[bb, t, hv, v0 + tx], f32)
@@ -175,27 +170,9 @@ def mamba2_buffered_simt(G: int, H: int, N: int = 128, P: int = 64, *, cap: int 
             if bslot >= 0:
                 # ---- phase 0b: the buffer (entries i < n only; the rest is never read) and the new keys
                 # behind it, then the S0 slice into registers (streams in while phases 1-3a run)
-                for it in T.unroll(IT_BK):
-                    idx = it * NT + tx
-                    if idx < n * K8:
-                        for c in T.vectorized(8):
-                            bb8[c] = buf_k[bslot, idx // K8, hk, (idx % K8) * 8 + c]
-                        for c in T.vectorized(8):
-                            X[Tn + idx // K8, (idx % K8) * 8 + c] = T.cast(bb8[c], f32)
-                for it in T.unroll(IT_TOK):
-                    idx = it * NT + tx
-                    if idx < Tn * K8:
-                        for c in T.vectorized(8):
-                            tb[c] = Bm[bb, idx // K8, hk, (idx % K8) * 8 + c]
-                        for c in T.vectorized(8):
-                            X[Tn + n + idx // K8, (idx % K8) * 8 + c] = T.cast(tb[c], f32)
-                for it in T.unroll(IT_BV):
-                    idx = it * NT + tx
-                    if idx < n * BV8:
-                        for c in T.vectorized(8):
-                            bb8[c] = buf_v[bslot, idx // BV8, hv, v0 + (idx % BV8) * 8 + c]
-                        for c in T.vectorized(8):
-                            Db[idx // BV8, (idx % BV8) * 8 + c] = T.cast(bb8[c], f32)
+                stage(X, Tn, buf_k, bslot, n, hk, 0, K8, IT_BK, tx, bb8)
+                stage(X, Tn + n, Bm, bb, Tn, hk, 0, K8, IT_TOK, tx, tb)
+                stage(Db, 0, buf_v, bslot, n, hv, v0, BV8, IT_BV, tx, bb8)
                 for it in T.unroll(IT_G):
                     if it * NT + tx < n:
                         Gb[it * NT + tx] = buf_g[bslot, it * NT + tx, hv]

@@ -41,6 +41,26 @@ def rows_per_vector(KR: int) -> int:
     return 4 if KR % 4 == 0 else (2 if KR % 2 == 0 else 1)
 
 
+def row_stager(T, NT: int):
+    """A TileLang macro: rows of one head of a (batch or slot, row, head, column) tensor into a float32
+    shared array, 8-element vector loads spread over the block's NT threads (tokens, buffer keys and
+    values alike): stage(dst, dst_row0, src, b, rows, head, col0, cols8, iters, tx, reg), where
+    dst[dst_row0 + i, j] = src[b, i, head, col0 + j] for i < rows, j < 8 * cols8, and reg holds 8 values
+    of src's dtype."""
+
+    @T.macro
+    def stage(dst, dst_row0, src, b, rows, head, col0, cols8, iters, tx, reg):
+        for it in T.unroll(iters):
+            idx = it * NT + tx
+            if idx < rows * cols8:
+                for c in T.vectorized(8):
+                    reg[c] = src[b, idx // cols8, head, col0 + (idx % cols8) * 8 + c]
+                for c in T.vectorized(8):
+                    dst[dst_row0 + idx // cols8, (idx % cols8) * 8 + c] = T.cast(reg[c], "float32")
+
+    return stage
+
+
 def state_macros(T, *, KR: int, CG: int, C: int, tokens: int, queries: int, key_row0: int):
     """(load_state, s0_products, fused_flush) TileLang macros for one template's constants."""
     RV = rows_per_vector(KR)
