@@ -22,6 +22,7 @@ if importlib.util.find_spec("tilelang") is None or not _NVCC or not shutil.which
 from kvbuffer.reference import conv as ref  # noqa: E402
 
 from simt_emulator import Emulated  # noqa: E402  (tests/ is on sys.path under pytest)
+from gpu.gdn_cases import bits_equal as _bits  # noqa: E402  (shared with the GPU tests)
 
 D, W, DRAFTS, THREADS = 37, 4, 8, 32
 SPAN = W - 1 + DRAFTS
@@ -47,11 +48,6 @@ def _pool(g, B, dtype, pad_row):
     if pad_row is not None:
         slots[pad_row] = -1
     return state, slots
-
-
-def _bits(x, y):
-    idt = {2: torch.int16, 4: torch.int32}[x.element_size()]
-    return torch.equal(x.view(idt), y.view(idt))
 
 
 def _reference(mode, x, state, slots, weight, bias):

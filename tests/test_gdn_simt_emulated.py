@@ -21,22 +21,13 @@ from kvbuffer.reference import core as ref  # noqa: E402
 from kvbuffer.reference.gating import gdn_front  # noqa: E402
 
 from simt_emulator import Emulated  # noqa: E402  (tests/ is on sys.path under pytest)
+from gpu.gdn_cases import bits_equal as _bits, rel_err as _rel  # noqa: E402  (shared with the GPU tests)
 
 CASES = {  # name: (kernel params, fill, B, null state row, padding row)
     "step_fused_flush_BV64": (dict(Hk=2, Hv=4, cap=17, T_new=1, flush_at=16, BV=64, threads=128), 15, 3, None, 2),
     "verify4_shuffles_BV32": (dict(Hk=2, Hv=4, cap=24, T_new=4, flush_at=0, BV=32, threads=128), 5, 3, 1, 2),
     "prefill2_small_heads": (dict(Hk=1, Hv=2, K=32, V=32, cap=9, T_new=2, flush_at=8, BV=32, threads=64), 6, 3, None, 2),
 }
-
-
-def _rel(x, y):
-    x, y = x.double(), y.double()
-    return float("inf") if not bool(torch.isfinite(x).all()) else float((x - y).norm() / y.norm().clamp_min(1e-30))
-
-
-def _bits(x, y):
-    idt = {2: torch.int16, 4: torch.int32}[x.element_size()]
-    return torch.equal(x.view(idt), y.view(idt))
 
 
 @pytest.mark.parametrize("case", CASES)

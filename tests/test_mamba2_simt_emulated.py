@@ -22,6 +22,7 @@ if importlib.util.find_spec("tilelang") is None or not _NVCC or not shutil.which
 from kvbuffer.reference import mamba2 as ref  # noqa: E402
 
 from simt_emulator import Emulated  # noqa: E402  (tests/ is on sys.path under pytest)
+from gpu.gdn_cases import bits_equal as _bits, rel_err as _rel  # noqa: E402  (shared with the GPU tests)
 
 # name: (kernel params, per-row fills, rows with no state (-1), padding rows (buffer slot -1))
 CASES = {
@@ -40,16 +41,6 @@ CASES = {
         dict(G=1, H=2, N=32, P=32, cap=9, T_new=8, flush_at=8, BV=32, threads=64, in_dtype="float32"),
         [0, 0], [], [1]),
 }
-
-
-def _rel(x, y):
-    x, y = x.double(), y.double()
-    return float("inf") if not bool(torch.isfinite(x).all()) else float((x - y).norm() / y.norm().clamp_min(1e-30))
-
-
-def _bits(x, y):
-    idt = {2: torch.int16, 4: torch.int32}[x.element_size()]
-    return torch.equal(x.view(idt), y.view(idt))
 
 
 @pytest.mark.parametrize("case", CASES)

@@ -12,6 +12,7 @@ import torch
 
 from kvbuffer import conv_ops, kernels, ops
 from kvbuffer.reference import conv as ref
+from .gdn_cases import bits_equal as _bits
 
 pytestmark = pytest.mark.gpu
 
@@ -25,11 +26,6 @@ def jit():
     ops.allow_jit(True)
     yield
     ops.allow_jit(None)
-
-
-def _bits(x, y):
-    idt = {2: torch.int16, 4: torch.int32}[x.element_size()]
-    return torch.equal(x.view(idt), y.view(idt))
 
 
 def _pool(gen, B, D, dtype, pad=True):
