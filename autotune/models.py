@@ -3,6 +3,9 @@
 A shape is the plain dict the registry and the cache key use: family ('gdn' or 'mamba2'), Hk, Hv,
 K, V (kvbuffer.pools.LinearLayerShape's generic form; Mamba-2: Hk = n_groups, Hv = heads,
 K = ssm_state_size, V = head_dim) and dtype (activations and buffer entries).
+
+The short conv in front of those layers has a shape of its own (family 'conv1d', see conv_shape):
+its channels are q, k, v (GDN) or x, B, C (Mamba-2), 2 * Hk * K + Hv * V in both families.
 """
 
 from __future__ import annotations
@@ -66,3 +69,29 @@ def checkpoint_shape(path: str | Path, dtype: str | None = None) -> dict:
                           text["mamba_head_dim"], dtype)
     raise ValueError(f"{cfg_path}: model_type {text.get('model_type')!r} has no linear-attention layers "
                      "kvbuffer knows (expected linear_* (Gated DeltaNet) or mamba_* (Mamba-2) keys)")
+
+
+CONV_WIDTH = 4                                   # both families' published checkpoints
+CONV_BIAS = {"gdn": False, "mamba2": True}       # Qwen3.5's conv has no bias; Nemotron-H's has one
+
+
+def make_conv_shape(D: int, W: int, dtype: str, w_dtype: str, bias: bool) -> dict:
+    """The artifact cache's key for the short conv's kernels (kvbuffer.autotune.conv_templates)."""
+    return {"family": "conv1d", "D": int(D), "W": int(W), "dtype": dtype, "w_dtype": w_dtype, "bias": bool(bias)}
+
+
+def conv_shape(shape: dict, width: int | None = None, bias: bool | None = None) -> dict:
+    """The short conv of the layers with this head shape; weights in the activations' dtype."""
+    D = 2 * shape["Hk"] * shape["K"] + shape["Hv"] * shape["V"]
+    return make_conv_shape(D, width or CONV_WIDTH, shape["dtype"], shape["dtype"],
+                           CONV_BIAS[shape["family"]] if bias is None else bias)
+
+
+def checkpoint_conv_shape(path: str | Path, shape: dict) -> dict:
+    """conv_shape with the width and bias a checkpoint's config.json declares."""
+    path = Path(path)
+    cfg = json.loads((path / "config.json" if path.is_dir() else path).read_text())
+    text = cfg.get("text_config") or cfg
+    width = text.get("linear_conv_kernel_dim") or text.get("conv_kernel") or text.get("mamba_d_conv")
+    bias = text.get("use_conv_bias", text.get("mamba_conv_bias")) if shape["family"] == "mamba2" else None
+    return conv_shape(shape, width, None if bias is None else bool(bias))

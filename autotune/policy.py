@@ -82,7 +82,8 @@ def tuning_name(gpu: str, arch: str, shape: Mapping, versions: Mapping) -> str:
 
 @dataclass(frozen=True)
 class Winner:
-    """The artifact to run for one (kernel, batch bucket, chunk size); median_us is None when untuned."""
+    """The artifact to run for one (kernel, batch bucket, chunk size, buffer layout); median_us is None
+    when untuned. drafts: the speculative drafts T the buffers make room for (C + T + 1 entries)."""
 
     kernel: str
     batch_bucket: int
@@ -90,22 +91,31 @@ class Winner:
     artifact: str
     tunables: Mapping
     median_us: float | None = None
+    drafts: int = 0
 
     def to_json(self) -> dict:
         return {"kernel": self.kernel, "batch_bucket": self.batch_bucket, "chunk_size": self.chunk_size,
-                "artifact": self.artifact, "tunables": dict(self.tunables), "median_us": self.median_us}
+                "drafts": self.drafts, "artifact": self.artifact, "tunables": dict(self.tunables),
+                "median_us": self.median_us}
 
 
-def select(record: Mapping, kernel: str, batch: int, chunk_size: int | None = None) -> tuple[str, int]:
+def select(record: Mapping, kernel: str, batch: int, chunk_size: int | None = None,
+           drafts: int = 0) -> tuple[str, int]:
     """(artifact name, chunk size) for `kernel` at `batch` from a tuning record (JSON as stored).
 
     chunk_size None takes the policy's choice for the batch; kernels without a chunk size
-    (the recurrent step) are stored with chunk_size 0 and match any.
+    (the recurrent step) are stored with chunk_size 0 and match any. drafts picks the buffer layout
+    (0: plain decoding); kernels that do not depend on it (the recurrent step) are stored and
+    looked up with drafts 0.
     """
     policy = ChunkPolicy.from_json(record["chunk_policy"])
     bucket = policy.bucket_for(batch)
     c = policy.chunk_for(batch) if chunk_size is None else chunk_size
     for w in record["winners"]:
-        if w["kernel"] == kernel and w["batch_bucket"] == bucket and w["chunk_size"] in (c, 0):
+        if w["kernel"] == kernel and w["batch_bucket"] == bucket and w["chunk_size"] in (c, 0) \
+                and w.get("drafts", 0) == drafts:
             return w["artifact"], c
-    raise KeyError(f"no {kernel} kernel for batch bucket {bucket}, chunk size {c} in this tuning record")
+    layout = f", {drafts} speculative drafts" if drafts else ""
+    built = sorted(set(record.get("draft_tokens", [0])) - {0})
+    hint = f" (drafts built: {built or 'none'}; add --draft-tokens {drafts})" if drafts and drafts not in built else ""
+    raise KeyError(f"no {kernel} kernel for batch bucket {bucket}, chunk size {c}{layout} in this tuning record{hint}")

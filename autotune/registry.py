@@ -8,12 +8,15 @@ A Template is all the tuner needs and nothing TileLang-specific beyond `build`:
     run(kernel, args) -> launch once (what the timer measures)
 `shape` is a plain dict: family ('gdn' or 'mamba2'), Hk, Hv, K, V and dtype (activations and
 buffer entries); see kvbuffer.pools.LinearLayerShape for the Mamba-2 mapping onto Hk/Hv/K/V.
+Templates whose kernel depends on the buffer layout (`layouts=True`) also take `drafts=T` in build
+and make_inputs: buffers of C + T + 1 entries, the engine's layout for T speculative drafts (T = 0:
+plain decoding, C + 1 entries); `min_drafts=1` marks kernels only speculative decoding needs.
 
-Registered now: the decode kernels of tiles/gdn.py and tiles/mamba2.py (recurrent step, buffered
-step with the flush fused at C, stand-alone flush) and the prefill chunks the engine cuts prompts
-into (T = 8, 4, 2 tokens, flush fused at C), all for the engine's buffer layout of C + 1 entries.
-Speculative verify (T drafts, no flush) is not built here yet. TileLang and torch are imported
-only inside the callables.
+Registered now, per layout: the decode kernels of tiles/gdn.py and tiles/mamba2.py (buffered step
+with the flush fused at C, stand-alone flush), the prefill chunks the engine cuts prompts into
+(T = 8, 4, 2 tokens, flush fused at C) and the verify of T drafts plus the last token; the
+recurrent step once. The short conv's kernels are in kvbuffer.autotune.conv_templates (family
+"conv1d"). TileLang and torch are imported only inside the callables.
 """
 
 from __future__ import annotations
@@ -45,11 +48,35 @@ class Template:
     tolerance: float = 2e-2   # relative error (vs the fp32 reference) a variant may have
     min_chunk: int = 1        # smallest chunk size the kernel makes sense for (a T-token chunk needs C >= T)
     fitted: Callable[[Mapping], Mapping] | None = field(default=None, repr=False)  # shape -> defaults
+    layouts: bool = False     # build / make_inputs take drafts=T (buffers of C + T + 1 entries)
+    min_drafts: int = 0       # 1: only speculative decoding launches it (the verify)
 
     def defaults_for(self, shape: Mapping) -> dict:
         """The untuned tunables for one head shape: `fitted(shape)` where the template narrows its
         measured best to the head dims, else the fixed `defaults`."""
         return dict(self.fitted(shape) if self.fitted else self.defaults)
+
+    def drafts_for(self, draft_tokens) -> list[int]:
+        """The buffer layouts (draft counts) to build this kernel for: 0 alone unless it depends on them."""
+        if not self.layouts:
+            return [0]
+        return [d for d in sorted(set(draft_tokens)) if d >= self.min_drafts]
+
+    def compile(self, shape: Mapping, chunk_size: int, drafts: int, *, target, **tunables):
+        return self.build(dict(shape), chunk_size, target=target, **self._layout(drafts), **tunables)
+
+    def inputs(self, shape: Mapping, batch: int, chunk_size: int, device, gen, drafts: int = 0) -> list:
+        return self.make_inputs(dict(shape), batch, chunk_size, device, gen, **self._layout(drafts))
+
+    def _layout(self, drafts: int) -> dict:
+        if drafts and not self.layouts:
+            raise ValueError(f"{self.name} does not depend on the buffer layout; build it with drafts=0")
+        return {"drafts": drafts} if self.layouts else {}
+
+
+def capacity(chunk_size: int, drafts: int = 0) -> int:
+    """Buffer entries per slot in the engine's layout: C to fold, T drafts past them, one more token."""
+    return chunk_size + drafts + 1
 
 
 def source_digest(package: str = "kvbuffer.tiles") -> str:
@@ -131,38 +158,26 @@ def _gdn_recurrent_reference(shape, chunk_size, args):
     return {7: state, 9: o[:, None]}
 
 
-def _gdn_buffered_inputs(shape, batch, chunk_size, device, gen):
-    import torch
+def _buffered_inputs(tokens, offset: int, T: int | None):
+    """make_inputs of a buffered kernel fed T tokens per row (None: a verify of drafts + 1 tokens).
 
-    q, k, v, a, b, A_log, dt_bias = _gdn_tokens(shape, batch, gen, device)
-    pools = _gdn_pools(shape, batch, chunk_size + 1, gen, device, 0, chunk_size)
-    return [q, k, v, a, b, A_log, dt_bias, *pools, torch.empty_like(v)]
+    With a fused flush at C, rows hold n <= C - T entries, so some reach C and fold (steady state);
+    a verify's rows hold n < C, and its T tokens land in the entries past them."""
+    def inputs(shape, batch, chunk_size, device, gen, drafts=0):
+        import torch
 
-
-def _gdn_buffered_reference(shape, chunk_size, args):
-    from kvbuffer.reference import gdn
-
-    state, bk, bv, bg = (args[i].clone() for i in (7, 9, 10, 11))
-    o = gdn.buffered_step(*(t[:, 0] for t in args[:5]), args[5], args[6], state, args[8], bk, bv, bg,
-                          args[12], args[13], flush_at=chunk_size)
-    return {7: state, 14: o[:, None]}
-
-
-def _chunk_inputs(tokens, offset):
-    """make_inputs of a T-token prefill chunk: rows hold n <= C - T entries, so some reach C and flush."""
-    def make(T):
-        def inputs(shape, batch, chunk_size, device, gen):
-            import torch
-
-            front = tokens(shape, batch, gen, device, T)
-            pools = _gdn_pools(shape, batch, chunk_size + 1, gen, device, 0, chunk_size - T + 1)
-            return [*front, *pools, torch.empty_like(front[offset])]
-        return inputs
-    return make
+        fed = T or drafts + 1
+        hi = chunk_size if T is None else chunk_size - T + 1
+        front = tokens(shape, batch, gen, device, fed)
+        pools = _gdn_pools(shape, batch, capacity(chunk_size, drafts), gen, device, 0, hi)
+        return [*front, *pools, torch.empty_like(front[offset])]
+    return inputs
 
 
-def _chunk_reference(ops_module, front, first_pool):
-    """Expected state and outputs of a prefill chunk: verify, then flush the rows that reached C."""
+def _buffered_reference(ops_module: str, front, first_pool: int, flush: bool):
+    """Expected results of a buffered kernel: the reference verify of its tokens; with `flush`, then
+    the fold of the rows whose buffer reached C (decode step, prefill chunk); without, a speculative
+    verify, whose new buffer entries are checked too."""
     def reference(shape, chunk_size, args):
         import torch
 
@@ -171,21 +186,25 @@ def _chunk_reference(ops_module, front, first_pool):
         sslots, bslots, lengths = args[first_pool + 1], args[first_pool + 5], args[first_pool + 6]
         T = args[0].shape[1]
         o = ops.verify(*front(args), state, sslots, bk, bv, bg, bslots, lengths)
+        if not flush:
+            return {first_pool: state, first_pool + 2: bk, first_pool + 3: bv, first_pool + 4: bg, first_pool + 7: o}
         full = torch.where((lengths + T == chunk_size) & (bslots >= 0), bslots, torch.full_like(bslots, -1))
         ops.flush(state, sslots, bk, bv, bg, full, lengths + T)
         return {first_pool: state, first_pool + 7: o}
     return reference
 
 
-def _gdn_flush_inputs(shape, batch, chunk_size, device, gen):
-    return list(_gdn_pools(shape, batch, chunk_size + 1, gen, device, 1, chunk_size + 1))
+def _flush_inputs(shape, batch, chunk_size, device, gen, drafts=0):
+    """Rows hold 1 .. C + T entries (after a verify, a buffer may pass C by the accepted drafts)."""
+    cap = capacity(chunk_size, drafts)
+    return list(_gdn_pools(shape, batch, cap, gen, device, 1, cap))
 
 
-def _gdn_flush_reference(shape, chunk_size, args):
-    from kvbuffer.reference import gdn
+def _flush_reference(shape, chunk_size, args):
+    from kvbuffer.reference import core
 
     state = args[0].clone()
-    gdn.flush(state, *args[1:])
+    core.flush(state, *args[1:])
     return {0: state}
 
 
@@ -193,50 +212,81 @@ def _run(kernel, args) -> None:
     kernel(*args)
 
 
-def gdn_templates() -> list[Template]:
-    g = _gdn()
-    src = source_digest()
-    tun = ("BV", "threads")
+@dataclass(frozen=True)
+class _Family:
+    """What differs between the GDN and Mamba-2 layout-dependent templates."""
 
-    def recurrent(shape, chunk_size, *, target, **t):
-        return _compile(g.gdn_recurrent(**_gdn_dims(shape), in_dtype=shape["dtype"], **t), target)
+    name: str
+    tiles: Any                  # the tiles module
+    buffered: Callable          # tiles' buffered template (step / chunk / verify)
+    flush: Callable             # tiles' flush template
+    dims: Callable              # shape -> the template's head-dim keywords
+    tokens: Callable            # (shape, batch, gen, device, T) -> the kernel's front arguments
+    offset: int                 # the front argument the output is shaped like
+    front: Callable             # args -> the reference verify's front arguments
+    first_pool: int             # index of `state` in the kernel's arguments
+    configs: Callable           # the buffered kernels' configs
+    tunables: tuple             # the buffered kernels' tunable names
 
-    def buffered(shape, chunk_size, *, target, **t):
-        prim = g.gdn_buffered(**_gdn_dims(shape), cap=chunk_size + 1, T_new=1, flush_at=chunk_size,
-                              in_dtype=shape["dtype"], buf_dtype=shape["dtype"], **t)
-        return _compile(prim, target)
+    @property
+    def reference_module(self) -> str:
+        return f"kvbuffer.reference.{self.name}"
 
-    def flush(shape, chunk_size, *, target, **t):
-        return _compile(g.gdn_flush(**_gdn_dims(shape), cap=chunk_size + 1, buf_dtype=shape["dtype"], **t), target)
 
-    def chunk(T):
-        def build(shape, chunk_size, *, target, **t):
-            prim = g.gdn_buffered(**_gdn_dims(shape), cap=chunk_size + 1, T_new=T, flush_at=chunk_size,
-                                  in_dtype=shape["dtype"], buf_dtype=shape["dtype"], **t)
+def _layout_templates(f: _Family, src: str) -> list[Template]:
+    """Decode step and prefill chunks (flush fused at C), verify of T drafts, and the stand-alone
+    flush: the kernels built per buffer layout (C + T + 1 entries)."""
+    def buffered(T: int | None, fused: bool):
+        def build(shape, chunk_size, *, target, drafts=0, **t):
+            prim = f.buffered(**f.dims(shape), cap=capacity(chunk_size, drafts), T_new=T or drafts + 1,
+                              flush_at=chunk_size if fused else 0, in_dtype=shape["dtype"],
+                              buf_dtype=shape["dtype"], **t)
             return _compile(prim, target)
         return build
 
-    inputs = _chunk_inputs(_gdn_tokens, 2)
-    reference = _chunk_reference("kvbuffer.reference.gdn", lambda a: (*a[:5], a[5], a[6]), 7)
-    fitted = lambda shape: g.default_buffered_tunables(shape["K"], shape["V"])  # noqa: E731
-    chunks = [Template(f"gdn_prefill_chunk{T}", "gdn", chunk(T), g.get_buffered_configs,
-                       builder_defaults(g.gdn_buffered, tun), inputs(T), reference, _run, src, min_chunk=T,
-                       fitted=fitted)
-              for T in PREFILL_CHUNKS]
+    def flush(shape, chunk_size, *, target, drafts=0, **t):
+        return _compile(f.flush(**f.dims(shape), cap=capacity(chunk_size, drafts), buf_dtype=shape["dtype"], **t),
+                        target)
+
+    defaults = builder_defaults(f.buffered, f.tunables)
+    fitted = lambda shape: f.tiles.default_buffered_tunables(shape["K"], shape["V"])  # noqa: E731
+    folding = _buffered_reference(f.reference_module, f.front, f.first_pool, flush=True)
+
+    def kind(name, T, fused, reference, **extra):
+        return Template(f"{f.name}_{name}", f.name, buffered(T, fused), f.configs, defaults,
+                        _buffered_inputs(f.tokens, f.offset, T), reference, _run, src, fitted=fitted,
+                        layouts=True, **extra)
+
+    chunks = [kind(f"prefill_chunk{T}", T, True, folding, min_chunk=T) for T in PREFILL_CHUNKS]
     return chunks + [
-        Template("gdn_recurrent", "gdn", recurrent, g.get_recurrent_configs, builder_defaults(g.gdn_recurrent, tun),
-                 _gdn_recurrent_inputs, _gdn_recurrent_reference, _run, src, uses_chunk=False),
-        Template("gdn_buffered_step", "gdn", buffered, g.get_buffered_configs,
-                 builder_defaults(g.gdn_buffered, tun), _gdn_buffered_inputs, _gdn_buffered_reference, _run, src,
-                 fitted=fitted),
-        Template("gdn_flush", "gdn", flush, g.get_flush_configs, builder_defaults(g.gdn_flush, tun),
-                 _gdn_flush_inputs, _gdn_flush_reference, _run, src),
+        kind("buffered_step", 1, True, folding),
+        kind("verify", None, False, _buffered_reference(f.reference_module, f.front, f.first_pool, flush=False),
+             min_drafts=1),
+        Template(f"{f.name}_flush", f.name, flush, f.tiles.get_flush_configs,
+                 builder_defaults(f.flush, ("BV", "threads")), _flush_inputs, _flush_reference, _run, src,
+                 layouts=True),
     ]
+
+
+def gdn_templates() -> list[Template]:
+    g = _gdn()
+    src = source_digest()
+    family = _Family("gdn", g, g.gdn_buffered, g.gdn_flush, _gdn_dims, _gdn_tokens, 2,
+                     lambda a: (*a[:5], a[5], a[6]), 7, g.get_buffered_configs, ("BV", "threads"))
+    recurrent = Template(
+        "gdn_recurrent", "gdn",
+        lambda shape, chunk_size, *, target, **t: _compile(
+            g.gdn_recurrent(**_gdn_dims(shape), in_dtype=shape["dtype"], **t), target),
+        g.get_recurrent_configs, builder_defaults(g.gdn_recurrent, ("BV", "threads")),
+        _gdn_recurrent_inputs, _gdn_recurrent_reference, _run, src, uses_chunk=False)
+    return _layout_templates(family, src) + [recurrent]
 
 
 # ----------------------------------------------------------------------------------------------
 # Mamba-2 (tiles/mamba2.py): G = Hk groups, H = Hv heads, N = K state size, P = V head dim; z not used.
-# The buffered step and prefill chunks try two templates with one ABI (tunable `variant`).
+# The buffered kernels try two templates with one ABI (tunable `variant`): get_buffered_configs
+# interleaves the thread-level default (tiles/mamba2_simt.py, "simt") and the generic one ("reduce"),
+# so `--max-configs 2` already times both and the tuner keeps whichever is faster per batch bucket.
 
 
 def _m2_dims(shape: Mapping) -> dict:
@@ -266,88 +316,35 @@ def _m2_recurrent_inputs(shape, batch, chunk_size, device, gen):
     return front + [state, slots, torch.empty_like(front[0])]
 
 
-def _m2_front_ref(args):
-    x, dt, A_log, dt_bias, Bm, Cm, D = args[:7]
-    return x[:, 0], dt[:, 0], A_log, dt_bias, Bm[:, 0], Cm[:, 0], D
-
-
 def _m2_recurrent_reference(shape, chunk_size, args):
     from kvbuffer.reference import mamba2
 
     state = args[8].clone()
-    y = mamba2.recurrent_step(*_m2_front_ref(args), state, args[9])
+    x, dt, A_log, dt_bias, Bm, Cm, D = args[:7]
+    y = mamba2.recurrent_step(x[:, 0], dt[:, 0], A_log, dt_bias, Bm[:, 0], Cm[:, 0], D, state, args[9])
     return {8: state, 10: y[:, None]}
-
-
-def _m2_buffered_inputs(shape, batch, chunk_size, device, gen):
-    import torch
-
-    front = _m2_tokens(shape, batch, gen, device)
-    pools = _gdn_pools(shape, batch, chunk_size + 1, gen, device, 0, chunk_size)
-    return front + [*pools, torch.empty_like(front[0])]
-
-
-def _m2_buffered_reference(shape, chunk_size, args):
-    from kvbuffer.reference import mamba2
-
-    state, bk, bv, bg = (args[i].clone() for i in (8, 10, 11, 12))
-    y = mamba2.buffered_step(*_m2_front_ref(args), state, args[9], bk, bv, bg, args[13], args[14],
-                             flush_at=chunk_size)
-    return {8: state, 15: y[:, None]}
 
 
 def mamba2_templates() -> list[Template]:
     m = importlib.import_module(MAMBA2_TILES)
     src = source_digest()
-    tun = ("BV", "threads")
-    buffered_tun = ("variant", "BV", "threads", "blocks")
-    fitted = lambda shape: m.default_buffered_tunables(shape["K"], shape["V"])  # noqa: E731
-
-    def buffered_configs() -> list[dict]:
-        """Both buffered variants, interleaved: the thread-level default (tiles/mamba2_simt.py, variant
-        "simt"), then the generic template's (variant "reduce"), ...: `--max-configs 2` already times both,
-        and the tuner keeps whichever is faster (and passes the reference check) per batch bucket."""
-        return m.get_buffered_configs()
-
-    def recurrent(shape, chunk_size, *, target, **t):
-        return _compile(m.mamba2_recurrent(**_m2_dims(shape), in_dtype=shape["dtype"], **t), target)
-
-    def buffered(shape, chunk_size, *, target, **t):
-        prim = m.mamba2_buffered(**_m2_dims(shape), cap=chunk_size + 1, T_new=1, flush_at=chunk_size,
-                                 in_dtype=shape["dtype"], buf_dtype=shape["dtype"], **t)
-        return _compile(prim, target)
-
-    def flush(shape, chunk_size, *, target, **t):
-        return _compile(m.mamba2_flush(**_m2_dims(shape), cap=chunk_size + 1, buf_dtype=shape["dtype"], **t), target)
-
-    def chunk(T):
-        def build(shape, chunk_size, *, target, **t):
-            prim = m.mamba2_buffered(**_m2_dims(shape), cap=chunk_size + 1, T_new=T, flush_at=chunk_size,
-                                     in_dtype=shape["dtype"], buf_dtype=shape["dtype"], **t)
-            return _compile(prim, target)
-        return build
-
-    inputs = _chunk_inputs(_m2_tokens, 0)
-    reference = _chunk_reference("kvbuffer.reference.mamba2", lambda a: a[:7], 8)
-    chunks = [Template(f"mamba2_prefill_chunk{T}", "mamba2", chunk(T), buffered_configs,
-                       builder_defaults(m.mamba2_buffered, buffered_tun), inputs(T), reference, _run, src,
-                       min_chunk=T, fitted=fitted)
-              for T in PREFILL_CHUNKS]
-    return chunks + [
-        Template("mamba2_recurrent", "mamba2", recurrent, m.get_recurrent_configs,
-                 builder_defaults(m.mamba2_recurrent, tun), _m2_recurrent_inputs, _m2_recurrent_reference, _run,
-                 src, uses_chunk=False),
-        Template("mamba2_buffered_step", "mamba2", buffered, buffered_configs,
-                 builder_defaults(m.mamba2_buffered, buffered_tun), _m2_buffered_inputs, _m2_buffered_reference, _run,
-                 src, fitted=fitted),
-        Template("mamba2_flush", "mamba2", flush, m.get_flush_configs, builder_defaults(m.mamba2_flush, tun),
-                 _gdn_flush_inputs, _gdn_flush_reference, _run, src),
-    ]
+    family = _Family("mamba2", m, m.mamba2_buffered, m.mamba2_flush, _m2_dims, _m2_tokens, 0, lambda a: a[:7], 8,
+                     m.get_buffered_configs, ("variant", "BV", "threads", "blocks"))
+    recurrent = Template(
+        "mamba2_recurrent", "mamba2",
+        lambda shape, chunk_size, *, target, **t: _compile(
+            m.mamba2_recurrent(**_m2_dims(shape), in_dtype=shape["dtype"], **t), target),
+        m.get_recurrent_configs, builder_defaults(m.mamba2_recurrent, ("BV", "threads")),
+        _m2_recurrent_inputs, _m2_recurrent_reference, _run, src, uses_chunk=False)
+    return _layout_templates(family, src) + [recurrent]
 
 
 def templates(family: str | None = None) -> list[Template]:
-    """Every registered template (optionally of one family)."""
+    """Every registered template (optionally of one family: "gdn", "mamba2" or "conv1d")."""
+    from .conv_templates import conv_templates
+
     found = gdn_templates()
     if importlib.util.find_spec(MAMBA2_TILES) is not None:
         found += mamba2_templates()
+    found += conv_templates()
     return [t for t in found if family in (None, t.family)]

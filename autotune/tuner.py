@@ -34,9 +34,10 @@ CHECK_BATCH = 7                      # an awkward batch for the correctness gate
 @dataclass(frozen=True)
 class TuneRequest:
     gpu: GPU
-    shape: Mapping                 # family, Hk, Hv, K, V, dtype
+    shape: Mapping                 # family, Hk, Hv, K, V, dtype (conv1d: D, W, dtype, w_dtype, bias)
     chunk_sizes: tuple[int, ...]
     batch_buckets: tuple[int, ...]
+    draft_tokens: tuple[int, ...] = (0,)  # buffer layouts: C + T + 1 entries per T (0: plain decoding)
 
 
 @dataclass
@@ -50,14 +51,18 @@ class BuildResult:
     reused: bool
     median_us: dict = field(default_factory=dict)   # bucket -> µs (measured path)
     rejected: list = field(default_factory=list)    # (tunables, why)
+    drafts: int = 0
 
 
-def plan(templates: Sequence[Template], chunk_sizes: Iterable[int]) -> list[tuple[Template, int]]:
-    """(template, chunk size) pairs to build; chunk-free templates once, with chunk_size 0."""
+def plan(templates: Sequence[Template], chunk_sizes: Iterable[int],
+         draft_tokens: Iterable[int] = (0,)) -> list[tuple[Template, int, int]]:
+    """(template, chunk size, drafts) to build: chunk-free templates with chunk_size 0, layout-free
+    ones with drafts 0, the verify only for drafts >= 1."""
     out = []
+    layouts = sorted(set(draft_tokens) | {0})
     for tpl in templates:
-        chunks = [c for c in sorted(set(chunk_sizes)) if c >= tpl.min_chunk]
-        out += [(tpl, c) for c in chunks] if tpl.uses_chunk else [(tpl, 0)]
+        chunks = [c for c in sorted(set(chunk_sizes)) if c >= tpl.min_chunk] if tpl.uses_chunk else [0]
+        out += [(tpl, c, d) for d in tpl.drafts_for(layouts) for c in chunks]
     return out
 
 
@@ -65,9 +70,9 @@ def function_name(kernel) -> str:
     return str(kernel.prim_func.attrs["global_symbol"])
 
 
-def _key(req: TuneRequest, tpl: Template, chunk: int, tunables: Mapping) -> ArtifactKey:
+def _key(req: TuneRequest, tpl: Template, chunk: int, tunables: Mapping, drafts: int = 0) -> ArtifactKey:
     return ArtifactKey(req.gpu.name, req.gpu.arch, tpl.name, dict(req.shape), chunk, dict(tunables),
-                       build_versions(), tpl.source)
+                       build_versions(), tpl.source, drafts)
 
 
 def _publish(cache: ArtifactCache, key: ArtifactKey, kernel, status: str, info: Mapping) -> str:
@@ -83,19 +88,20 @@ def build_untuned(cache: ArtifactCache, req: TuneRequest, templates: Sequence[Te
                   progress: Callable[[BuildResult], None] = lambda r: None) -> tuple[list[BuildResult], str]:
     """Compile every template with its defaults for req.gpu's arch; returns (results, tuning name)."""
     results = []
-    for tpl, chunk in plan(templates, req.chunk_sizes):
+    for tpl, chunk, drafts in plan(templates, req.chunk_sizes, req.draft_tokens):
         defaults = tpl.defaults_for(req.shape)
-        key = _key(req, tpl, chunk, defaults)
+        key = _key(req, tpl, chunk, defaults, drafts)
         t0 = time.perf_counter()
         reused = cache.has(key)
         if not reused:
-            kernel = tpl.build(dict(req.shape), chunk, target=req.gpu.target, **defaults)
+            kernel = tpl.compile(req.shape, chunk, drafts, target=req.gpu.target, **defaults)
             _publish(cache, key, kernel, "untuned", {"compile_s": round(time.perf_counter() - t0, 2)})
         res = BuildResult(tpl.name, chunk, defaults, key.name, cache.status(key.name),
-                          time.perf_counter() - t0, reused)
+                          time.perf_counter() - t0, reused, drafts=drafts)
         results.append(res)
         progress(res)
-    winners = [Winner(r.kernel, b, r.chunk_size, r.artifact, r.tunables) for r in results for b in req.batch_buckets]
+    winners = [Winner(r.kernel, b, r.chunk_size, r.artifact, r.tunables, drafts=r.drafts)
+               for r in results for b in req.batch_buckets]
     policy = ChunkPolicy.default(req.batch_buckets, req.chunk_sizes)
     return results, _save_tuning(cache, req, winners, policy, "untuned")
 
@@ -107,6 +113,7 @@ def _save_tuning(cache: ArtifactCache, req: TuneRequest, winners: list[Winner], 
     record = {"format": TUNING_FORMAT, "status": status, "gpu": req.gpu.name, "arch": req.gpu.arch,
               "shape": dict(req.shape), "versions": versions, "chunk_policy": policy.to_json(),
               "batch_buckets": list(req.batch_buckets), "chunk_sizes": list(req.chunk_sizes),
+              "draft_tokens": sorted(set(req.draft_tokens) | {0}),
               "winners": [w.to_json() for w in winners]}
     return cache.put_tuning(name, record, gpu=req.gpu.name, shape=req.shape, versions=versions)
 
@@ -124,12 +131,12 @@ def rel_err(x, ref) -> float:
     return float((x - ref).norm() / ref.norm().clamp_min(1e-30))
 
 
-def check(tpl: Template, kernel, shape: Mapping, chunk: int, device, seed: int = 0) -> float:
+def check(tpl: Template, kernel, shape: Mapping, chunk: int, device, seed: int = 0, drafts: int = 0) -> float:
     """Worst relative error of the kernel's outputs against tpl.reference on fresh inputs."""
     import torch
 
     gen = torch.Generator(device=device).manual_seed(seed)
-    args = tpl.make_inputs(dict(shape), CHECK_BATCH, chunk, device, gen)
+    args = tpl.inputs(shape, CHECK_BATCH, chunk, device, gen, drafts)
     expected = tpl.reference(dict(shape), chunk, [a.clone() for a in args])
     tpl.run(kernel, args)
     return max(rel_err(args[i], want) for i, want in expected.items())
@@ -163,40 +170,41 @@ def measure(cache: ArtifactCache, req: TuneRequest, templates: Sequence[Template
     import torch
 
     results, winners, timings = [], [], {}
-    for tpl, chunk in plan(templates, req.chunk_sizes):
+    for tpl, chunk, drafts in plan(templates, req.chunk_sizes, req.draft_tokens):
         size = chunk or max(req.chunk_sizes)
         candidates, rejected = [], []
         for tunables in tpl.configs()[:configs_limit]:
             t0 = time.perf_counter()
             try:
-                kernel = tpl.build(dict(req.shape), chunk, target=req.gpu.target, **tunables)
+                kernel = tpl.compile(req.shape, chunk, drafts, target=req.gpu.target, **tunables)
             except Exception as e:  # a config the compiler rejects is a tuning outcome, not a failure
                 rejected.append((tunables, f"compile: {type(e).__name__}: {str(e)[:200]}"))
                 continue
-            err = check(tpl, kernel, req.shape, size, device)
+            err = check(tpl, kernel, req.shape, size, device, drafts=drafts)
             if not err <= tpl.tolerance:
                 rejected.append((tunables, f"mismatch: rel err {err:.2e} > {tpl.tolerance:.0e}"))
                 continue
             medians = {}
             for bucket in req.batch_buckets:
                 gen = torch.Generator(device=device).manual_seed(bucket)
-                first = tpl.make_inputs(dict(req.shape), bucket, size, device, gen)
-                sets = [first] + [tpl.make_inputs(dict(req.shape), bucket, size, device, gen)
+                first = tpl.inputs(req.shape, bucket, size, device, gen, drafts)
+                sets = [first] + [tpl.inputs(req.shape, bucket, size, device, gen, drafts)
                                   for _ in range(rotation(first, req.gpu.l2_mib * 2**20) - 1)]
                 medians[bucket] = timer(lambda a: tpl.run(kernel, a), sets)
                 del sets, first
             candidates.append((tunables, kernel, medians, time.perf_counter() - t0))
         if not candidates:
-            raise RuntimeError(f"{tpl.name} C={chunk}: no config passed the reference check: {rejected}")
+            raise RuntimeError(f"{tpl.name} C={chunk} drafts={drafts}: no config passed the reference check: "
+                               f"{rejected}")
         for bucket in req.batch_buckets:
             tunables, kernel, medians, secs = min(candidates, key=lambda c: c[2][bucket])
-            key = _key(req, tpl, chunk, tunables)
+            key = _key(req, tpl, chunk, tunables, drafts)
             name = _publish(cache, key, kernel, "tuned", {"median_us": {str(b): m * 1e6 for b, m in medians.items()}})
-            winners.append(Winner(tpl.name, bucket, chunk, name, tunables, medians[bucket] * 1e6))
-            if tpl.name in POLICY_KERNELS:
+            winners.append(Winner(tpl.name, bucket, chunk, name, tunables, medians[bucket] * 1e6, drafts))
+            if tpl.name in POLICY_KERNELS and drafts == 0:  # plain decoding's layout decides C
                 timings[(bucket, chunk)] = medians[bucket]
             results.append(BuildResult(tpl.name, chunk, dict(tunables), name, "tuned", secs, False,
-                                       {bucket: medians[bucket] * 1e6}, rejected))
+                                       {bucket: medians[bucket] * 1e6}, rejected, drafts))
         progress(results[-1])
     policy = (ChunkPolicy.from_timings(timings) if timings
               else ChunkPolicy.default(req.batch_buckets, req.chunk_sizes))

@@ -24,8 +24,8 @@ def _table(rows: list[tuple]) -> None:
         click.echo("  ".join(str(c).ljust(w) for c, w in zip(row, widths)).rstrip())
 
 
-def _resolve_shape(model, heads, family, dtype) -> dict:
-    """dtype None: a checkpoint's own dtype, else bfloat16."""
+def _resolve_shapes(model, heads, family, dtype) -> tuple[dict, dict]:
+    """(linear-layer head shape, its short conv's shape); dtype None: a checkpoint's own, else bfloat16."""
     from pathlib import Path
 
     from ..autotune import models
@@ -34,14 +34,28 @@ def _resolve_shape(model, heads, family, dtype) -> dict:
         raise click.UsageError("give --model or --heads, not both")
     try:
         if heads:
-            return models.parse_heads(heads, family, dtype or models.DEFAULT_DTYPE)
+            shape = models.parse_heads(heads, family, dtype or models.DEFAULT_DTYPE)
+            return shape, models.conv_shape(shape)
         if model is None:
             raise click.UsageError("name a head shape: --model PRESET|CHECKPOINT_DIR or --heads Hk,Hv,K,V")
         if model.lower() not in models.PRESETS and Path(model).exists():
-            return models.checkpoint_shape(model, dtype)
-        return models.preset_shape(model, dtype or models.DEFAULT_DTYPE)  # unknown: lists the presets
+            shape = models.checkpoint_shape(model, dtype)
+            return shape, models.checkpoint_conv_shape(model, shape)
+        shape = models.preset_shape(model, dtype or models.DEFAULT_DTYPE)  # unknown: lists the presets
+        return shape, models.conv_shape(shape)
     except (ValueError, KeyError, OSError) as e:
         raise click.BadParameter(str(e), param_hint="--model/--heads") from None
+
+
+def _drafts(text: str) -> tuple[int, ...]:
+    """--draft-tokens: speculative draft counts (1..16); plain decoding's layout (0) is always built."""
+    if not text.strip():
+        return (0,)
+    values = _ints(text, "--draft-tokens")
+    if values[-1] > 16:
+        raise click.BadParameter(f"draft counts must be in [1, 16] (the engine's limit), got {text!r}",
+                                 param_hint="--draft-tokens")
+    return (0,) + values
 
 
 def _resolve_gpu(name):
@@ -67,22 +81,25 @@ def _resolve_gpu(name):
     return gpu, False
 
 
-def _templates(family: str, kernels: str | None):
+def _templates(shapes: list[dict], kernels: str | None) -> list[tuple[dict, list]]:
+    """(shape, its templates) for each shape that has any left after --kernels."""
     try:
         from ..autotune.registry import templates
     except ImportError as e:
         raise click.ClickException(f"the compile side needs TileLang: pip install 'kvbuffer[gpu]' ({e})")
-    found = templates(family)
-    if not found:
-        raise click.ClickException(f"no TileLang templates are registered for the {family} family yet")
+    found = [(shape, templates(shape["family"])) for shape in shapes]
+    if not found[0][1]:
+        raise click.ClickException(f"no TileLang templates are registered for the {shapes[0]['family']} family yet")
     if kernels:
         wanted = {k.strip() for k in kernels.split(",")}
-        unknown = wanted - {t.name for t in found}
+        names = [t.name for _, tpls in found for t in tpls]
+        unknown = wanted - set(names)
         if unknown:
-            raise click.BadParameter(f"unknown kernel(s) {sorted(unknown)}; {family} has "
-                                     f"{[t.name for t in found]}", param_hint="--kernels")
-        found = [t for t in found if t.name in wanted]
-    return found
+            families = ", ".join(s["family"] for s in shapes)
+            raise click.BadParameter(f"unknown kernel(s) {sorted(unknown)}; the {families} kernels are {names}",
+                                     param_hint="--kernels")
+        found = [(shape, [t for t in tpls if t.name in wanted]) for shape, tpls in found]
+    return [(shape, tpls) for shape, tpls in found if tpls]
 
 
 @click.command()
@@ -96,36 +113,51 @@ def _templates(family: str, kernels: str | None):
               help="Activation/buffer dtype [default: the checkpoint's, else bfloat16].")
 @click.option("--chunk-sizes", default=DEFAULT_CHUNKS, show_default=True, help="Chunk sizes C to build.")
 @click.option("--batch-buckets", default=DEFAULT_BUCKETS, show_default=True, help="Batch buckets to tune for.")
-@click.option("--kernels", help="Comma-separated template names (default: every template of the family).")
+@click.option("--draft-tokens", default="", help="Speculative draft counts T to build buffer layouts for "
+              "(C + T + 1 entries, the verify of T drafts), e.g. 4 or 2,4,8 [default: plain decoding only].")
+@click.option("--conv/--no-conv", default=True, show_default=True,
+              help="Also build the short conv's kernels (shape from the model, or 2*Hk*K + Hv*V channels).")
+@click.option("--kernels", help="Comma-separated template names (default: every template of the family and "
+              "its conv).")
 @click.option("--build-only", is_flag=True, help="Compile defaults without measuring, even on the named GPU.")
 @click.option("--max-configs", type=int, default=None, help="Try at most this many configs per template.")
 @click.option("--cache-dir", type=click.Path(file_okay=False), default=None,
               help="Cache root [default: $KVBUFFER_CACHE_DIR, else $XDG_CACHE_HOME/kvbuffer].")
-def tune(gpu, list_gpus, model, heads, family, dtype, chunk_sizes, batch_buckets, kernels, build_only,
-         max_configs, cache_dir):
+def tune(gpu, list_gpus, model, heads, family, dtype, chunk_sizes, batch_buckets, draft_tokens, conv, kernels,
+         build_only, max_configs, cache_dir):
     """Compile kernels for a GPU and head shape into the artifact cache, measuring them if the GPU is here.
 
     Without the named GPU, each kernel is compiled for its arch with default tunables and recorded
     as untuned. With it, every config is checked against the reference, timed per batch bucket,
-    and the winners and a chunk-size policy are recorded as tuned.
+    and the winners and a chunk-size policy are recorded as tuned. The linear layers' kernels and
+    the short conv's get one tuning record each.
     """
     from ..autotune.gpus import catalogue_table
 
     if list_gpus:
         _table(catalogue_table())
         return
-    from ..autotune import tuner
     from ..autotune.cache import ArtifactCache
 
-    shape = _resolve_shape(model, heads, family, dtype)
+    shape, conv_shape = _resolve_shapes(model, heads, family, dtype)
     target, present = _resolve_gpu(gpu)
-    req = tuner.TuneRequest(target, shape, _ints(chunk_sizes, "--chunk-sizes"), _ints(batch_buckets, "--batch-buckets"))
-    tpls = _templates(shape["family"], kernels)
+    chunks, buckets = _ints(chunk_sizes, "--chunk-sizes"), _ints(batch_buckets, "--batch-buckets")
+    drafts = _drafts(draft_tokens)
     cache = ArtifactCache(cache_dir)
-    measuring = present and not build_only
-    items = tuner.plan(tpls, req.chunk_sizes)
+    for one_shape, tpls in _templates([shape, conv_shape] if conv else [shape], kernels):
+        _tune_shape(cache, target, present and not build_only, one_shape, tpls, chunks, buckets, drafts, max_configs)
+
+
+def _tune_shape(cache, target, measuring, shape, tpls, chunks, buckets, drafts, max_configs) -> None:
+    """Build (or measure) one shape's templates, print the summary and its tuning record."""
+    from ..autotune import tuner
+
+    req = tuner.TuneRequest(target, shape, chunks, buckets, drafts)
+    items = tuner.plan(tpls, req.chunk_sizes, req.draft_tokens)
+    layouts = ("" if shape["family"] == "conv1d" else f", C in {list(req.chunk_sizes)}") \
+        + (f", drafts {list(drafts[1:])}" if len(drafts) > 1 else "")
     click.echo(f"{'tuning' if measuring else 'building (untuned)'} {len(items)} kernel(s) for {target.name} "
-               f"({target.arch}), {_shape_text(shape)}, C in {list(req.chunk_sizes)}, cache {cache.root}")
+               f"({target.arch}), {_shape_text(shape)}{layouts}, cache {cache.root}")
     with click.progressbar(length=len(items), label="compiling", show_pos=True) as bar:
         step = lambda r: bar.update(1)  # noqa: E731
         if measuring:
@@ -138,21 +170,30 @@ def tune(gpu, list_gpus, model, heads, family, dtype, chunk_sizes, batch_buckets
     tuning = cache.tuning(record)
     if measuring:
         _table(winners_table(tuning, target.mem_bandwidth_gbs))
+    if shape["family"] == "conv1d":  # no chunk size: its kernels serve every C
+        click.echo(f"tuning record {record} ({tuning['status']})")
+        return
     policy = ChunkPolicy.from_json(tuning["chunk_policy"])
     click.echo(f"tuning record {record} ({policy.status}); chunk size per batch bucket: "
                + ", ".join(f"B<={b}: C={c}" for b, c in zip(policy.buckets, policy.chunk_sizes)))
 
 
 def _shape_text(shape) -> str:
+    if shape["family"] == "conv1d":
+        return (f"conv1d D={shape['D']} W={shape['W']} {shape['dtype']} weights {shape['w_dtype']}"
+                f"{' with bias' if shape['bias'] else ''}")
     return f"{shape['family']} Hk={shape['Hk']} Hv={shape['Hv']} K={shape['K']} V={shape['V']} {shape['dtype']}"
 
 
-def traffic_bytes(kernel: str, shape: dict, C: int, B: int) -> float:
-    """The fewest DRAM bytes a call moves (fp32 states, 2-byte entries), to report achieved bandwidth.
+def traffic_bytes(kernel: str, shape: dict, C: int, B: int) -> float | None:
+    """The fewest DRAM bytes a call moves (fp32 states, 2-byte entries), to report achieved bandwidth;
+    None for kernels this model does not cover (verify, prefill chunks, the conv).
 
     Recurrent step: read + write every state. Buffered step: read every state, write it in the 1/C
     of rows that flush, read on average C/2 buffer entries. Flush: read + write, read C entries.
     """
+    if not kernel.endswith(("recurrent", "buffered_step", "flush")):
+        return None
     state = 4 * shape["Hv"] * shape["K"] * shape["V"]
     entry = 2 * (shape["Hk"] * shape["K"] + shape["Hv"] * shape["V"]) + 4 * shape["Hv"]
     if kernel.endswith("recurrent"):
@@ -164,19 +205,22 @@ def traffic_bytes(kernel: str, shape: dict, C: int, B: int) -> float:
 
 def winners_table(tuning: dict, peak_gbs: float) -> list[tuple]:
     """Per kernel, chunk size and batch bucket: the chosen config, its time and achieved bandwidth."""
-    rows = [("kernel", "C", "batch", "tunables", "median us", "GB/s", "of peak")]
-    for w in sorted(tuning["winners"], key=lambda w: (w["kernel"], w["chunk_size"], w["batch_bucket"])):
-        gbs = traffic_bytes(w["kernel"], tuning["shape"], w["chunk_size"] or 1, w["batch_bucket"]) / w["median_us"] / 1e3
+    rows = [("kernel", "C", "drafts", "batch", "tunables", "median us", "GB/s", "of peak")]
+    order = lambda w: (w["kernel"], w["chunk_size"], w.get("drafts", 0), w["batch_bucket"])  # noqa: E731
+    for w in sorted(tuning["winners"], key=order):
+        nbytes = traffic_bytes(w["kernel"], tuning["shape"], w["chunk_size"] or 1, w["batch_bucket"])
+        gbs = None if nbytes is None else nbytes / w["median_us"] / 1e3
         tun = " ".join(f"{k}={v}" for k, v in sorted(w["tunables"].items()))
-        rows.append((w["kernel"], w["chunk_size"] or "-", w["batch_bucket"], tun, f"{w['median_us']:.1f}",
-                     f"{gbs:.0f}", f"{gbs / peak_gbs:.0%}"))
+        rows.append((w["kernel"], w["chunk_size"] or "-", w.get("drafts", 0), w["batch_bucket"], tun,
+                     f"{w['median_us']:.1f}", "-" if gbs is None else f"{gbs:.0f}",
+                     "-" if gbs is None else f"{gbs / peak_gbs:.0%}"))
     return rows
 
 
 def _summary(results, measured: bool) -> None:
-    rows = [("kernel", "C", "tunables", "status", "build", "seconds", "artifact")]
+    rows = [("kernel", "C", "drafts", "tunables", "status", "build", "seconds", "artifact")]
     for r in results:
         how = "cached" if r.reused else ("measured" if measured else "compiled")
         tun = " ".join(f"{k}={v}" for k, v in sorted(r.tunables.items()))
-        rows.append((r.kernel, r.chunk_size or "-", tun, r.status, how, f"{r.seconds:.1f}", r.artifact))
+        rows.append((r.kernel, r.chunk_size or "-", r.drafts, tun, r.status, how, f"{r.seconds:.1f}", r.artifact))
     _table(rows)

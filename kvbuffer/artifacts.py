@@ -116,16 +116,20 @@ class ArtifactKey:
     tunables: Mapping[str, Any]
     versions: Mapping[str, Any]
     source: str = ""  # sha256 of the template's source file
+    drafts: int = 0   # the buffer layout's speculative drafts T (C + T + 1 entries); 0: plain decoding
 
     def to_json(self) -> dict:
-        return {"format": FORMAT, "gpu": self.gpu, "arch": self.arch, "kernel": self.kernel,
-                "shape": dict(self.shape), "chunk_size": int(self.chunk_size),
-                "tunables": dict(self.tunables), "versions": dict(self.versions), "source": self.source}
+        d = {"format": FORMAT, "gpu": self.gpu, "arch": self.arch, "kernel": self.kernel,
+             "shape": dict(self.shape), "chunk_size": int(self.chunk_size),
+             "tunables": dict(self.tunables), "versions": dict(self.versions), "source": self.source}
+        if self.drafts:  # absent for the plain layout, so keys (and names) built before drafts existed still match
+            d["drafts"] = int(self.drafts)
+        return d
 
     @classmethod
     def from_json(cls, d: Mapping) -> "ArtifactKey":
         return cls(d["gpu"], d["arch"], d["kernel"], d["shape"], d["chunk_size"], d["tunables"],
-                   d["versions"], d.get("source", ""))
+                   d["versions"], d.get("source", ""), d.get("drafts", 0))
 
     @property
     def digest(self) -> str:
@@ -135,6 +139,8 @@ class ArtifactKey:
     def name(self) -> str:
         """Readable directory name plus 16 hex digits of the key's sha256."""
         readable = f"{self.kernel}_{self.gpu}_{self.arch}_{slug(self.shape)}_c{self.chunk_size}"
+        if self.drafts:
+            readable += f"_d{self.drafts}"
         if self.tunables:
             readable += "_" + slug(self.tunables)
         return safe_name(readable) + "-" + self.digest[:16]

@@ -10,9 +10,10 @@ drafts as pending (history untouched); conv1d_accept keeps the first accepted[b]
 Slot -1 = padding row (output 0, nothing written). Both declare that they mutate conv_state.
 
 CPU: the reference (with its checks). CUDA: a compiled kernel (tiles/conv1d.py) per (kind, D, W,
-span, T, dtypes, bias, silu); advance with T > 1 uses one kernel for every prompt length. `kvbuffer
-tune` builds no conv artifacts yet, so the kernels come from a JIT compile (`KVBUFFER_JIT=1` /
-kvbuffer.ops.allow_jit()); without it a CUDA call raises ArtifactError (the engine then keeps the
+span, T, dtypes, bias, silu); advance with T > 1 uses one kernel for every prompt length. Kernels
+come from the artifact cache (`kvbuffer tune --model ...` builds them, with SiLU, for spans W + T of
+its `--draft-tokens` layouts), else from a JIT compile when allowed (`KVBUFFER_JIT=1` /
+kvbuffer.ops.allow_jit()); otherwise a CUDA call raises ArtifactError (the engine then keeps the
 reference conv, see kvbuffer.runtime.kernel_ops.conv_update). CUDA tensors: contiguous; x, conv_state
 and out share one dtype (bf16, fp16 or fp32); weight and bias share one; slots and accepted int32.
 Under kvbuffer.ops.unchecked() or CUDA-graph capture the launch skips the checks that read the
@@ -34,7 +35,9 @@ from .reference import conv as ref_conv
 
 log = logging.getLogger(__name__)
 
-_KERNELS: dict = {}  # ConvKey -> kvbuffer.kernels.CompiledOp (batch and pool size are dynamic)
+_KERNELS: dict = {}  # (ConvKey, batch) -> kvbuffer.kernels.CompiledOp (pool size is dynamic)
+_JITTED: dict = {}   # ConvKey -> the JIT-compiled kernel (one for every batch)
+_TEMPLATES = {("advance", 1): "conv1d_step", ("advance", 0): "conv1d_prefill"}  # kvbuffer.autotune.conv_templates
 
 
 @dataclass(frozen=True)
@@ -65,16 +68,73 @@ def accept_key(conv_state: torch.Tensor, width: int) -> ConvKey:
     return ConvKey("accept", conv_state.shape[1], int(width), conv_state.shape[2], 0, ops._dtype(conv_state))
 
 
-def kernel_for(key: ConvKey):
-    """The compiled kernel for `key`: compiled once with TileLang when JIT is allowed, else ArtifactError."""
-    op = _KERNELS.get(key)
+def kernel_for(key: ConvKey, batch: int = 1):
+    """The compiled kernel for `key` at this batch: from the artifact cache, else compiled once with
+    TileLang when JIT is allowed, else ArtifactError."""
+    op = _KERNELS.get((key, batch))
     if op is None:
-        if not ops.jit_allowed():
-            raise ArtifactError(f"no compiled conv1d kernel for {key}: `kvbuffer tune` builds no conv kernels "
-                                "yet; set KVBUFFER_JIT=1 / call kvbuffer.ops.allow_jit() to compile it with TileLang")
-        log.info("kvbuffer.conv_ops: compiling %s with TileLang", key)
-        op = _KERNELS[key] = jit(key)
+        op = _KERNELS[(key, batch)] = _load(key, max(int(batch), 1))
     return op
+
+
+def _load(key: ConvKey, batch: int):
+    try:
+        return _from_artifacts(key, batch)
+    except ArtifactError as e:
+        if not ops.jit_allowed():
+            raise ArtifactError(f"{e}\n(or set KVBUFFER_JIT=1 / call kvbuffer.ops.allow_jit() to compile it with "
+                                "TileLang)") from None
+        if key not in _JITTED:
+            log.info("kvbuffer.conv_ops: no artifact for %s (%s); compiling with TileLang", key, str(e).splitlines()[0])
+            _JITTED[key] = jit(key)
+        return _JITTED[key]
+
+
+def _template(key: ConvKey) -> tuple[str | None, int]:
+    """(the `kvbuffer tune` template that builds this kernel or None, the drafts its span makes room for)."""
+    drafts = key.span - key.W
+    if drafts < 0 or not key.silu:
+        return None, drafts
+    if key.kind in ("verify", "accept"):
+        fits = key.kind == "accept" or key.T == drafts + 1
+        return (f"conv1d_{key.kind}" if drafts >= 1 and fits else None), drafts
+    return _TEMPLATES.get((key.kind, key.T)), drafts
+
+
+def _shapes(key: ConvKey) -> list[dict]:
+    """The conv tuning records that can hold this kernel: the accept reads no weights, so it is found
+    in a record of any weight dtype and bias."""
+    from .autotune.models import make_conv_shape
+
+    if key.kind != "accept":
+        return [make_conv_shape(key.D, key.W, key.dtype, key.w_dtype, key.has_bias)]
+    w_dtypes = dict.fromkeys((key.dtype, "bfloat16", "float16", "float32"))
+    return [make_conv_shape(key.D, key.W, key.dtype, w, bias) for bias in (False, True) for w in w_dtypes]
+
+
+def _from_artifacts(key: ConvKey, batch: int):
+    from .kernels import CompiledOp
+    from .kernels.conv import UPDATE_KINDS
+
+    template, drafts = _template(key)
+    if template is None:
+        raise ArtifactError(f"`kvbuffer tune` builds no conv1d kernel for {key} (it builds the SiLU step, "
+                            "prompt, verify of T + 1 tokens and accept for spans W + T)")
+    command = "kvbuffer tune --gpu <gpu> --model <model>" + (f" --draft-tokens {drafts}" if drafts else "")
+    if key.kind == "accept":
+        kind, params = "conv_accept", dict(D=key.D, W=key.W, span=key.span, dtype=key.dtype)
+    else:
+        kind = UPDATE_KINDS[key.kind]
+        params = dict(D=key.D, W=key.W, span=key.span, T_len=key.T, mode=key.kind, dtype=key.dtype,
+                      w_dtype=key.w_dtype, has_bias=key.has_bias, silu=key.silu, T=key.T)
+    first = None
+    for shape in _shapes(key):
+        try:
+            return ops.load_artifact(shape, template, batch, [(None, drafts)], command,
+                                     lambda a: CompiledOp(a.fn, kind, dict(params, **a.key.tunables)))
+        except ArtifactError as e:
+            first = first or e
+    raise first
 
 
 def jit(key: ConvKey):
@@ -88,6 +148,7 @@ def jit(key: ConvKey):
 
 def clear_kernels() -> None:
     _KERNELS.clear()
+    _JITTED.clear()
 
 
 def _check_mode(mode: str) -> None:
@@ -124,7 +185,7 @@ def _(x, conv_state, slots, weight, bias=None, kind="advance", silu=True):
     _check_mode(kind)
     if x.dtype != conv_state.dtype:  # before the lookup: no kernel is compiled for a call that cannot run
         raise DTypeError(f"x ({x.dtype}) and conv_state ({conv_state.dtype}) must share one dtype on CUDA")
-    op = kernel_for(update_key(kind, x, conv_state, weight, bias, silu))
+    op = kernel_for(update_key(kind, x, conv_state, weight, bias, silu), x.shape[0])
     out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     launch = functools.partial(kernels.conv1d_update, checked=not ops._launch_directly())
     ops._on_torch_stream(launch, op, x, conv_state, slots, weight, bias, out)
@@ -146,7 +207,7 @@ def conv1d_accept(conv_state: torch.Tensor, slots: torch.Tensor, accepted: torch
 def _(conv_state, slots, accepted, width):
     from . import kernels
 
-    op = kernel_for(accept_key(conv_state, width))
+    op = kernel_for(accept_key(conv_state, width), slots.shape[0])
     launch = functools.partial(kernels.conv1d_accept, checked=not ops._launch_directly())
     ops._on_torch_stream(launch, op, conv_state, slots, accepted)
 

@@ -91,28 +91,48 @@ class KernelKey:
                 "dtype": self.in_dtype or self.buf_dtype}
 
     def tune_command(self) -> str:
+        layouts = self.layouts()
+        C, drafts = layouts[0] if len(layouts) == 1 else (self.cap - 1, 0)
         return (f"kvbuffer tune --gpu <gpu> --heads {self.Hk},{self.Hv},{self.K},{self.V}"
                 + (f" --family {self.family}" if self.family != "gdn" else "")
-                + (f" --chunk-sizes {self.C or self.cap - 1}" if self.kind != "recurrent" else ""))
+                + (f" --chunk-sizes {C}" if self.kind != "recurrent" else "")
+                + (f" --draft-tokens {drafts}" if drafts else ""))
+
+    def layouts(self) -> list[tuple[int | None, int]]:
+        """The (chunk size C, speculative drafts T) buffer layouts, C + T + 1 entries, this kernel fits.
+
+        The decode step and prefill chunks name C (flush_at), so T = cap - C - 1; a verify (no flush,
+        T + 1 tokens) names T, so C = cap - T; a flush fits every split of its capacity.
+        """
+        if self.kind == "recurrent":
+            return [(None, 0)]
+        if self.kind == "flush":
+            return [(self.cap - 1 - d, d) for d in range(self.cap - 1)]
+        if self.C:
+            return [(self.C, self.cap - self.C - 1)] if self.cap > self.C else []
+        return [(self.cap - self.T, self.T - 1)] if self.T > 1 and self.cap > self.T else []
 
 
 def _template(key: KernelKey) -> str | None:
     """The `kvbuffer tune` template that builds this kernel, or None if tune builds no such variant.
 
-    tune builds the recurrent step, and the decode step (flush fused at C), the 8/4/2-token prefill
-    chunks (flush fused at C) and the flush for the engine's buffer layout, cap = C + 1 entries, all
-    without z and with activations and entries of one dtype. Speculative verify needs JIT for now.
+    tune builds the recurrent step, and per buffer layout (C + T + 1 entries for T speculative
+    drafts, `--draft-tokens`; C + 1 for plain decoding) the decode step (flush fused at C), the
+    8/4/2-token prefill chunks (flush fused at C), the verify of T drafts plus the last token and
+    the flush, all without z and with activations and entries of one dtype.
     """
-    if key.has_z or (key.kind == "buffered" and key.in_dtype != key.buf_dtype):
+    if key.has_z or (key.kind == "buffered" and key.in_dtype != key.buf_dtype) or not key.layouts():
         return None
     if key.kind == "recurrent":
         return f"{key.family}_recurrent"
-    if key.kind == "buffered" and key.T == 1 and key.cap == key.C + 1:
-        return f"{key.family}_buffered_step"
-    if key.kind == "buffered" and key.T in (2, 4, 8) and key.C >= key.T and key.cap == key.C + 1:
-        return f"{key.family}_prefill_chunk{key.T}"  # the engine's prefill chunks, flush fused at C
     if key.kind == "flush":
         return f"{key.family}_flush"
+    if key.C == 0:
+        return f"{key.family}_verify"
+    if key.T == 1:
+        return f"{key.family}_buffered_step"
+    if key.T in (2, 4, 8) and key.C >= key.T:
+        return f"{key.family}_prefill_chunk{key.T}"  # the engine's prefill chunks, flush fused at C
     return None
 
 
@@ -147,32 +167,48 @@ def _params(key: KernelKey, tunables: dict) -> dict:
 
 
 def _from_artifacts(key: KernelKey, batch: int):
-    from .artifacts import ArtifactStore
-    from .autotune.gpus import detect_local_gpu
-    from .autotune.policy import select
     from .kernels import CompiledOp
 
     template = _template(key)
     if template is None:
         raise ArtifactError(f"`kvbuffer tune` builds no {key.kind} kernel with cap={key.cap}, T={key.T}, "
-                            f"flush_at={key.C}, has_z={key.has_z} (it builds decode steps and 8/4/2-token prefill chunks "
-                            "with cap == flush_at + 1)")
+                            f"flush_at={key.C}, has_z={key.has_z} (it builds the recurrent step and, for buffers of "
+                            "C + T + 1 entries, decode steps, 8/4/2-token prefill chunks, verifies of T + 1 tokens "
+                            "and flushes)")
+    return load_artifact(key.shape, template, batch, key.layouts(), key.tune_command(),
+                         lambda artifact: CompiledOp(artifact.fn, key.kind, _params(key, artifact.key.tunables)))
+
+
+def load_artifact(shape: dict, template: str, batch: int, layouts, tune_command: str, make_op):
+    """`make_op(artifact)` for the artifact the tuning record of this GPU and shape names for
+    `template` at this batch, in the first of `layouts` ((chunk size, drafts) pairs) it was built
+    for; each artifact is loaded once. ArtifactError (naming `tune_command`) when there is none."""
+    from .artifacts import ArtifactStore
+    from .autotune.gpus import detect_local_gpu
+    from .autotune.policy import select
+
     gpu = detect_local_gpu()
     if gpu is None:
         raise ArtifactError("no CUDA GPU here: compiled kernels run on CUDA tensors")
     store = ArtifactStore()
-    hint = f"build it with `{key.tune_command().replace('<gpu>', gpu.name)}`"
+    hint = f"build it with `{tune_command.replace('<gpu>', gpu.name)}`"
     try:
-        record = store.find_tuning(gpu.name, gpu.arch, key.shape)
-        name, _ = select(record, template, batch, key.C or (key.cap - 1 if key.cap else None))
+        record = store.find_tuning(gpu.name, gpu.arch, shape)
     except ArtifactError as e:
-        raise ArtifactError(f"no compiled {template} kernel for {key.shape} on {gpu.name}: {e}; {hint}") from None
-    except KeyError as e:
-        raise ArtifactError(f"{e.args[0]} ({template}, cap={key.cap}, C={key.C}); {hint}") from None
+        raise ArtifactError(f"no compiled {template} kernel for {shape} on {gpu.name}: {e}; {hint}") from None
+    missing = None
+    for chunk, drafts in layouts:
+        try:
+            name, _ = select(record, template, batch, chunk, drafts)
+            break
+        except KeyError as e:
+            missing = missing or e.args[0]
+    else:
+        raise ArtifactError(f"{missing} ({template}); {hint}")
     if name not in _LOADED:
         artifact = store.load(name, arch=gpu.arch, gpu=gpu.name)
         log.info("kvbuffer.ops: %s from artifact %s", template, name)
-        _LOADED[name] = CompiledOp(artifact.fn, key.kind, _params(key, artifact.key.tunables))
+        _LOADED[name] = make_op(artifact)
     return _LOADED[name]
 
 

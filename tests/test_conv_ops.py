@@ -87,7 +87,7 @@ def test_engine_routes_the_conv_through_the_ops(kind, available, monkeypatch):
 
     calls = {"advance": 0, "verify": 0, "accept": 0}
 
-    def kernel_for(key):
+    def kernel_for(key, batch=1):
         if not available:
             raise conv_ops.ArtifactError("no conv kernel (test)")
         calls[key.kind] += 1

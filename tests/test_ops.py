@@ -158,8 +158,11 @@ def test_missing_artifact_without_jit_names_the_tune_command(monkeypatch, tmp_pa
         with pytest.raises(ArtifactError, match=r"kvbuffer tune --gpu h200 --heads 16,32,128,128 --chunk-sizes 16"):
             ops.kernel_for(key, 8)
         verify = ops.KernelKey("mamba2", "buffered", 8, 64, 128, 64, "bfloat16", "bfloat16", cap=17, T=4, C=0)
+        with pytest.raises(ArtifactError, match=r"--family mamba2 --chunk-sizes 13 --draft-tokens 3"):
+            ops.kernel_for(verify, 8)  # the speculative layout: 13 + 3 drafts + 1 = 17 entries
+        odd = ops.KernelKey("mamba2", "buffered", 8, 64, 128, 64, "bfloat16", "bfloat16", cap=17, T=3, C=16)
         with pytest.raises(ArtifactError, match=r"(?s)builds no buffered kernel.*KVBUFFER_JIT=1"):
-            ops.kernel_for(verify, 8)
+            ops.kernel_for(odd, 8)  # a 3-token chunk: the engine never cuts prompts so
         assert not ops._KERNELS  # nothing half-loaded was cached
     finally:
         ops.allow_jit(None)

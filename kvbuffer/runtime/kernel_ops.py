@@ -142,18 +142,17 @@ _CONV_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 _CONV_ON_REFERENCE: set = set()  # conv kernel keys that did not load: the reference until JIT is allowed
 
 
-def _conv_kernel_loads(key) -> bool:
-    """Whether the conv kernel for `key` is there (cached, or JIT-compiled now); logs once per key if not.
-
-    `kvbuffer tune` builds no conv artifacts, so without JIT the engine keeps the torch reference conv
-    (the linear mixers still run on their kernels)."""
+def _conv_kernel_loads(key, batch: int) -> bool:
+    """Whether the conv kernel for `key` is there (an artifact, or JIT-compiled now); logs once per key
+    if not: without it the engine keeps the torch reference conv (the linear mixers still run on their
+    kernels). `kvbuffer tune --model ...` builds the conv's artifacts."""
     from .. import conv_ops
     from ..errors import ArtifactError
 
     if key in _CONV_ON_REFERENCE and not ops.jit_allowed():
         return False
     try:
-        conv_ops.kernel_for(key)
+        conv_ops.kernel_for(key, batch)
         return True
     except ArtifactError as e:
         _CONV_ON_REFERENCE.add(key)
@@ -169,7 +168,7 @@ def conv_update(x, conv_state, slots, weight, bias, kind: str):
     if x.dtype != conv_state.dtype or x.dtype not in _CONV_DTYPES or weight.dtype not in _CONV_DTYPES \
             or (bias is not None and bias.dtype != weight.dtype):
         return None
-    if not _conv_kernel_loads(conv_ops.update_key(kind, x, conv_state, weight, bias, True)):
+    if not _conv_kernel_loads(conv_ops.update_key(kind, x, conv_state, weight, bias, True), x.shape[0]):
         return None
     return torch.ops.kvbuffer.conv1d_update(x.contiguous(), conv_state, slots.contiguous(), weight.contiguous(),
                                             None if bias is None else bias.contiguous(), kind)
@@ -179,7 +178,8 @@ def conv_accept(conv_state, slots, accepted, width: int) -> bool:
     """torch.ops.kvbuffer.conv1d_accept (int32 counts) if its kernel is there; False: call the reference."""
     from .. import conv_ops
 
-    if conv_state.dtype not in _CONV_DTYPES or not _conv_kernel_loads(conv_ops.accept_key(conv_state, width)):
+    if conv_state.dtype not in _CONV_DTYPES or \
+            not _conv_kernel_loads(conv_ops.accept_key(conv_state, width), slots.shape[0]):
         return False
     torch.ops.kvbuffer.conv1d_accept(conv_state, slots.to(torch.int32), accepted.to(torch.int32), int(width))
     return True

@@ -130,7 +130,7 @@ def _generate(kind, compiled_conv: bool, monkeypatch, **extra):
 
     with monkeypatch.context() as m:
         if not compiled_conv:  # the conv kernels "missing": the engine keeps the reference conv
-            m.setattr(kernel_ops, "_conv_kernel_loads", lambda key: False)
+            m.setattr(kernel_ops, "_conv_kernel_loads", lambda key, batch: False)
         kw = dict(device="cuda", dtype=torch.bfloat16, chunk_size=8, max_batch=4, kernels=True, **extra)
         plain = LLM(tiny_model(kind), **kw).generate(PROMPTS, max_new_tokens=32, return_logits=True)
         llm = LLM(tiny_model(kind), speculative={"method": "ngram", "num_draft_tokens": 4}, **kw)
