@@ -11,16 +11,42 @@ from torch import nn
 
 
 def rms_normalize(x: torch.Tensor, eps: float, weight: torch.Tensor | None = None) -> torch.Tensor:
-    """x / rms(x) over the last dim in fp32, times an optional fp32 weight.
+    """x / rms(x) over the last dim, times an optional weight, computed in fp32 and returned in x's dtype.
 
     On CUDA one fused kernel (F.rms_norm) instead of six elementwise launches: a decode step runs
     ~65 norms, and at serving batches such small launches, not the math, are what a step pays for.
-    Elsewhere transformers' formula, op for op (the CPU tests match transformers to 1e-4)."""
+    The kernel accumulates in fp32 and rounds once at the end, so where x and the weight share a
+    dtype it reads x as it is (bf16 too): bit for bit what the fp32 detour gives, without the two
+    casts. (A weight of another dtype cannot go to the fused kernel with x: then x goes in fp32.)
+    Elsewhere transformers' formula, op for op (the CPU tests match transformers to 1e-4).
+    """
+    if x.is_cuda:
+        if weight is None or weight.dtype == x.dtype:
+            return F.rms_norm(x, (x.shape[-1],), weight, eps)
+        return F.rms_norm(x.float(), (x.shape[-1],), weight.float(), eps).to(x.dtype)
     h = x.float()
-    if h.is_cuda:
-        return F.rms_norm(h, (h.shape[-1],), weight, eps)
     h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
-    return h if weight is None else h * weight
+    return (h if weight is None else h * weight).to(x.dtype)  # a bf16 weight multiplies in fp32
+
+
+def derived(module: nn.Module, name: str, source: torch.Tensor, make) -> torch.Tensor:
+    """make(source), kept on `module` until `source` changes (an in-place write, a cast or a move):
+    parameters a step needs in another form (fp32, 1 + w) then cost no launch per step. The kept
+    entry holds `source`'s storage, so a new tensor at the same address is another storage only
+    if its version differs. Not kept where autograd records (a kept tensor would cut the graph)."""
+    if torch.is_grad_enabled() and source.requires_grad:
+        return make(source)
+    hit = module.__dict__.get(name)
+    if hit is None or hit[0].data_ptr() != source.data_ptr() or hit[1] != source._version \
+            or hit[0].dtype != source.dtype or hit[0].shape != source.shape:
+        src = source.detach()
+        hit = module.__dict__[name] = (src, source._version, make(src))
+    return hit[2]
+
+
+def fp32(module: nn.Module, name: str) -> torch.Tensor:
+    """Parameter `name` of `module` in fp32 (itself when it is), kept across steps."""
+    return derived(module, "_fp32_" + name, getattr(module, name), lambda p: p.float())
 
 
 class RMSNorm(nn.Module):
@@ -32,9 +58,9 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.zeros(dim) if zero_centered else torch.ones(dim))
 
     def forward(self, x):
-        if self.zero_centered:
-            return rms_normalize(x, self.eps, 1.0 + self.weight.float()).type_as(x)
-        return self.weight * rms_normalize(x, self.eps).to(x.dtype)
+        if self.zero_centered:  # 1 + w in fp32, as transformers computes it (bf16 would round it)
+            return rms_normalize(x, self.eps, derived(self, "_scale", self.weight, lambda w: 1.0 + w.float()))
+        return self.weight * rms_normalize(x, self.eps)
 
 
 class GatedRMSNorm(nn.Module):
@@ -46,7 +72,7 @@ class GatedRMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x, gate):
-        h = self.weight * rms_normalize(x, self.eps).to(x.dtype)
+        h = self.weight * rms_normalize(x, self.eps)
         return (h * F.silu(gate.float())).to(x.dtype)
 
 
@@ -74,19 +100,19 @@ def _grouped_ok(x: torch.Tensor, w: torch.Tensor) -> bool:
     return all(n * x.element_size() % 16 == 0 for n in (x.shape[-1], w.shape[1], w.shape[2]))
 
 
-def _per_expert_matmul(x: torch.Tensor, w: torch.Tensor, counts: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
-    """Rows of x grouped by expert (counts[e] consecutive rows each) times w[e]^T: (M, O) for w (E, O, H).
+def _per_expert_matmul(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    """Rows of x grouped by expert (rows offs[e-1]:offs[e] for expert e) times w[e]^T: (M, O) for w (E, O, H).
 
-    The grouped matmul reads the offsets on the device; only the fallback loop needs the counts on
-    the host (a sync, so that path cannot be captured in a CUDA graph).
+    The grouped matmul reads the offsets on the device; only the fallback loop needs them on the
+    host (a sync, so that path cannot be captured in a CUDA graph).
     """
     if _grouped_ok(x, w):
         return torch._grouped_mm(x, w.transpose(1, 2), offs=offs)
     parts, start = [], 0
-    for e, n in enumerate(counts.tolist()):
-        if n:
-            parts.append(F.linear(x[start:start + n], w[e]))
-        start += n
+    for e, end in enumerate(offs.tolist()):
+        if end > start:
+            parts.append(F.linear(x[start:end], w[e]))
+        start = end
     return torch.cat(parts) if parts else x.new_zeros((0, w.shape[1]))
 
 
@@ -99,21 +125,21 @@ def route_to_experts(x, top_idx, top_w, first, down, act, accumulate_dtype=None)
     it serves the dtype, else a loop over the experts that got tokens). Contributions are summed in
     `accumulate_dtype` (default x's).
     """
-    E = first.shape[0]
-    flat = top_idx.reshape(-1)
-    order = torch.argsort(flat, stable=True)
-    # not torch.bincount: on CUDA it reads the largest id back to the host to size its output
-    counts = torch.zeros(E, dtype=torch.long, device=x.device).index_add_(0, flat, torch.ones_like(flat))
-    offs = torch.cumsum(counts, 0).to(torch.int32)
-    token_of = order // top_idx.shape[1]
-    xs = x[token_of]
-    y = _per_expert_matmul(act(_per_expert_matmul(xs, first, counts, offs)), down, counts, offs)
+    E, k = first.shape[0], top_idx.shape[1]
+    experts, order = torch.sort(top_idx.reshape(-1), stable=True)
+    # where each expert's rows end: one search of the sorted ids (not torch.bincount: on CUDA it
+    # reads the largest id back to the host to size its output)
+    offs = torch.searchsorted(experts, torch.arange(1, E + 1, device=x.device), out_int32=True)
+    token_of = order // k
+    y = _per_expert_matmul(act(_per_expert_matmul(x[token_of], first, offs)), down, offs)
+    acc = accumulate_dtype or x.dtype
+    if x.is_cuda:  # each token's k rows back in place, weighted and summed: no atomics, deterministic
+        y = y.new_empty(y.shape).index_copy_(0, order, y).view(*top_idx.shape, -1) * top_w[..., None]
+        return y.sum(1, dtype=acc).to(x.dtype)
+    # index_put_ with accumulate: index_add_'s CPU kernel is slow on a busy machine
     y = y * top_w.reshape(-1)[order, None]
-    out = torch.zeros(x.shape, dtype=accumulate_dtype or x.dtype, device=x.device)
-    if x.is_cuda:  # atomic adds, no sort and no host sync
-        out.index_add_(0, token_of, y.to(out.dtype))
-    else:  # index_put_ with accumulate: index_add_'s CPU kernel is slow on a busy machine
-        out.index_put_((token_of,), y.to(out.dtype), accumulate=True)
+    out = torch.zeros(x.shape, dtype=acc, device=x.device)
+    out.index_put_((token_of,), y.to(out.dtype), accumulate=True)
     return out.to(x.dtype)
 
 
@@ -159,21 +185,25 @@ class SoftmaxTopKMoE(nn.Module):
 
 
 def rotary_cos_sin(positions, rotary_dim: int, theta: float, dtype):
-    """cos, sin of shape (B, T, rotary_dim) for the half-split (rotate_half) convention."""
+    """cos, sin of shape (B, T, rotary_dim) for the half-split (rotate_half) convention, with the
+    sign of rotate_half folded into sin's first half ([-sin, sin]): apply_rotary's form of them.
+    A forward computes them once for all its attention layers."""
     inv_freq = 1.0 / (theta ** (torch.arange(0, rotary_dim, 2, dtype=torch.float, device=positions.device) / rotary_dim))
     freqs = positions[..., None].float() * inv_freq
-    emb = torch.cat([freqs, freqs], dim=-1)
-    return emb.cos().to(dtype), emb.sin().to(dtype)
+    c, s = freqs.cos(), freqs.sin()
+    return torch.cat([c, c], dim=-1).to(dtype), torch.cat([-s, s], dim=-1).to(dtype)
 
 
 def apply_rotary(x, cos, sin):
-    """Rotate the first rotary_dim channels of x (B, T, H, D); the rest pass through (partial rotary)."""
+    """Rotate the first rotary_dim channels of x (B, T, H, D); the rest pass through (partial rotary).
+
+    x * cos + rotate_half(x) * sin with rotate_half(x) = [-x2, x1]: the sign sits in `sin`
+    (rotary_cos_sin), which is bit for bit the same product, one negation fewer per call."""
     r = cos.shape[-1]
-    rot, rest = x[..., :r], x[..., r:]
-    half = r // 2
-    rotated = torch.cat([-rot[..., half:], rot[..., :half]], dim=-1)
-    rot = rot * cos[:, :, None] + rotated * sin[:, :, None]
-    return torch.cat([rot, rest], dim=-1)
+    rot, half = x[..., :r], r // 2
+    swapped = torch.cat([rot[..., half:], rot[..., :half]], dim=-1)
+    rot = rot * cos[:, :, None] + swapped * sin[:, :, None]
+    return rot if r == x.shape[-1] else torch.cat([rot, x[..., r:]], dim=-1)
 
 
 def cache_layout(layer_types) -> list[tuple[str, int] | None]:

@@ -21,7 +21,7 @@ from torch import nn
 
 from ..pools import LinearLayerShape
 from ..runtime import mixing
-from .layers import cache_layout, rms_normalize, route_to_experts
+from .layers import cache_layout, fp32, rms_normalize, route_to_experts
 
 MODEL_TYPES = ("nemotron_h",)
 
@@ -176,7 +176,7 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x):
-        return rms_normalize(x, self.eps, self.weight.float()).to(x.dtype)
+        return rms_normalize(x, self.eps, self.weight)  # a bf16 weight multiplies in fp32 all the same
 
 
 class GroupedGatedRMSNorm(nn.Module):
@@ -188,7 +188,7 @@ class GroupedGatedRMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, y, gate):
-        h = y.float() * F.silu(gate.float())
+        h = F.silu(gate.float()) * y  # y promoted to fp32 inside the product: one launch fewer
         g = rms_normalize(h.view(*h.shape[:-1], -1, self.group_size), self.eps)
         return self.weight * g.view(h.shape).to(y.dtype)
 
@@ -217,7 +217,8 @@ class Mamba2Mixer(nn.Module):
         x, B, C = torch.split(xbc, [I, G * N, G * N], dim=-1)
         y = mixing.mamba2_mix(x.reshape(Bt, T, c.mamba_num_heads, c.mamba_head_dim), dt,
                               B.reshape(Bt, T, G, N), C.reshape(Bt, T, G, N),
-                              self.A_log, self.dt_bias, self.D, batch, caches, self.linear_index)
+                              fp32(self, "A_log"), fp32(self, "dt_bias"), fp32(self, "D"), batch, caches,
+                              self.linear_index)
         y = self.norm(y.reshape(Bt, T, I), gate)
         return self.out_proj(y.to(h.dtype))
 
@@ -299,19 +300,24 @@ class TopKRouter(nn.Module):
     def forward(self, h):
         """h (N, hidden) -> (top_w (N, k) fp32, top_idx (N, k))."""
         c = self.cfg
-        E, G = c.n_routed_experts, c.n_group
-        scores = F.linear(h.float(), self.weight.float()).sigmoid()
+        scores = F.linear(h.float(), self.weight).sigmoid()
         choice = scores + self.e_score_correction_bias
-        group_scores = choice.view(-1, G, E // G).topk(2, dim=-1)[0].sum(-1)
-        group_idx = torch.topk(group_scores, k=c.topk_group, dim=-1, sorted=False)[1]
-        group_mask = torch.zeros_like(group_scores).scatter_(1, group_idx, 1).bool()
-        expert_mask = group_mask[:, :, None].expand(-1, G, E // G).reshape(-1, E)
-        choice = choice.masked_fill(~expert_mask, float("-inf"))
+        if c.topk_group < c.n_group:  # else every group is kept (Nemotron-3 Nano: one group): no mask to build
+            choice = self._keep_best_groups(choice)
         top_idx = torch.topk(choice, k=c.num_experts_per_tok, dim=-1, sorted=False)[1]
         top_w = scores.gather(1, top_idx)
         if c.norm_topk_prob:
             top_w = top_w / (top_w.sum(-1, keepdim=True) + 1e-20)
         return top_w * c.routed_scaling_factor, top_idx
+
+    def _keep_best_groups(self, choice):
+        """choice with the experts outside the `topk_group` best groups (by their top-2 sum) at -inf."""
+        c = self.cfg
+        E, G = c.n_routed_experts, c.n_group
+        group_scores = choice.view(-1, G, E // G).topk(2, dim=-1)[0].sum(-1)
+        group_idx = torch.topk(group_scores, k=c.topk_group, dim=-1, sorted=False)[1]
+        dropped = torch.ones_like(group_scores, dtype=torch.bool).scatter_(1, group_idx, False)
+        return choice.masked_fill(dropped[:, :, None].expand(-1, G, E // G).reshape(-1, E), float("-inf"))
 
 
 class MoE(nn.Module):

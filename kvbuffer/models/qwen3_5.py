@@ -13,7 +13,7 @@ from torch import nn
 
 from ..pools import LinearLayerShape
 from ..runtime import mixing
-from .layers import (GatedMLP, GatedRMSNorm, RMSNorm, SoftmaxTopKMoE, apply_rotary, cache_layout,
+from .layers import (GatedMLP, GatedRMSNorm, RMSNorm, SoftmaxTopKMoE, apply_rotary, cache_layout, fp32,
                      rotary_cos_sin)
 
 MODEL_TYPES = ("qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text", "qwen3_next")
@@ -149,7 +149,7 @@ class GatedDeltaNetMixer(nn.Module):
         qkv = mixing.short_conv(qkv, self.conv1d.weight[:, 0], None, batch, caches, self.linear_index)
         q, k, v = torch.split(qkv, [Hk * Kd, Hk * Kd, Hv * Vd], dim=-1)
         o = mixing.gated_delta_mix(q.reshape(B, T, Hk, Kd), k.reshape(B, T, Hk, Kd), v.reshape(B, T, Hv, Vd),
-                                   a, b, self.A_log, self.dt_bias, batch, caches, self.linear_index)
+                                   a, b, fp32(self, "A_log"), fp32(self, "dt_bias"), batch, caches, self.linear_index)
         o = self.norm(o.to(x.dtype), z)
         return self.out_proj(o.reshape(B, T, Hv * Vd))
 
@@ -168,7 +168,12 @@ class GatedAttention(nn.Module):
         self.q_norm = RMSNorm(d, cfg.rms_norm_eps, zero_centered=True)
         self.k_norm = RMSNorm(d, cfg.rms_norm_eps, zero_centered=True)
 
-    def forward(self, x, batch, caches):
+    @staticmethod
+    def rope(cfg: Qwen35Config, positions, dtype):
+        """(cos, sin) for apply_rotary: the same for every attention layer of a forward."""
+        return rotary_cos_sin(positions, int(cfg.head_dim * cfg.partial_rotary_factor), cfg.rope_theta, dtype)
+
+    def forward(self, x, batch, caches, rope=None):
         c = self.cfg
         B, T, _ = x.shape
         d = c.head_dim
@@ -176,11 +181,11 @@ class GatedAttention(nn.Module):
         q = self.q_norm(q)
         k = self.k_norm(self.k_proj(x).view(B, T, -1, d))
         v = self.v_proj(x).view(B, T, -1, d)
-        cos, sin = rotary_cos_sin(batch.positions, int(d * c.partial_rotary_factor), c.rope_theta, x.dtype)
+        cos, sin = rope if rope is not None else self.rope(c, batch.positions, x.dtype)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         o = mixing.attention(q, k, v, batch, caches, self.attn_index, d ** -0.5)
-        o = o.reshape(B, T, -1) * torch.sigmoid(gate.reshape(B, T, -1))
-        return self.o_proj(o)
+        o = o * torch.sigmoid(gate)  # per head: the strided gate is read in place, not copied first
+        return self.o_proj(o.reshape(B, T, -1))
 
 
 class DecoderLayer(nn.Module):
@@ -199,9 +204,12 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, zero_centered=True)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, zero_centered=True)
 
-    def forward(self, x, batch, caches):
-        mixer = self.linear_attn if hasattr(self, "linear_attn") else self.self_attn
-        x = x + mixer(self.input_layernorm(x), batch, caches)
+    def forward(self, x, batch, caches, rope=None):
+        """rope: the forward's (cos, sin) for an attention layer (computed here if not given)."""
+        if hasattr(self, "linear_attn"):
+            x = x + self.linear_attn(self.input_layernorm(x), batch, caches)
+        else:
+            x = x + self.self_attn(self.input_layernorm(x), batch, caches, rope)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -236,8 +244,10 @@ class Qwen35ForCausalLM(nn.Module):
     def forward(self, input_ids, batch, caches, return_hidden: bool = False):
         """Logits (B, T, vocab); with return_hidden also the final-norm hidden states the MTP head reads."""
         x = self.model.embed_tokens(input_ids)
+        rope = GatedAttention.rope(self.config, batch.positions, x.dtype) \
+            if "full_attention" in self.config.layer_types else None
         for layer in self.model.layers:
-            x = layer(x, batch, caches)
+            x = layer(x, batch, caches, rope)
         h = self.model.norm(x)
         logits = self.lm_head(h)
         return (logits, h) if return_hidden else logits
