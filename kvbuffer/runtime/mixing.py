@@ -124,7 +124,9 @@ def attention(q, k, v, batch: ForwardBatch, caches: ModelCaches, layer: int, sca
     New keys and values are written at positions cached .. cached+T-1 of the row's slot; for a
     verify, the engine keeps the accepted prefix by advancing `cached` (rejected ones are overwritten).
     The window is batch.context_len positions (known on the host, so nothing is read back); query
-    heads are grouped per KV head in the matmuls instead of repeating the keys.
+    heads are grouped per KV head in the matmuls instead of repeating the keys. Each row's window
+    is gathered once, straight into the (B, Hkv, L, D) layout both matmuls read as they are (an
+    index of the cache's (slots, L, Hkv, D) layout would need a second, transposing copy).
     """
     kc, vc = caches.kv.layer(layer)
     B, T, H, D = q.shape
@@ -137,12 +139,12 @@ def attention(q, k, v, batch: ForwardBatch, caches: ModelCaches, layer: int, sca
     L = batch.context_len if batch.context_len is not None else int(pos.max()) + 1
     Hkv = kc.shape[2]
     G = H // Hkv
-    keys = kc[rows, :L].to(q.dtype).permute(0, 2, 3, 1)  # (B, Hkv, D, L)
-    vals = vc[rows, :L].to(q.dtype).transpose(1, 2)  # (B, Hkv, L, D)
+    keys = torch.index_select(kc[:, :L].transpose(1, 2), 0, rows).to(q.dtype)  # (B, Hkv, L, D)
+    vals = torch.index_select(vc[:, :L].transpose(1, 2), 0, rows).to(q.dtype)
     qg = q.reshape(B, T, Hkv, G, D).permute(0, 2, 3, 1, 4).reshape(B, Hkv, G * T, D)  # rows (g, t)
-    scores = torch.matmul(qg, keys) * scaling  # (B, Hkv, G*T, L)
-    visible = torch.arange(L, device=q.device)[None, None, :] <= pos[:, :, None]  # (B, T, L)
-    scores = scores.masked_fill(~visible[:, None, None].expand(B, 1, G, T, L).reshape(B, 1, G * T, L), float("-inf"))
+    scores = torch.matmul(qg, keys.transpose(2, 3)) * scaling  # (B, Hkv, G*T, L)
+    ahead = torch.arange(L, device=q.device)[None, None, :] > pos[:, :, None]  # (B, T, L): not visible
+    scores.masked_fill_(ahead[:, None, None].expand(B, 1, G, T, L).reshape(B, 1, G * T, L), float("-inf"))
     probs = F.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
     out = torch.matmul(probs, vals).reshape(B, Hkv, G, T, D).permute(0, 3, 1, 2, 4).reshape(B, T, H, D)
     return torch.where(real[:, None, None, None], out, torch.zeros((), dtype=out.dtype, device=out.device))
