@@ -360,14 +360,16 @@ def test_speculative_greedy_equals_plain_on_kernels_every_family(kind, mode, T, 
 
 
 def test_engine_runs_from_artifacts_alone(tmp_path):
-    """`kvbuffer tune --build-only` for a model's head shape, then a process with TileLang blocked and
-    no JIT generates on CUDA with every linear-layer kernel loaded from the cache (decode steps and
-    prefill chunks), matching the same bf16 model on the reference ops."""
+    """`kvbuffer tune --build-only --draft-tokens 2` for a model's head shape, then a process with
+    TileLang blocked and no JIT generates on CUDA with every kernel loaded from the cache: decode steps,
+    prefill chunks and the short conv, matching the same bf16 model on the reference ops; then
+    speculative decoding with 2 drafts (verify, conv rollback, flush of the C + 3-entry layout), whose
+    greedy tokens follow plain decoding's up to bf16 near ties (see the test above)."""
     heads = dict(linear_key_head_dim=64, linear_value_head_dim=64)
     env = dict(os.environ, KVBUFFER_CACHE_DIR=str(tmp_path))
     env.pop("KVBUFFER_JIT", None)
     build = [sys.executable, "-m", "kvbuffer.cli.main", "tune", "--gpu", "h200", "--heads", "2,4,64,64",
-             "--chunk-sizes", "8", "--batch-buckets", "1,4", "--build-only"]
+             "--chunk-sizes", "8", "--batch-buckets", "1,4", "--draft-tokens", "2", "--build-only"]
     res = subprocess.run(build, env=env, capture_output=True, text=True, timeout=400)
     assert res.returncode == 0, res.stdout + res.stderr
     code = rf'''
@@ -377,7 +379,7 @@ for name in ("tilelang", "tvm"):
 sys.path.insert(0, {str(ROOT / "tests")!r})
 import torch
 from tiny_models import tiny_model
-from kvbuffer import LLM, ops
+from kvbuffer import LLM, conv_ops, ops
 prompts = [[5, 17, 3, 44, 9, 61, 2, 30, 11, 7, 12, 90, 4, 21], [8, 1, 33], [60, 2, 2, 19, 40]]
 fast = LLM(tiny_model("qwen3_5", **{heads!r}), device="cuda", dtype=torch.bfloat16, chunk_size=8,
            max_batch=4, kernels=True)
@@ -385,12 +387,24 @@ got = fast.generate(prompts, max_new_tokens=16, return_logits=True)
 ref = LLM(tiny_model("qwen3_5", **{heads!r}), device="cuda", dtype=torch.bfloat16, chunk_size=8,
           max_batch=4, kernels=False).generate(prompts, max_new_tokens=16, return_logits=True)
 worst = max(float((a - b).abs().max()) for g, w in zip(got, ref) for a, b in zip(g.logits, w.logits))
+spec = LLM(tiny_model("qwen3_5", **{heads!r}), device="cuda", dtype=torch.bfloat16, chunk_size=8,
+           max_batch=4, kernels=True, speculative={{"method": "ngram", "num_draft_tokens": 2}})
+drafted = spec.generate(prompts, max_new_tokens=16, return_logits=True)
+same, spec_worst = [], 0.0
+for g, w in zip(drafted, got):
+    n = next((i for i, (a, b) in enumerate(zip(g.token_ids, w.token_ids)) if a != b), len(w.token_ids))
+    same.append(n)
+    spec_worst = max([spec_worst] + [float((a - b).abs().max()) for a, b in zip(g.logits[:n + 1], w.logits[:n + 1])])
 loaded = sorted(n for n in ops._LOADED if isinstance(n, str))
 assert not any(isinstance(n, tuple) for n in ops._LOADED), ops._LOADED  # nothing compiled
+assert conv_ops._KERNELS and not conv_ops._JITTED, (conv_ops._KERNELS, conv_ops._JITTED)
 print("engine from artifacts", worst, [g.token_ids == w.token_ids for g, w in zip(got, ref)], loaded)
+print("speculative from artifacts", spec_worst, same, spec.acceptance, sorted({{k.kind for k, _ in conv_ops._KERNELS}}))
 assert worst < 0.06, worst
+assert spec_worst < 0.15 and min(same) >= 8, (spec_worst, same)
 '''
     res = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
     assert res.returncode == 0 and "engine from artifacts" in res.stdout, res.stdout + res.stderr
     print(res.stdout)
-    assert "gdn_prefill_chunk" in res.stdout and "gdn_buffered_step" in res.stdout
+    assert "gdn_prefill_chunk" in res.stdout and "gdn_buffered_step" in res.stdout and "gdn_verify" in res.stdout
+    assert "'verify'" in res.stdout and "'accept'" in res.stdout  # the conv's speculative kernels, from artifacts
