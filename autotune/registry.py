@@ -227,15 +227,19 @@ class _Family:
     first_pool: int             # index of `state` in the kernel's arguments
     configs: Callable           # the buffered kernels' configs
     tunables: tuple             # the buffered kernels' tunable names
+    recurrent: Callable         # tiles' recurrent step (the baseline), and its inputs and reference
+    recurrent_inputs: Callable
+    recurrent_reference: Callable
 
     @property
     def reference_module(self) -> str:
         return f"kvbuffer.reference.{self.name}"
 
 
-def _layout_templates(f: _Family, src: str) -> list[Template]:
+def _family_templates(f: _Family) -> list[Template]:
     """Decode step and prefill chunks (flush fused at C), verify of T drafts, and the stand-alone
-    flush: the kernels built per buffer layout (C + T + 1 entries)."""
+    flush, built per buffer layout (C + T + 1 entries); the recurrent step, built once."""
+    src = source_digest()
     def buffered(T: int | None, fused: bool):
         def build(shape, chunk_size, *, target, drafts=0, **t):
             prim = f.buffered(**f.dims(shape), cap=capacity(chunk_size, drafts), T_new=T or drafts + 1,
@@ -257,6 +261,9 @@ def _layout_templates(f: _Family, src: str) -> list[Template]:
                         _buffered_inputs(f.tokens, f.offset, T), reference, _run, src, fitted=fitted,
                         layouts=True, **extra)
 
+    def recurrent(shape, chunk_size, *, target, **t):
+        return _compile(f.recurrent(**f.dims(shape), in_dtype=shape["dtype"], **t), target)
+
     chunks = [kind(f"prefill_chunk{T}", T, True, folding, min_chunk=T) for T in PREFILL_CHUNKS]
     return chunks + [
         kind("buffered_step", 1, True, folding),
@@ -265,21 +272,17 @@ def _layout_templates(f: _Family, src: str) -> list[Template]:
         Template(f"{f.name}_flush", f.name, flush, f.tiles.get_flush_configs,
                  builder_defaults(f.flush, ("BV", "threads")), _flush_inputs, _flush_reference, _run, src,
                  layouts=True),
+        Template(f"{f.name}_recurrent", f.name, recurrent, f.tiles.get_recurrent_configs,
+                 builder_defaults(f.recurrent, ("BV", "threads")), f.recurrent_inputs, f.recurrent_reference, _run,
+                 src, uses_chunk=False),
     ]
 
 
 def gdn_templates() -> list[Template]:
     g = _gdn()
-    src = source_digest()
-    family = _Family("gdn", g, g.gdn_buffered, g.gdn_flush, _gdn_dims, _gdn_tokens, 2,
-                     lambda a: (*a[:5], a[5], a[6]), 7, g.get_buffered_configs, ("BV", "threads"))
-    recurrent = Template(
-        "gdn_recurrent", "gdn",
-        lambda shape, chunk_size, *, target, **t: _compile(
-            g.gdn_recurrent(**_gdn_dims(shape), in_dtype=shape["dtype"], **t), target),
-        g.get_recurrent_configs, builder_defaults(g.gdn_recurrent, ("BV", "threads")),
-        _gdn_recurrent_inputs, _gdn_recurrent_reference, _run, src, uses_chunk=False)
-    return _layout_templates(family, src) + [recurrent]
+    return _family_templates(_Family("gdn", g, g.gdn_buffered, g.gdn_flush, _gdn_dims, _gdn_tokens, 2,
+                                     lambda a: (*a[:5], a[5], a[6]), 7, g.get_buffered_configs, ("BV", "threads"),
+                                     g.gdn_recurrent, _gdn_recurrent_inputs, _gdn_recurrent_reference))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -327,16 +330,9 @@ def _m2_recurrent_reference(shape, chunk_size, args):
 
 def mamba2_templates() -> list[Template]:
     m = importlib.import_module(MAMBA2_TILES)
-    src = source_digest()
-    family = _Family("mamba2", m, m.mamba2_buffered, m.mamba2_flush, _m2_dims, _m2_tokens, 0, lambda a: a[:7], 8,
-                     m.get_buffered_configs, ("variant", "BV", "threads", "blocks"))
-    recurrent = Template(
-        "mamba2_recurrent", "mamba2",
-        lambda shape, chunk_size, *, target, **t: _compile(
-            m.mamba2_recurrent(**_m2_dims(shape), in_dtype=shape["dtype"], **t), target),
-        m.get_recurrent_configs, builder_defaults(m.mamba2_recurrent, ("BV", "threads")),
-        _m2_recurrent_inputs, _m2_recurrent_reference, _run, src, uses_chunk=False)
-    return _layout_templates(family, src) + [recurrent]
+    return _family_templates(_Family("mamba2", m, m.mamba2_buffered, m.mamba2_flush, _m2_dims, _m2_tokens, 0,
+                                     lambda a: a[:7], 8, m.get_buffered_configs, ("variant", "BV", "threads", "blocks"),
+                                     m.mamba2_recurrent, _m2_recurrent_inputs, _m2_recurrent_reference))
 
 
 def templates(family: str | None = None) -> list[Template]:
