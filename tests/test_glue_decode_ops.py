@@ -13,13 +13,13 @@ import functools
 
 import pytest
 import torch
+from tiny_models import tiny_model
 
 from kvbuffer import LLM
 from kvbuffer.models import layers
 from kvbuffer.runtime import mixing
-from tiny_models import tiny_model
 
-NEMOTRON_MOE = dict(layers_block_type=["mamba", "moe", "attention", "mamba", "mlp"], n_group=2, topk_group=1)
+NEMOTRON_MOE = {"layers_block_type": ["mamba", "moe", "attention", "mamba", "mlp"], "n_group": 2, "topk_group": 1}
 # top-level ops per decode step, measured when the glue was last trimmed (before: 268, 146, 182)
 BOUNDS = {"qwen3_5": 243, "nemotron_h": 137, "nemotron_h+moe": 168}
 
