@@ -174,7 +174,7 @@ def _tune_shape(cache, target, measuring, shape, tpls, chunks, buckets, drafts, 
         click.echo(f"tuning record {record} ({tuning['status']})")
         return
     policy = ChunkPolicy.from_json(tuning["chunk_policy"])
-    click.echo(f"tuning record {record} ({policy.status}); chunk size per batch bucket: "
+    click.echo(f"tuning record {record} ({tuning['status']}); chunk size per batch bucket ({policy.status}): "
                + ", ".join(f"B<={b}: C={c}" for b, c in zip(policy.buckets, policy.chunk_sizes)))
 
 
@@ -219,7 +219,11 @@ def winners_table(tuning: dict, peak_gbs: float) -> list[tuple]:
 
 def _summary(results, measured: bool) -> None:
     rows = [("kernel", "C", "drafts", "tunables", "status", "build", "seconds", "artifact")]
+    shown = set()
     for r in results:
+        if r.artifact in shown:  # the measured path reports a kernel once per batch bucket it won
+            continue
+        shown.add(r.artifact)
         how = "cached" if r.reused else ("measured" if measured else "compiled")
         tun = " ".join(f"{k}={v}" for k, v in sorted(r.tunables.items()))
         rows.append((r.kernel, r.chunk_size or "-", r.drafts, tun, r.status, how, f"{r.seconds:.1f}", r.artifact))
