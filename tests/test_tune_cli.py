@@ -50,8 +50,10 @@ def test_list_gpus():
     (["--gpu", "h200", "--model", "qwen3.5-9b", "--kernels", "gdn_nope"], "unknown kernel"),
     (["--gpu", "h200", "--model", "nemotron-3-nano", "--kernels", "gdn_flush"], "mamba2"),
     (["--gpu", "h200"], "--model PRESET|CHECKPOINT_DIR or --heads"),
+    (["--gpu", "h200", "--model", "qwen3.5-9b", "--draft-tokens", "4,17"], "[1, 16]"),
+    (["--gpu", "h200", "--model", "qwen3.5-9b", "--draft-tokens", "0"], "positive integers"),
 ], ids=["unknown-gpu", "model-and-heads", "preset", "heads-format", "heads-ratio", "chunks", "kernel", "mamba2",
-        "no-shape"])
+        "no-shape", "too-many-drafts", "zero-drafts"])
 def test_bad_options_are_named(args, message, tmp_path):
     result = run("tune", *args, "--cache-dir", str(tmp_path))
     assert result.exit_code != 0
