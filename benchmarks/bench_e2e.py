@@ -33,6 +33,7 @@ import torch
 from kvbuffer import LLM
 from kvbuffer.models.loader import build_model
 from kvbuffer.plan import geometry_of, request_spec
+from kvbuffer.runtime import kernel_ops
 
 _QWEN_TYPES = ["linear_attention"] * 3 + ["full_attention"]
 # Nemotron-3 Nano: 52 layers, 23 Mamba-2 ('M') and 23 MoE ('E') in alternation, 6 attention ('*')
@@ -172,6 +173,7 @@ def bench_decode(model, *, batches, modes, prompt_len, new_tokens, chunk_size, d
             rows.append(dict(batch=B, mode=mode, decode_tokens_per_s=B / med, step_ms=1e3 * med,
                              step_ms_mean=1e3 * sum(secs) / len(secs), steps=len(secs),
                              peak_batch=st.peak_batch, kernels=bool(llm.kernels),
+                             conv_kernels=bool(llm.kernels) and not kernel_ops.conv_on_reference(),
                              cuda_graphs=bool(llm.cuda_graphs and llm.runner.graphs.enabled)))
             print(f"decode B={B:4d} {mode:9s} {rows[-1]['decode_tokens_per_s']:10.1f} tok/s "
                   f"{rows[-1]['step_ms']:8.2f} ms/step", flush=True)
@@ -217,7 +219,8 @@ def bench_spec(model, *, budget_bytes, drafts, modes, prompt_len, new_tokens, ch
             rows.append(dict(draft_tokens=T, mode=mode, planned_requests=int(planned), admitted=st.peak_batch,
                              decode_tokens_per_s=sum(toks) / sum(secs), acceptance=acc["acceptance_rate"],
                              tokens_per_step=acc["tokens_per_step"], step_ms=1e3 * statistics.median(secs),
-                             cache_gib=cache_gib))
+                             cache_gib=cache_gib, kernels=bool(llm.kernels),
+                             conv_kernels=bool(llm.kernels) and not kernel_ops.conv_on_reference()))
             print(f"spec T={T} {mode:9s} planned {int(planned):6d} admitted {st.peak_batch:5d} "
                   f"{rows[-1]['decode_tokens_per_s']:10.1f} tok/s acceptance {acc['acceptance_rate']:.2f}", flush=True)
             del llm  # its pools go before the next engine is built

@@ -142,6 +142,11 @@ _CONV_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 _CONV_ON_REFERENCE: set = set()  # conv kernel keys that did not load: the reference until JIT is allowed
 
 
+def conv_on_reference() -> list:
+    """The conv kernel keys this process runs on the reference conv (their kernel did not load)."""
+    return sorted(_CONV_ON_REFERENCE, key=repr)
+
+
 def _conv_kernel_loads(key, batch: int) -> bool:
     """Whether the conv kernel for `key` is there (an artifact, or JIT-compiled now); logs once per key
     if not: without it the engine keeps the torch reference conv (the linear mixers still run on their
