@@ -77,5 +77,11 @@ def generate(model, prompts, prompts_file, max_new_tokens, temperature, top_k, t
     if speculative:
         acc = llm.acceptance
         spec = f", {speculative} drafts accepted {acc['acceptance_rate']:.0%}, {acc['tokens_per_step']:.2f} tokens/step"
+    linear = "kernels" if llm.kernels else "reference ops"
     click.echo(f"[{stats.generated_tokens} tokens from {stats.requests} prompt(s) in {elapsed:.2f}s: "
-               f"{stats.tokens_per_second:.1f} tok/s, mode={mode}, device={llm.device}{spec}]", err=True)
+               f"{stats.tokens_per_second:.1f} tok/s, mode={mode}, device={llm.device}, linear layers on "
+               f"{linear}{spec}]", err=True)
+    if llm.device.type == "cuda" and not llm.kernels:
+        drafts = f" --draft-tokens {draft_tokens}" if speculative else ""
+        click.echo(f"note: no compiled kernels were used ({llm.kernels_reason}); build them with "
+                   f"`kvbuffer tune --model {path}{drafts}`", err=True)

@@ -32,6 +32,13 @@ def test_bad_prompts_are_rejected(ckpt):
     assert llm.generate([[1, 2]], max_new_tokens=3)[0].finish_reason == "length"  # still usable
 
 
+def test_the_engine_says_why_its_linear_layers_run_where_they_do(ckpt):
+    assert LLM(str(ckpt), device="cpu").kernels_reason == "the device is cpu"
+    assert LLM(str(ckpt), device="cpu", kernels=False).kernels_reason == "kernels=False"
+    with pytest.raises(ValueError, match="kernels=True, but the device is not CUDA"):
+        LLM(str(ckpt), device="cpu", kernels=True)
+
+
 def test_unsupported_or_broken_checkpoints(ckpt, tmp_path):
     cfg = json.loads((ckpt / "config.json").read_text())
     (tmp_path / "config.json").write_text(json.dumps(dict(cfg, model_type="llama")))

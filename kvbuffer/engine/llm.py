@@ -102,7 +102,8 @@ class LLM:
         max_batch: request slots (concurrent requests); max_len: longest context per request.
         kernels: run the linear layers on the compiled kernels (kvbuffer.ops; CUDA, bf16 buffer
         entries, fp32 states): True, False (the pure-torch reference) or "auto" (kernels on CUDA when
-        every kernel needed loads from the artifact cache or KVBUFFER_JIT=1 allows compiling them).
+        every kernel needed loads from the artifact cache or KVBUFFER_JIT=1 allows compiling them);
+        the outcome is `self.kernels`, and `self.kernels_reason` says why.
         cuda_graphs: capture the decode step in CUDA graphs (True, False or "auto": on CUDA when the
         linear layers run on the compiled kernels or the model has none).
     """
@@ -155,7 +156,7 @@ class LLM:
             buffers=mode == "kvbuffer",
             draft_states=bool(self.speculative) and mode == "recurrent",
         )
-        self.kernels = self._use_kernels(kernels, spec, mode)
+        self.kernels, self.kernels_reason = self._use_kernels(kernels, spec, mode)
         buffer_dtype = None
         if self.kernels:
             from ..runtime.kernel_ops import kernel_dtype
@@ -175,11 +176,16 @@ class LLM:
         self._next_rid = 0
         self.spec_stats = {"request_steps": 0, "proposed": 0, "accepted": 0, "emitted": 0}
 
-    def _use_kernels(self, kernels, spec: CacheSpec, mode: str) -> bool:
+    def _use_kernels(self, kernels, spec: CacheSpec, mode: str) -> tuple[bool, str]:
+        """(whether the linear layers run on the compiled kernels, why or why not)."""
         if kernels not in (True, False, "auto"):
             raise ValueError(f"kernels must be True, False or 'auto', got {kernels!r}")
-        if kernels is False or not spec.num_linear_layers or (kernels == "auto" and self.device.type != "cuda"):
-            return False
+        if kernels is False:
+            return False, "kernels=False"
+        if not spec.num_linear_layers:
+            return False, "the model has no linear-attention layers"
+        if kernels == "auto" and self.device.type != "cuda":
+            return False, f"the device is {self.device.type}"
         from ..runtime.kernel_ops import resolve
 
         return resolve(kernels, self.device, spec, self.dtype, mode)

@@ -102,8 +102,8 @@ def kernels_supported(spec) -> str | None:
     return None
 
 
-def resolve(kernels, device: torch.device, spec, dtype: torch.dtype, mode: str) -> bool:
-    """LLM(kernels=True | False | "auto") -> whether the linear layers run on compiled kernels.
+def resolve(kernels, device: torch.device, spec, dtype: torch.dtype, mode: str) -> tuple[bool, str]:
+    """LLM(kernels=True | False | "auto") -> (whether the linear layers run on compiled kernels, why).
 
     "auto": on CUDA when the head dims suit the kernels and every kernel the engine needs loads from
     the artifact cache, or may be compiled (kvbuffer.ops.jit_allowed()). The choice is logged.
@@ -111,17 +111,17 @@ def resolve(kernels, device: torch.device, spec, dtype: torch.dtype, mode: str) 
     if kernels not in (True, False, "auto"):
         raise ValueError(f"kernels must be True, False or 'auto', got {kernels!r}")
     if kernels is False:
-        return False
+        return False, "kernels=False"
     why = "the device is not CUDA" if device.type != "cuda" else kernels_supported(spec)
     if why is None and kernels == "auto" and not ops.jit_allowed():
         why = _missing_artifact(spec, dtype, mode)
     if why is None:
         log.info("kvbuffer: linear layers run on the compiled kernels (kvbuffer.ops)")
-        return True
+        return True, "compiled kernels"
     if kernels is True:
         raise ValueError(f"kernels=True, but {why}")
     log.info("kvbuffer: linear layers run on the reference ops: %s", why)
-    return False
+    return False, why
 
 
 def _missing_artifact(spec, dtype, mode) -> str | None:
