@@ -28,6 +28,8 @@ from kvbuffer.artifacts import (
 )
 from kvbuffer.errors import ArtifactError
 
+from .policy import merge_records
+
 
 @lru_cache(maxsize=None)
 def nvcc_version() -> str | None:
@@ -58,6 +60,8 @@ def _write_json(path: Path, obj) -> None:
 
 class ArtifactCache(ArtifactStore):
     """A cache root you can write to: publish artifacts and tuning records, set status, clear."""
+
+    notes: tuple = ()  # what the last put_tuning's merge kept or dropped (for the CLI to show)
 
     @contextlib.contextmanager
     def lock(self) -> Iterator[None]:
@@ -138,17 +142,18 @@ class ArtifactCache(ArtifactStore):
 
     # -- tuning records
     def put_tuning(self, name: str, record: Mapping, *, gpu: str, shape: Mapping, versions: Mapping) -> str:
-        """Publish (or replace) a tuning record; a tuned record is never replaced by an untuned one."""
+        """Publish a tuning record, merged into the one already stored under `name`
+        (kvbuffer.autotune.policy.merge_records: measured winners are never replaced by untuned ones).
+        What the merge kept or dropped is in `self.notes`."""
         stage = self._staging(name)
         try:
             path = stage / f"{name}.json"
-            _write_json(path, dict(record))
-            entry = {"status": record["status"], "gpu": gpu, "shape": dict(shape), "versions": dict(versions),
-                     "files": {f"tunings/{name}.json": sha256_file(path)}}
             with self.lock():
-                old = self.manifest()["tunings"].get(name)
-                if old and old["status"] == "tuned" and entry["status"] == "untuned" and self._tuning_ok(name):
-                    return name
+                old = self.tuning(name) if self._tuning_ok(name) else None
+                merged, self.notes = merge_records(old, record)
+                _write_json(path, merged)
+                entry = {"status": merged["status"], "gpu": gpu, "shape": dict(shape), "versions": dict(versions),
+                         "files": {f"tunings/{name}.json": sha256_file(path)}}
                 final = self.tuning_path(name)
                 final.parent.mkdir(parents=True, exist_ok=True)
                 os.replace(path, final)

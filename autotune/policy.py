@@ -1,8 +1,9 @@
 """Chunk-size policy and tuning records: the runtime asks "which C for batch B, which kernel for it?".
 
 A tuning record (one JSON file per GPU, head shape and kvbuffer/TileLang versions) lists, for each
-(kernel, batch bucket, chunk size), the artifact that won (or the default one, when untuned) and
-a chunk-size policy per batch bucket.
+(kernel, batch bucket, chunk size, buffer layout's drafts), the artifact that won (or the default
+one, when untuned) and a chunk-size policy per batch bucket. Each `kvbuffer tune` run merges its
+winners into the record (merge_records), so layouts and chunk sizes can be added run by run.
 
 How C is chosen: the buffered step is timed in steady state, every row at a random buffer length
 in [0, C), so on average 1/C of the rows fold their buffer into the state in that launch (the
@@ -119,3 +120,43 @@ def select(record: Mapping, kernel: str, batch: int, chunk_size: int | None = No
     built = sorted(set(record.get("draft_tokens", [0])) - {0})
     hint = f" (drafts built: {built or 'none'}; add --draft-tokens {drafts})" if drafts and drafts not in built else ""
     raise KeyError(f"no {kernel} kernel for batch bucket {bucket}, chunk size {c}{layout} in this tuning record{hint}")
+
+
+def _winner_key(w: Mapping) -> tuple:
+    return w["kernel"], w["batch_bucket"], w["chunk_size"], w.get("drafts", 0)
+
+
+def merge_records(old: Mapping | None, new: Mapping) -> tuple[dict, list[str]]:
+    """The record to store after a tune run: `new`'s winners merged into `old`'s, and notes on what
+    was kept or dropped.
+
+    A winner of `new` replaces `old`'s for the same (kernel, bucket, chunk size, drafts), unless
+    only the old one was measured (an untuned build never overrides a measurement). The chunk
+    policy is `new`'s when it was measured or `old` has none measured. Records with other batch
+    buckets cannot be merged (every winner must cover the policy's buckets): `new` replaces them.
+    The status is "tuned" only when every winner and the policy were measured.
+    """
+    if old is None:
+        merged, notes = dict(new), []
+    elif list(old["batch_buckets"]) != list(new["batch_buckets"]):
+        merged = dict(new)
+        notes = [f"replaced a record with batch buckets {old['batch_buckets']} ({len(old['winners'])} winners, "
+                 f"chunk sizes {old['chunk_sizes']}, drafts {old.get('draft_tokens', [0])})"]
+    else:
+        winners = {_winner_key(w): w for w in old["winners"]}
+        kept = 0
+        for w in new["winners"]:
+            before = winners.get(_winner_key(w))
+            if before is not None and before["median_us"] is not None and w["median_us"] is None:
+                kept += 1
+                continue
+            winners[_winner_key(w)] = w
+        tuned_policy = new["chunk_policy"]["status"] == "tuned" or old["chunk_policy"]["status"] != "tuned"
+        merged = dict(new, winners=sorted(winners.values(), key=_winner_key),
+                      chunk_policy=new["chunk_policy"] if tuned_policy else old["chunk_policy"],
+                      chunk_sizes=sorted(set(old["chunk_sizes"]) | set(new["chunk_sizes"])),
+                      draft_tokens=sorted(set(old.get("draft_tokens", [0])) | set(new.get("draft_tokens", [0]))))
+        notes = [f"kept {kept} measured winner(s) this untuned build also produced"] if kept else []
+    measured = all(w["median_us"] is not None for w in merged["winners"])
+    merged["status"] = "tuned" if measured and merged["chunk_policy"]["status"] == "tuned" else "untuned"
+    return merged, notes

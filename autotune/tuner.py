@@ -108,6 +108,9 @@ def build_untuned(cache: ArtifactCache, req: TuneRequest, templates: Sequence[Te
 
 def _save_tuning(cache: ArtifactCache, req: TuneRequest, winners: list[Winner], policy: ChunkPolicy,
                  status: str) -> str:
+    """Merge this run's winners into the shape's tuning record (policy.merge_records); returns its name."""
+    if not winners:
+        raise ValueError("no kernel was built, so there is no tuning record to write")
     versions = build_versions()
     name = tuning_name(req.gpu.name, req.gpu.arch, req.shape, versions)
     record = {"format": TUNING_FORMAT, "status": status, "gpu": req.gpu.name, "arch": req.gpu.arch,

@@ -40,6 +40,7 @@ def generate(model, prompts, prompts_file, max_new_tokens, temperature, top_k, t
     import torch
 
     from kvbuffer import LLM
+    from kvbuffer.runtime.kernel_ops import conv_on_reference
 
     texts = list(prompts)
     if prompts_file:
@@ -81,7 +82,18 @@ def generate(model, prompts, prompts_file, max_new_tokens, temperature, top_k, t
     click.echo(f"[{stats.generated_tokens} tokens from {stats.requests} prompt(s) in {elapsed:.2f}s: "
                f"{stats.tokens_per_second:.1f} tok/s, mode={mode}, device={llm.device}, linear layers on "
                f"{linear}{spec}]", err=True)
-    if llm.device.type == "cuda" and not llm.kernels:
-        drafts = f" --draft-tokens {draft_tokens}" if speculative else ""
-        click.echo(f"note: no compiled kernels were used ({llm.kernels_reason}); build them with "
-                   f"`kvbuffer tune --model {path}{drafts}`", err=True)
+    if llm.device.type == "cuda" and not llm.kernels and llm.kernels_reason.startswith("no compiled kernel"):
+        click.echo(f"note: the linear layers ran on the reference ops ({llm.kernels_reason}); build the kernels "
+                   f"with `{_tune_command(llm, path, speculative and draft_tokens)}`", err=True)
+    elif llm.kernels and conv_on_reference():
+        click.echo("note: the short conv ran on the reference ops (no compiled conv kernel); build it with "
+                   f"`{_tune_command(llm, path, speculative and draft_tokens)}`", err=True)
+
+
+def _tune_command(llm, path, drafts) -> str:
+    """The `kvbuffer tune` run that builds what this engine launches (its C, dtype and drafts)."""
+    import torch
+
+    return (f"kvbuffer tune --model {path} --chunk-sizes {llm.chunk_size}"
+            + (" --dtype float16" if llm.dtype == torch.float16 else "")  # the kernels run fp32 models in bf16
+            + (f" --draft-tokens {drafts}" if drafts else ""))

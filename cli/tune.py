@@ -154,6 +154,9 @@ def _tune_shape(cache, target, measuring, shape, tpls, chunks, buckets, drafts, 
 
     req = tuner.TuneRequest(target, shape, chunks, buckets, drafts)
     items = tuner.plan(tpls, req.chunk_sizes, req.draft_tokens)
+    if not items:
+        raise click.UsageError(f"nothing to build for {', '.join(t.name for t in tpls)}: a verify or accept needs "
+                               "--draft-tokens T, a T-token prefill chunk a chunk size >= T")
     layouts = ("" if shape["family"] == "conv1d" else f", C in {list(req.chunk_sizes)}") \
         + (f", drafts {list(drafts[1:])}" if len(drafts) > 1 else "")
     click.echo(f"{'tuning' if measuring else 'building (untuned)'} {len(items)} kernel(s) for {target.name} "
@@ -170,12 +173,16 @@ def _tune_shape(cache, target, measuring, shape, tpls, chunks, buckets, drafts, 
     tuning = cache.tuning(record)
     if measuring:
         _table(winners_table(tuning, target.mem_bandwidth_gbs))
-    if shape["family"] == "conv1d":  # no chunk size: its kernels serve every C
-        click.echo(f"tuning record {record} ({tuning['status']})")
-        return
-    policy = ChunkPolicy.from_json(tuning["chunk_policy"])
-    click.echo(f"tuning record {record} ({tuning['status']}); chunk size per batch bucket ({policy.status}): "
-               + ", ".join(f"B<={b}: C={c}" for b, c in zip(policy.buckets, policy.chunk_sizes)))
+    for note in cache.notes:
+        click.echo(f"note: {note}")
+    measured = sum(w["median_us"] is not None for w in tuning["winners"])
+    line = (f"tuning record {record} ({tuning['status']}: {measured} of {len(tuning['winners'])} winners measured; "
+            f"chunk sizes {tuning['chunk_sizes']}, drafts {tuning.get('draft_tokens', [0])})")
+    if shape["family"] != "conv1d":  # the conv's kernels serve every C
+        policy = ChunkPolicy.from_json(tuning["chunk_policy"])
+        line += f"; chunk size per batch bucket ({policy.status}): " + ", ".join(
+            f"B<={b}: C={c}" for b, c in zip(policy.buckets, policy.chunk_sizes))
+    click.echo(line)
 
 
 def _shape_text(shape) -> str:

@@ -176,7 +176,9 @@ def runtime_versions() -> dict:
 
 def rebuild_hint(gpu: str | None = None, shape: Mapping | None = None, root: Path | None = None) -> str:
     cmd = f"kvbuffer tune --gpu {gpu or '<gpu>'}"
-    if shape and all(k in shape for k in ("Hk", "Hv", "K", "V")):
+    if shape and shape.get("family") == "conv1d":  # built along with its model's linear layers
+        cmd += " --model <the model>"
+    elif shape and all(k in shape for k in ("Hk", "Hv", "K", "V")):
         cmd += f" --heads {shape['Hk']},{shape['Hv']},{shape['K']},{shape['V']}"
         if shape.get("family", "gdn") != "gdn":
             cmd += f" --family {shape['family']}"
@@ -426,11 +428,12 @@ class ArtifactStore:
 
 
     def kernel_for(self, shape: Mapping, kernel: str, batch: int, chunk_size: int | None = None, *,
-                   gpu=None) -> tuple[Artifact, int]:
+                   drafts: int = 0, gpu=None) -> tuple[Artifact, int]:
         """(loaded kernel, chunk size) for a batch: the tuned winner of its bucket, or the default build.
 
         `gpu` is a kvbuffer.autotune.gpus.GPU (default: the local one); chunk_size None takes the
-        tuning record's chunk-size policy for this batch.
+        tuning record's chunk-size policy for this batch; drafts picks the buffer layout (C + drafts
+        + 1 entries; 0: plain decoding, and the recurrent step).
         """
         from .autotune.policy import select
 
@@ -442,7 +445,7 @@ class ArtifactStore:
                 raise ArtifactError("no CUDA GPU here: name the GPU whose kernels to load (gpu=get_gpu(...))")
         record = self.find_tuning(gpu.name, gpu.arch, shape)
         try:
-            name, c = select(record, kernel, batch, chunk_size)
+            name, c = select(record, kernel, batch, chunk_size, drafts)
         except KeyError as e:
             raise ArtifactError(f"{e.args[0]}; {rebuild_hint(gpu.name, shape, self.root)}") from None
         return self.load(name, arch=gpu.arch, gpu=gpu.name), c

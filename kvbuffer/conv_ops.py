@@ -127,14 +127,15 @@ def _from_artifacts(key: ConvKey, batch: int):
         kind = UPDATE_KINDS[key.kind]
         params = dict(D=key.D, W=key.W, span=key.span, T_len=key.T, mode=key.kind, dtype=key.dtype,
                       w_dtype=key.w_dtype, has_bias=key.has_bias, silu=key.silu, T=key.T)
-    first = None
+    errors = []
     for shape in _shapes(key):
         try:
             return ops.load_artifact(shape, template, batch, [(None, drafts)], command,
                                      lambda a: CompiledOp(a.fn, kind, dict(params, **a.key.tunables)))
         except ArtifactError as e:
-            first = first or e
-    raise first
+            errors.append(e)
+    # a record that exists but lacks this layout says more than the shapes that have none
+    raise next((e for e in errors if "in this tuning record" in str(e)), errors[0])
 
 
 def jit(key: ConvKey):

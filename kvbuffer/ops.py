@@ -93,16 +93,19 @@ class KernelKey:
     def tune_command(self) -> str:
         layouts = self.layouts()
         C, drafts = layouts[0] if len(layouts) == 1 else (self.cap - 1, 0)
+        dtype = self.in_dtype or self.buf_dtype
         return (f"kvbuffer tune --gpu <gpu> --heads {self.Hk},{self.Hv},{self.K},{self.V}"
                 + (f" --family {self.family}" if self.family != "gdn" else "")
+                + (f" --dtype {dtype}" if dtype != "bfloat16" else "")
                 + (f" --chunk-sizes {C}" if self.kind != "recurrent" else "")
                 + (f" --draft-tokens {drafts}" if drafts else ""))
 
     def layouts(self) -> list[tuple[int | None, int]]:
-        """The (chunk size C, speculative drafts T) buffer layouts, C + T + 1 entries, this kernel fits.
+        """The (chunk size C, speculative drafts) buffer layouts, C + drafts + 1 entries, this kernel fits.
 
-        The decode step and prefill chunks name C (flush_at), so T = cap - C - 1; a verify (no flush,
-        T + 1 tokens) names T, so C = cap - T; a flush fits every split of its capacity.
+        The decode step and prefill chunks name C (flush_at), so drafts = cap - C - 1; a verify (no
+        flush) is fed drafts + 1 = T tokens, so drafts = T - 1 and C = cap - T; a flush fits every
+        split of its capacity (the first one built is used).
         """
         if self.kind == "recurrent":
             return [(None, 0)]

@@ -177,8 +177,7 @@ def test_tuning_record_from_other_versions_is_rejected_clearly(tmp_path):
     cache = ArtifactCache(tmp_path)
     old = {"kvbuffer": "0.0.1", "tilelang": runtime_versions()["tilelang"]}
     name = tuning_name("h200", "sm_90a", SHAPE, old)
-    record = {"status": "untuned", "chunk_policy": ChunkPolicy.default([1], [16]).to_json(), "winners": []}
-    cache.put_tuning(name, record, gpu="h200", shape=SHAPE, versions=old)
+    cache.put_tuning(name, empty_record(), gpu="h200", shape=SHAPE, versions=old)
     with pytest.raises(ArtifactError, match=r"exist for \{'kvbuffer': '0.0.1'"):
         ArtifactStore(tmp_path).find_tuning("h200", "sm_90a", SHAPE)
     with pytest.raises(ArtifactError, match="no kernels built for h100"):
@@ -200,13 +199,18 @@ def test_cache_dir_resolution(tmp_path, monkeypatch):
 # concurrency
 
 
+def empty_record() -> dict:
+    """The smallest tuning record put_tuning merges: a policy, its buckets, no winners."""
+    return {"status": "untuned", "chunk_policy": ChunkPolicy.default([1], [16]).to_json(), "batch_buckets": [1],
+            "chunk_sizes": [16], "winners": []}
+
+
 def _writer(root: str, index: int) -> None:
     cache = ArtifactCache(root)
     put_ = lambda key: cache.put(key, fake_export(delay=0.05), function="f")  # noqa: E731
     put_(make_key())                                   # everyone races for the same key
     put_(make_key(chunk_size=100 + index))             # and each writes one of its own
-    cache.put_tuning(f"t{index % 2}", {"status": "untuned", "winners": [], "i": index},
-                     gpu="h200", shape=SHAPE, versions={})
+    cache.put_tuning(f"t{index % 2}", dict(empty_record(), i=index), gpu="h200", shape=SHAPE, versions={})
 
 
 def test_concurrent_writers_leave_a_consistent_cache(tmp_path):

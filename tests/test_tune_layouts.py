@@ -16,7 +16,7 @@ import torch
 import kvbuffer.conv_ops  # noqa: F401  (registers torch.ops.kvbuffer.conv1d_*)
 from kvbuffer import conv_ops, ops
 from kvbuffer.autotune import tuner
-from kvbuffer.autotune.models import conv_shape, make_shape
+from kvbuffer.autotune.models import conv_shape, make_conv_shape, make_shape
 from kvbuffer.autotune.registry import templates
 from kvbuffer.pools import LinearLayerShape
 from kvbuffer.runtime.caches import CacheSpec
@@ -158,3 +158,93 @@ def test_speculative_and_conv_artifacts_load_through_the_ops(tmp_path, monkeypat
     finally:
         ops.clear_kernels()
         conv_ops.clear_kernels()
+
+
+# ----------------------------------------------------------------------------------------------
+# records, keys and lookups by layout
+
+
+def _record(winners, policy="untuned", buckets=(1, 64), chunks=(16,), drafts=(0,)):
+    from kvbuffer.autotune.policy import ChunkPolicy, Winner
+
+    p = ChunkPolicy(tuple(buckets), (chunks[0],) * len(buckets), policy)
+    rows = [Winner(k, b, c, f"{k}-c{c}-d{d}-{'m' if us else 'u'}", {}, us, d).to_json()
+            for k, c, d, us in winners for b in buckets]
+    return {"status": "untuned", "chunk_policy": p.to_json(), "batch_buckets": list(buckets),
+            "chunk_sizes": list(chunks), "draft_tokens": sorted(set(drafts) | {0}), "winners": rows}
+
+
+def test_select_picks_the_layout_and_names_the_missing_one():
+    from kvbuffer.autotune.policy import select
+
+    record = _record([("gdn_buffered_step", 16, 0, None), ("gdn_buffered_step", 16, 4, None),
+                      ("gdn_verify", 16, 4, None)], drafts=(4,))
+    assert select(record, "gdn_buffered_step", 3, 16)[0] == "gdn_buffered_step-c16-d0-u"
+    assert select(record, "gdn_buffered_step", 3, 16, 4)[0] == "gdn_buffered_step-c16-d4-u"
+    with pytest.raises(KeyError, match=r"2 speculative drafts.*drafts built: \[4\]; add --draft-tokens 2"):
+        select(record, "gdn_verify", 3, 16, 2)
+    old = _record([("gdn_flush", 16, 0, None)])
+    for w in old["winners"]:
+        del w["drafts"]  # a record written before layouts existed still reads as plain decoding
+    assert select(old, "gdn_flush", 70, 16)[0] == "gdn_flush-c16-d0-u"
+
+
+def test_plain_layout_keys_keep_their_names():
+    from kvbuffer.artifacts import ArtifactKey
+
+    args = ("h200", "sm_90a", "gdn_flush", {"family": "gdn"}, 16, {"BV": 32}, {"kvbuffer": "x"}, "src")
+    plain, spec = ArtifactKey(*args), ArtifactKey(*args, drafts=4)
+    assert "drafts" not in plain.to_json() and spec.to_json()["drafts"] == 4
+    assert "_d4_" in spec.name and "_d" not in plain.name.split("_c16")[1].split("-")[0]
+    assert ArtifactKey.from_json(plain.to_json()) == plain and ArtifactKey.from_json(spec.to_json()) == spec
+
+
+@pytest.mark.parametrize("kind, T, C, cap, want", [
+    ("recurrent", 1, 0, 0, [(None, 0)]),
+    ("buffered", 1, 16, 17, [(16, 0)]),       # decode step, plain decoding
+    ("buffered", 1, 16, 21, [(16, 4)]),       # decode step, 4 drafts
+    ("buffered", 8, 16, 21, [(16, 4)]),       # prefill chunk, 4 drafts
+    ("buffered", 5, 0, 21, [(16, 4)]),        # verify of 4 drafts + the last token
+    ("buffered", 1, 16, 16, []),              # no room for the step's own entry: tune builds no such kernel
+    ("flush", 1, 0, 5, [(4, 0), (3, 1), (2, 2), (1, 3)]),
+])
+def test_kernel_keys_map_back_to_layouts(kind, T, C, cap, want):
+    key = ops.KernelKey("gdn", kind, 2, 4, 32, 32, "bfloat16", "bfloat16", cap, T, C)
+    assert key.layouts() == want
+    assert (ops._template(key) is None) == (not want)
+
+
+def test_records_merge_run_by_run():
+    from kvbuffer.autotune.policy import merge_records
+
+    tuned = _record([("gdn_buffered_step", 16, 0, 5.0)], policy="tuned")
+    spec = _record([("gdn_buffered_step", 16, 0, None), ("gdn_verify", 16, 4, None)], drafts=(4,))
+    merged, notes = merge_records(tuned, spec)
+    kinds = {(w["kernel"], w["drafts"], w["median_us"]) for w in merged["winners"]}
+    assert kinds == {("gdn_buffered_step", 0, 5.0), ("gdn_verify", 4, None)}  # the measurement survives
+    assert merged["chunk_policy"]["status"] == "tuned" and merged["draft_tokens"] == [0, 4]
+    assert merged["status"] == "untuned" and "kept 2 measured" in notes[0]
+    again, _ = merge_records(merged, _record([("gdn_verify", 16, 4, 7.0)], policy="tuned", drafts=(4,)))
+    assert again["status"] == "tuned" and len(again["winners"]) == 4
+    other, notes = merge_records(merged, _record([("gdn_flush", 16, 0, None)], buckets=(1, 256)))
+    assert [w["kernel"] for w in other["winners"]] == ["gdn_flush"] * 2 and "replaced" in notes[0]
+
+
+def test_a_build_with_nothing_to_build_is_a_usage_error(tmp_path):
+    from click.testing import CliRunner
+
+    from kvbuffer.cli.main import main
+
+    result = CliRunner().invoke(main, ["tune", "--gpu", "h100", "--heads", "2,4,32,32", "--kernels", "gdn_verify",
+                                       "--cache-dir", str(tmp_path)])
+    assert result.exit_code != 0 and "needs --draft-tokens" in result.output
+    assert not (tmp_path / "tunings").exists()  # and no empty record overwrote anything
+
+
+def test_the_conv_accept_is_found_in_a_record_of_any_weight_dtype_and_bias():
+    key = conv_ops.ConvKey("accept", 256, 4, 8, 0, "bfloat16")
+    shapes = conv_ops._shapes(key)
+    assert {(s["w_dtype"], s["bias"]) for s in shapes} == {(w, b) for w in ("bfloat16", "float16", "float32")
+                                                          for b in (False, True)}
+    update = conv_ops.ConvKey("advance", 256, 4, 8, 1, "bfloat16", "float32", True)
+    assert conv_ops._shapes(update) == [make_conv_shape(256, 4, "bfloat16", "float32", True)]
