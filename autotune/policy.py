@@ -23,6 +23,7 @@ from typing import Mapping
 from kvbuffer.artifacts import safe_name, slug, sha256_json
 
 TUNING_FORMAT = 1
+POLICY_KERNELS = ("gdn_buffered_step", "mamba2_buffered_step")  # steady-state time per token decides C
 
 
 @dataclass(frozen=True)
@@ -134,7 +135,8 @@ def merge_records(old: Mapping | None, new: Mapping) -> tuple[dict, list[str]]:
     only the old one was measured (an untuned build never overrides a measurement). The chunk
     policy is `new`'s when it was measured or `old` has none measured. Records with other batch
     buckets cannot be merged (every winner must cover the policy's buckets): `new` replaces them.
-    The status is "tuned" only when every winner and the policy were measured.
+    The status is "tuned" only when every winner was measured, and so was the policy if the record
+    has a kernel that decides it (a conv record has none: its kernels serve every C).
     """
     if old is None:
         merged, notes = dict(new), []
@@ -158,5 +160,7 @@ def merge_records(old: Mapping | None, new: Mapping) -> tuple[dict, list[str]]:
                       draft_tokens=sorted(set(old.get("draft_tokens", [0])) | set(new.get("draft_tokens", [0]))))
         notes = [f"kept {kept} measured winner(s) this untuned build also produced"] if kept else []
     measured = all(w["median_us"] is not None for w in merged["winners"])
-    merged["status"] = "tuned" if measured and merged["chunk_policy"]["status"] == "tuned" else "untuned"
+    decides_c = any(w["kernel"] in POLICY_KERNELS for w in merged["winners"])
+    policy_ok = merged["chunk_policy"]["status"] == "tuned" or not decides_c
+    merged["status"] = "tuned" if measured and policy_ok else "untuned"
     return merged, notes

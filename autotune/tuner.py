@@ -24,10 +24,9 @@ from kvbuffer.artifacts import ArtifactKey
 
 from .cache import ArtifactCache, build_versions
 from .gpus import GPU
-from .policy import TUNING_FORMAT, ChunkPolicy, Winner, tuning_name
+from .policy import POLICY_KERNELS, TUNING_FORMAT, ChunkPolicy, Winner, tuning_name
 from .registry import Template
 
-POLICY_KERNELS = ("gdn_buffered_step", "mamba2_buffered_step")  # steady-state time per token decides C
 CHECK_BATCH = 7                      # an awkward batch for the correctness gate
 
 

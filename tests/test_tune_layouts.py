@@ -248,3 +248,12 @@ def test_the_conv_accept_is_found_in_a_record_of_any_weight_dtype_and_bias():
                                                           for b in (False, True)}
     update = conv_ops.ConvKey("advance", 256, 4, 8, 1, "bfloat16", "float32", True)
     assert conv_ops._shapes(update) == [make_conv_shape(256, 4, "bfloat16", "float32", True)]
+
+
+def test_a_measured_record_without_a_policy_kernel_is_tuned():
+    from kvbuffer.autotune.policy import merge_records
+
+    conv, _ = merge_records(None, _record([("conv1d_step", 0, 0, 3.0), ("conv1d_verify", 0, 4, 4.0)], drafts=(4,)))
+    assert conv["status"] == "tuned"  # no kernel of it decides C, so its untuned policy does not matter
+    gdn, _ = merge_records(None, _record([("gdn_buffered_step", 16, 0, 3.0)]))
+    assert gdn["status"] == "untuned"  # measured winners, but the chunk size was not chosen by measurement
