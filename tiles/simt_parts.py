@@ -79,6 +79,12 @@ def state_macros(T, *, KR: int, CG: int, C: int, tokens: int, queries: int, key_
                 Sr[rr] = 0.0
 
     @T.macro
+    def add_lanes(acc, distance):
+        """acc += the same registers of the lane `distance` away (a warp shuffle)."""
+        for i in T.unroll(queries * 4):
+            acc[i] = acc[i] + T.shfl_xor(acc[i], distance)
+
+    @T.macro
     def s0_products(acc, Sr, X, xv, Ps, rg, cg, w, lane):
         """S0^T X[q] over this thread's rows for every query row q; the row groups of a warp summed
         by shuffles, each warp's partials to Ps[w, q, column]; ends with a block barrier."""
@@ -91,21 +97,17 @@ def state_macros(T, *, KR: int, CG: int, C: int, tokens: int, queries: int, key_
                 for e in T.unroll(RV):
                     for c in T.unroll(4):
                         acc[cc * 4 + c] = acc[cc * 4 + c] + Sr[(r4 * RV + e) * 4 + c] * xv[e]
-        if RGW > 1:  # sum the row groups a warp holds (lanes CG, 2 CG, ... apart)
-            for i in T.unroll(queries * 4):
-                acc[i] = acc[i] + T.shfl_xor(acc[i], CG)
+        # sum the row groups a warp holds: lanes CG, 2 CG, ... apart (a butterfly over RGW groups)
+        if RGW > 1:
+            add_lanes(acc, CG)
         if RGW > 2:
-            for i in T.unroll(queries * 4):
-                acc[i] = acc[i] + T.shfl_xor(acc[i], 2 * CG)
+            add_lanes(acc, 2 * CG)
         if RGW > 4:
-            for i in T.unroll(queries * 4):
-                acc[i] = acc[i] + T.shfl_xor(acc[i], 4 * CG)
+            add_lanes(acc, 4 * CG)
         if RGW > 8:
-            for i in T.unroll(queries * 4):
-                acc[i] = acc[i] + T.shfl_xor(acc[i], 8 * CG)
+            add_lanes(acc, 8 * CG)
         if RGW > 16:
-            for i in T.unroll(queries * 4):
-                acc[i] = acc[i] + T.shfl_xor(acc[i], 16 * CG)
+            add_lanes(acc, 16 * CG)
         if lane < CG:
             for cc in T.unroll(queries):
                 for c in T.vectorized(4):
