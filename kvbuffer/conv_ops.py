@@ -23,7 +23,6 @@ device back (slot range, duplicates, accepted range).
 from __future__ import annotations
 
 import functools
-import logging
 from dataclasses import dataclass
 from typing import Optional
 
@@ -32,8 +31,6 @@ import torch
 from . import ops
 from .errors import ArtifactError, DTypeError, ShapeError
 from .reference import conv as ref_conv
-
-log = logging.getLogger(__name__)
 
 _KERNELS: dict = {}  # (ConvKey, batch) -> kvbuffer.kernels.CompiledOp (pool size is dynamic)
 _JITTED: dict = {}   # ConvKey -> the JIT-compiled kernel (one for every batch)
@@ -78,16 +75,7 @@ def kernel_for(key: ConvKey, batch: int = 1):
 
 
 def _load(key: ConvKey, batch: int):
-    try:
-        return _from_artifacts(key, batch)
-    except ArtifactError as e:
-        if not ops.jit_allowed():
-            raise ArtifactError(f"{e}\n(or set KVBUFFER_JIT=1 / call kvbuffer.ops.allow_jit() to compile it with "
-                                "TileLang)") from None
-        if key not in _JITTED:
-            log.info("kvbuffer.conv_ops: no artifact for %s (%s); compiling with TileLang", key, str(e).splitlines()[0])
-            _JITTED[key] = jit(key)
-        return _JITTED[key]
+    return ops.artifact_or_jit(key, batch, _from_artifacts, jit, _JITTED, key)
 
 
 def _template(key: ConvKey) -> tuple[str | None, int]:

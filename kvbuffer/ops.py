@@ -148,16 +148,22 @@ def kernel_for(key: KernelKey, batch: int):
 
 
 def _load(key: KernelKey, batch: int):
+    return artifact_or_jit(key, batch, _from_artifacts, _jit, _LOADED, ("jit", key))
+
+
+def artifact_or_jit(key, batch: int, from_artifacts, jit, jitted: dict, jit_key):
+    """`from_artifacts(key, batch)`; when there is no artifact, `jit(key)` (compiled once, kept in
+    jitted[jit_key]) if JIT is allowed, else the ArtifactError with how to allow it."""
     try:
-        return _from_artifacts(key, batch)
+        return from_artifacts(key, batch)
     except ArtifactError as e:
         if not jit_allowed():
             raise ArtifactError(f"{e}\n(or set KVBUFFER_JIT=1 / call kvbuffer.ops.allow_jit() to compile "
                                 "missing kernels with TileLang)") from None
-        if ("jit", key) not in _LOADED:
-            log.info("kvbuffer.ops: no artifact for %s (%s); compiling with TileLang", key, e)
-            _LOADED[("jit", key)] = _jit(key)
-        return _LOADED[("jit", key)]
+        if jit_key not in jitted:
+            log.info("kvbuffer: no artifact for %s (%s); compiling with TileLang", key, str(e).splitlines()[0])
+            jitted[jit_key] = jit(key)
+        return jitted[jit_key]
 
 
 def _params(key: KernelKey, tunables: dict) -> dict:
