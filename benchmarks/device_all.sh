@@ -4,15 +4,9 @@
 # Writes under $OUT (default ./out): precompile.log, gpu_tests.log, tune_h200.txt, tuning record JSON.
 # Stages are time-boxed (PRE_TIMEOUT + TEST_TIMEOUT + TUNE_TIMEOUT = 490 s, plus ~20 s to unpack .device) to fit a 9-minute call.
 set -u
-OUT=${OUT:-out}; mkdir -p "$OUT"
-T0=$(date +%s)
-source .device/activate || exit 1
-# kvbuffer is not pip-installed there: make its subpackages resolve from the source tree
-for sub in tiles autotune cli; do [ -e kvbuffer/$sub ] || ln -s ../$sub kvbuffer/$sub; done
-export PYTHONUNBUFFERED=1
+source benchmarks/device_setup.sh
 PRESET=${PRESET:-qwen3.5-9b}; CHUNKS=8,16,32; MAX_CONFIGS=${MAX_CONFIGS:-2}
 CACHE=$(mktemp -d /tmp/kvb-cache.XXXX)
-nvidia-smi --query-gpu=name,driver_version,clocks.sm --format=csv,noheader
 python3 -c "import torch, tilelang, tvm_ffi; print('torch', torch.__version__, 'tilelang', tilelang.__version__)" 2>&1 | grep -v INFO
 
 timeout ${PRE_TIMEOUT:-140} python3 benchmarks/precompile_ops.py 15 "$PRESET" "$MAX_CONFIGS" "$CHUNKS" 2>&1 \

@@ -6,13 +6,9 @@
 # (built here by `kvbuffer tune --gpu h200 --build-only ... --cache-dir DIR`, carried along; no JIT).
 # Writes under $OUT: tests.log, e2e_*.json, bench_*.log.
 set -u
-OUT=${OUT:-out}; mkdir -p "$OUT"
-T0=$(date +%s)
-source .device/activate || exit 1
-for sub in tiles autotune cli; do [ -e kvbuffer/$sub ] || ln -s ../$sub kvbuffer/$sub; done
-export PYTHONUNBUFFERED=1 KVBUFFER_JIT=1
+source benchmarks/device_setup.sh
+export KVBUFFER_JIT=1
 if [ -n "${ARTIFACTS:-}" ]; then unset KVBUFFER_JIT; export KVBUFFER_CACHE_DIR=$(realpath "$ARTIFACTS"); fi
-nvidia-smi --query-gpu=name,driver_version,clocks.sm,memory.used --format=csv,noheader
 if [ -n "${TESTS:-tests/gpu/test_ops_and_engine.py}" ]; then
   timeout ${TEST_TIMEOUT:-180} python3 -m pytest -v --tb=short -p no:cacheprovider ${TESTS:-tests/gpu/test_ops_and_engine.py} \
     -k "${TEST_FILTER:-engine or graph}" 2>&1 | grep -v INFO > "$OUT/tests.log"; tail -8 "$OUT/tests.log"

@@ -4,12 +4,7 @@
 # Writes under $OUT (default ./out): precompile.log, tests.log, errors.jsonl, gdn_*.json/png, bench.log
 # Knobs: PRECOMPILE_ARGS (e.g. --no-tune), TESTS, PYTEST_ARGS, TEST_TIMEOUT, BENCH_ARGS, BENCH_TIMEOUT
 set -u
-OUT=${OUT:-out}; mkdir -p "$OUT"
-source .device/activate || exit 1
-# kvbuffer is not pip-installed there: make kvbuffer.tiles (and friends) resolve from the source tree
-for sub in tiles autotune cli; do [ -e kvbuffer/$sub ] || ln -s ../$sub kvbuffer/$sub; done
-export PYTHONUNBUFFERED=1
-nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,temperature.gpu --format=csv,noheader
+source benchmarks/device_setup.sh
 python3 benchmarks/precompile_gdn.py 15 ${PRECOMPILE_ARGS:-} 2>&1 | grep -v INFO | tee "$OUT/precompile.log" | tail -20
 KVB_ERROR_LOG="$OUT/errors.jsonl" timeout ${TEST_TIMEOUT:-200} python3 -m pytest ${TESTS:-tests/gpu/test_gdn_kernels.py} \
   -q -p no:cacheprovider ${PYTEST_ARGS:-} 2>&1 | grep -v INFO > "$OUT/tests.log"; tail -25 "$OUT/tests.log"

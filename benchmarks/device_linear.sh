@@ -3,12 +3,7 @@
 # GDN benchmark (short). Run on the GPU machine from the repo root: bash benchmarks/device_linear.sh
 # Writes under $OUT (default ./out): precompile.log, tests_*.log, errors.jsonl, mamba2_*.json/txt, gdn_*.json
 set -u
-OUT=${OUT:-out}; mkdir -p "$OUT"
-source .device/activate || exit 1
-[ -e kvbuffer/tiles ] || ln -s ../tiles kvbuffer/tiles   # kvbuffer is not pip-installed there
-[ -d .whl/mamba_ssm_src ] && export PYTHONPATH="$PWD/.whl/mamba_ssm_src:${PYTHONPATH:-}"  # the peer (source tree)
-export PYTHONUNBUFFERED=1
-nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,temperature.gpu --format=csv,noheader
+source benchmarks/device_setup.sh
 (cd benchmarks && timeout ${PRE_TIMEOUT:-150} python3 precompile_linear.py 15 2>&1 | grep -v INFO) > "$OUT/precompile.log"; tail -5 "$OUT/precompile.log"
 KVB_ERROR_LOG="$OUT/errors.jsonl" timeout ${M2_TEST_TIMEOUT:-150} python3 -m pytest tests/gpu/test_mamba2_kernels.py -q -p no:cacheprovider 2>&1 \
   | grep -v INFO > "$OUT/tests_mamba2.log"; tail -12 "$OUT/tests_mamba2.log"

@@ -4,11 +4,7 @@
 #   STAGE=bench bash benchmarks/device_mamba2_simt.sh   # bench_mamba2 --reduce: both variants in one run
 # Run from the repo root with carry [".device"]. Writes under $OUT: tests_m2simt.log, errors.jsonl, mamba2_*.
 set -u
-OUT=${OUT:-out}; mkdir -p "$OUT"
-source .device/activate || exit 1
-for sub in tiles autotune cli; do [ -e kvbuffer/$sub ] || ln -s ../$sub kvbuffer/$sub; done
-[ -d .whl/mamba_ssm_src ] && export PYTHONPATH="$PWD/.whl/mamba_ssm_src:${PYTHONPATH:-}"  # the peer, if carried
-export PYTHONUNBUFFERED=1
+source benchmarks/device_setup.sh
 case "${STAGE:-tests}" in
   tests)
     (cd benchmarks && timeout ${PRE_TIMEOUT:-150} python3 precompile_linear.py 15 mamba2 2>&1 | grep -v INFO | tail -3)

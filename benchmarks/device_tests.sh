@@ -6,12 +6,9 @@
 # ENGINE_FILTER, M2_FILTER (M2=0 skips them), EXTRA_TESTS (more test paths, run first, EXTRA_TIMEOUT);
 # PRE_WHAT=engine precompiles only the engine tests' kernels; E2E_PRECOMPILE=1 then fills the compile cache for benchmarks/device_e2e.sh.
 set -u
-OUT=${OUT:-out}; mkdir -p "$OUT"
-T0=$(date +%s); CALL_S=${CALL_S:-570}
-source .device/activate || exit 1
-for sub in tiles autotune cli; do [ -e kvbuffer/$sub ] || ln -s ../$sub kvbuffer/$sub; done
-export PYTHONUNBUFFERED=1 KVBUFFER_JIT=1 KVB_ERROR_LOG="$OUT/errors.jsonl"
-nvidia-smi --query-gpu=name,driver_version,clocks.sm,memory.used --format=csv,noheader
+source benchmarks/device_setup.sh
+CALL_S=${CALL_S:-570}
+export KVBUFFER_JIT=1 KVB_ERROR_LOG="$OUT/errors.jsonl"
 timeout ${PRE_TIMEOUT:-200} python3 benchmarks/precompile_ops.py 16 qwen3.5-9b 0 8 ${PRE_WHAT:-tests} 2>&1 | grep -v INFO \
   > "$OUT/precompile.log"; tail -3 "$OUT/precompile.log"
 pytest_box() {  # LOG SECONDS ARGS...: one time-boxed verbose pytest run, its summary printed

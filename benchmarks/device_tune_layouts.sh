@@ -5,12 +5,7 @@
 #   run on the GPU machine from the repo root, with carry [".device"]: bash benchmarks/device_tune_layouts.sh
 # Env: KERNELS_9B / KERNELS_NANO (--kernels lists), DRAFTS (4), TESTS (pytest args), TEST_TIMEOUT.
 set -u
-OUT=${OUT:-out}; mkdir -p "$OUT"
-T0=$(date +%s)
-source .device/activate || exit 1
-for sub in tiles autotune cli; do [ -e kvbuffer/$sub ] || ln -s ../$sub kvbuffer/$sub; done
-export PYTHONUNBUFFERED=1
-nvidia-smi --query-gpu=name,driver_version,clocks.sm,memory.used --format=csv,noheader
+source benchmarks/device_setup.sh
 tune() {  # MODEL KERNELS: measured tune into a scratch cache, the log under $OUT
   timeout ${TUNE_TIMEOUT:-200} python3 -m kvbuffer.cli.main tune --model "$1" --kernels "$2" --chunk-sizes 16 \
     --draft-tokens ${DRAFTS:-4} --batch-buckets 64,256 --max-configs ${MAX_CONFIGS:-2} --cache-dir /tmp/kvb_tune \
