@@ -240,6 +240,7 @@ def _family_templates(f: _Family) -> list[Template]:
     """Decode step and prefill chunks (flush fused at C), verify of T drafts, and the stand-alone
     flush, built per buffer layout (C + T + 1 entries); the recurrent step, built once."""
     src = source_digest()
+
     def buffered(T: int | None, fused: bool):
         def build(shape, chunk_size, *, target, drafts=0, **t):
             prim = f.buffered(**f.dims(shape), cap=capacity(chunk_size, drafts), T_new=T or drafts + 1,
