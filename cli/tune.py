@@ -176,12 +176,14 @@ def _tune_shape(cache, target, measuring, shape, tpls, chunks, buckets, drafts, 
     for note in cache.notes:
         click.echo(f"note: {note}")
     measured = sum(w["median_us"] is not None for w in tuning["winners"])
-    line = (f"tuning record {record} ({tuning['status']}: {measured} of {len(tuning['winners'])} winners measured; "
-            f"chunk sizes {tuning['chunk_sizes']}, drafts {tuning.get('draft_tokens', [0])})")
-    if shape["family"] != "conv1d":  # the conv's kernels serve every C
+    line = f"tuning record {record} ({tuning['status']}: {measured} of {len(tuning['winners'])} winners measured; "
+    if shape["family"] == "conv1d":  # the conv's kernels serve every C
+        line += f"drafts {tuning.get('draft_tokens', [0])})"
+    else:
         policy = ChunkPolicy.from_json(tuning["chunk_policy"])
-        line += f"; chunk size per batch bucket ({policy.status}): " + ", ".join(
-            f"B<={b}: C={c}" for b, c in zip(policy.buckets, policy.chunk_sizes))
+        line += (f"chunk sizes {tuning['chunk_sizes']}, drafts {tuning.get('draft_tokens', [0])}); chunk size per "
+                 f"batch bucket ({policy.status}): "
+                 + ", ".join(f"B<={b}: C={c}" for b, c in zip(policy.buckets, policy.chunk_sizes)))
     click.echo(line)
 
 
