@@ -36,3 +36,8 @@ class BufferOverflowError(KVBufferError, ValueError):
 
 class ArtifactError(KVBufferError, RuntimeError):
     """A compiled kernel artifact is missing, corrupt or built for another machine."""
+
+
+class CheckpointError(KVBufferError, ValueError):
+    """A checkpoint cannot be loaded as it is (bad config.json, unreadable or inconsistent weights);
+    the message names the file or tensor."""

@@ -13,45 +13,78 @@ from pathlib import Path
 
 import torch
 
+from ..errors import CheckpointError
 from . import REGISTRY, supported_model_types
 
 _PER_EXPERT = re.compile(r"^(.*\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
 
-
-class CheckpointError(ValueError):
-    """The checkpoint cannot be loaded as it is; the message names the file or tensor."""
+__all__ = ["CheckpointError", "build_model", "load_checkpoint", "load_weights", "read_config"]
 
 
 def read_config(path: str | Path) -> dict:
+    """config.json of a checkpoint directory (or the file itself) as a dict; CheckpointError names
+    the file when it is missing, not JSON, or not a JSON object."""
     path = Path(path)
     cfg_file = path / "config.json" if path.is_dir() else path
     if not cfg_file.is_file():
         raise CheckpointError(f"no config.json in {path}")
-    return json.loads(cfg_file.read_text())
+    try:
+        cfg = json.loads(cfg_file.read_text(encoding="utf-8"))
+    except UnicodeDecodeError as e:
+        raise CheckpointError(f"{cfg_file} is not UTF-8 text (byte {e.start})") from None
+    except json.JSONDecodeError as e:
+        raise CheckpointError(f"{cfg_file} is not valid JSON: {e.msg} at line {e.lineno} column {e.colno}") from None
+    if not isinstance(cfg, dict):
+        raise CheckpointError(f"{cfg_file} must hold a JSON object, got a {type(cfg).__name__}")
+    return cfg
 
 
 def build_model(hf_config: dict):
     """Construct the model (random weights) for a config.json dict."""
     model_type = hf_config.get("model_type")
-    if model_type not in REGISTRY:
+    if not isinstance(model_type, str) or model_type not in REGISTRY:
         raise CheckpointError(f"unsupported model_type {model_type!r}; kvbuffer supports {supported_model_types()}")
     config_cls, model_cls = REGISTRY[model_type]
     try:
-        cfg = config_cls.from_hf(hf_config)
+        return model_cls(config_cls.from_hf(hf_config))
+    except CheckpointError:
+        raise
     except KeyError as e:
         raise CheckpointError(f"config.json for {model_type} lacks {e.args[0]!r}") from None
-    return model_cls(cfg)
+    except (TypeError, ValueError, RuntimeError) as e:  # a field of the wrong type or value: "hidden_size": "160"
+        raise CheckpointError(f"config.json for {model_type} has a bad value: {e}") from None
 
 
 def _read_tensors(path: Path) -> dict[str, torch.Tensor]:
-    from safetensors.torch import load_file
-
+    """Every tensor of the directory's *.safetensors files, each name in exactly one file."""
     files = sorted(path.glob("*.safetensors"))
     if not files:
         raise CheckpointError(f"no *.safetensors files in {path}")
-    tensors = {}
+    tensors, origin = {}, {}
     for f in files:
-        tensors.update(load_file(str(f)))
+        for name, t in _read_file(f).items():
+            if name in origin:
+                raise CheckpointError(f"tensor {name} is in both {origin[name].name} and {f.name} (in {path})")
+            origin[name] = f
+            tensors[name] = t
+    return tensors
+
+
+def _read_file(f: Path) -> dict[str, torch.Tensor]:
+    """One safetensors file, with its tensors checked for NaN and infinity: corrupt bytes and
+    diverged training both show up there, and a non-finite weight poisons every token after it."""
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    if not f.is_file():
+        raise CheckpointError(f"{f} is not a regular file")
+    try:
+        tensors = load_file(str(f))
+    except (SafetensorError, OSError, ValueError, RuntimeError) as e:
+        raise CheckpointError(f"{f} is not a readable safetensors file: {e}") from None
+    for name, t in tensors.items():
+        if t.is_floating_point() and not bool(torch.isfinite(t).all()):
+            raise CheckpointError(f"tensor {name} in {f} has non-finite values (NaN or infinity)")
     return tensors
 
 
