@@ -21,6 +21,7 @@ from .request import Request
 from .runner import ModelRunner
 from .sampling import SamplingParams, sample_rows, sample_token
 from .drafters import MTPDrafter, NgramDrafter
+from .options import check_generate_args, check_llm_args
 from .speculative import SpeculativeConfig, accept_drafts
 
 log = logging.getLogger(__name__)
@@ -112,6 +113,7 @@ class LLM:
                  max_batch: int = 16, max_states: int | None = None, max_len: int = 2048,
                  max_prefill_tokens: int = 1024, tokenizer=None, speculative: dict | None = None,
                  memory_budget: int | None = None, kernels: bool | str = "auto", cuda_graphs: bool | str = "auto"):
+        check_llm_args(model, device=device, dtype=dtype, chunk_size=chunk_size, max_batch=max_batch, max_states=max_states, max_len=max_len, max_prefill_tokens=max_prefill_tokens, speculative=speculative, memory_budget=memory_budget, kernels=kernels, cuda_graphs=cuda_graphs)  # noqa: E501
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
         if chunk_size is not None and chunk_size < 1:
@@ -208,6 +210,7 @@ class LLM:
         Returns one GenerationOutput per prompt, in order. `on_token(index, token_id)` is called
         for every sampled token (streaming). Greedy when temperature == 0.
         """
+        check_generate_args(prompts, max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, stop_token_ids=stop_token_ids, return_logits=return_logits, on_token=on_token, vocab_size=self.vocab_size)  # noqa: E501
         prompt_ids = self._encode_all(prompts)
         stops = tuple(stop_token_ids) if stop_token_ids is not None else tuple(self.model.config.eos_token_ids)
         reqs = []

@@ -11,10 +11,12 @@ deterministically (q is a point mass), so acceptance is p(d) and the residual is
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
 
+from .options import is_int
 from .sampling import SamplingParams, filtered_probs
 
 METHODS = ("ngram", "mtp")
@@ -30,16 +32,29 @@ class SpeculativeConfig:
     def __post_init__(self):
         if self.method not in METHODS:
             raise ValueError(f"speculative method must be one of {METHODS}, got {self.method!r}")
+        for name in ("num_draft_tokens", "ngram_max", "ngram_min"):
+            value = getattr(self, name)
+            if not is_int(value):
+                raise TypeError(f"speculative {name} must be an int, got {type(value).__name__} {value!r}")
         if not 1 <= self.num_draft_tokens <= 16:
             raise ValueError(f"num_draft_tokens must be in [1, 16], got {self.num_draft_tokens}")
+        if not 1 <= self.ngram_min <= self.ngram_max:
+            raise ValueError(f"speculative ngram sizes need 1 <= ngram_min <= ngram_max, got "
+                             f"ngram_min={self.ngram_min}, ngram_max={self.ngram_max}")
 
     @classmethod
-    def from_dict(cls, d: dict | None) -> "SpeculativeConfig | None":
+    def from_dict(cls, d: Mapping | None) -> "SpeculativeConfig | None":
         if d is None:
             return None
+        if not isinstance(d, Mapping):
+            raise TypeError(f"speculative must be a dict such as {{'method': 'ngram', 'num_draft_tokens': 4}} "
+                            f"or None, got {type(d).__name__} {d!r}")
         unknown = set(d) - {"method", "num_draft_tokens", "ngram_max", "ngram_min"}
         if unknown:
-            raise ValueError(f"unknown speculative options {sorted(unknown)}")
+            raise ValueError(f"unknown speculative options {sorted(unknown, key=str)}")
+        missing = {"method", "num_draft_tokens"} - set(d)
+        if missing:
+            raise ValueError(f"speculative lacks {sorted(missing)}")
         return cls(**d)
 
 
