@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import sys
 import time
 from pathlib import Path
@@ -14,15 +15,16 @@ from .presets import resolve_model
 @click.command()
 @click.option("--model", "model", default=None, help="Checkpoint directory (config.json + *.safetensors). "
               "Default: the small demo model bundled with kvbuffer.")
-@click.option("--prompt", "prompts", multiple=True, help="A prompt (repeat for a batch).")
+@click.option("--prompt", "prompts", multiple=True, callback=lambda ctx, param, v: _non_empty(v),
+              help="A prompt (repeat for a batch).")
 @click.option("--prompts-file", type=click.Path(exists=True, dir_okay=False, path_type=Path),
               help="A file with one prompt per line.")
 @click.option("--max-new-tokens", default=128, show_default=True, type=click.IntRange(min=1))
 @click.option("--temperature", default=0.0, show_default=True, type=click.FloatRange(min=0.0),
-              help="0 = greedy.")
+              callback=lambda ctx, param, v: _finite(v), help="0 = greedy.")
 @click.option("--top-k", default=0, show_default=True, type=click.IntRange(min=0))
 @click.option("--top-p", default=1.0, show_default=True, type=click.FloatRange(0.0, 1.0, min_open=True))
-@click.option("--seed", default=None, type=int)
+@click.option("--seed", default=None, type=int, callback=lambda ctx, param, v: _checked(_check_seed, v))
 @click.option("--mode", type=click.Choice(["kvbuffer", "recurrent"]), default="kvbuffer", show_default=True)
 @click.option("--chunk-size", default=None, type=click.IntRange(min=1),
               help="Buffer entries folded into the state per flush (C) [default: the tuned policy, else 16].")
@@ -30,7 +32,8 @@ from .presets import resolve_model
               help="Speculative decoding: n-gram prompt lookup, or the checkpoint's MTP head.")
 @click.option("--draft-tokens", default=4, show_default=True, type=click.IntRange(1, 16),
               help="Draft tokens per step with --speculative.")
-@click.option("--device", default=None, help="cpu, cuda, cuda:1 ... (default: cuda when available).")
+@click.option("--device", default=None, callback=lambda ctx, param, v: _checked(_check_device, v),
+              help="cpu, cuda, cuda:1 ... (default: cuda when available).")
 @click.option("--dtype", type=click.Choice(["float32", "bfloat16", "float16"]), default=None)
 @click.option("--cuda-graphs/--no-cuda-graphs", default=True, show_default=True,
               help="Replay decode steps as CUDA graphs (on CUDA with the compiled kernels).")
@@ -42,9 +45,10 @@ def generate(model, prompts, prompts_file, max_new_tokens, temperature, top_k, t
     from kvbuffer import LLM
     from kvbuffer.runtime.kernel_ops import conv_on_reference
 
-    texts = list(prompts)
-    if prompts_file:
-        texts += [line for line in prompts_file.read_text().splitlines() if line.strip()]
+    if speculative is None and click.get_current_context().get_parameter_source("draft_tokens") is \
+            click.core.ParameterSource.COMMANDLINE:
+        raise click.UsageError("--draft-tokens needs --speculative ngram or --speculative mtp")
+    texts = list(prompts) + (_read_prompts(prompts_file) if prompts_file else [])
     if not texts:
         texts = ["The "]
     path = resolve_model(model)
@@ -88,6 +92,53 @@ def generate(model, prompts, prompts_file, max_new_tokens, temperature, top_k, t
     elif llm.kernels and conv_on_reference():
         click.echo("note: the short conv ran on the reference ops (no compiled conv kernel); build it with "
                    f"`{_tune_command(llm, path, speculative and draft_tokens)}`", err=True)
+
+
+def _non_empty(prompts: tuple[str, ...]) -> tuple[str, ...]:
+    if any(p == "" for p in prompts):
+        raise click.BadParameter("a prompt must not be empty", param_hint="--prompt")
+    return prompts
+
+
+def _finite(value: float) -> float:
+    if not math.isfinite(value):  # FloatRange lets NaN and infinity through
+        raise click.BadParameter(f"must be a finite number, got {value}")
+    return value
+
+
+def _check_seed(seed):
+    from kvbuffer.engine.options import SEED_LIMIT, check_int
+
+    check_int("seed", seed, 0, SEED_LIMIT - 1, optional=True)
+
+
+def _check_device(device):
+    from kvbuffer.engine.options import check_device
+
+    check_device(device)
+
+
+def _checked(check, value):
+    """The engine's own check of an option's value, reported as a usage error (exit 2)."""
+    try:
+        check(value)
+    except (TypeError, ValueError) as e:
+        raise click.BadParameter(str(e)) from None
+    return value
+
+
+def _read_prompts(path: Path) -> list[str]:
+    """The file's non-blank lines; a binary or empty file is a mistake, not a prompt."""
+    try:
+        text = path.read_bytes().decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise click.BadParameter(f"{path} is not UTF-8 text (byte {e.start})", param_hint="--prompts-file") from None
+    if "\x00" in text:
+        raise click.BadParameter(f"{path} is a binary file (it holds NUL bytes)", param_hint="--prompts-file")
+    lines = [line for line in text.splitlines() if line.strip()]
+    if not lines:
+        raise click.BadParameter(f"{path} has no prompts (every line is blank)", param_hint="--prompts-file")
+    return lines
 
 
 def _tune_command(llm, path, drafts) -> str:

@@ -1,12 +1,14 @@
 """The `kvbuffer` command line.
 
 Subcommands are thin: they parse options and call library functions, so everything the CLI does
-is also available from Python.
+is also available from Python. Errors reach the user as one line `Error: ...` (exit 1; click's
+usage errors exit 2); `--debug` or KVBUFFER_DEBUG=1 shows the traceback instead.
 """
 
 from __future__ import annotations
 
 import importlib.metadata
+import os
 import platform
 import shutil
 
@@ -20,9 +22,36 @@ def _version(dist: str) -> str:
         return "not installed"
 
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+class _OneLineErrors(click.Group):
+    """A group whose subcommands' exceptions become one `Error: ...` line: a user who mistyped a
+    path needs the message, not forty lines of stack (which `--debug` still shows)."""
+
+    def invoke(self, ctx: click.Context):
+        try:
+            return super().invoke(ctx)
+        except (click.ClickException, click.exceptions.Exit, click.Abort):
+            raise
+        except Exception as e:
+            if ctx.params.get("debug") or os.environ.get("KVBUFFER_DEBUG", "") not in ("", "0"):
+                raise
+            raise click.ClickException(_one_line(e)) from None
+
+
+def _one_line(e: Exception) -> str:
+    """The error's message; errors kvbuffer does not raise on purpose also name their type and
+    point at --debug, since they are likely bugs worth a report."""
+    from kvbuffer.errors import KVBufferError
+
+    text = " ".join(str(e).split()) or type(e).__name__
+    if isinstance(e, (KVBufferError, ValueError, TypeError, OSError)):
+        return text
+    return f"{type(e).__name__}: {text} (run with --debug for the traceback)"
+
+
+@click.group(cls=_OneLineErrors, context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(_version("kvbuffer"), prog_name="kvbuffer")
-def main():
+@click.option("--debug", is_flag=True, help="Show the full traceback of an error (also: KVBUFFER_DEBUG=1).")
+def main(debug):
     """kvbuffer: buffered decoding for linear-attention LLMs (Gated DeltaNet, Mamba-2)."""
 
 

@@ -2,16 +2,28 @@
 
 from __future__ import annotations
 
+import math
+
 import click
 
 
 def _bytes(text: str) -> int:
+    """'80GiB', '141GB', '512MiB' or a bare number of GiB -> bytes, finite and positive."""
     units = {"gib": 2**30, "gb": 10**9, "mib": 2**20, "mb": 10**6}
     t = text.strip().lower()
-    for unit, factor in units.items():
+    number, factor = t, 2**30  # a bare number is GiB
+    for unit, f in units.items():
         if t.endswith(unit):
-            return int(float(t[: -len(unit)]) * factor)
-    return int(float(t) * 2**30)  # a bare number is GiB
+            number, factor = t[: -len(unit)], f
+            break
+    try:
+        value = float(number) * factor
+    except ValueError:
+        raise click.BadParameter(f"{text!r} is not a size such as 80GiB, 141GB or 512MiB",
+                                 param_hint="--gpu-memory") from None
+    if not math.isfinite(value) or value <= 0:
+        raise click.BadParameter(f"{text!r} must be a positive, finite size", param_hint="--gpu-memory")
+    return int(value)
 
 
 @click.command("plan")

@@ -109,6 +109,10 @@ def plan(geo: ModelGeometry, *, gpu_memory: int, context: int, draft_tokens: int
         parts = spec.nbytes(dtype)
         per = sum(parts.values())
         out[scheme] = Plan(scheme, per, parts, free, free // per)
+    if not any(p.max_requests for p in out.values()):
+        fewest = min(p.bytes_per_request for p in out.values())
+        raise ValueError(f"{geo.name}: not one request of context {context} fits: it needs "
+                         f"{fewest / 2**30:.1f} GiB, {free / 2**30:.1f} GiB are free after the weights")
     return out
 
 
@@ -122,6 +126,6 @@ def format_plan(geo: ModelGeometry, plans: dict[str, Plan], *, context: int, dra
     for n in names:
         lines.append(f"  {n:<20}{mib(kb.breakdown.get(n, 0))} {mib(rc.breakdown.get(n, 0))}")
     lines.append(f"  {'total':<20}{mib(kb.bytes_per_request)} {mib(rc.bytes_per_request)}")
-    ratio = kb.max_requests / rc.max_requests if rc.max_requests else float("inf")
-    lines.append(f"max concurrent requests: kvbuffer {kb.max_requests}, recurrent {rc.max_requests} ({ratio:.2f}x)")
+    ratio = f"{kb.max_requests / rc.max_requests:.2f}x" if rc.max_requests else "recurrent fits none"
+    lines.append(f"max concurrent requests: kvbuffer {kb.max_requests}, recurrent {rc.max_requests} ({ratio})")
     return "\n".join(lines)
