@@ -12,6 +12,23 @@ import click
 from .presets import resolve_model
 
 
+def _engine_check(name: str):
+    """A click callback that runs the engine's own check `name` from kvbuffer.engine.options on an
+    option's value and reports a failure as a usage error (exit 2). The import waits for the call
+    so that `kvbuffer --help` does not load torch."""
+
+    def callback(ctx, param, value):
+        from kvbuffer.engine import options
+
+        try:
+            getattr(options, name)(value)
+        except (TypeError, ValueError) as e:
+            raise click.BadParameter(str(e)) from None
+        return value
+
+    return callback
+
+
 @click.command()
 @click.option("--model", "model", default=None, help="Checkpoint directory (config.json + *.safetensors). "
               "Default: the small demo model bundled with kvbuffer.")
@@ -24,7 +41,7 @@ from .presets import resolve_model
               callback=lambda ctx, param, v: _finite(v), help="0 = greedy.")
 @click.option("--top-k", default=0, show_default=True, type=click.IntRange(min=0))
 @click.option("--top-p", default=1.0, show_default=True, type=click.FloatRange(0.0, 1.0, min_open=True))
-@click.option("--seed", default=None, type=int, callback=lambda ctx, param, v: _checked(_check_seed, v))
+@click.option("--seed", default=None, type=int, callback=_engine_check("check_seed"))
 @click.option("--mode", type=click.Choice(["kvbuffer", "recurrent"]), default="kvbuffer", show_default=True)
 @click.option("--chunk-size", default=None, type=click.IntRange(min=1),
               help="Buffer entries folded into the state per flush (C) [default: the tuned policy, else 16].")
@@ -32,7 +49,7 @@ from .presets import resolve_model
               help="Speculative decoding: n-gram prompt lookup, or the checkpoint's MTP head.")
 @click.option("--draft-tokens", default=4, show_default=True, type=click.IntRange(1, 16),
               help="Draft tokens per step with --speculative.")
-@click.option("--device", default=None, callback=lambda ctx, param, v: _checked(_check_device, v),
+@click.option("--device", default=None, callback=_engine_check("check_device"),
               help="cpu, cuda, cuda:1 ... (default: cuda when available).")
 @click.option("--dtype", type=click.Choice(["float32", "bfloat16", "float16"]), default=None)
 @click.option("--cuda-graphs/--no-cuda-graphs", default=True, show_default=True,
@@ -103,27 +120,6 @@ def _non_empty(prompts: tuple[str, ...]) -> tuple[str, ...]:
 def _finite(value: float) -> float:
     if not math.isfinite(value):  # FloatRange lets NaN and infinity through
         raise click.BadParameter(f"must be a finite number, got {value}")
-    return value
-
-
-def _check_seed(seed):
-    from kvbuffer.engine.options import SEED_LIMIT, check_int
-
-    check_int("seed", seed, 0, SEED_LIMIT - 1, optional=True)
-
-
-def _check_device(device):
-    from kvbuffer.engine.options import check_device
-
-    check_device(device)
-
-
-def _checked(check, value):
-    """The engine's own check of an option's value, reported as a usage error (exit 2)."""
-    try:
-        check(value)
-    except (TypeError, ValueError) as e:
-        raise click.BadParameter(str(e)) from None
     return value
 
 

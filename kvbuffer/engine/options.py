@@ -53,6 +53,13 @@ def _check_switch(name: str, value) -> None:
         raise ValueError(f"{name} must be True, False or 'auto', got {_describe(value)}")
 
 
+def check_seed(seed) -> None:
+    """None, or a Python int that torch.Generator.manual_seed takes (it refuses numpy ints)."""
+    if seed is not None and not isinstance(seed, int):
+        raise TypeError(f"seed must be a Python int or None, got {_describe(seed)}")
+    check_int("seed", seed, 0, SEED_LIMIT - 1, optional=True)
+
+
 def check_device(device) -> None:
     """None, or a CPU or CUDA device that exists on this machine."""
     if device is None:
@@ -112,9 +119,7 @@ def check_generate_args(prompts, *, max_new_tokens, temperature, top_k, top_p, s
     check_finite("temperature", temperature)
     check_int("top_k", top_k, 0)
     check_finite("top_p", top_p)
-    if seed is not None and not isinstance(seed, int):  # torch.Generator.manual_seed takes Python ints only
-        raise TypeError(f"seed must be a Python int or None, got {_describe(seed)}")
-    check_int("seed", seed, 0, SEED_LIMIT - 1, optional=True)
+    check_seed(seed)
     if stop_token_ids is not None:
         if isinstance(stop_token_ids, (str, bytes)) or not isinstance(stop_token_ids, Collection):
             raise TypeError(f"stop_token_ids must be a list of token ids or None, got {_describe(stop_token_ids)}")
