@@ -54,7 +54,7 @@ def env():
 def _artifact_rows() -> list[tuple[str, str]]:
     """The cache dir, and which of its artifacts and tuning records this machine's GPU can use."""
     from kvbuffer.artifacts import ArtifactStore, cache_dir
-    from kvbuffer.autotune.gpus import detect_local_gpu
+    from kvbuffer.gpus import detect_local_gpu
     from kvbuffer.errors import ArtifactError
 
     rows = [("cache dir", str(cache_dir()))]

@@ -94,9 +94,9 @@ def test_top_k_and_top_p_filtering():
 def test_engine_follows_the_tuned_chunk_policy(ckpt, tmp_path, monkeypatch):
     """chunk_size=None: the tuned policy for this GPU, head shape and batch; the default without one."""
     from kvbuffer.artifacts import runtime_versions
-    from kvbuffer.autotune import gpus
+    from kvbuffer import gpus
     from kvbuffer.autotune.cache import ArtifactCache
-    from kvbuffer.autotune.policy import ChunkPolicy, tuning_name
+    from kvbuffer.tuning import ChunkPolicy, tuning_name
     from kvbuffer.engine.llm import DEFAULT_CHUNK_SIZE
 
     monkeypatch.setenv("KVBUFFER_CACHE_DIR", str(tmp_path))

@@ -147,7 +147,7 @@ def test_torch_compile_on_cpu():
 
 
 def test_missing_artifact_without_jit_names_the_tune_command(monkeypatch, tmp_path):
-    from kvbuffer.autotune import gpus
+    from kvbuffer import gpus
 
     monkeypatch.setenv("KVBUFFER_CACHE_DIR", str(tmp_path))
     monkeypatch.delenv("KVBUFFER_JIT", raising=False)

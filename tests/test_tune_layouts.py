@@ -132,7 +132,7 @@ def test_speculative_and_conv_artifacts_load_through_the_ops(tmp_path, monkeypat
         pytest.skip("this test builds for a GPU that is not present")
     from click.testing import CliRunner
 
-    from kvbuffer.autotune import gpus
+    from kvbuffer import gpus
     from kvbuffer.cli.main import main
 
     args = ["tune", "--gpu", "h100", "--heads", "2,4,32,32", "--kernels", "gdn_verify,conv1d_accept",
@@ -165,7 +165,8 @@ def test_speculative_and_conv_artifacts_load_through_the_ops(tmp_path, monkeypat
 
 
 def _record(winners, policy="untuned", buckets=(1, 64), chunks=(16,), drafts=(0,)):
-    from kvbuffer.autotune.policy import ChunkPolicy, Winner
+    from kvbuffer.autotune.policy import Winner
+    from kvbuffer.tuning import ChunkPolicy
 
     p = ChunkPolicy(tuple(buckets), (chunks[0],) * len(buckets), policy)
     rows = [Winner(k, b, c, f"{k}-c{c}-d{d}-{'m' if us else 'u'}", {}, us, d).to_json()
@@ -175,7 +176,7 @@ def _record(winners, policy="untuned", buckets=(1, 64), chunks=(16,), drafts=(0,
 
 
 def test_select_picks_the_layout_and_names_the_missing_one():
-    from kvbuffer.autotune.policy import select
+    from kvbuffer.tuning import select
 
     record = _record([("gdn_buffered_step", 16, 0, None), ("gdn_buffered_step", 16, 4, None),
                       ("gdn_verify", 16, 4, None)], drafts=(4,))

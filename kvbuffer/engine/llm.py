@@ -69,9 +69,9 @@ def tuned_chunk_size(shape, dtype, batch: int) -> tuple[int, str]:
     if shape is None:
         return DEFAULT_CHUNK_SIZE, "default: no linear-attention layers"
     from ..artifacts import ArtifactStore
-    from ..autotune.gpus import detect_local_gpu
-    from ..autotune.policy import ChunkPolicy
     from ..errors import ArtifactError
+    from ..gpus import detect_local_gpu
+    from ..tuning import ChunkPolicy
 
     gpu = detect_local_gpu()
     if gpu is None:

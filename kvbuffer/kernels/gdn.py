@@ -16,6 +16,7 @@ import torch
 
 from ..checks import check_capacity, check_slots, check_tensor, check_unique
 from ..errors import ShapeError, SlotError
+from ..gpus import local_target
 
 ACT_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
@@ -37,11 +38,12 @@ def _tiles():
 
 
 def _build(kind: str, template: str, params: dict, module: str = "gdn", aliases: dict | None = None) -> CompiledOp:
-    """Compile kvbuffer.tiles.<module>.<template>(**params); `aliases` adds the generic dimension names."""
-    tiles = _tiles()
+    """Compile kvbuffer.tiles.<module>.<template>(**params) for the local GPU's arch; `aliases` adds
+    the generic dimension names."""
+    target = local_target()  # before TileLang loads: an unsupported GPU fails fast with DeviceError
     mod = importlib.import_module(f"kvbuffer.tiles.{module}")
     prim = getattr(mod, template)(**params)
-    return CompiledOp(tiles.compile_template(prim), kind, dict(params, **(aliases or {})))
+    return CompiledOp(_tiles().compile_template(prim, target), kind, dict(params, **(aliases or {})))
 
 
 def build_gdn_recurrent(Hk: int, Hv: int, K: int = 128, V: int = 128, **tunables) -> CompiledOp:
