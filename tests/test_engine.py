@@ -120,7 +120,7 @@ def test_equal_length_prompts_prefill_in_one_forward(ckpt):
     calls, forward = [], llm.runner._forward
 
     def counting(ids, batch, **kw):
-        calls.append((batch.kind, tuple(ids.shape)))
+        calls.append((batch.phase, tuple(ids.shape)))
         return forward(ids, batch, **kw)
 
     llm.runner._forward = counting
@@ -132,7 +132,7 @@ def test_equal_length_prompts_prefill_in_one_forward(ckpt):
 
 
 def test_prefill_plan_stops_at_every_flush_point():
-    from kvbuffer.runtime.mixing import prefill_plan
+    from kvbuffer.kernels.keys import prefill_plan
 
     assert prefill_plan(0, 21, 16, kernels=True) == [8, 8, 4, 1]  # chunk sizes the kernels are built for
     assert prefill_plan(3, 40, 16, kernels=False) == [13, 16, 11]
