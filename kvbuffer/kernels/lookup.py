@@ -53,10 +53,17 @@ def loaded_keys() -> list[KernelKey]:
     return list(dict.fromkeys(key for key, _ in _KERNELS))
 
 
-def clear_kernels() -> None:
-    """Forget the looked-up kernels (e.g. after rebuilding the artifact cache)."""
-    _KERNELS.clear()
-    _LOADED.clear()
+def clear_kernels(family: str | None = None) -> None:
+    """Forget the looked-up kernels, all or one family's (e.g. after rebuilding the artifact cache)."""
+    if family is None:
+        _KERNELS.clear()
+        _LOADED.clear()
+        return
+    dropped = {id(op) for (key, _), op in _KERNELS.items() if key.family == family}
+    for entry in [e for e in _KERNELS if e[0].family == family]:
+        del _KERNELS[entry]
+    for name in [n for n, op in _LOADED.items() if id(op) in dropped or (isinstance(n, tuple) and n[1].family == family)]:
+        del _LOADED[name]
 
 
 def _load(key: KernelKey, batch: int) -> CompiledOp:
