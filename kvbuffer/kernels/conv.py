@@ -13,8 +13,7 @@ import torch
 from ..checks import check_slots, check_tensor, check_unique
 from ..errors import ShapeError
 from .compiled import ACT_DTYPES, CompiledOp, build_template, check_contiguous, expect_kind
-
-UPDATE_KINDS = {"advance": "conv_advance", "verify": "conv_verify"}
+from .keys import CONV_UPDATE_KINDS, check_conv_mode
 
 
 def build_conv1d_update(D: int, W: int, span: int, T: int = 1, mode: str = "advance", *, dtype: str = "bfloat16",
@@ -24,11 +23,10 @@ def build_conv1d_update(D: int, W: int, span: int, T: int = 1, mode: str = "adva
 
     T = 0 (mode "advance" only): one kernel for any number of tokens (prompts).
     """
-    if mode not in UPDATE_KINDS:
-        raise ValueError(f"mode must be one of {tuple(UPDATE_KINDS)}, got {mode!r}")
+    check_conv_mode(mode)
     params = dict(D=D, W=W, span=span, T_len=T, mode=mode, dtype=dtype, w_dtype=w_dtype or dtype,
                   has_bias=has_bias, silu=silu, threads=threads)
-    return build_template(UPDATE_KINDS[mode], "conv1d_update", params, module="conv1d", aliases={"T": T})
+    return build_template(CONV_UPDATE_KINDS[mode], "conv1d_update", params, module="conv1d", aliases={"T": T})
 
 
 def build_conv1d_accept(D: int, W: int, span: int, *, dtype: str = "bfloat16", threads: int = 128) -> CompiledOp:
@@ -53,7 +51,7 @@ def conv1d_update(op: CompiledOp, x, conv_state, slots, weight, bias=None, out=N
     Slot -1 = padding row: output 0, nothing written. checked=False skips the checks that read the
     device back (slot range, duplicates): for engine-built slots and CUDA-graph capture.
     """
-    if not isinstance(op, CompiledOp) or op.kind not in UPDATE_KINDS.values():
+    if not isinstance(op, CompiledOp) or op.kind not in CONV_UPDATE_KINDS.values():
         expect_kind(op, "conv_advance")
     p = op.params
     dev = x.device if isinstance(x, torch.Tensor) else None
