@@ -280,9 +280,10 @@ def _family_templates(f: _Family) -> list[Template]:
 
 def gdn_templates() -> list[Template]:
     g = _gdn()
-    return _family_templates(_Family("gdn", g, g.gdn_buffered, g.gdn_flush, _gdn_dims, _gdn_tokens, 2,
-                                     lambda a: (*a[:5], a[5], a[6]), 7, g.get_buffered_configs, ("BV", "threads"),
-                                     g.gdn_recurrent, _gdn_recurrent_inputs, _gdn_recurrent_reference))
+    return _family_templates(_Family(
+        "gdn", g, g.gdn_buffered, g.gdn_flush, _gdn_dims, _gdn_tokens, offset=2, front=lambda a: a[:7], first_pool=7,
+        configs=g.get_buffered_configs, tunables=("BV", "threads"), recurrent=g.gdn_recurrent,
+        recurrent_inputs=_gdn_recurrent_inputs, recurrent_reference=_gdn_recurrent_reference))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -330,9 +331,11 @@ def _m2_recurrent_reference(shape, chunk_size, args):
 
 def mamba2_templates() -> list[Template]:
     m = importlib.import_module(MAMBA2_TILES)
-    return _family_templates(_Family("mamba2", m, m.mamba2_buffered, m.mamba2_flush, _m2_dims, _m2_tokens, 0,
-                                     lambda a: a[:7], 8, m.get_buffered_configs, ("variant", "BV", "threads", "blocks"),
-                                     m.mamba2_recurrent, _m2_recurrent_inputs, _m2_recurrent_reference))
+    return _family_templates(_Family(
+        "mamba2", m, m.mamba2_buffered, m.mamba2_flush, _m2_dims, _m2_tokens, offset=0, front=lambda a: a[:7],
+        first_pool=8, configs=m.get_buffered_configs, tunables=("variant", "BV", "threads", "blocks"),
+        recurrent=m.mamba2_recurrent, recurrent_inputs=_m2_recurrent_inputs,
+        recurrent_reference=_m2_recurrent_reference))
 
 
 def templates(family: str | None = None) -> list[Template]:

@@ -335,18 +335,18 @@ class ArtifactStore:
         return self.root / "tunings" / f"{name}.json"
 
     # -- verification
-    def _check_files(self, kind: str, name: str, hint: str) -> dict:
+    def _check_files(self, section: str, name: str, hint: str) -> dict:
         """The manifest entry of `name`, after checking that each of its files is there and intact."""
-        entry = self.manifest()[kind].get(name)
+        entry = self.manifest()[section].get(name)
         if entry is None:
-            raise ArtifactError(f"no {kind[:-1]} {name!r} in {self.root / MANIFEST}; {hint}")
+            raise ArtifactError(f"no {section[:-1]} {name!r} in {self.root / MANIFEST}; {hint}")
         for rel, digest in entry["files"].items():
             path = self.root / rel
             if not path.is_file():
-                raise ArtifactError(f"{kind[:-1]} {name}: {path} is missing; {hint}")
+                raise ArtifactError(f"{section[:-1]} {name}: {path} is missing; {hint}")
             actual = sha256_file(path)
             if actual != digest:
-                raise ArtifactError(f"{kind[:-1]} {name}: checksum mismatch for {path} (manifest "
+                raise ArtifactError(f"{section[:-1]} {name}: checksum mismatch for {path} (manifest "
                                     f"{digest[:12]}, file {actual[:12]}): truncated or altered; {hint}")
         return entry
 
