@@ -12,18 +12,8 @@ import torch
 
 from ..checks import check_capacity, check_tensor
 from ..errors import ShapeError, SlotError
-from .compiled import (
-    ACT_DTYPES,
-    CompiledOp,
-    build_template,
-    check_buffer,
-    check_contiguous,
-    check_fill_rules,
-    check_state,
-    expect_kind,
-    out_tensor,
-    prefill_chunks,
-)
+from .compiled import (ACT_DTYPES, CompiledOp, build_template, check_buffer, check_contiguous, check_fill_rules,
+                       check_state, expect_kind, out_tensor, prefill_chunks)
 
 
 def build_gdn_recurrent(Hk: int, Hv: int, K: int = 128, V: int = 128, **tunables) -> CompiledOp:
