@@ -16,7 +16,7 @@ from typing import Union
 
 import torch
 
-from ..tuning import make_conv_shape, make_shape
+from ..tuning import make_conv_shape
 
 PREFILL_CHUNKS = (8, 4, 2)  # multi-token prompt chunks (flush fused at C); a prompt's rest goes 1 token at a time
 LINEAR_OPS = ("recurrent", "buffered", "flush")
@@ -125,7 +125,7 @@ class KernelKey:
         """The tuning record shapes that can hold this kernel: the conv accept reads no weights, so
         it is found in a record of any weight dtype and bias."""
         if self.family != "conv1d":
-            return [make_shape(self.family, **self.dims.record_fields(), dtype=self.dtype)]
+            return [{"family": self.family, **self.dims.record_fields(), "dtype": self.dtype}]  # make_shape's form
         D, W = self.dims.D, self.dims.W
         if self.op != "accept":
             return [make_conv_shape(D, W, self.in_dtype, self.w_dtype, self.has_bias)]
