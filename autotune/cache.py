@@ -194,11 +194,11 @@ class ArtifactCache(ArtifactStore):
                 return self._reset()
             gone = [("artifacts", n) for n, e in manifest["artifacts"].items() if gpu in (None, e.get("gpu"))]
             gone += [("tunings", n) for n, e in manifest["tunings"].items() if gpu in (None, e.get("gpu"))]
-            for kind, name in gone:
-                del manifest[kind][name]
+            for section, name in gone:
+                del manifest[section][name]
             _write_json(self.root / MANIFEST, manifest)
-            for kind, name in gone:
-                path = self.artifact_dir(name) if kind == "artifacts" else self.tuning_path(name)
+            for section, name in gone:
+                path = self.artifact_dir(name) if section == "artifacts" else self.tuning_path(name)
                 if path.is_dir():
                     shutil.rmtree(path, ignore_errors=True)
                 elif path.exists():

@@ -13,6 +13,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from kvbuffer.tuning import make_conv_shape, make_shape
+
 DEFAULT_DTYPE = "bfloat16"
 
 # From the models' HF configuration files (see /work/shared/NOTES.md's table).
@@ -25,19 +27,6 @@ PRESETS: dict[str, dict] = {
     "nemotron-3-nano": {"family": "mamba2", "Hk": 8, "Hv": 64, "K": 128, "V": 64},
     "nemotron-3-super": {"family": "mamba2", "Hk": 8, "Hv": 128, "K": 128, "V": 64},
 }
-
-_DTYPES = {"bfloat16", "float16", "float32"}
-
-
-def make_shape(family: str, Hk: int, Hv: int, K: int, V: int, dtype: str = DEFAULT_DTYPE) -> dict:
-    if family not in ("gdn", "mamba2"):
-        raise ValueError(f"family must be 'gdn' or 'mamba2', got {family!r}")
-    if min(Hk, Hv, K, V) < 1 or Hv % Hk:
-        raise ValueError(f"need positive Hk, Hv, K, V with Hv a multiple of Hk, got {Hk},{Hv},{K},{V}")
-    if dtype not in _DTYPES:
-        raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {dtype!r}")
-    return {"family": family, "Hk": int(Hk), "Hv": int(Hv), "K": int(K), "V": int(V), "dtype": dtype}
-
 
 def preset_shape(name: str, dtype: str = DEFAULT_DTYPE) -> dict:
     if name.lower() not in PRESETS:
@@ -73,11 +62,6 @@ def checkpoint_shape(path: str | Path, dtype: str | None = None) -> dict:
 
 CONV_WIDTH = 4                                   # both families' published checkpoints
 CONV_BIAS = {"gdn": False, "mamba2": True}       # Qwen3.5's conv has no bias; Nemotron-H's has one
-
-
-def make_conv_shape(D: int, W: int, dtype: str, w_dtype: str, bias: bool) -> dict:
-    """The artifact cache's key for the short conv's kernels (kvbuffer.autotune.conv_templates)."""
-    return {"family": "conv1d", "D": int(D), "W": int(W), "dtype": dtype, "w_dtype": w_dtype, "bias": bool(bias)}
 
 
 def conv_shape(shape: dict, width: int | None = None, bias: bool | None = None) -> dict:

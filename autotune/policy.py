@@ -1,5 +1,6 @@
-"""Chunk-size policy and tuning records: the runtime asks "which C for batch B, which kernel for it?".
+"""Tuning records, write side: the winners a `kvbuffer tune` run publishes and how runs merge.
 
+The read side (ChunkPolicy, tuning names, `select`) is kvbuffer.tuning, which the runtime imports.
 A tuning record (one JSON file per GPU, head shape and kvbuffer/TileLang versions) lists, for each
 (kernel, batch bucket, chunk size, buffer layout's drafts), the artifact that won (or the default
 one, when untuned) and a chunk-size policy per batch bucket. Each `kvbuffer tune` run merges its
@@ -11,75 +12,15 @@ fused flush). Its median time is then the cost per decoded token of chunk size C
 included, and the policy keeps the fastest C for each bucket. Without measurements (a build for
 an absent GPU) the policy is the middle of the requested chunk sizes, marked untuned.
 
-This module imports neither TileLang nor torch: the runtime reads it.
+This module imports neither TileLang nor torch.
 """
 
 from __future__ import annotations
 
-import bisect
 from dataclasses import dataclass
 from typing import Mapping
 
-from kvbuffer.artifacts import safe_name, slug, sha256_json
-
-TUNING_FORMAT = 1
 POLICY_KERNELS = ("gdn_buffered_step", "mamba2_buffered_step")  # steady-state time per token decides C
-
-
-@dataclass(frozen=True)
-class ChunkPolicy:
-    """Batch buckets (ascending upper bounds) -> chunk size; batches above the last use the last."""
-
-    buckets: tuple[int, ...]
-    chunk_sizes: tuple[int, ...]
-    status: str = "untuned"
-
-    def __post_init__(self):
-        if not self.buckets or len(self.buckets) != len(self.chunk_sizes):
-            raise ValueError(f"need one chunk size per bucket, got {self.buckets} / {self.chunk_sizes}")
-        if list(self.buckets) != sorted(set(self.buckets)) or self.buckets[0] < 1:
-            raise ValueError(f"buckets must be ascending positive batch sizes, got {self.buckets}")
-
-    def bucket_for(self, batch: int) -> int:
-        """The smallest bucket that holds `batch` (the largest one beyond it)."""
-        if batch < 1:
-            raise ValueError(f"batch must be >= 1, got {batch}")
-        i = bisect.bisect_left(self.buckets, batch)
-        return self.buckets[min(i, len(self.buckets) - 1)]
-
-    def chunk_for(self, batch: int) -> int:
-        return self.chunk_sizes[self.buckets.index(self.bucket_for(batch))]
-
-    @classmethod
-    def from_timings(cls, timings: Mapping[tuple[int, int], float]) -> "ChunkPolicy":
-        """{(bucket, C): per-token seconds} -> the fastest C per bucket (ties: the smaller C)."""
-        buckets = sorted({b for b, _ in timings})
-        best = [min((t, c) for (b, c), t in timings.items() if b == bucket)[1] for bucket in buckets]
-        return cls(tuple(buckets), tuple(best), "tuned")
-
-    @classmethod
-    def default(cls, buckets, chunk_sizes) -> "ChunkPolicy":
-        cs = sorted(chunk_sizes)
-        return cls(tuple(sorted(buckets)), (cs[(len(cs) - 1) // 2],) * len(buckets), "untuned")
-
-    def to_json(self) -> dict:
-        return {"status": self.status, "buckets": {str(b): c for b, c in zip(self.buckets, self.chunk_sizes)}}
-
-    @classmethod
-    def from_json(cls, d: Mapping) -> "ChunkPolicy":
-        items = sorted((int(b), int(c)) for b, c in d["buckets"].items())
-        return cls(tuple(b for b, _ in items), tuple(c for _, c in items), d["status"])
-
-
-def tuning_key(gpu: str, arch: str, shape: Mapping, versions: Mapping) -> dict:
-    """What a tuning record is looked up by at run time (nvcc is not needed there, so not in it)."""
-    return {"format": TUNING_FORMAT, "gpu": gpu, "arch": arch, "shape": dict(shape),
-            "versions": {k: versions.get(k) for k in ("kvbuffer", "tilelang")}}
-
-
-def tuning_name(gpu: str, arch: str, shape: Mapping, versions: Mapping) -> str:
-    key = tuning_key(gpu, arch, shape, versions)
-    return safe_name(f"{gpu}_{arch}_{slug(shape)}") + "-" + sha256_json(key)[:16]
 
 
 @dataclass(frozen=True)
@@ -99,28 +40,6 @@ class Winner:
         return {"kernel": self.kernel, "batch_bucket": self.batch_bucket, "chunk_size": self.chunk_size,
                 "drafts": self.drafts, "artifact": self.artifact, "tunables": dict(self.tunables),
                 "median_us": self.median_us}
-
-
-def select(record: Mapping, kernel: str, batch: int, chunk_size: int | None = None,
-           drafts: int = 0) -> tuple[str, int]:
-    """(artifact name, chunk size) for `kernel` at `batch` from a tuning record (JSON as stored).
-
-    chunk_size None takes the policy's choice for the batch; kernels without a chunk size
-    (the recurrent step) are stored with chunk_size 0 and match any. drafts picks the buffer layout
-    (0: plain decoding); kernels that do not depend on it (the recurrent step) are stored and
-    looked up with drafts 0.
-    """
-    policy = ChunkPolicy.from_json(record["chunk_policy"])
-    bucket = policy.bucket_for(batch)
-    c = policy.chunk_for(batch) if chunk_size is None else chunk_size
-    for w in record["winners"]:
-        if w["kernel"] == kernel and w["batch_bucket"] == bucket and w["chunk_size"] in (c, 0) \
-                and w.get("drafts", 0) == drafts:
-            return w["artifact"], c
-    layout = f", {drafts} speculative drafts" if drafts else ""
-    built = sorted(set(record.get("draft_tokens", [0])) - {0})
-    hint = f" (drafts built: {built or 'none'}; add --draft-tokens {drafts})" if drafts and drafts not in built else ""
-    raise KeyError(f"no {kernel} kernel for batch bucket {bucket}, chunk size {c}{layout} in this tuning record{hint}")
 
 
 def _winner_key(w: Mapping) -> tuple:

@@ -29,6 +29,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Mapping
 
+from kvbuffer.kernels.keys import PREFILL_CHUNKS  # the engine's prompt chunks: tune builds exactly these
+
 GDN_TILES = "kvbuffer.tiles.gdn"
 MAMBA2_TILES = "kvbuffer.tiles.mamba2"
 
@@ -108,9 +110,6 @@ def _compile(prim_func, target: dict):
 
 def _gdn_dims(shape: Mapping) -> dict:
     return {k: shape[k] for k in ("Hk", "Hv", "K", "V")}
-
-
-PREFILL_CHUNKS = (8, 4, 2)  # the engine's prefill cuts prompts into chunks of 8/4/2/1 tokens
 
 
 def _gdn_tokens(shape, batch, gen, device, T=1):
@@ -257,7 +256,7 @@ def _family_templates(f: _Family) -> list[Template]:
     fitted = lambda shape: f.tiles.default_buffered_tunables(shape["K"], shape["V"])  # noqa: E731
     folding = _buffered_reference(f.reference_module, f.front, f.first_pool, flush=True)
 
-    def kind(name, T, fused, reference, **extra):
+    def variant(name, T, fused, reference, **extra):
         return Template(f"{f.name}_{name}", f.name, buffered(T, fused), f.configs, defaults,
                         _buffered_inputs(f.tokens, f.offset, T), reference, _run, src, fitted=fitted,
                         layouts=True, **extra)
@@ -265,10 +264,10 @@ def _family_templates(f: _Family) -> list[Template]:
     def recurrent(shape, chunk_size, *, target, **t):
         return _compile(f.recurrent(**f.dims(shape), in_dtype=shape["dtype"], **t), target)
 
-    chunks = [kind(f"prefill_chunk{T}", T, True, folding, min_chunk=T) for T in PREFILL_CHUNKS]
+    chunks = [variant(f"prefill_chunk{T}", T, True, folding, min_chunk=T) for T in PREFILL_CHUNKS]
     return chunks + [
-        kind("buffered_step", 1, True, folding),
-        kind("verify", None, False, _buffered_reference(f.reference_module, f.front, f.first_pool, flush=False),
+        variant("buffered_step", 1, True, folding),
+        variant("verify", None, False, _buffered_reference(f.reference_module, f.front, f.first_pool, flush=False),
              min_drafts=1),
         Template(f"{f.name}_flush", f.name, flush, f.tiles.get_flush_configs,
                  builder_defaults(f.flush, ("BV", "threads")), _flush_inputs, _flush_reference, _run, src,
@@ -281,9 +280,10 @@ def _family_templates(f: _Family) -> list[Template]:
 
 def gdn_templates() -> list[Template]:
     g = _gdn()
-    return _family_templates(_Family("gdn", g, g.gdn_buffered, g.gdn_flush, _gdn_dims, _gdn_tokens, 2,
-                                     lambda a: (*a[:5], a[5], a[6]), 7, g.get_buffered_configs, ("BV", "threads"),
-                                     g.gdn_recurrent, _gdn_recurrent_inputs, _gdn_recurrent_reference))
+    return _family_templates(_Family(
+        "gdn", g, g.gdn_buffered, g.gdn_flush, _gdn_dims, _gdn_tokens, offset=2, front=lambda a: a[:7], first_pool=7,
+        configs=g.get_buffered_configs, tunables=("BV", "threads"), recurrent=g.gdn_recurrent,
+        recurrent_inputs=_gdn_recurrent_inputs, recurrent_reference=_gdn_recurrent_reference))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -331,9 +331,11 @@ def _m2_recurrent_reference(shape, chunk_size, args):
 
 def mamba2_templates() -> list[Template]:
     m = importlib.import_module(MAMBA2_TILES)
-    return _family_templates(_Family("mamba2", m, m.mamba2_buffered, m.mamba2_flush, _m2_dims, _m2_tokens, 0,
-                                     lambda a: a[:7], 8, m.get_buffered_configs, ("variant", "BV", "threads", "blocks"),
-                                     m.mamba2_recurrent, _m2_recurrent_inputs, _m2_recurrent_reference))
+    return _family_templates(_Family(
+        "mamba2", m, m.mamba2_buffered, m.mamba2_flush, _m2_dims, _m2_tokens, offset=0, front=lambda a: a[:7],
+        first_pool=8, configs=m.get_buffered_configs, tunables=("variant", "BV", "threads", "blocks"),
+        recurrent=m.mamba2_recurrent, recurrent_inputs=_m2_recurrent_inputs,
+        recurrent_reference=_m2_recurrent_reference))
 
 
 def templates(family: str | None = None) -> list[Template]:

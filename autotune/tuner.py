@@ -21,10 +21,11 @@ from dataclasses import dataclass, field
 from typing import Callable, Iterable, Mapping, Sequence
 
 from kvbuffer.artifacts import ArtifactKey
+from kvbuffer.gpus import GPU
+from kvbuffer.tuning import TUNING_FORMAT, ChunkPolicy, tuning_name
 
 from .cache import ArtifactCache, build_versions
-from .gpus import GPU
-from .policy import POLICY_KERNELS, TUNING_FORMAT, ChunkPolicy, Winner, tuning_name
+from .policy import POLICY_KERNELS, Winner
 from .registry import Template
 
 CHECK_BATCH = 7                      # an awkward batch for the correctness gate

@@ -60,7 +60,6 @@ def generate(model, prompts, prompts_file, max_new_tokens, temperature, top_k, t
     import torch
 
     from kvbuffer import LLM
-    from kvbuffer.runtime.kernel_ops import conv_on_reference
 
     if speculative is None and click.get_current_context().get_parameter_source("draft_tokens") is \
             click.core.ParameterSource.COMMANDLINE:
@@ -106,7 +105,7 @@ def generate(model, prompts, prompts_file, max_new_tokens, temperature, top_k, t
     if llm.device.type == "cuda" and not llm.kernels and llm.kernels_reason.startswith("no compiled kernel"):
         click.echo(f"note: the linear layers ran on the reference ops ({llm.kernels_reason}); build the kernels "
                    f"with `{_tune_command(llm, path, speculative and draft_tokens)}`", err=True)
-    elif llm.kernels and conv_on_reference():
+    elif llm.kernels and llm.backend.conv_on_reference:
         click.echo("note: the short conv ran on the reference ops (no compiled conv kernel); build it with "
                    f"`{_tune_command(llm, path, speculative and draft_tokens)}`", err=True)
 

@@ -71,7 +71,7 @@ def env():
     if torch.cuda.is_available():
         props = torch.cuda.get_device_properties(0)
         rows += [("gpu", props.name), ("compute capability", f"{props.major}.{props.minor}"),
-                 ("gpu memory", f"{props.total_memory / 2**30:.1f} GiB")]
+                 ("gpu memory", f"{props.total_memory / 2**30:.1f} GiB"), ("JIT target", _jit_target())]
     else:
         rows.append(("gpu", "none (reference path on CPU)"))
     rows += _artifact_rows()
@@ -80,11 +80,22 @@ def env():
         click.echo(f"{key:<{width}}  {value}")
 
 
+def _jit_target() -> str:
+    """The arch a JIT compile builds for here, or why there is none."""
+    from kvbuffer.errors import DeviceError
+    from kvbuffer.gpus import local_target
+
+    try:
+        return local_target()["arch"]
+    except DeviceError as e:
+        return f"none: {e}"
+
+
 def _artifact_rows() -> list[tuple[str, str]]:
     """The cache dir, and which of its artifacts and tuning records this machine's GPU can use."""
-    from kvbuffer.artifacts import ArtifactStore, cache_dir
-    from kvbuffer.autotune.gpus import detect_local_gpu
+    from kvbuffer.artifacts import ArtifactStore, cache_dir, slug
     from kvbuffer.errors import ArtifactError
+    from kvbuffer.gpus import detect_local_gpu
 
     rows = [("cache dir", str(cache_dir()))]
     try:
@@ -99,9 +110,7 @@ def _artifact_rows() -> list[tuple[str, str]]:
     rows.append(("artifacts", f"{len(mine)} of {len(arts)} built for this {gpu.name} ({gpu.arch})"))
     for name, e in sorted(tunings.items()):
         if e.get("gpu") == gpu.name:
-            s = e["shape"]
-            rows.append(("tuning record", f"{s['family']} Hk={s['Hk']} Hv={s['Hv']} K={s['K']} V={s['V']} "
-                                          f"{s['dtype']}: {e['status']}"))
+            rows.append(("tuning record", f"{slug(e['shape'])}: {e['status']}"))
     return rows
 
 

@@ -60,7 +60,7 @@ def _drafts(text: str) -> tuple[int, ...]:
 
 def _resolve_gpu(name):
     """(GPU to build for, whether it is the local device 0)."""
-    from ..autotune.gpus import detect_local_gpu, get_gpu
+    from ..gpus import detect_local_gpu, get_gpu
 
     try:
         local = detect_local_gpu()
@@ -132,7 +132,7 @@ def tune(gpu, list_gpus, model, heads, family, dtype, chunk_sizes, batch_buckets
     and the winners and a chunk-size policy are recorded as tuned. The linear layers' kernels and
     the short conv's get one tuning record each.
     """
-    from ..autotune.gpus import catalogue_table
+    from ..gpus import catalogue_table
 
     if list_gpus:
         _table(catalogue_table())
@@ -168,7 +168,7 @@ def _tune_shape(cache, target, measuring, shape, tpls, chunks, buckets, drafts, 
         else:
             results, record = tuner.build_untuned(cache, req, tpls, progress=step)
     _summary(results, measuring)
-    from ..autotune.policy import ChunkPolicy
+    from ..tuning import ChunkPolicy
 
     tuning = cache.tuning(record)
     if measuring:

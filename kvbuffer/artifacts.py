@@ -335,18 +335,18 @@ class ArtifactStore:
         return self.root / "tunings" / f"{name}.json"
 
     # -- verification
-    def _check_files(self, kind: str, name: str, hint: str) -> dict:
+    def _check_files(self, section: str, name: str, hint: str) -> dict:
         """The manifest entry of `name`, after checking that each of its files is there and intact."""
-        entry = self.manifest()[kind].get(name)
+        entry = self.manifest()[section].get(name)
         if entry is None:
-            raise ArtifactError(f"no {kind[:-1]} {name!r} in {self.root / MANIFEST}; {hint}")
+            raise ArtifactError(f"no {section[:-1]} {name!r} in {self.root / MANIFEST}; {hint}")
         for rel, digest in entry["files"].items():
             path = self.root / rel
             if not path.is_file():
-                raise ArtifactError(f"{kind[:-1]} {name}: {path} is missing; {hint}")
+                raise ArtifactError(f"{section[:-1]} {name}: {path} is missing; {hint}")
             actual = sha256_file(path)
             if actual != digest:
-                raise ArtifactError(f"{kind[:-1]} {name}: checksum mismatch for {path} (manifest "
+                raise ArtifactError(f"{section[:-1]} {name}: checksum mismatch for {path} (manifest "
                                     f"{digest[:12]}, file {actual[:12]}): truncated or altered; {hint}")
         return entry
 
@@ -411,7 +411,7 @@ class ArtifactStore:
 
     def find_tuning(self, gpu: str, arch: str, shape: Mapping) -> dict:
         """The tuning record for this GPU and head shape under this process's versions."""
-        from .autotune.policy import tuning_name
+        from .tuning import tuning_name  # (kvbuffer.tuning builds on this module)
 
         name = tuning_name(gpu, arch, shape, runtime_versions())
         tunings = self.manifest()["tunings"]
@@ -427,32 +427,8 @@ class ArtifactStore:
         raise ArtifactError(f"no kernels built for {gpu} ({arch}) {slug(shape)} in {self.root}; {hint}")
 
 
-    def kernel_for(self, shape: Mapping, kernel: str, batch: int, chunk_size: int | None = None, *,
-                   drafts: int = 0, gpu=None) -> tuple[Artifact, int]:
-        """(loaded kernel, chunk size) for a batch: the tuned winner of its bucket, or the default build.
-
-        `gpu` is a kvbuffer.autotune.gpus.GPU (default: the local one); chunk_size None takes the
-        tuning record's chunk-size policy for this batch; drafts picks the buffer layout (C + drafts
-        + 1 entries; 0: plain decoding, and the recurrent step).
-        """
-        from .autotune.policy import select
-
-        if gpu is None:
-            from .autotune.gpus import detect_local_gpu
-
-            gpu = detect_local_gpu()
-            if gpu is None:
-                raise ArtifactError("no CUDA GPU here: name the GPU whose kernels to load (gpu=get_gpu(...))")
-        record = self.find_tuning(gpu.name, gpu.arch, shape)
-        try:
-            name, c = select(record, kernel, batch, chunk_size, drafts)
-        except KeyError as e:
-            raise ArtifactError(f"{e.args[0]}; {rebuild_hint(gpu.name, shape, self.root)}") from None
-        return self.load(name, arch=gpu.arch, gpu=gpu.name), c
-
-
 def _local_arch() -> tuple[str | None, str | None]:
-    from .autotune.gpus import detect_local_gpu
+    from .gpus import detect_local_gpu
 
     gpu = detect_local_gpu()
     return (gpu.arch, gpu.name) if gpu else (None, None)

@@ -65,8 +65,13 @@ def geometry_of(model) -> ModelGeometry:
 
 
 def request_spec(geo: ModelGeometry, *, scheme: str, context: int, draft_tokens: int = 0, chunk_size: int = 16,
-                 requests: int = 1) -> CacheSpec:
-    """The CacheSpec the engine builds for `requests` slots under `scheme` ("kvbuffer" or "recurrent")."""
+                 requests: int = 1, states: int | None = None) -> CacheSpec:
+    """The CacheSpec for `requests` slots under `scheme` ("kvbuffer" or "recurrent"): the one function
+    both the planner and kvbuffer.LLM build their caches' description with.
+
+    context: tokens a request keeps (the fed draft tokens come on top); states: state slots (None:
+    one per request, or none when every context fits its buffer).
+    """
     if scheme not in ("kvbuffer", "recurrent"):
         raise ValueError(f"scheme must be 'kvbuffer' or 'recurrent', got {scheme!r}")
     if context < 1 or draft_tokens < 0 or chunk_size < 1:
@@ -78,7 +83,8 @@ def request_spec(geo: ModelGeometry, *, scheme: str, context: int, draft_tokens:
     return CacheSpec(
         linear_shape=geo.linear_shape, num_linear_layers=geo.num_linear_layers, conv_dim=geo.conv_dim,
         conv_width=geo.conv_width, num_attention_layers=geo.num_attention_layers, num_kv_heads=geo.num_kv_heads,
-        head_dim=geo.head_dim, max_requests=requests, max_states=requests if needs_state else 0,
+        head_dim=geo.head_dim, max_requests=requests,
+        max_states=states if states is not None else requests if needs_state else 0,
         max_len=context + fed, chunk_size=chunk_size, max_drafts=fed, buffers=buffered,
         draft_states=not buffered and draft_tokens > 0,
     )

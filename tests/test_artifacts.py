@@ -16,7 +16,7 @@ import pytest
 
 from kvbuffer.artifacts import LIBRARY, META, ArtifactKey, ArtifactStore, embedded_cubin_sms, runtime_versions
 from kvbuffer.autotune.cache import ArtifactCache
-from kvbuffer.autotune.policy import ChunkPolicy, select, tuning_name
+from kvbuffer.tuning import ChunkPolicy, select, tuning_name
 from kvbuffer.errors import ArtifactError
 
 HAVE_TILELANG = importlib.util.find_spec("tilelang") is not None and shutil.which("nvcc") is not None
@@ -262,7 +262,7 @@ def test_select_takes_the_bucket_winner():
 
 
 def test_runtime_and_cache_modules_do_not_import_tilelang():
-    code = ("import sys, kvbuffer, kvbuffer.artifacts, kvbuffer.autotune.cache, kvbuffer.autotune.gpus, "
+    code = ("import sys, kvbuffer, kvbuffer.artifacts, kvbuffer.autotune.cache, kvbuffer.gpus, "
             "kvbuffer.autotune.policy, kvbuffer.autotune.registry, kvbuffer.cli.main; "
             "print(sorted(m for m in sys.modules if m.split('.')[0] in ('tilelang', 'tvm')))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)

@@ -20,6 +20,7 @@ if importlib.util.find_spec("tilelang") is None or not _NVCC or not shutil.which
     pytest.skip("needs TileLang, nvcc and g++", allow_module_level=True)
 
 from kvbuffer.reference import conv as ref  # noqa: E402
+from kvbuffer.gpus import get_gpu  # noqa: E402  (the generated CUDA these tests read is Hopper's)
 
 from simt_emulator import Emulated  # noqa: E402  (tests/ is on sys.path under pytest)
 from gpu.gdn_cases import bits_equal as _bits  # noqa: E402  (shared with the GPU tests)
@@ -36,7 +37,7 @@ def _emulated(tmp_path_factory, template: str, **params) -> Emulated:
 
     key = (template, tuple(sorted(params.items())))
     if key not in _EMU:
-        src = compile_template(getattr(conv1d, template)(**params)).get_kernel_source()
+        src = compile_template(getattr(conv1d, template)(**params), get_gpu("h200").target).get_kernel_source()
         _EMU[key] = Emulated(src, str(tmp_path_factory.getbasetemp()))
     return _EMU[key]
 

@@ -1,5 +1,5 @@
 """torch.ops.kvbuffer.conv1d_update / conv1d_accept on CPU (the reference implementations), and the
-engine's wiring of them (kvbuffer.runtime.kernel_ops.conv_update / conv_accept): with a conv kernel
+engine's wiring of them (kvbuffer.runtime.backend.KernelBackend): with a conv kernel
 "available" the engine routes every short conv and accept through the custom ops; without one (no
 artifact, no JIT) it stays on the reference conv. The CUDA kernels: tests/gpu/test_conv1d_kernels.py.
 """
@@ -8,7 +8,9 @@ import pytest
 import torch
 from torch.library import opcheck
 
-from kvbuffer import conv_ops
+from kvbuffer.errors import ArtifactError
+from kvbuffer.kernels import lookup
+from kvbuffer.kernels.keys import ConvDims, KernelKey
 from kvbuffer.reference import conv as ref
 
 D, W, SPAN = 10, 4, 3 + 8
@@ -59,19 +61,17 @@ def test_bad_calls_raise():
 
 
 def test_no_kernel_and_no_jit_is_an_artifact_error(monkeypatch):
-    from kvbuffer import ops
-    from kvbuffer.errors import ArtifactError
-
-    monkeypatch.setattr(ops, "jit_allowed", lambda: False)
+    monkeypatch.setattr(lookup, "jit_allowed", lambda: False)
     with pytest.raises(ArtifactError, match="KVBUFFER_JIT"):
-        conv_ops.kernel_for(conv_ops.ConvKey("advance", D, W, SPAN, 1, "bfloat16", "bfloat16"))
+        lookup.kernel_for(KernelKey("conv1d", "advance", ConvDims(D, W, SPAN), "bfloat16", w_dtype="bfloat16"))
 
 
 def _kernel_runner(llm):
     from kvbuffer.engine.runner import ModelRunner
+    from kvbuffer.runtime.backend import KernelBackend
 
     return ModelRunner(llm.model, llm.runner.spec, mode="kvbuffer", device=llm.device, dtype=llm.dtype,
-                       buffer_dtype=torch.bfloat16, kernels=True)
+                       buffer_dtype=torch.bfloat16, backend=KernelBackend())
 
 
 @pytest.mark.parametrize("kind", ["qwen3_5", "nemotron_h"])
@@ -83,18 +83,16 @@ def test_engine_routes_the_conv_through_the_ops(kind, available, monkeypatch):
     from tiny_models import tiny_model
 
     from kvbuffer import LLM
-    from kvbuffer.runtime import kernel_ops
 
     calls = {"advance": 0, "verify": 0, "accept": 0}
 
     def kernel_for(key, batch=1):
         if not available:
-            raise conv_ops.ArtifactError("no conv kernel (test)")
-        calls[key.kind] += 1
+            raise ArtifactError("no conv kernel (test)")
+        calls[key.op] += 1
         return object()
 
-    monkeypatch.setattr(conv_ops, "kernel_for", kernel_for)
-    monkeypatch.setattr(kernel_ops, "_CONV_ON_REFERENCE", set())
+    monkeypatch.setattr(lookup, "kernel_for", kernel_for)
     prompts = [[5, 17, 3, 44, 9, 61, 2, 30, 11, 7, 12, 90, 4], [8, 1, 33]]
     spec = {"method": "ngram", "num_draft_tokens": 3}
     ref_llm = LLM(tiny_model(kind), device="cpu", chunk_size=4, max_batch=2, kernels=False, speculative=spec)
@@ -106,4 +104,4 @@ def test_engine_routes_the_conv_through_the_ops(kind, available, monkeypatch):
     if available:
         assert calls["advance"] and calls["verify"] and calls["accept"], calls
     else:
-        assert len(kernel_ops._CONV_ON_REFERENCE) >= 2  # each missing kernel tried once, then remembered
+        assert len(llm.runner.backend.conv_on_reference) >= 2  # each missing kernel tried once, then remembered

@@ -8,7 +8,7 @@ import torch
 from hf_models import make_hf_model
 from kvbuffer import LLM
 from kvbuffer.engine.graphs import DecodeGraphs, context_bucket, row_bucket
-from kvbuffer.reference.conv import put_rows
+from kvbuffer.rows import put_rows
 
 
 def test_buckets():

@@ -94,9 +94,9 @@ def test_top_k_and_top_p_filtering():
 def test_engine_follows_the_tuned_chunk_policy(ckpt, tmp_path, monkeypatch):
     """chunk_size=None: the tuned policy for this GPU, head shape and batch; the default without one."""
     from kvbuffer.artifacts import runtime_versions
-    from kvbuffer.autotune import gpus
+    from kvbuffer import gpus
     from kvbuffer.autotune.cache import ArtifactCache
-    from kvbuffer.autotune.policy import ChunkPolicy, tuning_name
+    from kvbuffer.tuning import ChunkPolicy, tuning_name
     from kvbuffer.engine.llm import DEFAULT_CHUNK_SIZE
 
     monkeypatch.setenv("KVBUFFER_CACHE_DIR", str(tmp_path))
@@ -120,7 +120,7 @@ def test_equal_length_prompts_prefill_in_one_forward(ckpt):
     calls, forward = [], llm.runner._forward
 
     def counting(ids, batch, **kw):
-        calls.append((batch.kind, tuple(ids.shape)))
+        calls.append((batch.phase, tuple(ids.shape)))
         return forward(ids, batch, **kw)
 
     llm.runner._forward = counting
@@ -132,7 +132,7 @@ def test_equal_length_prompts_prefill_in_one_forward(ckpt):
 
 
 def test_prefill_plan_stops_at_every_flush_point():
-    from kvbuffer.runtime.mixing import prefill_plan
+    from kvbuffer.kernels.keys import prefill_plan
 
     assert prefill_plan(0, 21, 16, kernels=True) == [8, 8, 4, 1]  # chunk sizes the kernels are built for
     assert prefill_plan(3, 40, 16, kernels=False) == [13, 16, 11]

@@ -18,6 +18,7 @@ if importlib.util.find_spec("tilelang") is None or not _NVCC or not shutil.which
     pytest.skip("needs TileLang, nvcc and g++", allow_module_level=True)
 
 from kvbuffer.reference import core as ref  # noqa: E402
+from kvbuffer.gpus import get_gpu  # noqa: E402  (the generated CUDA these tests read is Hopper's)
 from kvbuffer.reference.gating import gdn_front  # noqa: E402
 
 from simt_emulator import Emulated  # noqa: E402  (tests/ is on sys.path under pytest)
@@ -38,7 +39,7 @@ def test_simt_template_emulated(case, tmp_path):
     params, fill, B, null_row, pad_row = CASES[case]
     Hk, Hv, T, C, cap = params["Hk"], params["Hv"], params["T_new"], params["flush_at"], params["cap"]
     K, V = params.get("K", 128), params.get("V", 128)
-    emu = Emulated(compile_template(gdn_buffered(**params)).get_kernel_source(), str(tmp_path))
+    emu = Emulated(compile_template(gdn_buffered(**params), get_gpu("h200").target).get_kernel_source(), str(tmp_path))
 
     g = torch.Generator().manual_seed(len(case))
     r = lambda *s: torch.randn(*s, generator=g)  # noqa: E731

@@ -20,6 +20,7 @@ if importlib.util.find_spec("tilelang") is None or not _NVCC or not shutil.which
     pytest.skip("needs TileLang, nvcc and g++", allow_module_level=True)
 
 from kvbuffer.reference import mamba2 as ref  # noqa: E402
+from kvbuffer.gpus import get_gpu  # noqa: E402  (the generated CUDA these tests read is Hopper's)
 
 from simt_emulator import Emulated  # noqa: E402  (tests/ is on sys.path under pytest)
 from gpu.gdn_cases import bits_equal as _bits, rel_err as _rel  # noqa: E402  (shared with the GPU tests)
@@ -52,7 +53,7 @@ def test_mamba2_simt_template_emulated(case, tmp_path):
     G, H, N, P = params["G"], params["H"], params["N"], params["P"]
     T, C, cap, has_z = params["T_new"], params["flush_at"], params["cap"], params.get("has_z", False)
     act = getattr(torch, params.get("in_dtype", "bfloat16"))
-    emu = Emulated(compile_template(mamba2_buffered(**params, variant="simt")).get_kernel_source(), str(tmp_path))
+    emu = Emulated(compile_template(mamba2_buffered(**params, variant="simt"), get_gpu("h200").target).get_kernel_source(), str(tmp_path))
 
     B = len(fills)
     g = torch.Generator().manual_seed(len(case))

@@ -1,5 +1,5 @@
 """torch.ops.kvbuffer: registration, CPU impl == reference, fake shapes (opcheck), torch.compile,
-the missing-artifact error, and the engine's kernel backend (kvbuffer.runtime.kernel_ops) on CPU."""
+the missing-artifact error, and the engine's kernel backend (kvbuffer.runtime.backend) on CPU."""
 
 import pathlib
 import re
@@ -10,6 +10,8 @@ import pytest
 import torch
 
 from kvbuffer import ops
+from kvbuffer.kernels import launch, lookup
+from kvbuffer.kernels.keys import GDNDims, KernelKey, Mamba2Dims
 from kvbuffer.errors import ArtifactError
 from kvbuffer.reference import core, gdn, mamba2
 
@@ -73,7 +75,7 @@ def test_every_op_is_registered_with_cpu_cuda_and_fake_kernels():
         for key in ("CPU", "CUDA"):
             assert torch._C._dispatch_has_kernel_for_dispatch_key(qual, key), (name, key)
         writes = {a.name for a in packet.default._schema.arguments if a.alias_info and a.alias_info.is_write}
-        assert "state" in writes, name
+        assert writes == {"conv_state"} if name.startswith("conv1d") else "state" in writes, name
         if "buffered" in name or "verify" in name:
             assert writes == {"state", "buf_k", "buf_v", "buf_g"}, name
 
@@ -147,45 +149,46 @@ def test_torch_compile_on_cpu():
 
 
 def test_missing_artifact_without_jit_names_the_tune_command(monkeypatch, tmp_path):
-    from kvbuffer.autotune import gpus
+    from kvbuffer import gpus
 
     monkeypatch.setenv("KVBUFFER_CACHE_DIR", str(tmp_path))
     monkeypatch.delenv("KVBUFFER_JIT", raising=False)
     monkeypatch.setattr(gpus, "detect_local_gpu", lambda device=0: gpus.get_gpu("h200"))
     ops.allow_jit(False)
     try:
-        key = ops.KernelKey("gdn", "buffered", 16, 32, 128, 128, "bfloat16", "bfloat16", cap=17, T=1, C=16)
+        key = KernelKey("gdn", "buffered", GDNDims(16, 32, 128, 128), "bfloat16", "bfloat16", cap=17, T=1, C=16)
         with pytest.raises(ArtifactError, match=r"kvbuffer tune --gpu h200 --heads 16,32,128,128 --chunk-sizes 16"):
-            ops.kernel_for(key, 8)
-        verify = ops.KernelKey("mamba2", "buffered", 8, 64, 128, 64, "bfloat16", "bfloat16", cap=17, T=4, C=0)
+            lookup.kernel_for(key, 8)
+        verify = KernelKey("mamba2", "buffered", Mamba2Dims(8, 64, 128, 64), "bfloat16", "bfloat16", cap=17, T=4, C=0)
         with pytest.raises(ArtifactError, match=r"--family mamba2 --chunk-sizes 13 --draft-tokens 3"):
-            ops.kernel_for(verify, 8)  # the speculative layout: 13 + 3 drafts + 1 = 17 entries
-        odd = ops.KernelKey("mamba2", "buffered", 8, 64, 128, 64, "bfloat16", "bfloat16", cap=17, T=3, C=16)
+            lookup.kernel_for(verify, 8)  # the speculative layout: 13 + 3 drafts + 1 = 17 entries
+        odd = KernelKey("mamba2", "buffered", Mamba2Dims(8, 64, 128, 64), "bfloat16", "bfloat16", cap=17, T=3, C=16)
         with pytest.raises(ArtifactError, match=r"(?s)builds no buffered kernel.*KVBUFFER_JIT=1"):
-            ops.kernel_for(odd, 8)  # a 3-token chunk: the engine never cuts prompts so
-        assert not ops._KERNELS  # nothing half-loaded was cached
+            lookup.kernel_for(odd, 8)  # a 3-token chunk: the engine never cuts prompts so
+        assert not lookup.loaded_keys()  # nothing half-loaded was cached
     finally:
         ops.allow_jit(None)
 
 
 def test_jit_tunables_are_the_measured_best_narrowed_for_small_heads():
-    def key(family, kind, v):
-        return ops.KernelKey(family, kind, 2, 4, 128, v, "bfloat16", "bfloat16", 9, 1, 8)
+    def key(family, op, v):
+        dims = (GDNDims if family == "gdn" else Mamba2Dims)(2, 4, 128, v)
+        return KernelKey(family, op, dims, "bfloat16", "bfloat16", cap=9, T=1, C=8)
 
-    assert ops.jit_tunables(key("gdn", "buffered", 128)) == {"BV": 128, "threads": 128, "blocks": 3}
-    assert ops.jit_tunables(key("gdn", "buffered", 64)) == {"BV": 64, "threads": 128, "blocks": 0}
-    assert ops.jit_tunables(key("gdn", "buffered", 32)) == {"BV": 32, "threads": 64, "blocks": 0}
-    assert ops.jit_tunables(key("gdn", "buffered", 16)) == {"BV": 16, "threads": 32, "blocks": 0}
-    assert ops.jit_tunables(key("mamba2", "buffered", 64)) == {"variant": "simt", "BV": 64, "threads": 64,
+    assert lookup.jit_tunables(key("gdn", "buffered", 128)) == {"BV": 128, "threads": 128, "blocks": 3}
+    assert lookup.jit_tunables(key("gdn", "buffered", 64)) == {"BV": 64, "threads": 128, "blocks": 0}
+    assert lookup.jit_tunables(key("gdn", "buffered", 32)) == {"BV": 32, "threads": 64, "blocks": 0}
+    assert lookup.jit_tunables(key("gdn", "buffered", 16)) == {"BV": 16, "threads": 32, "blocks": 0}
+    assert lookup.jit_tunables(key("mamba2", "buffered", 64)) == {"variant": "simt", "BV": 64, "threads": 64,
                                                                "blocks": 6}
-    assert ops.jit_tunables(key("mamba2", "buffered", 32)) == {"variant": "simt", "BV": 32, "threads": 64,
+    assert lookup.jit_tunables(key("mamba2", "buffered", 32)) == {"variant": "simt", "BV": 32, "threads": 64,
                                                                "blocks": 0}
-    assert ops.jit_tunables(key("gdn", "flush", 16)) == {"BV": 16, "threads": 128}
-    assert ops.jit_tunables(key("mamba2", "recurrent", 64)) == {"BV": 32, "threads": 128}
+    assert lookup.jit_tunables(key("gdn", "flush", 16)) == {"BV": 16, "threads": 128}
+    assert lookup.jit_tunables(key("mamba2", "recurrent", 64)) == {"BV": 32, "threads": 128}
 
 
 def test_importing_ops_does_not_import_tilelang():
-    code = "import sys, kvbuffer.ops, kvbuffer.runtime.kernel_ops; print('tilelang' in sys.modules)"
+    code = "import sys, kvbuffer.ops, kvbuffer.runtime.backend; print('tilelang' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.split() == ["False"]
 
@@ -211,13 +214,14 @@ def test_engine_kernel_backend_on_cpu_matches_reference(kind):
 
     from kvbuffer import LLM
     from kvbuffer.engine.runner import ModelRunner
+    from kvbuffer.runtime.backend import KernelBackend
 
     prompts = [[5, 17, 3, 44, 9, 61, 2, 30, 11, 7, 12, 90, 4], [8, 1, 33]]
     ref = LLM(tiny_model(kind), device="cpu", chunk_size=4, max_batch=2, kernels=False)
     want = ref.generate(prompts, max_new_tokens=12, return_logits=True)
     llm = LLM(tiny_model(kind), device="cpu", chunk_size=4, max_batch=2, kernels=False)
     llm.runner = ModelRunner(llm.model, llm.runner.spec, mode="kvbuffer", device=llm.device, dtype=llm.dtype,
-                             buffer_dtype=torch.bfloat16, kernels=True)
+                             buffer_dtype=torch.bfloat16, backend=KernelBackend())
     assert llm.runner.caches.buffers.keys.dtype == torch.bfloat16
     got = llm.generate(prompts, max_new_tokens=12, return_logits=True)
     for a, b in zip(got, want):
@@ -241,7 +245,7 @@ def test_llm_kernels_argument():
 def test_launchers_fill_rules_name_the_problem():
     """The GDN and Mamba-2 launchers share one check of the buffer's fill against cap and flush_at."""
     from kvbuffer import BufferOverflowError, ShapeError, SlotError
-    from kvbuffer.kernels.gdn import check_fill_rules
+    from kvbuffer.kernels.compiled import check_fill_rules
 
     op = {"cap": 9, "flush_at": 8}
     i32 = lambda xs: torch.tensor(xs, dtype=torch.int32)  # noqa: E731
@@ -255,15 +259,19 @@ def test_launchers_fill_rules_name_the_problem():
     check_fill_rules(op, i32([-1]), i32([-1]), i32([7]), 2)  # padding rows are not checked
 
 
-def test_unchecked_is_scoped_and_nests():
-    """ops.unchecked() lets the CUDA ops skip their read-back checks inside the block only."""
-    assert not ops._launch_directly()
-    with ops.unchecked():
-        with ops.unchecked():
-            assert ops._launch_directly()
-        assert ops._launch_directly()
-    assert not ops._launch_directly()
-    with pytest.raises(RuntimeError):
-        with ops.unchecked():
-            raise RuntimeError("boom")
-    assert not ops._launch_directly()
+def test_engine_rows_launch_without_read_back_checks(monkeypatch):
+    """The kernel Backend launches the engine's own rows: on CUDA, without the checks that read the
+    device back (the engine built and checked slots and fills on the host); elsewhere, the op."""
+    seen = []
+    monkeypatch.setitem(launch.CUDA_LAUNCHES, "gdn_flush", lambda *args, checked: seen.append(checked))
+
+    class OnCuda:
+        is_cuda = True
+
+    launch.engine_rows("gdn_flush", OnCuda())
+    assert seen == [False]
+    name, args, ref, _ = next(c for c in CASES if c[0] == "gdn_flush")
+    mine, want = [a.clone() for a in args], [a.clone() for a in args]
+    launch.engine_rows(name, *mine)
+    ref(want)
+    assert torch.equal(mine[0], want[0]) and seen == [False]

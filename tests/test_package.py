@@ -22,7 +22,7 @@ def test_subpackages_install_under_kvbuffer():
 
 
 def test_cli_env_runs(tmp_path, monkeypatch):
-    from kvbuffer.autotune import gpus
+    from kvbuffer import gpus
     from kvbuffer.cli.main import main
 
     monkeypatch.setenv("KVBUFFER_CACHE_DIR", str(tmp_path))

@@ -10,6 +10,8 @@ import shutil
 
 import pytest
 
+from kvbuffer.gpus import get_gpu
+
 pytestmark = pytest.mark.tilelang
 
 _NVCC = shutil.which("nvcc") or (os.path.exists("/usr/local/cuda/bin/nvcc") and "/usr/local/cuda/bin/nvcc")
@@ -54,7 +56,8 @@ def test_template_compiles_for_sm90a(case):
 
     template, params = CASES[case]
     module, _, name = template.rpartition(".")
-    kernel = compile_template(getattr(importlib.import_module(f"kvbuffer.tiles.{module or 'gdn'}"), name)(**params))
+    kernel = compile_template(getattr(importlib.import_module(f"kvbuffer.tiles.{module or 'gdn'}"), name)(**params),
+                              get_gpu("h200").target)
     src = kernel.get_kernel_source()
     assert "__global__" in src
     if name == "gdn_buffered" or params.get("variant") == "simt":

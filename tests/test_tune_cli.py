@@ -15,9 +15,9 @@ from click.testing import CliRunner
 
 from kvbuffer.autotune import tuner
 from kvbuffer.autotune.cache import ArtifactCache
-from kvbuffer.autotune.gpus import get_gpu, match_device
+from kvbuffer.gpus import get_gpu, match_device
 from kvbuffer.autotune.models import checkpoint_shape, preset_shape
-from kvbuffer.autotune.policy import ChunkPolicy, select
+from kvbuffer.tuning import ChunkPolicy, select
 from kvbuffer.autotune.registry import Template
 from kvbuffer.cli.main import main
 
@@ -169,9 +169,12 @@ LOAD_BLOCKED = '''
 import sys
 sys.modules["tilelang"] = None
 from kvbuffer.artifacts import ArtifactStore
-from kvbuffer.autotune.gpus import get_gpu
-from kvbuffer.autotune.models import preset_shape
-art, c = ArtifactStore(sys.argv[1]).kernel_for(preset_shape("qwen3.5-9b"), "gdn_flush", 3, gpu=get_gpu("h100"))
+from kvbuffer.gpus import get_gpu
+from kvbuffer.tuning import make_shape, select
+store, gpu = ArtifactStore(sys.argv[1]), get_gpu("h100")
+record = store.find_tuning(gpu.name, gpu.arch, make_shape("gdn", 16, 32, 128, 128))
+name, c = select(record, "gdn_flush", 3)
+art = store.load(name, arch=gpu.arch, gpu=gpu.name)
 print(art.meta["function"], c, art.meta["key"]["arch"])
 '''
 

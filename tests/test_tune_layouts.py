@@ -4,7 +4,7 @@ speculative decoding with T drafts (C + T + 1), verify included, and the short c
 CPU: the plan, the mapping from the engine's kernel keys to templates and layouts, and each
 template's inputs and reference against the CPU custom ops (stand-ins with the kernels' ABI).
 With TileLang: a real build for an absent GPU whose verify and conv kernels load through the
-runtime's lookup (kvbuffer.ops / kvbuffer.conv_ops), as they would on that GPU.
+runtime's lookup (kvbuffer.kernels.lookup), as they would on that GPU.
 """
 
 import importlib.util
@@ -13,14 +13,16 @@ import shutil
 import pytest
 import torch
 
-import kvbuffer.conv_ops  # noqa: F401  (registers torch.ops.kvbuffer.conv1d_*)
-from kvbuffer import conv_ops, ops
 from kvbuffer.autotune import tuner
-from kvbuffer.autotune.models import conv_shape, make_conv_shape, make_shape
+from kvbuffer.autotune.models import conv_shape
 from kvbuffer.autotune.registry import templates
+from kvbuffer.errors import ArtifactError
+from kvbuffer.kernels import launch, lookup
+from kvbuffer.kernels.keys import ConvDims, GDNDims, KernelKey
 from kvbuffer.pools import LinearLayerShape
+from kvbuffer.runtime.backend import needed_kernels
 from kvbuffer.runtime.caches import CacheSpec
-from kvbuffer.runtime.kernel_ops import needed_kernels
+from kvbuffer.tuning import make_conv_shape, make_shape
 
 HAVE_TILELANG = importlib.util.find_spec("tilelang") is not None and shutil.which("nvcc") is not None
 SMALL = {"gdn": make_shape("gdn", 2, 4, 32, 32), "mamba2": make_shape("mamba2", 2, 4, 32, 16)}
@@ -47,7 +49,7 @@ def test_every_kernel_the_engine_needs_is_in_the_plan(family, drafts):
     planned = {(t.name, c, d) for t, c, d in tuner.plan(templates(family), (16,), (0, drafts))}
     for mode in ("kvbuffer", "recurrent"):
         for key in needed_kernels(spec, torch.bfloat16, mode):
-            name = ops._template(key)
+            name = key.template()
             assert name is not None, key
             layouts = [(c or 0, d) for c, d in key.layouts()]
             assert any((name, c, d) in planned for c, d in layouts), (key, name, layouts)
@@ -58,15 +60,15 @@ def test_every_conv_kernel_the_engine_needs_maps_to_a_template(drafts):
     D, W = 8, 4
     state = torch.zeros(3, D, W + drafts)
     weight = torch.zeros(D, W)
-    keys = [conv_ops.update_key("advance", torch.zeros(2, 1, D), state, weight, None, True),
-            conv_ops.update_key("advance", torch.zeros(2, 7, D), state, weight, None, True)]
+    keys = [launch.conv_update_key("advance", torch.zeros(2, 1, D), state, weight, None, True),
+            launch.conv_update_key("advance", torch.zeros(2, 7, D), state, weight, None, True)]
     if drafts:
-        keys += [conv_ops.update_key("verify", torch.zeros(2, drafts + 1, D), state, weight, None, True),
-                 conv_ops.accept_key(state, W)]
-    names = [conv_ops._template(k) for k in keys]
+        keys += [launch.conv_update_key("verify", torch.zeros(2, drafts + 1, D), state, weight, None, True),
+                 launch.conv_accept_key(state, W)]
+    names = [(k.template(), k.layouts()[0][1]) for k in keys]
     assert names == [(n, drafts) for n in ("conv1d_step", "conv1d_prefill", "conv1d_verify", "conv1d_accept")[:len(keys)]]
-    short = conv_ops.update_key("verify", torch.zeros(2, 2, D), torch.zeros(3, D, W + 3), weight, None, True)
-    assert conv_ops._template(short)[0] is None  # tune builds the verify of all T drafts + 1 only
+    short = launch.conv_update_key("verify", torch.zeros(2, 2, D), torch.zeros(3, D, W + 3), weight, None, True)
+    assert short.template() is None  # tune builds the verify of all T drafts + 1 only
 
 
 # ----------------------------------------------------------------------------------------------
@@ -132,7 +134,7 @@ def test_speculative_and_conv_artifacts_load_through_the_ops(tmp_path, monkeypat
         pytest.skip("this test builds for a GPU that is not present")
     from click.testing import CliRunner
 
-    from kvbuffer.autotune import gpus
+    from kvbuffer import gpus
     from kvbuffer.cli.main import main
 
     args = ["tune", "--gpu", "h100", "--heads", "2,4,32,32", "--kernels", "gdn_verify,conv1d_accept",
@@ -143,21 +145,19 @@ def test_speculative_and_conv_artifacts_load_through_the_ops(tmp_path, monkeypat
 
     monkeypatch.setenv("KVBUFFER_CACHE_DIR", str(tmp_path))
     monkeypatch.setattr(gpus, "detect_local_gpu", lambda device=0: gpus.get_gpu("h100"))
-    monkeypatch.setattr(ops, "jit_allowed", lambda: False)
-    ops.clear_kernels()
-    conv_ops.clear_kernels()
+    monkeypatch.setattr(lookup, "jit_allowed", lambda: False)
+    lookup.clear_kernels()
     try:
-        verify = ops.KernelKey("gdn", "buffered", 2, 4, 32, 32, "bfloat16", "bfloat16", cap=11, T=3, C=0)
-        op = ops.kernel_for(verify, 5)
+        verify = KernelKey("gdn", "buffered", GDNDims(2, 4, 32, 32), "bfloat16", "bfloat16", cap=11, T=3, C=0)
+        op = lookup.kernel_for(verify, 5)
         assert (op.kind, op["cap"], op["T_new"], op["flush_at"]) == ("buffered", 11, 3, 0)
-        accept = conv_ops.ConvKey("accept", 256, 4, 6, 0, "bfloat16")
-        assert conv_ops.kernel_for(accept, 5).kind == "conv_accept"
-        step = ops.KernelKey("gdn", "buffered", 2, 4, 32, 32, "bfloat16", "bfloat16", cap=11, T=1, C=8)
-        with pytest.raises(ops.ArtifactError, match="--draft-tokens 2"):
-            ops.kernel_for(step, 5)  # not built: --kernels left it out
+        accept = KernelKey("conv1d", "accept", ConvDims(256, 4, 6), "bfloat16", T=0)
+        assert lookup.kernel_for(accept, 5).kind == "conv_accept"
+        step = KernelKey("gdn", "buffered", GDNDims(2, 4, 32, 32), "bfloat16", "bfloat16", cap=11, T=1, C=8)
+        with pytest.raises(ArtifactError, match="--draft-tokens 2"):
+            lookup.kernel_for(step, 5)  # not built: --kernels left it out
     finally:
-        ops.clear_kernels()
-        conv_ops.clear_kernels()
+        lookup.clear_kernels()
 
 
 # ----------------------------------------------------------------------------------------------
@@ -165,7 +165,8 @@ def test_speculative_and_conv_artifacts_load_through_the_ops(tmp_path, monkeypat
 
 
 def _record(winners, policy="untuned", buckets=(1, 64), chunks=(16,), drafts=(0,)):
-    from kvbuffer.autotune.policy import ChunkPolicy, Winner
+    from kvbuffer.autotune.policy import Winner
+    from kvbuffer.tuning import ChunkPolicy
 
     p = ChunkPolicy(tuple(buckets), (chunks[0],) * len(buckets), policy)
     rows = [Winner(k, b, c, f"{k}-c{c}-d{d}-{'m' if us else 'u'}", {}, us, d).to_json()
@@ -175,7 +176,7 @@ def _record(winners, policy="untuned", buckets=(1, 64), chunks=(16,), drafts=(0,
 
 
 def test_select_picks_the_layout_and_names_the_missing_one():
-    from kvbuffer.autotune.policy import select
+    from kvbuffer.tuning import select
 
     record = _record([("gdn_buffered_step", 16, 0, None), ("gdn_buffered_step", 16, 4, None),
                       ("gdn_verify", 16, 4, None)], drafts=(4,))
@@ -199,7 +200,7 @@ def test_plain_layout_keys_keep_their_names():
     assert ArtifactKey.from_json(plain.to_json()) == plain and ArtifactKey.from_json(spec.to_json()) == spec
 
 
-@pytest.mark.parametrize("kind, T, C, cap, want", [
+@pytest.mark.parametrize("op, T, C, cap, want", [
     ("recurrent", 1, 0, 0, [(None, 0)]),
     ("buffered", 1, 16, 17, [(16, 0)]),       # decode step, plain decoding
     ("buffered", 1, 16, 21, [(16, 4)]),       # decode step, 4 drafts
@@ -208,10 +209,10 @@ def test_plain_layout_keys_keep_their_names():
     ("buffered", 1, 16, 16, []),              # no room for the step's own entry: tune builds no such kernel
     ("flush", 1, 0, 5, [(4, 0), (3, 1), (2, 2), (1, 3)]),
 ])
-def test_kernel_keys_map_back_to_layouts(kind, T, C, cap, want):
-    key = ops.KernelKey("gdn", kind, 2, 4, 32, 32, "bfloat16", "bfloat16", cap, T, C)
+def test_kernel_keys_map_back_to_layouts(op, T, C, cap, want):
+    key = KernelKey("gdn", op, GDNDims(2, 4, 32, 32), "bfloat16", "bfloat16", cap=cap, T=T, C=C)
     assert key.layouts() == want
-    assert (ops._template(key) is None) == (not want)
+    assert (key.template() is None) == (not want)
 
 
 def test_records_merge_run_by_run():
@@ -242,12 +243,12 @@ def test_a_build_with_nothing_to_build_is_a_usage_error(tmp_path):
 
 
 def test_the_conv_accept_is_found_in_a_record_of_any_weight_dtype_and_bias():
-    key = conv_ops.ConvKey("accept", 256, 4, 8, 0, "bfloat16")
-    shapes = conv_ops._shapes(key)
+    key = KernelKey("conv1d", "accept", ConvDims(256, 4, 8), "bfloat16", T=0)
+    shapes = key.record_shapes()
     assert {(s["w_dtype"], s["bias"]) for s in shapes} == {(w, b) for w in ("bfloat16", "float16", "float32")
                                                           for b in (False, True)}
-    update = conv_ops.ConvKey("advance", 256, 4, 8, 1, "bfloat16", "float32", True)
-    assert conv_ops._shapes(update) == [make_conv_shape(256, 4, "bfloat16", "float32", True)]
+    update = KernelKey("conv1d", "advance", ConvDims(256, 4, 8), "bfloat16", w_dtype="float32", has_bias=True)
+    assert update.record_shapes() == [make_conv_shape(256, 4, "bfloat16", "float32", True)]
 
 
 def test_a_measured_record_without_a_policy_kernel_is_tuned():

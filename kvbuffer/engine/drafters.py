@@ -82,7 +82,7 @@ class MTPDrafter(Drafter):
     def _run(self, slots, positions, tokens, hidden, kv_start) -> torch.Tensor:
         i32 = dict(dtype=torch.int32, device=self.device)
         B = len(slots)
-        batch = ForwardBatch(kind="verify", mode="kvbuffer", positions=positions,
+        batch = ForwardBatch(phase="verify", mode="kvbuffer", positions=positions,
                              slots=torch.tensor(slots, **i32), state_slots=torch.full((B,), -1, **i32),
                              lengths=torch.zeros(B, **i32), cached=torch.tensor(kv_start, **i32), flush_at=1)
         embeds = self.model.embed(tokens)

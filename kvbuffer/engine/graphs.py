@@ -6,9 +6,9 @@ captures the forward once per (batch bucket, context bucket) and replays it: one
 
 What makes the forward capturable: the per-row integers arrive in one device tensor (`StepInputs`),
 the attention window is a host-known bucket (ForwardBatch.context_len), padding rows carry slot -1
-(the kernels skip them; kvbuffer.runtime.mixing.put_rows makes the torch scatters ignore them),
-and the custom ops skip their data-dependent checks while capturing (the engine built the slots
-and lengths itself). Logits of one replay are valid until the next replay.
+(the kernels skip them; kvbuffer.rows.put_rows makes the torch scatters ignore them), and the
+kernel launches skip their data-dependent checks (the engine built the slots and lengths itself,
+and a capture forbids reading the device back). Logits of one replay are valid until the next replay.
 """
 
 from __future__ import annotations

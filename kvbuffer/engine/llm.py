@@ -15,6 +15,8 @@ from pathlib import Path
 
 import torch
 
+from ..plan import geometry_of, request_spec
+from ..runtime.backend import kernel_dtype, resolve_backend
 from ..runtime.batch import MODES
 from ..runtime.caches import CacheSpec
 from .request import Request
@@ -70,9 +72,9 @@ def tuned_chunk_size(shape, dtype, batch: int) -> tuple[int, str]:
     if shape is None:
         return DEFAULT_CHUNK_SIZE, "default: no linear-attention layers"
     from ..artifacts import ArtifactStore
-    from ..autotune.gpus import detect_local_gpu
-    from ..autotune.policy import ChunkPolicy
     from ..errors import ArtifactError
+    from ..gpus import detect_local_gpu
+    from ..tuning import ChunkPolicy
 
     gpu = detect_local_gpu()
     if gpu is None:
@@ -101,10 +103,11 @@ class LLM:
         "recurrent" (today's servers' scheme). chunk_size: buffer entries folded per flush (C);
         None follows `kvbuffer tune`'s chunk-size policy for this GPU and batch (16 without one).
         max_batch: request slots (concurrent requests); max_len: longest context per request.
-        kernels: run the linear layers on the compiled kernels (kvbuffer.ops; CUDA, bf16 buffer
+        kernels: run the linear layers on the compiled kernels (kvbuffer.kernels; CUDA, bf16 buffer
         entries, fp32 states): True, False (the pure-torch reference) or "auto" (kernels on CUDA when
         every kernel needed loads from the artifact cache or KVBUFFER_JIT=1 allows compiling them);
-        the outcome is `self.kernels`, and `self.kernels_reason` says why.
+        the outcome is `self.backend` (`self.kernels` says whether it is the kernels, and
+        `self.kernels_reason` why).
         cuda_graphs: capture the decode step in CUDA graphs (True, False or "auto": on CUDA when the
         linear layers run on the compiled kernels or the model has none).
     """
@@ -134,39 +137,26 @@ class LLM:
         self.speculative = SpeculativeConfig.from_dict(speculative)
         self.drafter = None
         self.dtype = next(model.parameters()).dtype
-        geo = model.cache_geometry()
+        geometry = geometry_of(model)
         if chunk_size is None:
-            chunk_size, why = tuned_chunk_size(geo["linear_shape"], self.dtype, max_batch)
+            chunk_size, why = tuned_chunk_size(geometry.linear_shape, self.dtype, max_batch)
             log.info("kvbuffer: chunk size %d (%s)", chunk_size, why)
         self.chunk_size = chunk_size
         fed = (self.speculative.num_draft_tokens + 1) if self.speculative else 1
         if memory_budget is not None:  # admit as many requests as the capacity planner says fit
-            from ..plan import geometry_of, request_spec
-
-            per = sum(request_spec(geometry_of(model), scheme=mode, context=max_len - fed,
-                                   draft_tokens=fed - 1, chunk_size=chunk_size).nbytes(self.dtype).values())
+            per = sum(request_spec(geometry, scheme=mode, context=max_len - fed, draft_tokens=fed - 1,
+                                   chunk_size=chunk_size).nbytes(self.dtype).values())
             max_batch = max_states = memory_budget // per
             if max_batch < 1:
                 raise ValueError(f"memory_budget {memory_budget} B holds no request ({per} B each)")
-        spec = CacheSpec(
-            linear_shape=geo["linear_shape"], num_linear_layers=geo["num_linear_layers"],
-            conv_dim=geo["conv_dim"], conv_width=geo["conv_width"],
-            num_attention_layers=geo["num_attention_layers"], num_kv_heads=geo["num_kv_heads"],
-            head_dim=geo["head_dim"], max_requests=max_batch, max_states=max_states or max_batch,
-            max_len=max_len, chunk_size=chunk_size,
-            max_drafts=fed,
-            buffers=mode == "kvbuffer",
-            draft_states=bool(self.speculative) and mode == "recurrent",
-        )
-        self.kernels, self.kernels_reason = self._use_kernels(kernels, spec, mode)
-        buffer_dtype = None
-        if self.kernels:
-            from ..runtime.kernel_ops import kernel_dtype
-
-            buffer_dtype = kernel_dtype(self.dtype)
+        spec = request_spec(geometry, scheme=mode, context=max_len - fed, draft_tokens=fed - 1, chunk_size=chunk_size,
+                            requests=max_batch, states=max_states or max_batch)
+        self.backend, self.kernels_reason = self._use_kernels(kernels, spec, mode)
+        self.kernels = self.backend.kernels
+        buffer_dtype = kernel_dtype(self.dtype) if self.kernels else None
         self.cuda_graphs = self._use_graphs(cuda_graphs, spec)
         self.runner = ModelRunner(model, spec, mode=mode, device=self.device, dtype=self.dtype,
-                                  buffer_dtype=buffer_dtype, kernels=self.kernels, cuda_graphs=self.cuda_graphs)
+                                  buffer_dtype=buffer_dtype, backend=self.backend, cuda_graphs=self.cuda_graphs)
         if self.speculative is not None and self.speculative.method == "mtp":
             self.drafter = MTPDrafter(model, max_requests=spec.max_requests, max_len=max_len, max_drafts=fed,
                                       device=self.device, dtype=self.dtype)
@@ -178,19 +168,9 @@ class LLM:
         self._next_rid = 0
         self.spec_stats = {"request_steps": 0, "proposed": 0, "accepted": 0, "emitted": 0}
 
-    def _use_kernels(self, kernels, spec: CacheSpec, mode: str) -> tuple[bool, str]:
-        """(whether the linear layers run on the compiled kernels, why or why not)."""
-        if kernels not in (True, False, "auto"):
-            raise ValueError(f"kernels must be True, False or 'auto', got {kernels!r}")
-        if kernels is False:
-            return False, "kernels=False"
-        if not spec.num_linear_layers:
-            return False, "the model has no linear-attention layers"
-        if kernels == "auto" and self.device.type != "cuda":
-            return False, f"the device is {self.device.type}"
-        from ..runtime.kernel_ops import resolve
-
-        return resolve(kernels, self.device, spec, self.dtype, mode)
+    def _use_kernels(self, kernels, spec: CacheSpec, mode: str):
+        """(the Backend the layers call, why it was chosen): kvbuffer.runtime.backend.resolve_backend."""
+        return resolve_backend(kernels, self.device, spec, self.dtype, mode)
 
     def _use_graphs(self, cuda_graphs, spec: CacheSpec) -> bool:
         if cuda_graphs not in (True, False, "auto"):

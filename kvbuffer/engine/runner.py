@@ -10,12 +10,9 @@ import logging
 
 import torch
 
-from .. import ops
-from ..reference import conv as conv_ops
-from ..reference import core
+from ..runtime.backend import REFERENCE, Backend
 from ..runtime.batch import ForwardBatch
 from ..runtime.caches import CacheSpec, ModelCaches
-from ..runtime.kernel_ops import conv_accept
 from .graphs import DecodeGraphs, StepInputs
 from .request import Request
 
@@ -23,14 +20,16 @@ log = logging.getLogger("kvbuffer")
 
 
 class ModelRunner:
-    """cuda_graphs: capture the decode forward (CUDA with the compiled kernels, or no linear layers:
-    the reference ops read the device back, which a capture forbids)."""
+    """backend: what every forward's layers call (kvbuffer.runtime.backend), carried on each
+    ForwardBatch; the runner's own flushes and conv accepts go through it too. cuda_graphs: capture
+    the decode forward (CUDA with the compiled kernels, or no linear layers: the reference ops read
+    the device back, which a capture forbids)."""
 
-    def __init__(self, model, spec: CacheSpec, *, mode: str, device, dtype, buffer_dtype=None, kernels: bool = False,
-                 cuda_graphs: bool = False):
+    def __init__(self, model, spec: CacheSpec, *, mode: str, device, dtype, buffer_dtype=None,
+                 backend: Backend = REFERENCE, cuda_graphs: bool = False):
         self.model, self.spec, self.mode = model, spec, mode
-        self.device = device
-        self.caches = ModelCaches(spec, device=device, dtype=dtype, buffer_dtype=buffer_dtype, kernels=kernels)
+        self.device, self.backend = device, backend
+        self.caches = ModelCaches(spec, device=device, dtype=dtype, buffer_dtype=buffer_dtype)
         self.has_linear = spec.num_linear_layers > 0
         self.inputs = StepInputs(spec.max_requests, torch.device(device))
         self.graphs = DecodeGraphs(self._decode_forward, self.inputs, spec.max_len) if cuda_graphs else None
@@ -54,10 +53,10 @@ class ModelRunner:
                 self._fill(req) + adding >= self.spec.chunk_size:
             req.state_slot = self.caches.allocate_state()
 
-    def _batch(self, kind, reqs, positions) -> ForwardBatch:
+    def _batch(self, phase, reqs, positions) -> ForwardBatch:
         i32 = dict(dtype=torch.int32, device=self.device)
         return ForwardBatch(
-            kind=kind, mode=self.mode, positions=positions,
+            phase=phase, mode=self.mode, positions=positions, backend=self.backend,
             slots=torch.tensor([r.slot for r in reqs], **i32),
             state_slots=torch.tensor([r.state_slot for r in reqs], **i32),
             lengths=torch.tensor([self._fill(r) for r in reqs], **i32),
@@ -70,18 +69,15 @@ class ModelRunner:
         """The decode ForwardBatch over StepInputs' device view (FIELDS order)."""
         ids, positions, slots, state_slots, lengths, cached = view
         i32 = torch.int32
-        return ForwardBatch(kind="decode", mode=self.mode, positions=positions[:, None], slots=slots.to(i32),
-                            state_slots=state_slots.to(i32), lengths=lengths.to(i32), cached=cached.to(i32),
-                            flush_at=self.spec.chunk_size, context_len=context_len)
+        return ForwardBatch(phase="decode", mode=self.mode, backend=self.backend, positions=positions[:, None],
+                            slots=slots.to(i32), state_slots=state_slots.to(i32), lengths=lengths.to(i32),
+                            cached=cached.to(i32), flush_at=self.spec.chunk_size, context_len=context_len)
 
     def _decode_forward(self, view: torch.Tensor, context_len: int) -> torch.Tensor:
         return self._forward(view[0][:, None], self._decode_batch(view, context_len))[:, 0]
 
     def _forward(self, ids, batch: ForwardBatch, **kw):
-        """The model's forward. The engine built every slot and fill itself and checked them on
-        the host, so the kernels launch without the checks that read the device back."""
-        with ops.unchecked():
-            return self.model(ids, batch, self.caches, **kw)
+        return self.model(ids, batch, self.caches, **kw)
 
     def _advance(self, req: Request, count: int) -> None:
         """After a forward that kept `count` tokens: buffer fill and KV length move on."""
@@ -182,11 +178,8 @@ class ModelRunner:
         slots = torch.tensor([r.slot for r in reqs], **i32)
         if self.has_linear:
             counts = torch.tensor(kept, **i32)
-            with ops.unchecked():  # conv histories take the kept inputs
-                for layer in range(self.spec.num_linear_layers):
-                    state = self.caches.convs.layer(layer)
-                    if not (self.caches.kernels and conv_accept(state, slots, counts, self.spec.conv_width)):
-                        conv_ops.accept_rows(state, slots, counts, self.spec.conv_width)
+            for layer in range(self.spec.num_linear_layers):  # conv histories take the kept inputs
+                self.backend.conv_accept(self.caches.convs.layer(layer), slots, counts, self.spec.conv_width)
         for r, m in zip(reqs, kept):
             r.cached += m
         if self.caches.draft_states is not None:  # copy back each request's accepted draft state
@@ -215,13 +208,9 @@ class ModelRunner:
         state_slots = torch.tensor([r.state_slot for r in reqs], **i32)
         slots = torch.tensor([r.slot for r in reqs], **i32)
         fills = torch.tensor([buffers.length(r.slot) for r in reqs], **i32)
-        if self.caches.kernels:
-            family = "gdn" if self.spec.linear_shape.delta_rule else "mamba2"
-            fold = getattr(torch.ops.kvbuffer, f"{family}_flush")
-        else:
-            fold = core.flush
-        with ops.unchecked():
-            for layer in range(self.spec.num_linear_layers):
-                fold(self.caches.states.layer(layer), state_slots, *buffers.layer(layer).tensors(), slots, fills)
+        family = "gdn" if self.spec.linear_shape.delta_rule else "mamba2"
+        for layer in range(self.spec.num_linear_layers):
+            self.backend.flush(family, self.caches.states.layer(layer), state_slots, buffers.layer(layer).tensors(),
+                               slots, fills)
         for r in reqs:
             buffers.reset(r.slot)

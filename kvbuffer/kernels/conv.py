@@ -12,9 +12,8 @@ import torch
 
 from ..checks import check_slots, check_tensor, check_unique
 from ..errors import ShapeError
-from .gdn import ACT_DTYPES, CompiledOp, _build, _contiguous, _expect
-
-UPDATE_KINDS = {"advance": "conv_advance", "verify": "conv_verify"}
+from .compiled import ACT_DTYPES, CompiledOp, build_template, check_contiguous, expect_kind
+from .keys import CONV_UPDATE_KINDS, check_conv_mode
 
 
 def build_conv1d_update(D: int, W: int, span: int, T: int = 1, mode: str = "advance", *, dtype: str = "bfloat16",
@@ -24,23 +23,22 @@ def build_conv1d_update(D: int, W: int, span: int, T: int = 1, mode: str = "adva
 
     T = 0 (mode "advance" only): one kernel for any number of tokens (prompts).
     """
-    if mode not in UPDATE_KINDS:
-        raise ValueError(f"mode must be one of {tuple(UPDATE_KINDS)}, got {mode!r}")
+    check_conv_mode(mode)
     params = dict(D=D, W=W, span=span, T_len=T, mode=mode, dtype=dtype, w_dtype=w_dtype or dtype,
                   has_bias=has_bias, silu=silu, threads=threads)
-    return _build(UPDATE_KINDS[mode], "conv1d_update", params, module="conv1d", aliases={"T": T})
+    return build_template(CONV_UPDATE_KINDS[mode], "conv1d_update", params, module="conv1d", aliases={"T": T})
 
 
 def build_conv1d_accept(D: int, W: int, span: int, *, dtype: str = "bfloat16", threads: int = 128) -> CompiledOp:
     """Compile the accept (shift the first m pending drafts of each row into its history)."""
-    return _build("conv_accept", "conv1d_accept", dict(D=D, W=W, span=span, dtype=dtype, threads=threads),
+    return build_template("conv_accept", "conv1d_accept", dict(D=D, W=W, span=span, dtype=dtype, threads=threads),
                   module="conv1d")
 
 
 def _check_pool(op: CompiledOp, conv_state, slots, B: int, dev, checked: bool) -> None:
     p = op.params
     check_tensor("conv_state", conv_state, (None, p["D"], p["span"]), (ACT_DTYPES[p["dtype"]],), dev)
-    _contiguous("conv_state", conv_state)
+    check_contiguous("conv_state", conv_state)
     check_tensor("slots", slots, (B,), (torch.int32,), dev)
     if checked:  # these read the device back
         check_slots("slots", slots, B, conv_state.shape[0], dev)
@@ -53,8 +51,8 @@ def conv1d_update(op: CompiledOp, x, conv_state, slots, weight, bias=None, out=N
     Slot -1 = padding row: output 0, nothing written. checked=False skips the checks that read the
     device back (slot range, duplicates): for engine-built slots and CUDA-graph capture.
     """
-    if not isinstance(op, CompiledOp) or op.kind not in UPDATE_KINDS.values():
-        _expect(op, "conv_advance")
+    if not isinstance(op, CompiledOp) or op.kind not in CONV_UPDATE_KINDS.values():
+        expect_kind(op, "conv_advance")
     p = op.params
     dev = x.device if isinstance(x, torch.Tensor) else None
     act = ACT_DTYPES[p["dtype"]]
@@ -67,16 +65,16 @@ def conv1d_update(op: CompiledOp, x, conv_state, slots, weight, bias=None, out=N
     check_tensor("weight", weight, (p["D"], p["W"]), (wd,), dev)
     if p["has_bias"]:
         check_tensor("bias", bias, (p["D"],), (wd,), dev)
-        _contiguous("bias", bias)
+        check_contiguous("bias", bias)
     elif bias is not None:
         raise ShapeError("this conv kernel was built without a bias (has_bias=False); pass bias=None")
     for name, t in (("x", x), ("weight", weight)):
-        _contiguous(name, t)
+        check_contiguous(name, t)
     if out is None:
         out = torch.empty_like(x)
     else:
         check_tensor("out", out, tuple(x.shape), (act,), dev)
-        _contiguous("out", out)
+        check_contiguous("out", out)
     if B:
         op.fn(x, conv_state, slots, weight, bias_arg(op, weight, bias), out)
     return out
@@ -89,7 +87,7 @@ def bias_arg(op: CompiledOp, weight: torch.Tensor, bias):
 
 def conv1d_accept(op: CompiledOp, conv_state, slots, accepted, *, checked: bool = True) -> None:
     """Each real row keeps its first accepted[b] pending drafts: history = positions m .. m+W-2."""
-    _expect(op, "conv_accept")
+    expect_kind(op, "conv_accept")
     if not isinstance(slots, torch.Tensor):
         raise TypeError(f"slots must be a torch.Tensor, got {type(slots).__name__}")
     B, dev = slots.shape[0], slots.device
@@ -97,7 +95,7 @@ def conv1d_accept(op: CompiledOp, conv_state, slots, accepted, *, checked: bool 
         raise ShapeError(f"the compiled kernels run on CUDA tensors; slots is on {dev}")
     _check_pool(op, conv_state, slots, B, dev, checked)
     check_tensor("accepted", accepted, (B,), (torch.int32,), dev)
-    _contiguous("accepted", accepted)
+    check_contiguous("accepted", accepted)
     pending = op["span"] - (op["W"] - 1)
     if checked and B and bool(((accepted < 0) | (accepted > pending)).any()):
         raise ShapeError(f"accepted counts must be in [0, {pending}], got {accepted.tolist()}")

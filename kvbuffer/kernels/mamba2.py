@@ -3,7 +3,7 @@
 The kernels are the decay-only members of the generic family (tiles/linear_decode.py) with the
 Mamba-2 front fused: raw x, dt, B, C (and z) in, y = o + D * x (* silu(z)) out, exactly
 kvbuffer.reference.mamba2. Dimensions: G groups (key heads), H heads, N state size (K), P head dim (V);
-states (slots, H, N, P) fp32. Launchers share the GDN ops' validation (kvbuffer.kernels.gdn).
+states (slots, H, N, P) fp32. Launchers share the GDN ops' validation (kvbuffer.kernels.compiled).
 """
 
 from __future__ import annotations
@@ -12,18 +12,8 @@ import torch
 
 from ..checks import check_tensor
 from ..errors import ShapeError
-from .gdn import (
-    ACT_DTYPES,
-    CompiledOp,
-    _build,
-    _check_buffer,
-    _check_state,
-    _contiguous,
-    _expect,
-    _out,
-    check_fill_rules,
-    prefill_chunks,
-)
+from .compiled import (ACT_DTYPES, CompiledOp, build_template, check_buffer, check_contiguous, check_fill_rules,
+                       check_state, expect_kind, out_tensor, prefill_chunks)
 
 
 def _aliases(G, H, N, P) -> dict:
@@ -32,7 +22,7 @@ def _aliases(G, H, N, P) -> dict:
 
 def build_mamba2_recurrent(G: int, H: int, N: int = 128, P: int = 64, **tunables) -> CompiledOp:
     """Compile the recurrent step (selective_state_update; the baseline); tunables: BV, threads, in_dtype, has_z."""
-    return _build("recurrent", "mamba2_recurrent", dict(G=G, H=H, N=N, P=P, **tunables), "mamba2",
+    return build_template("recurrent", "mamba2_recurrent", dict(G=G, H=H, N=N, P=P, **tunables), "mamba2",
                   _aliases(G, H, N, P))
 
 
@@ -40,12 +30,12 @@ def build_mamba2_buffered(G: int, H: int, N: int = 128, P: int = 64, *, cap: int
                           flush_at: int = 0, **tunables) -> CompiledOp:
     """Compile the buffered step (T_new=1) / verify (T_new drafts) / prefill chunk, optional fused flush."""
     params = dict(G=G, H=H, N=N, P=P, cap=cap, T_new=T_new, flush_at=flush_at, **tunables)
-    return _build("buffered", "mamba2_buffered", params, "mamba2", _aliases(G, H, N, P))
+    return build_template("buffered", "mamba2_buffered", params, "mamba2", _aliases(G, H, N, P))
 
 
 def build_mamba2_flush(G: int, H: int, N: int = 128, P: int = 64, *, cap: int, **tunables) -> CompiledOp:
     """Compile the stand-alone flush (the same kernel as GDN's flush)."""
-    return _build("flush", "mamba2_flush", dict(G=G, H=H, N=N, P=P, cap=cap, **tunables), "mamba2",
+    return build_template("flush", "mamba2_flush", dict(G=G, H=H, N=N, P=P, cap=cap, **tunables), "mamba2",
                   _aliases(G, H, N, P))
 
 
@@ -69,9 +59,9 @@ def _check_tokens(op: CompiledOp, x, dt, A_log, dt_bias, Bm, Cm, D, z, lead: tup
         raise ShapeError(f"this kernel was built with has_z={p.get('has_z', False)}; z {'missing' if z is None else 'given'}")
     if z is not None:
         check_tensor("z", z, tuple(x.shape), (act,), dev)
-        _contiguous("z", z)
+        check_contiguous("z", z)
     for name, t in (("x", x), ("dt", dt), ("B", Bm), ("C", Cm), ("A_log", A_log), ("dt_bias", dt_bias), ("D", D)):
-        _contiguous(name, t)
+        check_contiguous(name, t)
     return dev
 
 
@@ -87,11 +77,11 @@ def _lead(x, dims: int, what: str) -> int:
 
 def mamba2_recurrent_step(op: CompiledOp, x, dt, A_log, dt_bias, Bm, Cm, D, state, state_slots, z=None, out=None):
     """reference.mamba2.recurrent_step: x (Bt, H, P), dt (Bt, H), B, C (Bt, G, N) -> y (Bt, H, P); updates state."""
-    _expect(op, "recurrent")
+    expect_kind(op, "recurrent")
     Bt = _lead(x, 3, "(B, H, P)")
     dev = _check_tokens(op, x, dt, A_log, dt_bias, Bm, Cm, D, z, (Bt,))
-    _check_state(op, state, state_slots, Bt, dev)
-    y = _out(out, tuple(x.shape), x)
+    check_state(op, state, state_slots, Bt, dev)
+    y = out_tensor(out, tuple(x.shape), x)
     if Bt:
         u = lambda t: t.unsqueeze(1)  # noqa: E731  (token axis of 1; a free view)
         op.fn(u(x), u(dt), A_log, dt_bias, u(Bm), u(Cm), D, u(x if z is None else z), state, state_slots, u(y))
@@ -102,10 +92,10 @@ def _run_buffered(op, x, dt, A_log, dt_bias, Bm, Cm, D, z, state, state_slots, b
                   buffer_slots, lengths, out, T_new):
     Bt = x.shape[0]
     dev = _check_tokens(op, x, dt, A_log, dt_bias, Bm, Cm, D, z, (Bt, T_new))
-    _check_state(op, state, state_slots, Bt, dev)
-    _check_buffer(op, buf_k, buf_v, buf_g, buffer_slots, lengths, Bt, dev)
+    check_state(op, state, state_slots, Bt, dev)
+    check_buffer(op, buf_k, buf_v, buf_g, buffer_slots, lengths, Bt, dev)
     check_fill_rules(op, state_slots, buffer_slots, lengths, T_new)
-    y = _out(out, tuple(x.shape), x)
+    y = out_tensor(out, tuple(x.shape), x)
     if Bt:
         op.fn(x, dt, A_log, dt_bias, Bm, Cm, D, x if z is None else z, state, state_slots,
               buf_k, buf_v, buf_g, buffer_slots, lengths, y)
@@ -119,7 +109,7 @@ def mamba2_buffered_step(op: CompiledOp, x, dt, A_log, dt_bias, Bm, Cm, D, state
     Appends (B, dt * x, G) at lengths[b]; rows with lengths[b] + 1 == flush_at are folded into their
     state in the same launch (the caller then resets their lengths).
     """
-    _expect(op, "buffered")
+    expect_kind(op, "buffered")
     if op["T_new"] != 1:
         raise ShapeError(f"mamba2_buffered_step needs a kernel built with T_new=1, got {op['T_new']}")
     Bt = _lead(x, 3, "(B, H, P)")
@@ -135,7 +125,7 @@ def mamba2_verify(op: CompiledOp, x, dt, A_log, dt_bias, Bm, Cm, D, state, state
 
     Writes the T entries at lengths[b] .. lengths[b]+T-1, leaves lengths alone (accept m: lengths += m).
     """
-    _expect(op, "buffered")
+    expect_kind(op, "buffered")
     if _lead(x, 4, "(B, T, H, P)") and x.shape[1] != op["T_new"]:
         raise ShapeError(f"x must be (B, {op['T_new']}, H, P) for this kernel, got {tuple(x.shape)}")
     return _run_buffered(op, x, dt, A_log, dt_bias, Bm, Cm, D, z, state, state_slots,

@@ -11,7 +11,9 @@ from dataclasses import dataclass
 
 import torch
 
-KINDS = ("prefill", "decode", "verify")
+from .backend import REFERENCE, Backend
+
+PHASES = ("prefill", "decode", "verify")
 MODES = ("kvbuffer", "recurrent")
 
 
@@ -19,7 +21,7 @@ MODES = ("kvbuffer", "recurrent")
 class ForwardBatch:
     """B rows, each with T new tokens.
 
-    kind:     "prefill" (T prompt tokens per row, every row at the same buffer fill), "decode"
+    phase:    "prefill" (T prompt tokens per row, every row at the same buffer fill), "decode"
               (T = 1) or "verify" (T drafts, nothing committed until the engine accepts some of them).
     mode:     "kvbuffer" (buffered linear layers) or "recurrent" (today's servers' scheme).
     positions (B, T) int64: absolute position of each new token.
@@ -33,7 +35,7 @@ class ForwardBatch:
               (a sync). CUDA graphs fix it to a bucket.
     """
 
-    kind: str
+    phase: str
     mode: str
     positions: torch.Tensor
     slots: torch.Tensor
@@ -43,10 +45,11 @@ class ForwardBatch:
     flush_at: int
     context_len: int | None = None
     common_fill: int = 0  # prefill: the rows' shared buffer fill, on the host (the chunk plan)
+    backend: Backend = REFERENCE  # what the mixers call (kvbuffer.runtime.backend), resolved once by the LLM
 
     def __post_init__(self):
-        if self.kind not in KINDS:
-            raise ValueError(f"kind must be one of {KINDS}, got {self.kind!r}")
+        if self.phase not in PHASES:
+            raise ValueError(f"phase must be one of {PHASES}, got {self.phase!r}")
         if self.mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {self.mode!r}")
 

@@ -89,9 +89,8 @@ class CacheSpec:
 class ModelCaches:
     """Owns the pools; hands out request and state slots; frees both when a request ends."""
 
-    def __init__(self, spec: CacheSpec, *, device=None, dtype=torch.float32, buffer_dtype=None, kernels: bool = False):
+    def __init__(self, spec: CacheSpec, *, device=None, dtype=torch.float32, buffer_dtype=None):
         self.spec = spec
-        self.kernels = kernels  # linear layers on the compiled kernels (kvbuffer.ops), else the reference
         self.requests = SlotAllocator(spec.max_requests)
         shapes = spec.tensor_shapes(dtype, buffer_dtype)
         L = spec.num_linear_layers

@@ -1,8 +1,9 @@
 """The memory-touching parts of a layer: short conv, linear-attention mixers and attention.
 
-Model code computes projections and calls these with a ForwardBatch; they find the rows' slots,
-pick the op for the batch's kind and mode, and leave all bookkeeping (advancing buffer fills,
-flush resets, KV lengths) to the engine, which does it once per forward for every layer.
+Model code computes projections and calls these with a ForwardBatch; they find the rows' slots and
+call the batch's Backend (kvbuffer.runtime.backend: reference or kernels, chosen once when the LLM
+was built) for the batch's phase and mode. All bookkeeping (advancing buffer fills, flush resets,
+KV lengths) is the engine's, done once per forward for every layer.
 """
 
 from __future__ import annotations
@@ -10,99 +11,59 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ..reference import conv as conv_ops
-from ..reference import gdn as gdn_ops
-from ..reference import mamba2 as mamba2_ops
+from ..rows import put_rows
+from .backend import GDNInputs, LinearInputs, Mamba2Inputs, per_token
 from .batch import ForwardBatch
 from .caches import ModelCaches
-from .kernel_ops import PREFILL_CHUNKS, conv_update
 
 
 def short_conv(x, weight, bias, batch: ForwardBatch, caches: ModelCaches, layer: int):
     """Causal depthwise conv + SiLU over x (B, T, D) with each row's history; verify keeps drafts pending."""
-    state = caches.convs.layer(layer)
-    if caches.kernels:  # the compiled conv when its kernel is there (else the reference below)
-        out = conv_update(x, state, batch.slots, weight, bias, "verify" if batch.kind == "verify" else "advance")
-        if out is not None:
-            return out
-    # engine-built rows: the unchecked, sync-free forms
-    if batch.kind == "prefill":
-        return conv_ops.prefill_rows(x, state, batch.slots, weight, bias)
-    if batch.kind == "decode":
-        return conv_ops.step_rows(x[:, 0], state, batch.slots, weight, bias)[:, None]
-    return conv_ops.verify_rows(x, state, batch.slots, weight, bias)
-
-
-def prefill_plan(fill: int, tokens: int, flush_at: int, kernels: bool) -> list[int]:
-    """How a prefill of `tokens` tokens after `fill` buffered ones is cut: no chunk crosses a flush
-    point; on the compiled kernels each chunk is one of PREFILL_CHUNKS."""
-    plan = []
-    while tokens:
-        take = min(flush_at - fill, tokens)
-        if kernels:
-            take = next(s for s in PREFILL_CHUNKS if s <= take)
-        plan.append(take)
-        fill, tokens = (fill + take) % flush_at, tokens - take
-    return plan
-
-
-def _gdn_args(tokens, params):
-    return (*tokens, *params)  # (q, k, v, a, b), (A_log, dt_bias)
-
-
-def _mamba2_args(tokens, params):
-    x, dt, B, C = tokens
-    A_log, dt_bias, D = params
-    return (x, dt, A_log, dt_bias, B, C, D)
-
-
-def _backend(reference, caches: ModelCaches):
-    """The reference ops, or their compiled-kernel counterparts when the caches were built for kernels."""
-    if not caches.kernels:
-        return reference
-    from .kernel_ops import compiled
-
-    return compiled(reference)
+    return batch.backend.short_conv(x, caches.convs.layer(layer), batch.slots, weight, bias, batch.phase)
 
 
 def gated_delta_mix(q, k, v, a, b, A_log, dt_bias, batch, caches, layer):
     """Gated DeltaNet core for (B, T, ...) inputs: returns o (B, T, Hv, V)."""
-    return _linear_mix(_backend(gdn_ops, caches), _gdn_args, (q, k, v, a, b), (A_log, dt_bias), batch, caches, layer)
+    return _linear_mix(GDNInputs(q, k, v, a, b, A_log, dt_bias), batch, caches, layer)
 
 
 def mamba2_mix(x, dt, B, C, A_log, dt_bias, D, batch, caches, layer):
     """Mamba-2 SSM for (Bt, T, ...) inputs (with D skip): returns y (Bt, T, H, P)."""
-    return _linear_mix(_backend(mamba2_ops, caches), _mamba2_args, (x, dt, B, C), (A_log, dt_bias, D), batch, caches, layer)
+    return _linear_mix(Mamba2Inputs(x, dt, A_log, dt_bias, B, C, D), batch, caches, layer)
 
 
-def _linear_mix(ops, arrange, tokens, params, batch: ForwardBatch, caches: ModelCaches, layer: int):
-    state = caches.states.layer(layer)
+def _token(i):
+    return lambda t: t[:, i]
+
+
+def _linear_mix(inputs: LinearInputs, batch: ForwardBatch, caches: ModelCaches, layer: int):
+    backend, state = batch.backend, caches.states.layer(layer)
     if batch.mode == "recurrent":
-        if batch.kind == "verify":
-            return _recurrent_verify(ops, arrange, tokens, params, batch, caches, layer)
-        steps = [ops.recurrent_step(*arrange([t[:, i] for t in tokens], params), state, batch.state_slots)
+        if batch.phase == "verify":
+            return _recurrent_verify(inputs, batch, caches, layer)
+        steps = [backend.recurrent_step(per_token(inputs, _token(i)), state, batch.state_slots)
                  for i in range(batch.num_tokens)]
         return torch.stack(steps, 1)
     if caches.buffers is None:
         raise ValueError("kvbuffer mode needs caches built with buffers=True")
     buf = caches.buffers.layer(layer).tensors()
-    if batch.kind == "prefill":  # chunks that stop at each flush point; the chunk reaching it folds the buffer
+    if batch.phase == "prefill":  # chunks that stop at each flush point; the chunk reaching it folds the buffer
         outs, start, fill = [], 0, batch.common_fill
-        for take in prefill_plan(fill, batch.num_tokens, batch.flush_at, caches.kernels):
-            part = [t[:, start:start + take] for t in tokens]
+        for take in backend.prefill_plan(fill, batch.num_tokens, batch.flush_at):
+            part = per_token(inputs, lambda t: t[:, start:start + take])
             lengths = torch.full_like(batch.lengths, fill)
-            outs.append(ops.verify(*arrange(part, params), state, batch.state_slots, *buf, batch.slots, lengths,
-                                   flush_at=batch.flush_at))
+            outs.append(backend.verify(part, state, batch.state_slots, buf, batch.slots, lengths,
+                                       flush_at=batch.flush_at))
             fill, start = (fill + take) % batch.flush_at, start + take
         return torch.cat(outs, 1)
-    if batch.kind == "decode":
-        o = ops.buffered_step(*arrange([t[:, 0] for t in tokens], params), state, batch.state_slots, *buf,
-                              batch.slots, batch.lengths, flush_at=batch.flush_at)
+    if batch.phase == "decode":
+        o = backend.buffered_step(per_token(inputs, _token(0)), state, batch.state_slots, buf, batch.slots,
+                                  batch.lengths, flush_at=batch.flush_at)
         return o[:, None]
-    return ops.verify(*arrange(tokens, params), state, batch.state_slots, *buf, batch.slots, batch.lengths)
+    return backend.verify(inputs, state, batch.state_slots, buf, batch.slots, batch.lengths)
 
 
-def _recurrent_verify(ops, arrange, tokens, params, batch, caches, layer):
+def _recurrent_verify(inputs: LinearInputs, batch, caches, layer):
     """The servers' way to verify T drafts: step through them, storing the state after each one in
     a per-draft state slot; the engine copies the accepted one back (see commit_draft_states)."""
     if caches.draft_states is None:
@@ -113,7 +74,7 @@ def _recurrent_verify(ops, arrange, tokens, params, batch, caches, layer):
                        torch.full_like(batch.slots, -1))
     outs = []
     for i in range(batch.num_tokens):
-        outs.append(ops.recurrent_step(*arrange([t[:, i] for t in tokens], params), scratch, rows))
+        outs.append(batch.backend.recurrent_step(per_token(inputs, _token(i)), scratch, rows))
         caches.draft_states[layer][batch.slots[real].long(), i] = scratch[real]
     return torch.stack(outs, 1)
 
@@ -134,8 +95,8 @@ def attention(q, k, v, batch: ForwardBatch, caches: ModelCaches, layer: int, sca
     rows = batch.slots.clamp(min=0).long()
     pos = batch.cached.long()[:, None] + torch.arange(T, device=q.device)[None, :]  # (B, T)
     at = (rows[:, None].expand(B, T), pos)
-    conv_ops.put_rows(kc, at, k, real)
-    conv_ops.put_rows(vc, at, v, real)
+    put_rows(kc, at, k, real)
+    put_rows(vc, at, v, real)
     L = batch.context_len if batch.context_len is not None else int(pos.max()) + 1
     Hkv = kc.shape[2]
     G = H // Hkv

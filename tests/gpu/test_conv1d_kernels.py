@@ -1,4 +1,4 @@
-"""The conv1d kernels (tiles/conv1d.py through kvbuffer.conv_ops) on CUDA vs kvbuffer.reference.conv on
+"""The conv1d kernels (tiles/conv1d.py through kvbuffer.kernels) on CUDA vs kvbuffer.reference.conv on
 CUDA: outputs NaN-poisoned before the launch, pool slots no row uses NaN-poisoned and compared bit-exact,
 every accepted count; and the engine on the compiled conv vs the same engine on the reference conv.
 
@@ -10,7 +10,8 @@ import zlib
 import pytest
 import torch
 
-from kvbuffer import conv_ops, kernels, ops
+from kvbuffer import kernels, ops
+from kvbuffer.kernels import launch, lookup
 from kvbuffer.reference import conv as ref
 from .gdn_cases import bits_equal as _bits
 
@@ -68,7 +69,7 @@ def test_conv1d_update_matches_reference(kind, T, B, dtype, D):
     b = (0.5 * torch.randn(D, generator=gen, device="cuda")).to(dt) if has_bias else None
     state, slots = _pool(gen, B, D, dt)
     theirs = state.clone()
-    op = conv_ops.kernel_for(conv_ops.update_key(kind, x, state, w, b, True))
+    op = lookup.kernel_for(launch.conv_update_key(kind, x, state, w, b, True))
     out = torch.full_like(x, float("nan"))
     kernels.conv1d_update(op, x, state, slots, w, b, out)
     want = _reference(kind, x, theirs, slots, w, b)
@@ -126,11 +127,11 @@ def _generate(kind, compiled_conv: bool, monkeypatch, **extra):
     from tiny_models import tiny_model
 
     from kvbuffer import LLM
-    from kvbuffer.runtime import kernel_ops
+    from kvbuffer.runtime.backend import KernelBackend
 
     with monkeypatch.context() as m:
         if not compiled_conv:  # the conv kernels "missing": the engine keeps the reference conv
-            m.setattr(kernel_ops, "_conv_kernel_loads", lambda key, batch: False)
+            m.setattr(KernelBackend, "_conv_kernel_loads", lambda self, key, batch: False)
         kw = dict(device="cuda", dtype=torch.bfloat16, chunk_size=8, max_batch=4, kernels=True, **extra)
         plain = LLM(tiny_model(kind), **kw).generate(PROMPTS, max_new_tokens=32, return_logits=True)
         llm = LLM(tiny_model(kind), speculative={"method": "ngram", "num_draft_tokens": 4}, **kw)
@@ -150,12 +151,12 @@ def test_engine_compiled_conv_equals_reference_conv(kind, monkeypatch):
     from gpu.test_ops_and_engine import compare_greedy
     from kvbuffer import LLM
 
-    conv_ops.clear_kernels()
+    lookup.clear_kernels("conv1d")
     plain, spec = _generate(kind, True, monkeypatch)
-    keys = [k for k, _batch in conv_ops._KERNELS]
-    used = {k.kind for k in keys}
+    keys = [k for k in lookup.loaded_keys() if k.family == "conv1d"]
+    used = {k.op for k in keys}
     assert used == {"advance", "verify", "accept"}, used
-    assert any(k.T == 0 for k in keys) and any(k.kind == "advance" and k.T == 1 for k in keys)
+    assert any(k.T == 0 for k in keys) and any(k.op == "advance" and k.T == 1 for k in keys)
     ref_plain, ref_spec = _generate(kind, False, monkeypatch)
     assert [g.token_ids for g in plain] == [g.token_ids for g in ref_plain]
     # the speculative runs agree with each other and with plain decoding up to bf16 near ties

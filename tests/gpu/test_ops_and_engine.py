@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from kvbuffer import ops
+from kvbuffer.kernels import lookup
 from kvbuffer.reference import core, gdn, mamba2
 
 pytestmark = pytest.mark.gpu
@@ -183,8 +184,9 @@ want = gdn.buffered_step(*theirs, flush_at=C)
 err = float((o.double() - want.double()).norm() / want.double().norm())
 serr = float((args[7] - theirs[7]).norm() / theirs[7].norm())
 assert err < 1e-2 and serr < 1e-3, (err, serr)
-assert sys.modules.get("tilelang") is None and not any(isinstance(n, tuple) for n in kvbuffer.ops._LOADED)
-print("artifact ok", err, serr, list(kvbuffer.ops._LOADED))
+from kvbuffer.kernels import lookup
+assert sys.modules.get("tilelang") is None and not any(isinstance(n, tuple) for n in lookup._LOADED)
+print("artifact ok", err, serr, list(lookup._LOADED))
 '''
     res = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
     assert res.returncode == 0 and "artifact ok" in res.stdout, res.stdout + res.stderr
@@ -232,7 +234,7 @@ def test_engine_on_kernels_vs_cpu_reference(kind):
     fast = LLM(tiny_model(kind), device="cuda", dtype=torch.bfloat16, chunk_size=C, max_batch=4, kernels=True)
     assert fast.kernels and fast.runner.caches.buffers.keys.dtype == torch.bfloat16
     got = fast.generate(PROMPTS, max_new_tokens=24, return_logits=True)
-    assert ops._KERNELS, "the engine did not launch any compiled kernel"
+    assert lookup.loaded_keys(), "the engine did not launch any compiled kernel"
     compare_greedy(got, want, tol=0.25)
     same_dtype = LLM(tiny_model(kind), device="cuda", dtype=torch.bfloat16, chunk_size=C, max_batch=4,
                      kernels=False).generate(PROMPTS, max_new_tokens=24, return_logits=True)
@@ -379,7 +381,8 @@ for name in ("tilelang", "tvm"):
 sys.path.insert(0, {str(ROOT / "tests")!r})
 import torch
 from tiny_models import tiny_model
-from kvbuffer import LLM, conv_ops, ops
+from kvbuffer import LLM
+from kvbuffer.kernels import lookup
 prompts = [[5, 17, 3, 44, 9, 61, 2, 30, 11, 7, 12, 90, 4, 21], [8, 1, 33], [60, 2, 2, 19, 40]]
 fast = LLM(tiny_model("qwen3_5", **{heads!r}), device="cuda", dtype=torch.bfloat16, chunk_size=8,
            max_batch=4, kernels=True)
@@ -395,11 +398,12 @@ for g, w in zip(drafted, got):
     n = next((i for i, (a, b) in enumerate(zip(g.token_ids, w.token_ids)) if a != b), len(w.token_ids))
     same.append(n)
     spec_worst = max([spec_worst] + [float((a - b).abs().max()) for a, b in zip(g.logits[:n + 1], w.logits[:n + 1])])
-loaded = sorted(n for n in ops._LOADED if isinstance(n, str))
-assert not any(isinstance(n, tuple) for n in ops._LOADED), ops._LOADED  # nothing compiled
-assert conv_ops._KERNELS and not conv_ops._JITTED, (conv_ops._KERNELS, conv_ops._JITTED)
+loaded = sorted(n for n in lookup._LOADED if isinstance(n, str))
+assert not any(isinstance(n, tuple) for n in lookup._LOADED), lookup._LOADED  # nothing compiled
+conv = [k for k in lookup.loaded_keys() if k.family == "conv1d"]
+assert conv, lookup.loaded_keys()
 print("engine from artifacts", worst, [g.token_ids == w.token_ids for g, w in zip(got, ref)], loaded)
-print("speculative from artifacts", spec_worst, same, spec.acceptance, sorted({{k.kind for k, _ in conv_ops._KERNELS}}))
+print("speculative from artifacts", spec_worst, same, spec.acceptance, sorted({{k.op for k in conv}}))
 assert worst < 0.06, worst
 assert spec_worst < 0.15 and min(same) >= 8, (spec_worst, same)
 '''

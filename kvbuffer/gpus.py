@@ -1,4 +1,8 @@
-"""The GPUs kvbuffer tunes for: arch (TileLang target), SM count, memory bandwidth, L2 size.
+"""The GPUs kvbuffer knows: arch (TileLang target), SM count, memory bandwidth, L2 size.
+
+Runtime side: the artifact lookup names the local GPU's tuning record with `detect_local_gpu`, and
+a JIT compile targets the local compute capability (`local_target`); `kvbuffer tune --gpu` builds
+for a named one. Imports neither TileLang nor (at module import) torch.
 
 Only GPUs TileLang 0.1.15 can target honestly are listed; every arch here compiles kvbuffer's
 GDN templates with nvcc 13.0 (checked on a CPU machine: sm_80, sm_89, sm_90a, sm_100a). Hopper
@@ -13,6 +17,8 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, replace
+
+from .errors import DeviceError
 
 
 @dataclass(frozen=True)
@@ -49,7 +55,26 @@ CATALOGUE: tuple[GPU, ...] = (
     GPU("b200", "B200 180GB", "sm_100a", 148, 8000, 126, 180, r"B200"),
 )
 
-_ARCH_FOR_CC = {(8, 0): "sm_80", (8, 6): "sm_86", (8, 9): "sm_89", (9, 0): "sm_90a", (10, 0): "sm_100a"}
+ARCH_FOR_CAPABILITY = {(8, 0): "sm_80", (8, 6): "sm_86", (8, 9): "sm_89", (9, 0): "sm_90a", (10, 0): "sm_100a"}
+
+
+def arch_for_capability(capability: tuple[int, int], device_name: str = "this GPU") -> str:
+    """The TileLang arch for a compute capability; DeviceError for one the templates are not built for."""
+    cc = tuple(capability)
+    if cc not in ARCH_FOR_CAPABILITY:
+        raise DeviceError(f"{device_name} (compute capability {cc[0]}.{cc[1]}) has no TileLang target in "
+                          f"kvbuffer's catalogue; supported: {sorted(set(ARCH_FOR_CAPABILITY.values()))}")
+    return ARCH_FOR_CAPABILITY[cc]
+
+
+def local_target(device: int = 0) -> dict:
+    """The TileLang target dict for the CUDA device torch sees (what a JIT compile builds for)."""
+    import torch
+
+    if not torch.cuda.is_available():
+        raise DeviceError("JIT compiling needs a CUDA GPU: the kernels are built for the local device's arch")
+    cc = torch.cuda.get_device_capability(device)
+    return {"kind": "cuda", "arch": arch_for_capability(cc, torch.cuda.get_device_name(device))}
 
 
 def gpu_names() -> list[str]:
@@ -76,7 +101,7 @@ def detect_local_gpu(device: int = 0) -> GPU | None:
     """The GPU torch sees (None without CUDA), with SM count, memory and L2 read from the driver.
 
     An unlisted model of a supported compute capability gets a name derived from the device name;
-    an unsupported compute capability raises ValueError (TileLang 0.1.15 has no target for it here).
+    an unsupported compute capability raises DeviceError (TileLang 0.1.15 has no target for it here).
     """
     import torch
 
@@ -86,11 +111,9 @@ def detect_local_gpu(device: int = 0) -> GPU | None:
     cc = (props.major, props.minor)
     base = match_device(props.name, cc)
     if base is None:
-        if cc not in _ARCH_FOR_CC:
-            raise ValueError(f"{props.name} (compute capability {cc[0]}.{cc[1]}) has no TileLang target in "
-                             f"kvbuffer's catalogue; supported: {sorted(set(_ARCH_FOR_CC.values()))}")
+        arch = arch_for_capability(cc, props.name)
         slug = re.sub(r"[^a-z0-9]+", "-", props.name.lower().replace("nvidia", "")).strip("-")
-        base = GPU(slug, props.name, _ARCH_FOR_CC[cc], props.multi_processor_count, 0.0, 0.0, 0.0)
+        base = GPU(slug, props.name, arch, props.multi_processor_count, 0.0, 0.0, 0.0)
     l2 = getattr(props, "L2_cache_size", 0) / 2**20 or base.l2_mib
     return replace(base, sm_count=props.multi_processor_count, l2_mib=l2,
                    memory_gib=round(props.total_memory / 2**30, 1))

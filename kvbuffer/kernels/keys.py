@@ -1,0 +1,224 @@
+"""What one compiled kernel is specialised for (`KernelKey`), and what that key means to the cache.
+
+One key type serves every family: Gated DeltaNet ("gdn"), Mamba-2 ("mamba2") and the short conv
+("conv1d"). Its `op` names the kernel within the family; its `dims` carry the family's own
+dimension names (GDN's Hk, Hv, K, V; Mamba-2's G, H, N, P; the conv's D, W, span). Batch and pool
+sizes are dynamic, so they are not part of a key. From a key follow: the `kvbuffer tune` template
+that builds it, the tuning record shapes it is stored under, the buffer layouts it fits, and the
+command that builds it. PREFILL_CHUNKS, the prompt-chunk lengths the engine feeds the kernels and
+`kvbuffer tune` builds, is written here once.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Union
+
+import torch
+
+from ..tuning import make_conv_shape
+
+PREFILL_CHUNKS = (8, 4, 2)  # multi-token prompt chunks (flush fused at C); a prompt's rest goes 1 token at a time
+LINEAR_OPS = ("recurrent", "buffered", "flush")
+CONV_OPS = ("advance", "verify", "accept")
+CONV_UPDATE_KINDS = {"advance": "conv_advance", "verify": "conv_verify"}  # CompiledOp.kind per conv mode
+DTYPE_NAMES = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}
+
+
+def dtype_name(t: torch.Tensor) -> str:
+    return DTYPE_NAMES.get(t.dtype, str(t.dtype).removeprefix("torch."))
+
+
+def check_conv_mode(mode: str) -> None:
+    if mode not in CONV_UPDATE_KINDS:
+        raise ValueError(f"mode must be 'advance' or 'verify', got {mode!r}")
+
+
+def prefill_plan(fill: int, tokens: int, flush_at: int, kernels: bool) -> list[int]:
+    """How a prefill of `tokens` tokens after `fill` buffered ones is cut: no chunk crosses a flush
+    point; on the compiled kernels each chunk is one of PREFILL_CHUNKS or a single token."""
+    plan = []
+    while tokens:
+        take = min(flush_at - fill, tokens)
+        if kernels:
+            take = next(s for s in (*PREFILL_CHUNKS, 1) if s <= take)
+        plan.append(take)
+        fill, tokens = (fill + take) % flush_at, tokens - take
+    return plan
+
+
+@dataclass(frozen=True)
+class GDNDims:
+    Hk: int  # key heads
+    Hv: int  # value heads
+    K: int   # key head dim
+    V: int   # value head dim
+
+    def record_fields(self) -> dict:
+        return {"Hk": self.Hk, "Hv": self.Hv, "K": self.K, "V": self.V}
+
+
+@dataclass(frozen=True)
+class Mamba2Dims:
+    G: int  # groups (B and C heads)
+    H: int  # heads
+    N: int  # state size
+    P: int  # head dim
+
+    def record_fields(self) -> dict:
+        """Tuning records store every linear family under the generic names Hk, Hv, K, V."""
+        return {"Hk": self.G, "Hv": self.H, "K": self.N, "V": self.P}
+
+
+@dataclass(frozen=True)
+class ConvDims:
+    D: int     # channels
+    W: int     # kernel width
+    span: int  # pool positions per channel, W - 1 + max drafts
+
+
+Dims = Union[GDNDims, Mamba2Dims, ConvDims]
+_DIMS = {"gdn": GDNDims, "mamba2": Mamba2Dims, "conv1d": ConvDims}
+
+
+@dataclass(frozen=True)
+class KernelKey:
+    """One compiled kernel's specialisation.
+
+    family: "gdn" | "mamba2" | "conv1d". op: "recurrent" | "buffered" | "flush" (linear families),
+    "advance" | "verify" | "accept" (conv1d). in_dtype: activations (conv: x and the pool; "" for a
+    linear flush). buf_dtype: buffer entries ("" for the recurrent step and the conv). w_dtype: the
+    conv's weight and bias ("" otherwise). cap: buffer entries per slot. T: tokens per row (conv
+    advance: 0 = any count). C: flush_at (0: no fused flush).
+    """
+
+    family: str
+    op: str
+    dims: Dims
+    in_dtype: str = ""
+    buf_dtype: str = ""
+    w_dtype: str = ""
+    cap: int = 0
+    T: int = 1
+    C: int = 0
+    has_z: bool = False
+    has_bias: bool = False
+    silu: bool = True
+
+    def __post_init__(self):
+        if self.family not in _DIMS:
+            raise ValueError(f"family must be one of {tuple(_DIMS)}, got {self.family!r}")
+        if not isinstance(self.dims, _DIMS[self.family]):
+            raise TypeError(f"dims of a {self.family} key must be {_DIMS[self.family].__name__}, "
+                            f"got {type(self.dims).__name__}")
+        ops = CONV_OPS if self.family == "conv1d" else LINEAR_OPS
+        if self.op not in ops:
+            raise ValueError(f"op of a {self.family} key must be one of {ops}, got {self.op!r}")
+
+    @property
+    def dtype(self) -> str:
+        """The dtype a tuning record's shape names (activations, or the entries of a flush)."""
+        return self.in_dtype or self.buf_dtype
+
+    # -- where tune stores it ------------------------------------------------------------------
+    def record_shapes(self) -> list[dict]:
+        """The tuning record shapes that can hold this kernel: the conv accept reads no weights, so
+        it is found in a record of any weight dtype and bias."""
+        if self.family != "conv1d":
+            return [{"family": self.family, **self.dims.record_fields(), "dtype": self.dtype}]  # make_shape's form
+        D, W = self.dims.D, self.dims.W
+        if self.op != "accept":
+            return [make_conv_shape(D, W, self.in_dtype, self.w_dtype, self.has_bias)]
+        w_dtypes = dict.fromkeys((self.in_dtype, "bfloat16", "float16", "float32"))
+        return [make_conv_shape(D, W, self.in_dtype, w, bias) for bias in (False, True) for w in w_dtypes]
+
+    def layouts(self) -> list[tuple[int | None, int]]:
+        """The (chunk size C, speculative drafts) buffer layouts, C + drafts + 1 entries, this kernel fits.
+
+        The decode step and prefill chunks name C (flush_at), so drafts = cap - C - 1; a verify (no
+        flush) is fed drafts + 1 = T tokens, so drafts = T - 1 and C = cap - T; a flush fits every
+        split of its capacity (the first one built is used). Conv kernels serve every C: their
+        layout is the drafts their span makes room for.
+        """
+        if self.family == "conv1d":
+            return [(None, self.dims.span - self.dims.W)]
+        if self.op == "recurrent":
+            return [(None, 0)]
+        if self.op == "flush":
+            return [(self.cap - 1 - d, d) for d in range(self.cap - 1)]
+        if self.C:
+            return [(self.C, self.cap - self.C - 1)] if self.cap > self.C else []
+        return [(self.cap - self.T, self.T - 1)] if self.T > 1 and self.cap > self.T else []
+
+    def template(self) -> str | None:
+        """The `kvbuffer tune` template that builds this kernel, or None if tune builds no such variant.
+
+        Linear families: the recurrent step, and per buffer layout (C + T + 1 entries for T
+        speculative drafts; C + 1 for plain decoding) the decode step (flush fused at C), the
+        PREFILL_CHUNKS prompt chunks (flush fused at C), the verify of T drafts plus the last token
+        and the flush, all without z and with activations and entries of one dtype. conv1d: with
+        SiLU, the step, the any-length prompt, the verify of all T drafts + 1 and the accept.
+        """
+        if self.family == "conv1d":
+            return self._conv_template()
+        if self.has_z or (self.op == "buffered" and self.in_dtype != self.buf_dtype) or not self.layouts():
+            return None
+        if self.op in ("recurrent", "flush"):
+            return f"{self.family}_{self.op}"
+        if self.C == 0:
+            return f"{self.family}_verify"
+        if self.T == 1:
+            return f"{self.family}_buffered_step"
+        if self.T in PREFILL_CHUNKS and self.C >= self.T:
+            return f"{self.family}_prefill_chunk{self.T}"
+        return None
+
+    def _conv_template(self) -> str | None:
+        drafts = self.dims.span - self.dims.W
+        if drafts < 0 or not self.silu:
+            return None
+        if self.op == "accept":
+            return "conv1d_accept" if drafts >= 1 else None
+        if self.op == "verify":
+            return "conv1d_verify" if drafts >= 1 and self.T == drafts + 1 else None
+        return {1: "conv1d_step", 0: "conv1d_prefill"}.get(self.T)
+
+    def tune_command(self) -> str:
+        """The `kvbuffer tune` command that builds this kernel (`<gpu>` left for the caller)."""
+        if self.family == "conv1d":
+            drafts = self.layouts()[0][1]
+            return "kvbuffer tune --gpu <gpu> --model <model>" + (f" --draft-tokens {drafts}" if drafts > 0 else "")
+        layouts = self.layouts()
+        C, drafts = layouts[0] if len(layouts) == 1 else (self.cap - 1, 0)
+        heads = ",".join(str(n) for n in self.dims.record_fields().values())
+        return (f"kvbuffer tune --gpu <gpu> --heads {heads}"
+                + (f" --family {self.family}" if self.family != "gdn" else "")
+                + (f" --dtype {self.dtype}" if self.dtype != "bfloat16" else "")
+                + (f" --chunk-sizes {C}" if self.op != "recurrent" else "")
+                + (f" --draft-tokens {drafts}" if drafts else ""))
+
+    # -- what its launcher validates -------------------------------------------------------------
+    def compiled_kind(self) -> str:
+        """The CompiledOp.kind the launchers expect for this kernel."""
+        if self.family != "conv1d":
+            return self.op
+        return CONV_UPDATE_KINDS.get(self.op, "conv_accept")
+
+    def launch_params(self, tunables: dict) -> dict:
+        """The compile-time parameters kvbuffer.kernels' launchers validate against."""
+        d = self.dims
+        if self.family == "conv1d":
+            if self.op == "accept":
+                return dict(tunables, D=d.D, W=d.W, span=d.span, dtype=self.in_dtype)
+            return dict(tunables, D=d.D, W=d.W, span=d.span, T_len=self.T, mode=self.op, dtype=self.in_dtype,
+                        w_dtype=self.w_dtype, has_bias=self.has_bias, silu=self.silu, T=self.T)
+        p = dict(tunables, **d.record_fields(), cap=self.cap, T_new=self.T, flush_at=self.C,
+                 in_dtype=self.in_dtype, buf_dtype=self.buf_dtype, has_z=self.has_z)
+        if self.family == "mamba2":
+            p.update(G=d.G, H=d.H, N=d.N, P=d.P)
+        return p
+
+
+def linear_dims(family: str, Hk: int, Hv: int, K: int, V: int) -> GDNDims | Mamba2Dims:
+    """A linear family's dims from the generic (key heads, value heads, key dim, value dim) order."""
+    return GDNDims(Hk, Hv, K, V) if family == "gdn" else Mamba2Dims(Hk, Hv, K, V)

@@ -1,0 +1,190 @@
+"""CUDA launches of the ops: look the kernel up for the arguments' shapes, then run it on torch's stream.
+
+Each function here takes the custom op's arguments (kvbuffer.kernels.torch_ops registers them as
+the ops' CUDA implementations) plus `checked`: True runs the validating launcher of
+kvbuffer.kernels.gdn / .mamba2 / .conv first; False launches directly, skipping the checks that
+read the device back (slot ranges, duplicate slots, buffer room, the fill rules), which stall the
+launch queue. Callers that built the slots and lengths themselves (the engine's kernel Backend)
+pass False; shapes, dtypes and contiguity are still checked by the compiled kernels' entry. A
+launch during CUDA-graph capture is always direct (a capture forbids reading the device back).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from ..errors import DTypeError
+from . import conv, gdn, mamba2
+from .keys import ConvDims, GDNDims, KernelKey, Mamba2Dims, check_conv_mode, dtype_name
+from .lookup import kernel_for
+
+
+def capturing() -> bool:
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+
+
+def _on_torch_stream(fn, *args, **kwargs):
+    """Launch on torch's current stream (the capture stream during CUDA graph capture)."""
+    import tvm_ffi
+
+    with tvm_ffi.use_torch_stream():
+        return fn(*args, **kwargs)
+
+
+def _token_axis(t):
+    """(B, ...) -> (B, 1, ...): the kernels take a token axis (a free view)."""
+    return None if t is None else t.unsqueeze(1)
+
+
+def _linear_key(family, op, key_t, val_t, buf_k=None, T=1, C=0, z=None) -> KernelKey:
+    """The key of a linear op from its key-side tensor (k / B) and value-side tensor (v / x)."""
+    dims = (key_t.shape[-2], val_t.shape[-2], key_t.shape[-1], val_t.shape[-1])
+    dims = GDNDims(*dims) if family == "gdn" else Mamba2Dims(*dims)
+    cap = buf_k.shape[1] if buf_k is not None else 0
+    return KernelKey(family, op, dims, dtype_name(val_t), dtype_name(buf_k) if buf_k is not None else "",
+                     cap=cap, T=T, C=C, has_z=z is not None)
+
+
+def _flush_key(family, state, buf_k) -> KernelKey:
+    dims = (buf_k.shape[2], state.shape[1], state.shape[2], state.shape[3])
+    dims = GDNDims(*dims) if family == "gdn" else Mamba2Dims(*dims)
+    return KernelKey(family, "flush", dims, "", dtype_name(buf_k), cap=buf_k.shape[1])
+
+
+def conv_update_key(mode: str, x, conv_state, weight, bias, silu: bool) -> KernelKey:
+    """The kernel a conv1d_update call needs: advance with T > 1 is the any-length kernel (T = 0)."""
+    T = 0 if mode == "advance" and x.shape[1] > 1 else x.shape[1]
+    return KernelKey("conv1d", mode, ConvDims(conv_state.shape[1], weight.shape[1], conv_state.shape[2]),
+                     dtype_name(x), w_dtype=dtype_name(weight), T=T, has_bias=bias is not None, silu=bool(silu))
+
+
+def conv_accept_key(conv_state, width: int) -> KernelKey:
+    return KernelKey("conv1d", "accept", ConvDims(conv_state.shape[1], int(width), conv_state.shape[2]),
+                     dtype_name(conv_state), T=0)
+
+
+# ----------------------------------------------------------------------------------------------
+# Gated DeltaNet
+
+
+def gdn_recurrent_step(q, k, v, a, b, A_log, dt_bias, state, state_slots, *, checked=True):
+    op = kernel_for(_linear_key("gdn", "recurrent", k, v), q.shape[0])
+    if checked and not capturing():
+        return _on_torch_stream(gdn.gdn_recurrent_step, op, q, k, v, a, b, A_log, dt_bias, state, state_slots)
+    o = torch.empty_like(v)
+    u = _token_axis
+    _on_torch_stream(op.fn, u(q), u(k), u(v), u(a), u(b), A_log, dt_bias, state, state_slots, u(o))
+    return o
+
+
+def gdn_buffered_step(q, k, v, a, b, A_log, dt_bias, state, state_slots, buf_k, buf_v, buf_g, buffer_slots,
+                      lengths, flush_at, *, checked=True):
+    op = kernel_for(_linear_key("gdn", "buffered", k, v, buf_k, 1, flush_at), q.shape[0])
+    pools = (state, state_slots, buf_k, buf_v, buf_g, buffer_slots, lengths)
+    if checked and not capturing():
+        return _on_torch_stream(gdn.gdn_buffered_step, op, q, k, v, a, b, A_log, dt_bias, *pools)
+    u = _token_axis
+    o = torch.empty_like(v)
+    _on_torch_stream(op.fn, u(q), u(k), u(v), u(a), u(b), A_log, dt_bias, *pools, u(o))
+    return o
+
+
+def gdn_verify(q, k, v, a, b, A_log, dt_bias, state, state_slots, buf_k, buf_v, buf_g, buffer_slots, lengths,
+               flush_at=0, *, checked=True):
+    op = kernel_for(_linear_key("gdn", "buffered", k, v, buf_k, q.shape[1], flush_at), q.shape[0])
+    args = (q, k, v, a, b, A_log, dt_bias, state, state_slots, buf_k, buf_v, buf_g, buffer_slots, lengths)
+    if checked and not capturing():
+        return _on_torch_stream(gdn.gdn_verify, op, *args)
+    o = torch.empty_like(v)
+    _on_torch_stream(op.fn, *args, o)
+    return o
+
+
+# ----------------------------------------------------------------------------------------------
+# Mamba-2 (the kernels take z = x when the layer has no gate)
+
+
+def mamba2_recurrent_step(x, dt, A_log, dt_bias, B, C, D, state, state_slots, z=None, *, checked=True):
+    op = kernel_for(_linear_key("mamba2", "recurrent", B, x, z=z), x.shape[0])
+    if checked and not capturing():
+        return _on_torch_stream(mamba2.mamba2_recurrent_step, op, x, dt, A_log, dt_bias, B, C, D, state,
+                                state_slots, z)
+    u = _token_axis
+    y = torch.empty_like(x)
+    _on_torch_stream(op.fn, u(x), u(dt), A_log, dt_bias, u(B), u(C), D, u(x if z is None else z), state,
+                     state_slots, u(y))
+    return y
+
+
+def mamba2_buffered_step(x, dt, A_log, dt_bias, B, C, D, state, state_slots, buf_k, buf_v, buf_g, buffer_slots,
+                         lengths, flush_at, z=None, *, checked=True):
+    op = kernel_for(_linear_key("mamba2", "buffered", B, x, buf_k, 1, flush_at, z), x.shape[0])
+    pools = (state, state_slots, buf_k, buf_v, buf_g, buffer_slots, lengths)
+    if checked and not capturing():
+        return _on_torch_stream(mamba2.mamba2_buffered_step, op, x, dt, A_log, dt_bias, B, C, D, *pools, z)
+    u = _token_axis
+    y = torch.empty_like(x)
+    _on_torch_stream(op.fn, u(x), u(dt), A_log, dt_bias, u(B), u(C), D, u(x if z is None else z), *pools, u(y))
+    return y
+
+
+def mamba2_verify(x, dt, A_log, dt_bias, B, C, D, state, state_slots, buf_k, buf_v, buf_g, buffer_slots, lengths,
+                  flush_at=0, z=None, *, checked=True):
+    op = kernel_for(_linear_key("mamba2", "buffered", B, x, buf_k, x.shape[1], flush_at, z), x.shape[0])
+    pools = (state, state_slots, buf_k, buf_v, buf_g, buffer_slots, lengths)
+    if checked and not capturing():
+        return _on_torch_stream(mamba2.mamba2_verify, op, x, dt, A_log, dt_bias, B, C, D, *pools, z)
+    y = torch.empty_like(x)
+    _on_torch_stream(op.fn, x, dt, A_log, dt_bias, B, C, D, x if z is None else z, *pools, y)
+    return y
+
+
+# ----------------------------------------------------------------------------------------------
+# the flush (one kernel shape for both families) and the short conv
+
+
+def flush(family: str, state, state_slots, buf_k, buf_v, buf_g, buffer_slots, lengths, *, checked=True) -> None:
+    """Fold each row's lengths[b] buffer entries into its state (`family`: "gdn" or "mamba2")."""
+    op = kernel_for(_flush_key(family, state, buf_k), buffer_slots.shape[0])
+    args = (state, state_slots, buf_k, buf_v, buf_g, buffer_slots, lengths)
+    launcher = gdn.gdn_flush if family == "gdn" else mamba2.mamba2_flush
+    if checked and not capturing():
+        _on_torch_stream(launcher, op, *args)
+    else:
+        _on_torch_stream(op.fn, *args)
+
+
+def conv1d_update(x, conv_state, slots, weight, bias=None, mode="advance", silu=True, *, checked=True):
+    check_conv_mode(mode)
+    if x.dtype != conv_state.dtype:  # before the lookup: no kernel is compiled for a call that cannot run
+        raise DTypeError(f"x ({x.dtype}) and conv_state ({conv_state.dtype}) must share one dtype on CUDA")
+    op = kernel_for(conv_update_key(mode, x, conv_state, weight, bias, silu), x.shape[0])
+    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    _on_torch_stream(conv.conv1d_update, op, x, conv_state, slots, weight, bias, out,
+                     checked=checked and not capturing())
+    return out
+
+
+def conv1d_accept(conv_state, slots, accepted, width, *, checked=True) -> None:
+    op = kernel_for(conv_accept_key(conv_state, width), slots.shape[0])
+    _on_torch_stream(conv.conv1d_accept, op, conv_state, slots, accepted, checked=checked and not capturing())
+
+
+CUDA_LAUNCHES = {
+    "gdn_recurrent_step": gdn_recurrent_step, "gdn_buffered_step": gdn_buffered_step, "gdn_verify": gdn_verify,
+    "gdn_flush": functools.partial(flush, "gdn"),
+    "mamba2_recurrent_step": mamba2_recurrent_step, "mamba2_buffered_step": mamba2_buffered_step,
+    "mamba2_verify": mamba2_verify, "mamba2_flush": functools.partial(flush, "mamba2"),
+    "conv1d_update": conv1d_update, "conv1d_accept": conv1d_accept,
+}  # op name -> the CUDA implementation of torch.ops.kvbuffer.<name>
+
+
+def engine_rows(name: str, *args):
+    """torch.ops.kvbuffer.<name>(*args) for rows whose slots and fills the caller built and checked
+    itself: on CUDA the launch skips the checks that read the device back; elsewhere the op runs
+    (its CPU implementation is the reference)."""
+    if args[0].is_cuda:
+        return CUDA_LAUNCHES[name](*args, checked=False)
+    return getattr(torch.ops.kvbuffer, name)(*args)

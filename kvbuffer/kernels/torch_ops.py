@@ -1,0 +1,236 @@
+"""kvbuffer's kernels as torch custom ops (`torch.ops.kvbuffer.*`), for torch.compile and CUDA graphs.
+
+    torch.ops.kvbuffer.gdn_recurrent_step(q, k, v, a, b, A_log, dt_bias, state, state_slots) -> o
+    torch.ops.kvbuffer.gdn_buffered_step(q, k, v, a, b, A_log, dt_bias, state, state_slots,
+                                         buf_k, buf_v, buf_g, buffer_slots, lengths, flush_at) -> o
+    torch.ops.kvbuffer.gdn_verify(<as gdn_buffered_step, inputs (B, T, ...)>, flush_at) -> o (B, T, Hv, V)
+    torch.ops.kvbuffer.gdn_flush(state, state_slots, buf_k, buf_v, buf_g, buffer_slots, lengths)
+    torch.ops.kvbuffer.mamba2_recurrent_step(x, dt, A_log, dt_bias, B, C, D, state, state_slots, z=None) -> y
+    torch.ops.kvbuffer.mamba2_buffered_step / mamba2_verify / mamba2_flush   (the same pattern)
+    torch.ops.kvbuffer.conv1d_update(x, conv_state, slots, weight, bias=None, kind="advance", silu=True) -> out
+    torch.ops.kvbuffer.conv1d_accept(conv_state, slots, accepted, width)
+
+Semantics, shapes and slot rules are kvbuffer.reference's (gdn / mamba2 / core / conv); `flush_at`
+= C > 0 folds a row whose buffer reaches C entries with these tokens into its state in the same
+call (the caller resets its length), 0 = no fused flush. Declared mutations: `state` and the three
+buffer tensors (entries are written at lengths[b] ..; lengths are never changed); `conv_state`.
+conv1d_update's `kind` is the conv mode (torch's auto-functionalization reserves the name `mode`):
+"advance" makes the last W - 1 inputs the history, "verify" stores the T drafts as pending;
+conv1d_accept keeps the first accepted[b] drafts of each row.
+
+CPU: the pure-torch reference (with its checks). CUDA: kvbuffer.kernels.launch, which looks the
+compiled kernel up (kvbuffer.kernels.lookup: artifact, else JIT when allowed, else ArtifactError)
+and runs the validating launcher; during CUDA-graph capture the launch is direct. Every op has a
+fake (meta) implementation for torch.compile and export. The op names and schemas are a public
+interface: integrations build on them.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from ..errors import ShapeError
+from ..reference import conv as ref_conv
+from ..reference import core as ref_core
+from ..reference import gdn as ref_gdn
+from ..reference import mamba2 as ref_mamba2
+from . import launch
+from .keys import check_conv_mode
+
+
+# ----------------------------------------------------------------------------------------------
+# Gated DeltaNet ops (CPU: the reference)
+
+
+@torch.library.custom_op("kvbuffer::gdn_recurrent_step", mutates_args=("state",), device_types="cpu")
+def gdn_recurrent_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
+                       A_log: torch.Tensor, dt_bias: torch.Tensor, state: torch.Tensor,
+                       state_slots: torch.Tensor) -> torch.Tensor:
+    """reference.gdn.recurrent_step: q, k (B, Hk, K), v (B, Hv, V), a, b (B, Hv) -> o (B, Hv, V)."""
+    return ref_gdn.recurrent_step(q, k, v, a, b, A_log, dt_bias, state, state_slots)
+
+
+def _gdn_buffered_cpu(q, k, v, a, b, A_log, dt_bias, state, state_slots, buf_k, buf_v, buf_g, buffer_slots,
+                      lengths, flush_at):
+    """reference verify of T tokens, folding the buffers that reach flush_at (the kernels' semantics)."""
+    return ref_gdn.verify(q, k, v, a, b, A_log, dt_bias, state, state_slots, buf_k, buf_v, buf_g, buffer_slots,
+                          lengths, flush_at)
+
+
+_BUFFER_MUTATIONS = ("state", "buf_k", "buf_v", "buf_g")
+
+
+@torch.library.custom_op("kvbuffer::gdn_buffered_step", mutates_args=_BUFFER_MUTATIONS, device_types="cpu")
+def gdn_buffered_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
+                      A_log: torch.Tensor, dt_bias: torch.Tensor, state: torch.Tensor, state_slots: torch.Tensor,
+                      buf_k: torch.Tensor, buf_v: torch.Tensor, buf_g: torch.Tensor, buffer_slots: torch.Tensor,
+                      lengths: torch.Tensor, flush_at: int) -> torch.Tensor:
+    """reference.gdn.buffered_step(flush_at): q, k (B, Hk, K), v (B, Hv, V), a, b (B, Hv) -> o (B, Hv, V)."""
+    u = lambda t: t.unsqueeze(1)  # noqa: E731
+    return _gdn_buffered_cpu(u(q), u(k), u(v), u(a), u(b), A_log, dt_bias, state, state_slots, buf_k, buf_v, buf_g,
+                             buffer_slots, lengths, flush_at)[:, 0]
+
+
+@torch.library.custom_op("kvbuffer::gdn_verify", mutates_args=_BUFFER_MUTATIONS, device_types="cpu")
+def gdn_verify(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
+               A_log: torch.Tensor, dt_bias: torch.Tensor, state: torch.Tensor, state_slots: torch.Tensor,
+               buf_k: torch.Tensor, buf_v: torch.Tensor, buf_g: torch.Tensor, buffer_slots: torch.Tensor,
+               lengths: torch.Tensor, flush_at: int = 0) -> torch.Tensor:
+    """reference.gdn.verify of T tokens (inputs (B, T, ...)) -> o (B, T, Hv, V); flush_at > 0: a prefill chunk."""
+    return _gdn_buffered_cpu(q, k, v, a, b, A_log, dt_bias, state, state_slots, buf_k, buf_v, buf_g,
+                             buffer_slots, lengths, flush_at)
+
+
+@torch.library.custom_op("kvbuffer::gdn_flush", mutates_args=("state",), device_types="cpu")
+def gdn_flush(state: torch.Tensor, state_slots: torch.Tensor, buf_k: torch.Tensor, buf_v: torch.Tensor,
+              buf_g: torch.Tensor, buffer_slots: torch.Tensor, lengths: torch.Tensor) -> None:
+    """reference.core.flush: fold each row's lengths[b] entries into its state."""
+    ref_core.flush(state, state_slots, buf_k, buf_v, buf_g, buffer_slots, lengths)
+
+
+# ----------------------------------------------------------------------------------------------
+# Mamba-2 ops (G groups = key heads, H heads, N state size = K, P head dim = V)
+
+
+@torch.library.custom_op("kvbuffer::mamba2_recurrent_step", mutates_args=("state",), device_types="cpu")
+def mamba2_recurrent_step(x: torch.Tensor, dt: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor,
+                          B: torch.Tensor, C: torch.Tensor, D: torch.Tensor, state: torch.Tensor,
+                          state_slots: torch.Tensor, z: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """reference.mamba2.recurrent_step: x (Bt, H, P), dt (Bt, H), B, C (Bt, G, N) -> y (Bt, H, P)."""
+    return ref_mamba2.recurrent_step(x, dt, A_log, dt_bias, B, C, D, state, state_slots, z)
+
+
+def _m2_buffered_cpu(x, dt, A_log, dt_bias, B, C, D, state, state_slots, buf_k, buf_v, buf_g, buffer_slots,
+                     lengths, flush_at, z):
+    return ref_mamba2.verify(x, dt, A_log, dt_bias, B, C, D, state, state_slots, buf_k, buf_v, buf_g, buffer_slots,
+                             lengths, z, flush_at)
+
+
+@torch.library.custom_op("kvbuffer::mamba2_buffered_step", mutates_args=_BUFFER_MUTATIONS, device_types="cpu")
+def mamba2_buffered_step(x: torch.Tensor, dt: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor,
+                         B: torch.Tensor, C: torch.Tensor, D: torch.Tensor, state: torch.Tensor,
+                         state_slots: torch.Tensor, buf_k: torch.Tensor, buf_v: torch.Tensor, buf_g: torch.Tensor,
+                         buffer_slots: torch.Tensor, lengths: torch.Tensor, flush_at: int,
+                         z: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """reference.mamba2.buffered_step(flush_at): x (Bt, H, P) ... -> y (Bt, H, P)."""
+    u = lambda t: None if t is None else t.unsqueeze(1)  # noqa: E731
+    return _m2_buffered_cpu(u(x), u(dt), A_log, dt_bias, u(B), u(C), D, state, state_slots, buf_k, buf_v, buf_g,
+                            buffer_slots, lengths, flush_at, u(z))[:, 0]
+
+
+@torch.library.custom_op("kvbuffer::mamba2_verify", mutates_args=_BUFFER_MUTATIONS, device_types="cpu")
+def mamba2_verify(x: torch.Tensor, dt: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor,
+                  B: torch.Tensor, C: torch.Tensor, D: torch.Tensor, state: torch.Tensor, state_slots: torch.Tensor,
+                  buf_k: torch.Tensor, buf_v: torch.Tensor, buf_g: torch.Tensor, buffer_slots: torch.Tensor,
+                  lengths: torch.Tensor, flush_at: int = 0, z: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """reference.mamba2.verify of T tokens (inputs (Bt, T, ...)) -> y (Bt, T, H, P); flush_at > 0: a prefill chunk."""
+    return _m2_buffered_cpu(x, dt, A_log, dt_bias, B, C, D, state, state_slots, buf_k, buf_v, buf_g, buffer_slots,
+                            lengths, flush_at, z)
+
+
+@torch.library.custom_op("kvbuffer::mamba2_flush", mutates_args=("state",), device_types="cpu")
+def mamba2_flush(state: torch.Tensor, state_slots: torch.Tensor, buf_k: torch.Tensor, buf_v: torch.Tensor,
+                 buf_g: torch.Tensor, buffer_slots: torch.Tensor, lengths: torch.Tensor) -> None:
+    """reference.mamba2.flush (the same fold as GDN's)."""
+    ref_core.flush(state, state_slots, buf_k, buf_v, buf_g, buffer_slots, lengths)
+
+
+# ----------------------------------------------------------------------------------------------
+# fake (meta) implementations: output shapes only, for torch.compile and export
+
+
+@gdn_recurrent_step.register_fake
+def _(q, k, v, a, b, A_log, dt_bias, state, state_slots):
+    return torch.empty_like(v)
+
+
+@gdn_buffered_step.register_fake
+def _(q, k, v, a, b, A_log, dt_bias, state, state_slots, buf_k, buf_v, buf_g, buffer_slots, lengths, flush_at):
+    return torch.empty_like(v)
+
+
+@gdn_verify.register_fake
+def _(q, k, v, a, b, A_log, dt_bias, state, state_slots, buf_k, buf_v, buf_g, buffer_slots, lengths, flush_at=0):
+    return torch.empty_like(v)
+
+
+@mamba2_recurrent_step.register_fake
+def _(x, dt, A_log, dt_bias, B, C, D, state, state_slots, z=None):
+    return torch.empty_like(x)
+
+
+@mamba2_buffered_step.register_fake
+def _(x, dt, A_log, dt_bias, B, C, D, state, state_slots, buf_k, buf_v, buf_g, buffer_slots, lengths, flush_at,
+      z=None):
+    return torch.empty_like(x)
+
+
+@mamba2_verify.register_fake
+def _(x, dt, A_log, dt_bias, B, C, D, state, state_slots, buf_k, buf_v, buf_g, buffer_slots, lengths, flush_at=0,
+      z=None):
+    return torch.empty_like(x)
+
+
+@gdn_flush.register_fake
+def _(state, state_slots, buf_k, buf_v, buf_g, buffer_slots, lengths):
+    return None
+
+
+@mamba2_flush.register_fake
+def _(state, state_slots, buf_k, buf_v, buf_g, buffer_slots, lengths):
+    return None
+
+
+@torch.library.custom_op("kvbuffer::conv1d_update", mutates_args=("conv_state",), device_types="cpu")
+def conv1d_update(x: torch.Tensor, conv_state: torch.Tensor, slots: torch.Tensor, weight: torch.Tensor,
+                  bias: Optional[torch.Tensor] = None, kind: str = "advance", silu: bool = True) -> torch.Tensor:
+    """reference.conv verify_rows / step_rows / prefill_rows (with the reference's checks): x (B, T, D) -> (B, T, D).
+
+    kind: "advance" or "verify" (the mode; torch's auto-functionalization reserves the name `mode`).
+    """
+    mode = kind
+    check_conv_mode(mode)
+    _, _, W, span = ref_conv._check(x, conv_state, slots, weight, with_time=True)
+    act = "silu" if silu else None
+    if mode == "verify":
+        if W - 1 + x.shape[1] > span:
+            raise ShapeError(f"{x.shape[1]} drafts do not fit the conv state's {span - (W - 1)} pending positions")
+        out = ref_conv.verify_rows(x, conv_state, slots, weight, bias, act)
+    elif x.shape[1] == 1:
+        out = ref_conv.step_rows(x[:, 0], conv_state, slots, weight, bias, act)[:, None]
+    else:
+        out = ref_conv.prefill_rows(x, conv_state, slots, weight, bias, act)
+    return out.contiguous()  # the fake's layout
+
+
+@conv1d_update.register_fake
+def _(x, conv_state, slots, weight, bias=None, kind="advance", silu=True):
+    return torch.empty_like(x)
+
+
+@torch.library.custom_op("kvbuffer::conv1d_accept", mutates_args=("conv_state",), device_types="cpu")
+def conv1d_accept(conv_state: torch.Tensor, slots: torch.Tensor, accepted: torch.Tensor, width: int) -> None:
+    """reference.conv.conv_accept: each real row keeps its first accepted[b] pending drafts."""
+    ref_conv.conv_accept(conv_state, slots, accepted, width)
+
+
+@conv1d_accept.register_fake
+def _(conv_state, slots, accepted, width):
+    return None
+
+
+# ----------------------------------------------------------------------------------------------
+# CUDA: the kernel layer's launches (validated; direct under CUDA-graph capture)
+
+_BY_NAME = {
+    "gdn_recurrent_step": gdn_recurrent_step, "gdn_buffered_step": gdn_buffered_step, "gdn_verify": gdn_verify,
+    "gdn_flush": gdn_flush, "mamba2_recurrent_step": mamba2_recurrent_step,
+    "mamba2_buffered_step": mamba2_buffered_step, "mamba2_verify": mamba2_verify, "mamba2_flush": mamba2_flush,
+    "conv1d_update": conv1d_update, "conv1d_accept": conv1d_accept,
+}
+OPS = tuple(_BY_NAME)
+
+for _name, _op in _BY_NAME.items():
+    _op.register_kernel("cuda")(launch.CUDA_LAUNCHES[_name])

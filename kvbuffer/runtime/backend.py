@@ -1,0 +1,257 @@
+"""The Backend: what the mixers and the runner call for step, verify, flush, accept and the conv.
+
+`LLM` resolves one Backend when it is built (`resolve_backend`) and the runner carries it on every
+ForwardBatch, so no layer chooses between the reference and the kernels per call:
+
+- REFERENCE runs kvbuffer.reference (pure torch, any device, the dtypes it is given);
+- KernelBackend runs kvbuffer's kernel layer: it casts the activations to the kernels' dtype (the
+  buffer's: bf16 unless the model is fp16) and the layer parameters to fp32, makes them contiguous
+  (the model's projections are split views), launches, and casts the output back. It launches the
+  engine's own rows: the slots and fills were built and checked on the host, so the launches skip
+  the checks that read the device back. Prompts are cut into kvbuffer.kernels.PREFILL_CHUNKS. The
+  short conv runs on its kernel when that loads, else on the reference (logged once per kernel).
+
+Linear-op inputs travel as GDNInputs / Mamba2Inputs, named tuples in the ops' argument order.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import NamedTuple, Union
+
+import torch
+
+from ..errors import ArtifactError
+from ..kernels import launch, lookup
+from ..kernels.keys import DTYPE_NAMES, GDNDims, KernelKey, Mamba2Dims, PREFILL_CHUNKS, prefill_plan
+from ..reference import conv as ref_conv
+from ..reference import core as ref_core
+from ..reference import gdn as ref_gdn
+from ..reference import mamba2 as ref_mamba2
+
+log = logging.getLogger("kvbuffer")
+
+
+class GDNInputs(NamedTuple):
+    """Gated DeltaNet op inputs: per-token q, k (B, [T,] Hk, K), v (.., Hv, V), a, b (.., Hv); parameters."""
+
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    a: torch.Tensor
+    b: torch.Tensor
+    A_log: torch.Tensor
+    dt_bias: torch.Tensor
+
+    family = "gdn"
+    output_like = "v"  # the input whose shape and dtype the output has
+
+
+class Mamba2Inputs(NamedTuple):
+    """Mamba-2 op inputs: per-token x (B, [T,] H, P), dt (.., H), B, C (.., G, N); parameters."""
+
+    x: torch.Tensor
+    dt: torch.Tensor
+    A_log: torch.Tensor
+    dt_bias: torch.Tensor
+    B: torch.Tensor
+    C: torch.Tensor
+    D: torch.Tensor
+
+    family = "mamba2"
+    output_like = "x"
+
+
+LinearInputs = Union[GDNInputs, Mamba2Inputs]
+PARAMETERS = ("A_log", "dt_bias", "D")  # the per-layer parameters; every other input is per token
+
+
+def out_dtype(inputs: LinearInputs) -> torch.dtype:
+    return getattr(inputs, inputs.output_like).dtype
+
+
+def per_token(inputs: LinearInputs, fn) -> LinearInputs:
+    """`inputs` with fn applied to each per-token tensor (e.g. a slice of the token axis)."""
+    return inputs._replace(**{f: fn(getattr(inputs, f)) for f in inputs._fields if f not in PARAMETERS})
+
+
+class ReferenceBackend:
+    """kvbuffer.reference on the engine's rows (the unchecked, sync-free row forms)."""
+
+    name = "reference"
+    kernels = False
+    _MODULES = {"gdn": ref_gdn, "mamba2": ref_mamba2}
+
+    def recurrent_step(self, inputs: LinearInputs, state, state_slots):
+        return self._MODULES[inputs.family].recurrent_step(*inputs, state, state_slots)
+
+    def buffered_step(self, inputs: LinearInputs, state, state_slots, buf, slots, lengths, flush_at: int):
+        return self._MODULES[inputs.family].buffered_step(*inputs, state, state_slots, *buf, slots, lengths,
+                                                           flush_at=flush_at)
+
+    def verify(self, inputs: LinearInputs, state, state_slots, buf, slots, lengths, flush_at: int = 0):
+        """T tokens per row; with flush_at, a prompt chunk that folds the buffers it fills."""
+        return self._MODULES[inputs.family].verify(*inputs, state, state_slots, *buf, slots, lengths,
+                                                    flush_at=flush_at)
+
+    def flush(self, family: str, state, state_slots, buf, slots, lengths) -> None:
+        ref_core.flush(state, state_slots, *buf, slots, lengths)
+
+    def prefill_plan(self, fill: int, tokens: int, flush_at: int) -> list[int]:
+        return prefill_plan(fill, tokens, flush_at, kernels=False)
+
+    def short_conv(self, x, conv_state, slots, weight, bias, phase: str):
+        """Causal depthwise conv + SiLU over x (B, T, D) after each row's history; a verify keeps
+        the drafts pending."""
+        if phase == "prefill":
+            return ref_conv.prefill_rows(x, conv_state, slots, weight, bias)
+        if phase == "decode":
+            return ref_conv.step_rows(x[:, 0], conv_state, slots, weight, bias)[:, None]
+        return ref_conv.verify_rows(x, conv_state, slots, weight, bias)
+
+    def conv_accept(self, conv_state, slots, accepted, width: int) -> None:
+        ref_conv.accept_rows(conv_state, slots, accepted, width)
+
+
+REFERENCE = ReferenceBackend()
+_CONV_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+def kernel_dtype(model_dtype: torch.dtype) -> torch.dtype:
+    """Activations and buffer entries on the kernels: the model's bf16/fp16, else bf16."""
+    return model_dtype if model_dtype in (torch.bfloat16, torch.float16) else torch.bfloat16
+
+
+class KernelBackend(ReferenceBackend):
+    """kvbuffer's kernel layer on the engine's rows; the conv falls back to the reference per kernel."""
+
+    name = "kernels"
+    kernels = True
+
+    def __init__(self):
+        self.conv_on_reference: set = set()  # conv kernel keys that did not load: the reference until JIT is on
+
+    @staticmethod
+    def _cast(inputs: LinearInputs, dtype: torch.dtype) -> LinearInputs:
+        return inputs._make(t.float().contiguous() if f in PARAMETERS else t.to(dtype).contiguous()
+                            for f, t in zip(inputs._fields, inputs))
+
+    def recurrent_step(self, inputs: LinearInputs, state, state_slots):
+        args = self._cast(inputs, kernel_dtype(out_dtype(inputs)))
+        o = launch.engine_rows(f"{inputs.family}_recurrent_step", *args, state, state_slots)
+        return o.to(out_dtype(inputs))
+
+    def buffered_step(self, inputs: LinearInputs, state, state_slots, buf, slots, lengths, flush_at: int):
+        args = self._cast(inputs, buf[0].dtype)
+        o = launch.engine_rows(f"{inputs.family}_buffered_step", *args, state, state_slots, *buf, slots, lengths,
+                               flush_at)
+        return o.to(out_dtype(inputs))
+
+    def verify(self, inputs: LinearInputs, state, state_slots, buf, slots, lengths, flush_at: int = 0):
+        args = self._cast(inputs, buf[0].dtype)
+        o = launch.engine_rows(f"{inputs.family}_verify", *args, state, state_slots, *buf, slots, lengths, flush_at)
+        return o.to(out_dtype(inputs))
+
+    def flush(self, family: str, state, state_slots, buf, slots, lengths) -> None:
+        launch.engine_rows(f"{family}_flush", state, state_slots, *buf, slots, lengths)
+
+    def prefill_plan(self, fill: int, tokens: int, flush_at: int) -> list[int]:
+        return prefill_plan(fill, tokens, flush_at, kernels=True)
+
+    def short_conv(self, x, conv_state, slots, weight, bias, phase: str):
+        mode = "verify" if phase == "verify" else "advance"
+        suits = x.dtype == conv_state.dtype and x.dtype in _CONV_DTYPES and weight.dtype in _CONV_DTYPES \
+            and (bias is None or bias.dtype == weight.dtype)
+        if not suits or not self._conv_kernel_loads(launch.conv_update_key(mode, x, conv_state, weight, bias, True),
+                                                    x.shape[0]):
+            return super().short_conv(x, conv_state, slots, weight, bias, phase)
+        return launch.engine_rows("conv1d_update", x.contiguous(), conv_state, slots.contiguous(), weight.contiguous(),
+                                  None if bias is None else bias.contiguous(), mode)
+
+    def conv_accept(self, conv_state, slots, accepted, width: int) -> None:
+        if conv_state.dtype not in _CONV_DTYPES or \
+                not self._conv_kernel_loads(launch.conv_accept_key(conv_state, width), slots.shape[0]):
+            return super().conv_accept(conv_state, slots, accepted, width)
+        launch.engine_rows("conv1d_accept", conv_state, slots.to(torch.int32), accepted.to(torch.int32), int(width))
+
+    def _conv_kernel_loads(self, key: KernelKey, batch: int) -> bool:
+        """Whether the conv kernel for `key` is there (an artifact, or JIT-compiled now); logs once per
+        key if not: without it the conv runs on the reference (the linear mixers keep their kernels).
+        `kvbuffer tune --model ...` builds the conv's artifacts."""
+        if key in self.conv_on_reference and not lookup.jit_allowed():
+            return False
+        try:
+            lookup.kernel_for(key, batch)
+            return True
+        except ArtifactError as e:
+            self.conv_on_reference.add(key)
+            log.info("kvbuffer: the short conv runs on the reference ops (%s)", str(e).splitlines()[0])
+            return False
+
+
+Backend = Union[ReferenceBackend, KernelBackend]
+
+
+# ----------------------------------------------------------------------------------------------
+# choosing one when an LLM is built
+
+
+def needed_kernels(spec, dtype: torch.dtype, mode: str) -> list[KernelKey]:
+    """The linear kernels an engine with these caches launches (for probing the artifact cache)."""
+    s = spec.linear_shape
+    family = "gdn" if s.delta_rule else "mamba2"
+    dims = (GDNDims if family == "gdn" else Mamba2Dims)(s.num_k_heads, s.num_v_heads, s.head_k_dim, s.head_v_dim)
+    name = DTYPE_NAMES[kernel_dtype(dtype)]
+    if mode == "recurrent":
+        return [KernelKey(family, "recurrent", dims, name)]
+    cap, C = spec.chunk_size + spec.max_drafts, spec.chunk_size
+    keys = [KernelKey(family, "buffered", dims, name, name, cap=cap, T=T, C=C) for T in (*PREFILL_CHUNKS, 1) if T <= C]
+    if spec.max_drafts > 1:  # speculative verify, and the flush of buffers that accepted drafts past C
+        keys.append(KernelKey(family, "buffered", dims, name, name, cap=cap, T=spec.max_drafts, C=0))
+        keys.append(KernelKey(family, "flush", dims, "", name, cap=cap))
+    return keys
+
+
+def kernels_supported(spec) -> str | None:
+    """Why the kernels cannot serve these head dims (None: they can)."""
+    s = spec.linear_shape
+    if s is None:
+        return "the model has no linear-attention layers"
+    if s.head_k_dim % 16 or s.head_v_dim % 16:
+        return f"head dims {s.head_k_dim} x {s.head_v_dim} are not multiples of 16"
+    return None
+
+
+def resolve_backend(kernels, device: torch.device, spec, dtype: torch.dtype, mode: str) -> tuple[Backend, str]:
+    """LLM(kernels=True | False | "auto") -> (the Backend, why it was chosen).
+
+    "auto": the kernels on CUDA when the head dims suit them and every kernel the engine needs loads
+    from the artifact cache, or may be compiled (kvbuffer.ops.allow_jit / KVBUFFER_JIT=1). Logged.
+    """
+    if kernels not in (True, False, "auto"):
+        raise ValueError(f"kernels must be True, False or 'auto', got {kernels!r}")
+    if kernels is False:
+        return REFERENCE, "kernels=False"
+    if not spec.num_linear_layers:
+        return REFERENCE, "the model has no linear-attention layers"
+    if kernels == "auto" and device.type != "cuda":
+        return REFERENCE, f"the device is {device.type}"
+    why = "the device is not CUDA" if device.type != "cuda" else kernels_supported(spec)
+    if why is None and kernels == "auto" and not lookup.jit_allowed():
+        why = _missing_artifact(spec, dtype, mode)
+    if why is None:
+        log.info("kvbuffer: linear layers run on the compiled kernels")
+        return KernelBackend(), "compiled kernels"
+    if kernels is True:
+        raise ValueError(f"kernels=True, but {why}")
+    log.info("kvbuffer: linear layers run on the reference ops: %s", why)
+    return REFERENCE, why
+
+
+def _missing_artifact(spec, dtype, mode) -> str | None:
+    for key in needed_kernels(spec, dtype, mode):
+        try:
+            lookup.kernel_for(key, 1)
+        except ArtifactError as e:
+            return f"no compiled kernel and no JIT: {str(e).splitlines()[0]}"
+    return None
