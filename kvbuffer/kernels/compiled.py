@@ -47,7 +47,7 @@ def build_template(kind: str, template: str, params: dict, module: str = "gdn", 
 
 
 def check_contiguous(name: str, t: torch.Tensor) -> None:
-    if not t.ischeck_contiguous():
+    if not t.is_contiguous():
         raise ShapeError(f"{name} must be contiguous (the kernels index it densely); call .contiguous()")
 
 
