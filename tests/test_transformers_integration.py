@@ -231,3 +231,16 @@ def test_beam_search_is_refused():
                            pad_token_id=0)
     finally:
         kvb.disable(model)
+
+
+def test_readme_example_gives_the_same_tokens(capsys):
+    """README's "Use kvbuffer in your stack" example (test_readme runs every example; this one also
+    checks what it prints)."""
+    import pathlib
+    import re
+
+    readme = (pathlib.Path(__file__).resolve().parents[1] / "README.md").read_text()
+    section = readme.split("## Use kvbuffer in your stack", 1)[1]
+    block = re.search(r"```python\n(.*?)```", section, re.S).group(1)
+    exec(compile(block, "README.md", "exec"), {})
+    assert "same tokens with kvbuffer: True" in capsys.readouterr().out

@@ -7,12 +7,13 @@
 
 Supported: `Qwen3_5ForCausalLM`, `Qwen3_5ForConditionalGeneration`, `Qwen3_5MoeForCausalLM`
 (their Gated DeltaNet layers), `Qwen3NextForCausalLM` (its own GDN class) and `NemotronHForCausalLM`
-(Mamba-2 mixers); tested with transformers 5.24 (docs/integrations.md says what 5.17 changes).
+(Mamba-2 mixers); tested with transformers 5.24 (docs/integrations.md on other versions).
 
 Each linear-attention layer's forward is replaced on that instance by kvbuffer's (see
 transformers_layers), which is what transformers' `kernelize` does for a layer named in a kernel
-mapping; it is done here directly, so neither the `kernels` package nor a hub repository is needed,
-and Qwen3-Next, whose GDN class carries no `use_kernel_forward_from_hub` name, is served the same way.
+mapping. It is done here directly: `kernelize` needs the `kernels` package and a kernel repository,
+and only the Qwen3.5 GDN classes carry a `use_kernel_forward_from_hub` name; Qwen3-Next's GDN and
+Nemotron-H's mixer carry none, so they are served the same way.
 Prefill stays transformers' own (FLA / mamba_ssm when installed); decode steps run
 `torch.ops.kvbuffer.*_buffered_step`: the pure-torch reference on CPU, the compiled kernels on CUDA
 (bf16 or fp16 models; `kvbuffer tune --model M --chunk-sizes C`, or `KVBUFFER_JIT=1`).
@@ -38,7 +39,19 @@ __all__ = ["enable", "disable", "fold", "enabled_layers"]
 
 
 def _layer_classes() -> dict[type, type]:
-    """transformers' linear-attention layer classes -> kvbuffer's forward for them."""
+    """transformers' linear-attention layer classes -> kvbuffer's forward for them.
+
+    The forwards are written against the per-layer linear-attention cache (`cache.get_conv_state`,
+    `get_recurrent_state`, `is_recording_past`); releases before it kept `cache_params.conv_states[i]`
+    and bound the kernels to each layer, which these forwards do not speak.
+    """
+    import transformers
+    from transformers import cache_utils
+
+    if not hasattr(cache_utils, "LinearAttentionCacheLayerMixin"):
+        raise ImportError(f"kvbuffer.integrations.transformers needs transformers' per-layer linear-attention cache "
+                          f"(transformers.cache_utils.LinearAttentionCacheLayerMixin, tested with 5.24); "
+                          f"transformers {transformers.__version__} has none")
     from transformers.models.nemotron_h.modeling_nemotron_h import NemotronHMamba2Mixer
     from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5GatedDeltaNet
     from transformers.models.qwen3_5_moe.modeling_qwen3_5_moe import Qwen3_5MoeGatedDeltaNet
