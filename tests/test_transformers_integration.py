@@ -34,7 +34,8 @@ NEMOTRON_SHAPE = dict(layers_block_type=["full_attention", "linear_attention", "
                       mamba_num_heads=5, mamba_head_dim=4, ssm_state_size=12, n_groups=1)
 
 
-def _qwen(model_type: str):
+def qwen_model(model_type: str, shape: dict):
+    """A tiny random Qwen3.5 / Qwen3.5-MoE / Qwen3-Next CausalLM with these linear-attention shapes."""
     from transformers.models.qwen3_5 import Qwen3_5ForCausalLM, Qwen3_5TextConfig
     from transformers.models.qwen3_5_moe import Qwen3_5MoeForCausalLM, Qwen3_5MoeTextConfig
     from transformers.models.qwen3_next import Qwen3NextConfig, Qwen3NextForCausalLM
@@ -44,7 +45,6 @@ def _qwen(model_type: str):
         "qwen3_5_moe_text": (Qwen3_5MoeTextConfig, Qwen3_5MoeForCausalLM, MOE),
         "qwen3_next": (Qwen3NextConfig, Qwen3NextForCausalLM, MOE),
     }[model_type]
-    shape = QWEN_SHAPES[model_type]
     torch.manual_seed(0)
     linear = {**QWEN_LINEAR, **shape, "num_hidden_layers": len(shape["layer_types"])}
     model = model_cls(config_cls(**COMMON, **linear, **extra))
@@ -62,7 +62,7 @@ def tiny_model(model_type: str, dtype: torch.dtype):
         if model_type == "nemotron_h":
             model = make_hf_model("nemotron_h", **NEMOTRON_SHAPE)
         else:
-            model = _qwen(model_type)
+            model = qwen_model(model_type, QWEN_SHAPES[model_type])
         if hasattr(model, "set_experts_implementation"):
             model.set_experts_implementation("eager")  # grouped_mm has no float64
         _MODELS[key] = model.to(dtype)

@@ -9,9 +9,10 @@ and then runs the layer's own forward, so transformers sees a plain cache there.
 
 Per cache layer, kvbuffer keeps a `LayerBuffers` in `cache.kvbuffer_buffers[layer_idx]`: the
 buffered keys, deltas (GDN) or values (Mamba-2), cumulative log decays and fill counts of every row.
-GDN states stay in the cache's own tensor (the same (B, Hv, K, V) layout, updated in place);
-transformers stores Mamba-2 states (B, H, P, N), the transpose of kvbuffer's (B, H, N, P), so a
-Mamba-2 layer works on a transposed copy that a fold writes back.
+GDN states stay in the cache's own tensor when it is fp32 (the same (B, Hv, K, V) layout, updated
+in place); transformers stores Mamba-2 states (B, H, P, N), the transpose of kvbuffer's
+(B, H, N, P), and a bf16 model may keep bf16 states, so those layers work on an fp32 kvbuffer-layout
+copy that a fold writes back.
 """
 
 from __future__ import annotations
@@ -32,13 +33,14 @@ class LayerBuffers:
     """One cache layer's buffers for a batch of B rows (row b uses state slot b and buffer slot b)."""
 
     source: torch.Tensor  # the cache's recurrent state these were built on
-    state: torch.Tensor  # kvbuffer layout (B, Hv, K, V): `source` itself (GDN) or a transposed copy
+    state: torch.Tensor  # kvbuffer layout (B, Hv, K, V): `source` itself, or a copy (`owned`)
     buf_k: torch.Tensor  # (B, C + 1, Hk, K)
     buf_v: torch.Tensor  # (B, C + 1, Hv, V)
     buf_g: torch.Tensor  # (B, C + 1, Hv), in the state's dtype
     slots: torch.Tensor  # arange(B), int32: state and buffer slots
     lengths: torch.Tensor  # (B,) int32 fill counts
     transposed: bool  # Mamba-2: `state` is source.transpose(-1, -2)
+    owned: bool  # `state` is a copy, written back to `source` by fold()
 
     @property
     def pending(self) -> bool:
@@ -50,8 +52,8 @@ class LayerBuffers:
             flush = torch.ops.kvbuffer.mamba2_flush if self.transposed else torch.ops.kvbuffer.gdn_flush
             flush(self.state, self.slots, self.buf_k, self.buf_v, self.buf_g, self.slots, self.lengths)
             self.lengths.zero_()
-        if self.transposed:
-            self.source.copy_(self.state.transpose(-1, -2))
+        if self.owned:
+            self.source.copy_(self.state.transpose(-1, -2) if self.transposed else self.state)
 
     def advance(self, chunk_size: int) -> None:
         """After a decode step: one more entry per row, or none for rows the step folded at C."""
@@ -63,15 +65,17 @@ def _new_buffers(source: torch.Tensor, heads_k: int, dim_k: int, heads_v: int, d
                  chunk_size: int, transposed: bool) -> LayerBuffers:
     B, dev = source.shape[0], source.device
     cap = chunk_size + 1  # C entries a flush folds plus the step's own: `kvbuffer tune --chunk-sizes C`
-    state = source.transpose(-1, -2).contiguous() if transposed else source
+    view = source.transpose(-1, -2) if transposed else source
+    exact = view.dtype in (torch.float32, torch.float64)  # the ops keep states in fp32 (fp64 in tests)
+    state = view if exact and view.is_contiguous() else view.to(view.dtype if exact else torch.float32).contiguous()
     return LayerBuffers(
         source=source, state=state,
         buf_k=torch.zeros(B, cap, heads_k, dim_k, dtype=entry_dtype, device=dev),
         buf_v=torch.zeros(B, cap, heads_v, dim_v, dtype=entry_dtype, device=dev),
-        buf_g=torch.zeros(B, cap, heads_v, dtype=source.dtype, device=dev),
+        buf_g=torch.zeros(B, cap, heads_v, dtype=state.dtype, device=dev),
         slots=torch.arange(B, dtype=torch.int32, device=dev),
         lengths=torch.zeros(B, dtype=torch.int32, device=dev),
-        transposed=transposed)
+        transposed=transposed, owned=state is not source)
 
 
 def buffers_of(cache) -> dict:
