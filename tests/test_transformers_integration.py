@@ -167,9 +167,11 @@ def test_past_key_values_reuse(model_type):
     assert torch.equal(stock, buffered)
 
 
-def test_fold_gives_back_the_stock_cache():
-    """After `fold`, the cache's recurrent states are what transformers alone computed."""
-    model = tiny_model("nemotron_h", torch.float64)
+@pytest.mark.parametrize("model_type", ["qwen3_5_text", "nemotron_h"])
+def test_fold_gives_back_the_stock_cache(model_type):
+    """After `fold`, the cache's recurrent states are what transformers alone computed (GDN: folded
+    in the cache's own tensor; Mamba-2: the transposed copy written back)."""
+    model = tiny_model(model_type, torch.float64)
     ids, mask = left_padded(PROMPTS, seed=4)
 
     def cache_after():
@@ -185,6 +187,27 @@ def test_fold_gives_back_the_stock_cache():
         torch.testing.assert_close(buffered.layers[i].recurrent_states[0], stock.layers[i].recurrent_states[0],
                                    atol=1e-7, rtol=0)  # fp32 inside transformers' recurrences
     assert not getattr(buffered, "kvbuffer_buffers")
+
+
+def test_a_bf16_cache_state_is_worked_on_in_fp32_and_written_back():
+    """A cache state that is not fp32 (a bf16 model's) gets an fp32 kvbuffer-layout copy; fold writes
+    the folded state back into the cache's tensor in its dtype and layout."""
+    from kvbuffer.integrations.transformers_layers import _new_buffers
+
+    g = torch.Generator().manual_seed(0)
+    source = torch.randn(2, 3, 4, 8, generator=g).bfloat16()  # Mamba-2 (B, H, P, N)
+    rec = _new_buffers(source, 1, 8, 3, 4, torch.float32, C, transposed=True)
+    assert rec.owned and rec.state.dtype == torch.float32 and rec.state.shape == (2, 3, 8, 4)
+    assert torch.equal(rec.state, source.float().transpose(-1, -2))
+    rec.buf_k[:, 0].normal_(generator=g)
+    rec.buf_v[:, 0].normal_(generator=g)
+    rec.buf_g[:, 0] = -0.5
+    rec.lengths.fill_(1)
+    expected = rec.state.clone()
+    torch.ops.kvbuffer.mamba2_flush(expected, rec.slots, rec.buf_k, rec.buf_v, rec.buf_g, rec.slots, rec.lengths.clone())
+    rec.fold()
+    assert not rec.pending
+    assert torch.equal(source, expected.transpose(-1, -2).bfloat16())
 
 
 def test_enable_disable_swap_forwards_on_the_instance():
