@@ -267,3 +267,11 @@ def test_readme_example_gives_the_same_tokens(capsys):
     block = re.search(r"```python\n(.*?)```", section, re.S).group(1)
     exec(compile(block, "README.md", "exec"), {})
     assert "same tokens with kvbuffer: True" in capsys.readouterr().out
+
+
+def test_transformers_without_the_linear_attention_cache_api_is_refused(monkeypatch):
+    from transformers.cache_utils import Cache
+
+    monkeypatch.delattr(Cache, "get_conv_state")
+    with pytest.raises(ImportError, match="get_conv_state"):
+        kvb.enable(tiny_model("qwen3_5_text", torch.float32))

@@ -37,6 +37,8 @@ from .transformers_layers import fold_cache as fold
 
 __all__ = ["enable", "disable", "fold", "enabled_layers"]
 
+CACHE_API = ("get_conv_state", "get_recurrent_state", "is_recording_past")  # what the buffered forwards call
+
 
 def _layer_classes() -> dict[type, type]:
     """transformers' linear-attention layer classes -> kvbuffer's forward for them.
@@ -46,12 +48,13 @@ def _layer_classes() -> dict[type, type]:
     and bound the kernels to each layer, which these forwards do not speak.
     """
     import transformers
-    from transformers import cache_utils
+    from transformers.cache_utils import Cache
 
-    if not hasattr(cache_utils, "LinearAttentionCacheLayerMixin"):
+    missing = [name for name in CACHE_API if not hasattr(Cache, name)]
+    if missing:
         raise ImportError(f"kvbuffer.integrations.transformers needs transformers' per-layer linear-attention cache "
-                          f"(transformers.cache_utils.LinearAttentionCacheLayerMixin, tested with 5.24); "
-                          f"transformers {transformers.__version__} has none")
+                          f"(Cache.{', Cache.'.join(missing)} are missing; tested with 5.24); "
+                          f"transformers {transformers.__version__} is installed")
     from transformers.models.nemotron_h.modeling_nemotron_h import NemotronHMamba2Mixer
     from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5GatedDeltaNet
     from transformers.models.qwen3_5_moe.modeling_qwen3_5_moe import Qwen3_5MoeGatedDeltaNet
