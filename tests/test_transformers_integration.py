@@ -275,3 +275,26 @@ def test_transformers_without_the_linear_attention_cache_api_is_refused(monkeypa
     monkeypatch.delattr(Cache, "get_conv_state")
     with pytest.raises(ImportError, match="get_conv_state"):
         kvb.enable(tiny_model("qwen3_5_text", torch.float32))
+
+
+def test_a_new_chunk_size_between_generations_of_one_cache():
+    """A cache decoded with C = 4 continues one token at a time under C = 8: its buffers (too small
+    for 8) are folded and rebuilt, and the tokens stay the stock ones."""
+    model = tiny_model("qwen3_5_text", torch.float64)
+    ids, mask = left_padded(PROMPTS, seed=9)
+
+    def two_sizes(resize):
+        first = model.generate(ids, attention_mask=mask, max_new_tokens=C + 2, do_sample=False, pad_token_id=0,
+                               return_dict_in_generate=True)
+        resize()
+        seq_mask = torch.cat([mask, torch.ones_like(first.sequences[:, mask.shape[1]:])], 1)
+        return model.generate(first.sequences, attention_mask=seq_mask, past_key_values=first.past_key_values,
+                              max_new_tokens=NEW, do_sample=False, pad_token_id=0)
+
+    stock = two_sizes(lambda: None)
+    kvb.enable(model, chunk_size=C)
+    try:
+        buffered = two_sizes(lambda: kvb.enable(model, chunk_size=2 * C))
+    finally:
+        kvb.disable(model)
+    assert torch.equal(stock, buffered)

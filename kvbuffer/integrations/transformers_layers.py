@@ -94,21 +94,23 @@ def fold_cache(cache) -> None:
     buffers_of(cache).clear()
 
 
-def _decode_buffers(layer, cache, make) -> LayerBuffers | None:
-    """This layer's buffers when the call is a buffered decode step, else None (after folding them)."""
+def _decode_buffers(layer, cache, chunk_size: int, make) -> LayerBuffers:
+    """This layer's buffers in `cache` for a decode step: the kept ones, or `make(state)` when there
+    are none yet, the cache's state tensor was replaced, or `enable` changed the chunk size."""
     idx = layer.layer_idx
-    table = buffers_of(cache) if cache is not None else {}
-    source = cache.get_recurrent_state(idx, state_idx=0) if cache is not None else None
-    rec = table.get(idx)
-    if rec is not None and rec.source is not source:
-        if rec.pending:
-            raise ValueError(f"past_key_values: layer {idx}'s recurrent state was replaced (beam search's "
-                             "reorder_cache, offloading or a reset?) while kvbuffer held buffered tokens for it; "
-                             "kvbuffer.integrations.transformers supports greedy and sampling generation, and "
-                             "fold(cache) makes a cache plain before handing it on")
-        del table[idx]
-        rec = None
-    return rec if rec is not None else (make(source) if source is not None else None)
+    source = cache.get_recurrent_state(idx, state_idx=0)
+    rec = buffers_of(cache).get(idx)
+    if rec is not None and rec.source is not source and rec.pending:
+        raise ValueError(f"past_key_values: layer {idx}'s recurrent state was replaced (beam search's "
+                         "reorder_cache, offloading or a reset?) while kvbuffer held buffered tokens for it; "
+                         "kvbuffer.integrations.transformers supports greedy and sampling generation, and "
+                         "fold(cache) makes a cache plain before handing it on")
+    if rec is not None and rec.source is source and rec.buf_k.shape[1] == chunk_size + 1:
+        return rec
+    if rec is not None and rec.source is source:
+        rec.fold()  # built for another chunk size
+    rec = buffers_of(cache)[idx] = make(source)
+    return rec
 
 
 def _stock(layer, name: str):
@@ -148,8 +150,7 @@ def _buffered_step(layer, cache, op, args: list, heads: tuple, transposed: bool 
     """One decode step of `op` (a `*_buffered_step`) on this layer's buffers in `cache`, flush fused
     at C; `args` are the op's leading (per-token and layer) arguments, `heads` (Hk, K, Hv, V)."""
     C = getattr(layer, CHUNK_ATTRIBUTE)
-    rec = _decode_buffers(layer, cache, lambda source: _new_buffers(source, *heads, args[0].dtype, C, transposed))
-    buffers_of(cache)[layer.layer_idx] = rec
+    rec = _decode_buffers(layer, cache, C, lambda source: _new_buffers(source, *heads, args[0].dtype, C, transposed))
     with unchecked():  # the slots and fills are built here, so CUDA launches skip the read-back checks
         out = op(*args, rec.state, rec.slots, rec.buf_k, rec.buf_v, rec.buf_g, rec.slots, rec.lengths, C)
     rec.advance(C)
