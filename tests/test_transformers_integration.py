@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from hf_models import COMMON, MOE, NEMOTRON_H, QWEN_LINEAR, _randomize, make_hf_model
+from hf_models import COMMON, MOE, QWEN_LINEAR, _randomize, make_hf_model
 
 import kvbuffer.integrations.transformers as kvb
 
@@ -204,7 +204,8 @@ def test_a_bf16_cache_state_is_worked_on_in_fp32_and_written_back():
     rec.buf_g[:, 0] = -0.5
     rec.lengths.fill_(1)
     expected = rec.state.clone()
-    torch.ops.kvbuffer.mamba2_flush(expected, rec.slots, rec.buf_k, rec.buf_v, rec.buf_g, rec.slots, rec.lengths.clone())
+    pools = (rec.buf_k, rec.buf_v, rec.buf_g)
+    torch.ops.kvbuffer.mamba2_flush(expected, rec.slots, *pools, rec.slots, rec.lengths.clone())
     rec.fold()
     assert not rec.pending
     assert torch.equal(source, expected.transpose(-1, -2).bfloat16())

@@ -93,7 +93,8 @@ def run(batches, new_tokens: int, prompt_len: int, repeats: int, chunk_size: int
 
 def _line(r: dict) -> str:
     s, k = r["stock"], r["kvbuffer"]
-    return (f"B={r['batch']:>3}  generate tok/s stock {s['generate_tok_s']:9.1f}  kvbuffer {k['generate_tok_s']:9.1f}  |  "
+    return (f"B={r['batch']:>3}  generate tok/s stock {s['generate_tok_s']:9.1f}  "
+            f"kvbuffer {k['generate_tok_s']:9.1f}  |  "
             f"decode tok/s stock {s['decode_tok_s']:9.1f}  kvbuffer {k['decode_tok_s']:9.1f}  "
             f"({r['decode_speedup']:.2f}x)  identical rows {r['rows_token_identical']}/{r['batch']}")
 

@@ -136,8 +136,9 @@ def _stock_forward(layer, hidden_states, cache, attention_mask, kwargs):
 
 def _conv_step(layer, mixed, cache):
     """The layer's short conv for one token, (B, 1, D) -> (B, 1, D), advancing the cache's conv state."""
-    out = _stock(layer, "causal_conv1d_update")(mixed.transpose(1, 2), cache.get_conv_state(layer.layer_idx, state_idx=0),
-                                                layer.conv1d.weight.squeeze(1), layer.conv1d.bias, layer.activation)
+    conv_state = cache.get_conv_state(layer.layer_idx, state_idx=0)
+    out = _stock(layer, "causal_conv1d_update")(mixed.transpose(1, 2), conv_state, layer.conv1d.weight.squeeze(1),
+                                                layer.conv1d.bias, layer.activation)
     return out.transpose(1, 2)
 
 

@@ -22,7 +22,8 @@ pytestmark = pytest.mark.gpu
 NEAR_TIE = 0.05  # logit gap, with logits of std ~1
 QWEN_SHAPES = {
     "qwen3_5_text": dict(linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=32,
-                         linear_value_head_dim=32, layer_types=["linear_attention", "full_attention", "linear_attention"]),
+                         linear_value_head_dim=32,
+                         layer_types=["linear_attention", "full_attention", "linear_attention"]),
     "qwen3_5_moe_text": dict(linear_num_key_heads=1, linear_num_value_heads=3, linear_key_head_dim=32,
                              linear_value_head_dim=32, layer_types=["full_attention", "linear_attention"]),
     "qwen3_next": dict(linear_num_key_heads=2, linear_num_value_heads=2, linear_key_head_dim=32,
