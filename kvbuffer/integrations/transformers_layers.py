@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..ops import unchecked
+from ..kernels.launch import engine_rows
 
 CACHE_ATTRIBUTE = "kvbuffer_buffers"  # where the buffers live on a transformers cache object
 CHUNK_ATTRIBUTE = "kvbuffer_chunk_size"  # set on each enabled layer by enable()
@@ -147,13 +147,13 @@ def _fp32(p: torch.Tensor) -> torch.Tensor:
     return p if p.dtype in (torch.float32, torch.float64) else p.float()
 
 
-def _buffered_step(layer, cache, op, args: list, heads: tuple, transposed: bool = False) -> torch.Tensor:
-    """One decode step of `op` (a `*_buffered_step`) on this layer's buffers in `cache`, flush fused
+def _buffered_step(layer, cache, op: str, args: list, heads: tuple, transposed: bool = False) -> torch.Tensor:
+    """One decode step of the custom op named `op` (a `*_buffered_step`) on this layer's buffers in `cache`, flush fused
     at C; `args` are the op's leading (per-token and layer) arguments, `heads` (Hk, K, Hv, V)."""
     C = getattr(layer, CHUNK_ATTRIBUTE)
     rec = _decode_buffers(layer, cache, C, lambda source: _new_buffers(source, *heads, args[0].dtype, C, transposed))
-    with unchecked():  # the slots and fills are built here, so CUDA launches skip the read-back checks
-        out = op(*args, rec.state, rec.slots, rec.buf_k, rec.buf_v, rec.buf_g, rec.slots, rec.lengths, C)
+    # the slots and fills are built here, so CUDA launches skip the checks that read the device back
+    out = engine_rows(op, *args, rec.state, rec.slots, rec.buf_k, rec.buf_v, rec.buf_g, rec.slots, rec.lengths, C)
     rec.advance(C)
     return out
 
@@ -171,7 +171,7 @@ class BufferedGatedDeltaNet:
         q, k, v = torch.split(_conv_step(self, mixed, cache)[:, 0], [self.key_dim, self.key_dim, self.value_dim], -1)
         heads = lambda t, d: t.reshape(B, -1, d).contiguous()  # noqa: E731
         q, k, v = heads(q, self.head_k_dim), heads(k, self.head_k_dim), heads(v, self.head_v_dim)
-        o = _buffered_step(self, cache, torch.ops.kvbuffer.gdn_buffered_step, [
+        o = _buffered_step(self, cache, "gdn_buffered_step", [
             q, k, v, a.reshape(B, -1).contiguous(), b.reshape(B, -1).contiguous(), _fp32(self.A_log),
             _fp32(self.dt_bias)], (self.num_k_heads, self.head_k_dim, self.num_v_heads, self.head_v_dim))
         o = self.norm(o.reshape(-1, self.head_v_dim), z.reshape(-1, self.head_v_dim))
@@ -206,7 +206,7 @@ class BufferedMamba2Mixer:
         x = x.reshape(Bt, self.num_heads, self.head_dim).contiguous()
         Bm = Bm.reshape(Bt, self.n_groups, self.ssm_state_size).contiguous()
         Cm = Cm.reshape(Bt, self.n_groups, self.ssm_state_size).contiguous()
-        y = _buffered_step(self, cache, torch.ops.kvbuffer.mamba2_buffered_step, [
+        y = _buffered_step(self, cache, "mamba2_buffered_step", [
             x, dt[:, 0].contiguous(), _fp32(self.A_log), _fp32(self.dt_bias), Bm, Cm, _fp32(self.D)],
             (self.n_groups, self.ssm_state_size, self.num_heads, self.head_dim), transposed=True)
         y = self.norm(y.reshape(Bt, 1, -1), gate)
