@@ -51,7 +51,8 @@ def need_cuda() -> None:
 
 def _kernel_command(family: str, peer: str):
     @bench.command(family, help=f"Time the {family} decode kernels (ours and {peer}) in CUDA graphs, B = 1 to 1024.")
-    @click.option("--shapes", help=f"Model presets whose head shapes to time (default: kvbuffer.bench.{family}.SHAPES).")
+    @click.option("--shapes",
+                  help=f"Model presets whose head shapes to time (default: kvbuffer.bench.{family}.SHAPES).")
     @click.option("--batches", default=KERNEL_BATCHES, show_default=True, help="Batch sizes.")
     @click.option("--chunk-size", "C", default=16, show_default=True, type=click.IntRange(min=1),
                   help="Buffer chunk size C (the buffered step flushes at C).")

@@ -83,7 +83,8 @@ _TABLE = (
         num_attention_heads=4, num_key_value_heads=2, head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4,
         linear_key_head_dim=16, linear_value_head_dim=16, eos_token_id=None)), None, smoke=True),
     Preset("tiny-nemotron", MappingProxyType(dict(
-        model_type="nemotron_h", vocab_size=97, hidden_size=64, layers_block_type=["mamba", "moe", "attention", "mamba"],
+        model_type="nemotron_h", vocab_size=97, hidden_size=64,
+        layers_block_type=["mamba", "moe", "attention", "mamba"],
         num_attention_heads=4, num_key_value_heads=2, head_dim=16, mamba_num_heads=4, mamba_head_dim=16,
         ssm_state_size=16, n_groups=2, n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
         moe_shared_expert_intermediate_size=48, intermediate_size=96, eos_token_id=None)), None, smoke=True),

@@ -107,8 +107,9 @@ def kernel_class(name: str) -> str:
 def profile_decode(llm, prompts, *, device, steps: int = 8, skip: int = 3) -> dict:
     """torch.profiler over `steps` decode steps (after `skip` warm ones) of one generate call: wall and
     device-busy time per step, launches per step, device time by kernel class, the top kernels."""
-    from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
+
+    from .timing import device_kernels
 
     prof, seen, wall = profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]), [0], [0.0]
     decode = llm.runner.decode
@@ -131,8 +132,7 @@ def profile_decode(llm, prompts, *, device, steps: int = 8, skip: int = 3) -> di
         llm.generate(prompts, max_new_tokens=skip + steps + 1, stop_token_ids=[])
     finally:
         llm.runner.decode = decode
-    kernels = [e for e in prof.key_averages() if e.device_type == DeviceType.CUDA and e.self_device_time_total > 0]
-    kernels.sort(key=lambda e: -e.self_device_time_total)
+    kernels = device_kernels(prof)
     by_class = {c: 0.0 for c in ("gemm", "state", "attention", "other")}
     for e in kernels:
         by_class[kernel_class(e.key)] += e.self_device_time_total / steps
@@ -266,8 +266,9 @@ def bench_spec(model, *, settings=("equal", "capacity"), batches=(1, 16, 64, 256
                            cache_gib=cache_gib, **_spec_row(llm, mine, refs, alpha=alpha, drafts=drafts,
                                                             device=device, new_tokens=new_tokens, vocab=vocab))
                 rows.append(row)
-                print(f"spec {setting:8s} B={B:4d} {mode:9s} alpha={alpha:.1f} {row['decode_tokens_per_s']:10.1f} tok/s "
-                      f"acceptance {row['acceptance']:.2f} ({row['tokens_per_step']:.2f} tokens/step)", flush=True)
+                print(f"spec {setting:8s} B={B:4d} {mode:9s} alpha={alpha:.1f} "
+                      f"{row['decode_tokens_per_s']:10.1f} tok/s acceptance {row['acceptance']:.2f} "
+                      f"({row['tokens_per_step']:.2f} tokens/step)", flush=True)
                 on_row(rows)
             del llm
             release(device)

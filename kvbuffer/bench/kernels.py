@@ -8,11 +8,12 @@ and its peer.
 
 Method: a correctness gate against the fp64 reference first (every timed kernel and the peer, on
 fresh inputs, outputs poisoned with NaN); then every op at every batch timed by
-kvbuffer.bench.timing.graph_median, with the states of `windows` disjoint windows of B rows (together
-past the L2) and the buffered rows at staggered fills (row r at fill (r + i) mod C in set i), so 1/C
-of the rows flush in each launch: the buffered step's median is its per-token cost with the flush
-amortized, as in a server's steady state. In the same run: the device-to-device copy bandwidth and
-the plain read of the same states (the roofline of a step that must read every state once).
+kvbuffer.bench.timing.graph_median, with the states of `windows` disjoint windows of B rows
+(together past twice the L2) and the buffered rows at staggered fills (row r at fill (r + i) mod C
+in set i), so 1/C of the rows flush in each launch: the buffered step's median is its per-token
+cost with the flush amortized, as in a server's steady state. In the same run: the
+device-to-device copy bandwidth and the plain read of the same states (the roofline of a step
+that must read every state once).
 """
 
 from __future__ import annotations
@@ -49,6 +50,7 @@ class Pools:
 
     def __init__(self, heads: Mapping, B: int, *, cap: int, C: int, device="cuda", seed: int = 0,
                  cache_bytes: float | None = None):
+        """`cache_bytes`: what the windows together must exceed (default: twice the device's L2)."""
         if B < 1 or C < 1 or cap < C:
             raise ValueError(f"need B >= 1 and cap >= C >= 1, got B={B}, C={C}, cap={cap}")
         Hk, Hv, K, V = heads["Hk"], heads["Hv"], heads["K"], heads["V"]
@@ -56,7 +58,7 @@ class Pools:
         self.row_state_bytes = Hv * K * V * 4
         self.entry_bytes = Hk * K * 2 + Hv * V * 2 + Hv * 4
         per_row = self.row_state_bytes + cap * self.entry_bytes
-        cache = timing.l2_bytes() if cache_bytes is None else cache_bytes
+        cache = 2 * timing.l2_bytes() if cache_bytes is None else cache_bytes
         self.windows = timing.sets_to_exceed(B * per_row, cache)
         self.sets = self.windows * C // math.gcd(self.windows, C)
         self.rotated_bytes = self.windows * B * per_row

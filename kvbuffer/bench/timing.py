@@ -6,8 +6,8 @@ launch these kernels inside CUDA graphs, so that is how they are timed here: aft
 warm-up call (which also runs a Triton peer's autotuning), `launches` calls are captured in one
 `torch.cuda.CUDAGraph`, the graph is replayed `replays` times, and the median replay divided by
 `launches` is the time per launch. Each call gets a set index; the caller keeps `sets` copies of
-its inputs and states, together larger than the L2, so every launch reads from HBM as in a
-server whose batch of states does not fit in cache.
+its inputs and states, together larger than twice the L2, so every launch reads from HBM as in
+a server whose batch of states does not fit in cache.
 
 `profiler_seconds` is the cross-check: the device time torch.profiler attributes to the kernels of
 eager calls, which no host overhead can inflate either.
@@ -127,8 +127,16 @@ def profiler_seconds(fn: Callable[[int], object], sets: int, *, launches: int = 
         for i in range(launches):
             fn(i % sets)
         torch.cuda.synchronize()
-    busy_us = sum(e.self_device_time_total for e in prof.key_averages())
+    busy_us = sum(e.self_device_time_total for e in device_kernels(prof))
     return busy_us / 1e6 / launches
+
+
+def device_kernels(prof) -> list:
+    """The profile's GPU kernels (averaged by name), longest total first; host-side events left out."""
+    from torch.autograd import DeviceType
+
+    kernels = [e for e in prof.key_averages() if e.device_type == DeviceType.CUDA and e.self_device_time_total > 0]
+    return sorted(kernels, key=lambda e: -e.self_device_time_total)
 
 
 def copy_bandwidth(nbytes: int = 2 * 2**30, replays: int = DEFAULT_REPLAYS) -> float:
