@@ -28,7 +28,9 @@ def _floats(text: str) -> tuple[float, ...]:
 
 
 def _out_option(f):
-    return click.option("--out", default="benchmarks/results", show_default=True, type=click.Path(file_okay=False),
+    from kvbuffer.bench.results import DEFAULT_DIR
+
+    return click.option("--out", default=DEFAULT_DIR, show_default=True, type=click.Path(file_okay=False),
                         help="Folder for the results JSON, figure and table.")(f)
 
 
