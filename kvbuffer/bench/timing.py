@@ -93,12 +93,12 @@ def graph_median(fn: Callable[[int], object], sets: int, *, rotated_bytes: float
     launches = -(-max(launches, sets) // sets) * sets
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):  # warm-up off the default stream, as graph capture requires
+    with _ffi_follows(torch.cuda.stream(side)):  # warm-up off the default stream, as graph capture requires
         fn(0)
     torch.cuda.current_stream().wait_stream(side)
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
+    with _ffi_follows(torch.cuda.graph(graph)):
         for i in range(launches):
             fn(i % sets)
     graph.replay()  # the first replay uploads the graph
@@ -113,6 +113,19 @@ def graph_median(fn: Callable[[int], object], sets: int, *, rotated_bytes: float
         times.append(start.elapsed_time(end) / 1e3 / launches)
     del graph
     return Timing(statistics.median(times), launches, replays, rotated_bytes)
+
+
+def _ffi_follows(context):
+    """`context` (a torch stream or graph context) with TVM-FFI launches following torch's stream in it.
+
+    TileLang kernels launch through TVM-FFI on TVM's own current stream; without this they would run
+    outside the graph being captured.
+    """
+    try:
+        import tvm_ffi
+    except ImportError:  # no TileLang kernel can be running
+        return context
+    return tvm_ffi.use_torch_stream(context)
 
 
 def profiler_seconds(fn: Callable[[int], object], sets: int, *, launches: int = DEFAULT_LAUNCHES) -> float:
