@@ -96,3 +96,45 @@ def test_preset_configs_are_copies():
     a = presets.get("qwen3.5-9b").hf_config()
     a["layer_types"].append("x")
     assert len(presets.get("qwen3.5-9b").hf_config()["layer_types"]) == 32
+
+
+class _ReferenceKernel:
+    """Stands in for a compiled kernel on the CPU: the kernel's argument order, the reference's arithmetic."""
+
+    def __init__(self, ref, single: bool, reorder=None, **kw):
+        self.ref, self.single, self.reorder, self.kw = ref, single, reorder, kw
+
+    def fn(self, *args):
+        *args, out = args
+        tokens = 5 if self.reorder is None else 8  # leading per-token / per-layer arguments
+        lead = [t[:, 0] if self.single and t.dim() >= 3 else t for t in args[:tokens]]
+        lead, kw = (lead, {}) if self.reorder is None else self.reorder(lead)
+        o = self.ref(*lead, *args[tokens:], **kw, **self.kw)
+        out.copy_(o.unsqueeze(1) if self.single else o)
+
+
+def _mamba_order(lead):  # kernel: x, dt, A_log, dt_bias, B, C, D, z -> reference: ..., D, then z by keyword
+    return lead[:7], {"z": lead[7]}
+
+
+@pytest.mark.parametrize("name", ["gdn", "mamba2"])
+def test_gate_and_ops_plumbing_with_reference_kernels(name):
+    from kvbuffer.bench import gdn, mamba2
+    from kvbuffer.reference import gdn as gdn_ref, mamba2 as mamba2_ref
+
+    family, ref, reorder = {"gdn": (gdn, gdn_ref, None), "mamba2": (mamba2, mamba2_ref, _mamba_order)}[name]
+    heads = dict(kernels.heads_of(family.SHAPES[0]), Hk=2, Hv=4, K=32, V=16)  # small: the CPU does the math
+    C, cap = 4, 13
+    fakes = {"recurrent": _ReferenceKernel(ref.recurrent_step, True, reorder),
+             "buffered": _ReferenceKernel(ref.buffered_step, True, reorder, flush_at=C)}
+    fakes.update({f"verify{T}": _ReferenceKernel(ref.verify, False, reorder) for T in kernels.DRAFTS})
+    errors = kernels.gate(family, fakes, heads, None, C=C, cap=cap, device="cpu")
+    assert set(errors) == set(fakes) and max(errors.values()) < kernels.GATE_TOLERANCE, errors
+    pools = kernels.Pools(heads, 3, cap=cap, C=C, device="cpu", cache_bytes=0)
+    inputs = kernels.Inputs(family, heads, 3, device="cpu")
+    ops = kernels.our_ops(fakes, pools, inputs, lambda T: family.act_bytes(heads, T))
+    for op in ops:
+        for s in range(pools.sets):
+            op.run(s)
+    assert all(bool(torch.isfinite(o).all()) for o in inputs.out.values())
+    assert [op.name for op in ops] == ["recurrent", "buffered", "verify2", "verify4", "verify8"]

@@ -61,16 +61,11 @@ def build(heads: Mapping, *, C: int, cap: int, configs: Mapping) -> dict:
 
 def reference(kind: str, toks: tuple, prm: tuple, pools: common.Pools, s: int) -> torch.Tensor:
     """The fp64 output of `kind` (recurrent, buffered or verify) on copies of the pools."""
-    from ..reference import core as ref
-    from ..reference.gating import gdn_front
+    from ..reference import gdn as ref
 
-    q, k, v, a, b = toks
-    if kind != "verify":  # the single-token ops take no time axis
-        q, k, v, a, b = (t[:, 0] for t in toks)
-    q64, k64, g64, beta64 = gdn_front(q, k, a, b, *prm, torch.float64)
-    state = pools.state.double()
+    q, k, v, a, b = toks if kind == "verify" else (t[:, 0] for t in toks)  # single-token ops: no time axis
+    args = (q, k, v.double(), a, b, *prm, pools.state.double(), pools.state_slots(s))
     bufs = [t.clone() for t in pools.buffers(s)]
-    args = (q64, k64, v.double(), g64, beta64, state, pools.state_slots(s))
     if kind == "recurrent":
         return ref.recurrent_step(*args)
     if kind == "buffered":

@@ -227,14 +227,14 @@ def our_ops(kernels: Mapping, pools: Pools, inputs: Inputs, act_bytes: Callable[
     return ops
 
 
-def gate(family, kernels: Mapping, heads: Mapping, peer, *, C: int, cap: int, B: int = 7) -> dict:
+def gate(family, kernels: Mapping, heads: Mapping, peer, *, C: int, cap: int, B: int = 7, device="cuda") -> dict:
     """Relative error of every kernel (and the peer) against the family's fp64 reference.
 
     An awkward batch, fresh inputs, outputs poisoned with NaN, and fills chosen so that some rows
     sit at C - 1 and the buffered step's fused flush runs.
     """
-    pools = Pools(heads, B, cap=cap, C=C, seed=1, cache_bytes=0)
-    inputs = Inputs(family, heads, B, seed=1)
+    pools = Pools(heads, B, cap=cap, C=C, device=device, seed=1, cache_bytes=0)
+    inputs = Inputs(family, heads, B, device=device, seed=1)
     s = C - 3  # fills (r + C - 3) mod C: row 2 is at C - 1
     errors = {}
     for key, T in [("recurrent", 1), ("buffered", 1)] + [(f"verify{T}", T) for T in DRAFTS]:
