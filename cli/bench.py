@@ -75,18 +75,13 @@ def _kernel_command(family: str, peer: str):
 
         module = importlib.import_module(f"kvbuffer.bench.{family}")
         cfg = json.loads(open(configs).read()) if configs else None
-        partial = {}
-
-        def save(result):
-            partial.setdefault("path", results.result_path(out, family, result))
-            results.write(result, partial["path"])
-
         chosen = tuple(s for s in shapes.split(",") if s) if shapes else module.SHAPES
-        result = module.run(shapes=chosen, batches=_ints(batches), C=C, cap=cap,
-                            configs=cfg, launches=launches, replays=replays, on_row=save)
+        stem = "_".join((family,) + chosen)  # runs of other shapes on the same day keep their own files
+        result = module.run(shapes=chosen, batches=_ints(batches), C=C, cap=cap, configs=cfg, launches=launches,
+                            replays=replays, on_row=lambda r: results.write(r, results.result_path(out, stem, r)))
         text = kernels.table(result)
         click.echo(text)
-        for p in results.finish(result, results.result_path(out, family, result), text):
+        for p in results.finish(result, results.result_path(out, stem, result), text):
             click.echo(f"wrote {p}")
 
     return command

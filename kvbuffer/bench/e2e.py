@@ -303,7 +303,8 @@ def run(what: str, *, preset: str, device: str = "cuda", dtype=None, out_dir=Non
     print(f"{preset}: built in {time.time() - t0:.0f} s", flush=True)
     result = new_result(what, preset, device=device, dtype=dtype,
                         args={k: list(v) if isinstance(v, tuple) else v for k, v in options.items()})
-    path = results.result_path(out_dir or results.DEFAULT_DIR, f"e2e_{what}_{preset}", result)
+    settings = "_" + "-".join(options["settings"]) if "settings" in options else ""  # one file per setting run
+    path = results.result_path(out_dir or results.DEFAULT_DIR, f"e2e_{what}{settings}_{preset}", result)
 
     def save(rows):
         result["rows"] = rows

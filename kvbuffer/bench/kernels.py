@@ -34,11 +34,13 @@ INPUT_SETS = 4              # token inputs cycled (small next to the states)
 
 
 def heads_of(preset: str) -> dict:
-    """The generic head shape (family, Hk, Hv, K, V, dtype) of a model preset."""
+    """The generic head shape (family, Hk, Hv, K, V) of a model preset, as the planner reads it."""
     from .. import presets
-    from ..autotune.models import config_shape
+    from ..plan import preset_geometry
 
-    return config_shape(presets.get(preset).hf_config())
+    s = preset_geometry(presets.get(preset)).linear_shape
+    return {"family": "gdn" if s.delta_rule else "mamba2", "Hk": s.num_k_heads, "Hv": s.num_v_heads,
+            "K": s.head_k_dim, "V": s.head_v_dim}
 
 
 class Pools:
