@@ -125,11 +125,16 @@ def _engine_run(what, preset, modes, kernels, cuda_graphs, out, **options):
             cuda_graphs=_flag(cuda_graphs), **options)
 
 
+def _profile_option(f):
+    return click.option("--profile-batch", default=0, show_default=True, type=click.IntRange(min=0),
+                        help="Profile the steps at this batch (wall vs device time, launches, device time by "
+                             "kernel class); 0: none.")(f)
+
+
 @bench.command("decode")
 @_engine_options
 @click.option("--batches", default="1,16,64,256", show_default=True, help="Batch sizes.")
-@click.option("--profile-batch", default=0, show_default=True, type=click.IntRange(min=0),
-              help="Profile the decode steps at this batch (launches, device time by kernel class).")
+@_profile_option
 def decode(preset, modes, prompt_len, new_tokens, chunk_size, kernels, cuda_graphs, out, batches, profile_batch):
     """Decode throughput and step latency, kvbuffer vs the recurrent scheme, random-weight model."""
     _engine_run("decode", preset, modes, kernels, cuda_graphs, out, prompt_len=prompt_len, new_tokens=new_tokens,
@@ -149,9 +154,11 @@ def decode(preset, modes, prompt_len, new_tokens, chunk_size, kernels, cuda_grap
               help="GiB for the per-request caches (capacity setting).")
 @click.option("--max-requests", default=1024, show_default=True, type=click.IntRange(min=1),
               help="Cap on the requests admitted (capacity setting).")
+@_profile_option
 def spec(preset, modes, prompt_len, new_tokens, chunk_size, kernels, cuda_graphs, out, settings, batches, alphas,
-         draft_tokens, memory_budget, max_requests):
+         draft_tokens, memory_budget, max_requests, profile_batch):
     """Speculative decoding with a drafter of chosen acceptance: equal batch and under a memory budget."""
     _engine_run("spec", preset, modes, kernels, cuda_graphs, out, prompt_len=prompt_len, new_tokens=new_tokens,
                 chunk_size=chunk_size, settings=tuple(settings), batches=_ints(batches), alphas=_floats(alphas),
-                drafts=draft_tokens, budget_bytes=int(memory_budget * 2**30), max_requests=max_requests)
+                drafts=draft_tokens, budget_bytes=int(memory_budget * 2**30), max_requests=max_requests,
+                profile_batch=profile_batch)

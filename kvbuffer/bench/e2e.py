@@ -15,8 +15,9 @@ scheme admits, the engine's pools are sized for exactly those, capped by `max_re
 reports acceptance, tokens per step and throughput; each batch also gets a plain-decoding row.
 
 Every engine is freed (del, gc, empty_cache) before the next is built. With `profile_batch`, the
-decode steps at that batch are profiled: wall vs device-busy time, kernel launches and device time
-by class (GEMM, state kernels, attention, everything else) per step.
+steps at that batch are profiled (decode steps; for spec also the verify steps of the last alpha):
+wall vs device-busy time, kernel launches and device time by class (GEMM, state kernels,
+attention, everything else) per step.
 
 The recurrent scheme on the peers' kernels (FLA, mamba_ssm) is not a row here: the engine runs
 either mode on kvbuffer's own kernels.
@@ -104,44 +105,54 @@ def kernel_class(name: str) -> str:
     return "other"
 
 
-def profile_decode(llm, prompts, *, device, steps: int = 8, skip: int = 3) -> dict:
-    """torch.profiler over `steps` decode steps (after `skip` warm ones) of one generate call: wall and
-    device-busy time per step, launches per step, device time by kernel class, the top kernels."""
+def profile_steps(llm, prompts, *, device, step: str = "decode", steps: int = 8, skip: int = 3,
+                  max_new_tokens: int | None = None) -> dict:
+    """torch.profiler over `steps` calls of the runner's `step` ("decode" or "verify") after `skip` warm
+    ones, in one generate call: wall and device-busy time per step, launches per step, device time by
+    kernel class, the top kernels. Fewer steps are profiled if the generation ends first."""
     from torch.profiler import ProfilerActivity, profile
 
     from .timing import device_kernels
 
-    prof, seen, wall = profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]), [0], [0.0]
-    decode = llm.runner.decode
+    prof = profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA])
+    seen, started, wall = [0], [0.0], [None]
+    original = getattr(llm.runner, step)
 
-    def profiled(running):
+    def stop():
+        _sync(device)
+        wall[0] = time.perf_counter() - started[0]
+        prof.stop()
+
+    def profiled(*args, **kwargs):
         seen[0] += 1
         if seen[0] == skip + 1:
             _sync(device)
             prof.start()
-            wall[0] = time.perf_counter()
-        out = decode(running)
+            started[0] = time.perf_counter()
+        out = original(*args, **kwargs)
         if seen[0] == skip + steps:
-            _sync(device)
-            wall[0] = time.perf_counter() - wall[0]
-            prof.stop()
+            stop()
         return out
 
-    llm.runner.decode = profiled
+    setattr(llm.runner, step, profiled)
     try:
-        llm.generate(prompts, max_new_tokens=skip + steps + 1, stop_token_ids=[])
+        llm.generate(prompts, max_new_tokens=max_new_tokens or skip + steps + 1, stop_token_ids=[])
     finally:
-        llm.runner.decode = decode
+        setattr(llm.runner, step, original)
+    done = min(steps, seen[0] - skip)
+    if done < 1:
+        raise RuntimeError(f"the generation made {seen[0]} {step} steps, fewer than the {skip} warm ones")
+    if wall[0] is None:
+        stop()
     kernels = device_kernels(prof)
     by_class = {c: 0.0 for c in ("gemm", "state", "attention", "other")}
     for e in kernels:
-        by_class[kernel_class(e.key)] += e.self_device_time_total / steps
+        by_class[kernel_class(e.key)] += e.self_device_time_total / done
     busy_us = sum(by_class.values())
-    return dict(steps=steps, wall_ms_per_step=1e3 * wall[0] / steps, device_busy_ms_per_step=busy_us / 1e3,
-                launches_per_step=sum(e.count for e in kernels) / steps,
-                device_us_per_step_by_class=by_class,
-                kernels=[dict(name=e.key[:90], cls=kernel_class(e.key), us_per_step=e.self_device_time_total / steps,
-                              calls_per_step=e.count / steps) for e in kernels[:40]])
+    return dict(step=step, steps=done, wall_ms_per_step=1e3 * wall[0] / done, device_busy_ms_per_step=busy_us / 1e3,
+                launches_per_step=sum(e.count for e in kernels) / done, device_us_per_step_by_class=by_class,
+                kernels=[dict(name=e.key[:90], cls=kernel_class(e.key), us_per_step=e.self_device_time_total / done,
+                              calls_per_step=e.count / done) for e in kernels[:40]])
 
 
 def format_profile(tag: str, prof: dict) -> str:
@@ -182,7 +193,7 @@ def bench_decode(model, *, batches, modes=MODES, prompt_len=128, new_tokens=32, 
             print(f"decode B={B:4d} {mode:9s} {row['decode_tokens_per_s']:10.1f} tok/s {row['step_ms']:8.2f} ms/step",
                   flush=True)
             if B == profile_batch:
-                row["profile"] = profile_decode(llm, prompts, device=device)
+                row["profile"] = profile_steps(llm, prompts, device=device)
                 print(format_profile(f"B={B} {mode}", row["profile"]), flush=True)
             rows.append(row)
             del llm
@@ -213,7 +224,7 @@ def admitted_requests(model, *, mode, budget_bytes, context, drafts, chunk_size)
     return int(budget_bytes // sum(spec.nbytes(next(model.parameters()).dtype).values()))
 
 
-def _spec_row(llm, prompts, refs, *, alpha, drafts, device, new_tokens, vocab) -> dict:
+def _spec_row(llm, prompts, refs, *, alpha, drafts, device, new_tokens, vocab, profile=False) -> dict:
     llm.drafter = ReferenceDrafter(refs, alpha, vocab)  # the engine's drafter slot, as the tests use it
     llm.generate(prompts[:1], max_new_tokens=2, stop_token_ids=[])  # warm-up
     _sync(device)
@@ -221,19 +232,26 @@ def _spec_row(llm, prompts, refs, *, alpha, drafts, device, new_tokens, vocab) -
     llm.generate(prompts, max_new_tokens=new_tokens, stop_token_ids=[])
     st = {k: llm.spec_stats[k] - before[k] for k in before}
     secs, toks = _warm_steps(llm.last_stats)
-    return dict(alpha=alpha, draft_tokens=drafts, decode_tokens_per_s=sum(toks) / sum(secs),
-                step_ms=1e3 * statistics.median(secs), peak_batch=llm.last_stats.peak_batch,
-                acceptance=st["accepted"] / st["proposed"] if st["proposed"] else 0.0,
-                expected_acceptance=expected_accepted(alpha, drafts) / drafts,
-                tokens_per_step=st["emitted"] / st["request_steps"] if st["request_steps"] else 0.0,
-                diverged_requests=len(llm.drafter.diverged), kernels=bool(llm.kernels))
+    row = dict(alpha=alpha, draft_tokens=drafts, decode_tokens_per_s=sum(toks) / sum(secs),
+               step_ms=1e3 * statistics.median(secs), peak_batch=llm.last_stats.peak_batch,
+               acceptance=st["accepted"] / st["proposed"] if st["proposed"] else 0.0,
+               expected_acceptance=expected_accepted(alpha, drafts) / drafts,
+               tokens_per_step=st["emitted"] / st["request_steps"] if st["request_steps"] else 0.0,
+               diverged_requests=len(llm.drafter.diverged), kernels=bool(llm.kernels))
+    if profile:  # the verify steps; the reference continuations are long enough for new_tokens
+        row["profile"] = profile_steps(llm, prompts, device=device, step="verify", steps=4, skip=1,
+                                       max_new_tokens=new_tokens)
+        print(format_profile(f"verify B={len(prompts)} alpha={alpha}", row["profile"]), flush=True)
+    return row
 
 
 def bench_spec(model, *, settings=("equal", "capacity"), batches=(1, 16, 64, 256), alphas=ALPHAS, drafts=4,
                budget_bytes=40 * 2**30, max_requests=1024, modes=MODES, prompt_len=128, new_tokens=32,
-               chunk_size=16, device="cuda", kernels="auto", cuda_graphs="auto",
+               chunk_size=16, device="cuda", kernels="auto", cuda_graphs="auto", profile_batch=0,
                on_row=lambda rows: None) -> list[dict]:
-    """Speculative rows (per setting, batch, alpha and mode) and a plain-decoding row per (batch, mode)."""
+    """Speculative rows (per setting, batch, alpha and mode) and a plain-decoding row per (batch, mode).
+
+    At `profile_batch`, the last alpha's verify steps and the plain decode steps are profiled."""
     vocab = model.config.vocab_size
     context = prompt_len + new_tokens
     plan = {}  # (setting, mode) -> [(batch, planned)]
@@ -264,7 +282,8 @@ def bench_spec(model, *, settings=("equal", "capacity"), batches=(1, 16, 64, 256
             for alpha in alphas:
                 row = dict(setting=setting, mode=mode, batch=B, planned_requests=planned, admitted=B,
                            cache_gib=cache_gib, **_spec_row(llm, mine, refs, alpha=alpha, drafts=drafts,
-                                                            device=device, new_tokens=new_tokens, vocab=vocab))
+                                                            device=device, new_tokens=new_tokens, vocab=vocab,
+                                                            profile=B == profile_batch and alpha == alphas[-1]))
                 rows.append(row)
                 print(f"spec {setting:8s} B={B:4d} {mode:9s} alpha={alpha:.1f} "
                       f"{row['decode_tokens_per_s']:10.1f} tok/s acceptance {row['acceptance']:.2f} "
@@ -275,6 +294,9 @@ def bench_spec(model, *, settings=("equal", "capacity"), batches=(1, 16, 64, 256
             llm = _engine(model, max_len=context + 8, **common)
             rows.append(dict(setting=setting, mode=mode, batch=B, planned_requests=planned, admitted=B, alpha=None,
                              draft_tokens=0, **_decode_row(llm, mine, device=device, new_tokens=new_tokens)))
+            if B == profile_batch:
+                rows[-1]["profile"] = profile_steps(llm, mine, device=device)
+                print(format_profile(f"decode B={B} {mode}", rows[-1]["profile"]), flush=True)
             del llm
             release(device)
             on_row(rows)
