@@ -127,7 +127,7 @@ def test_gate_and_ops_plumbing_with_reference_kernels(name):
     C, cap = 4, 13
     fakes = {"recurrent": _ReferenceKernel(ref.recurrent_step, True, reorder),
              "buffered": _ReferenceKernel(ref.buffered_step, True, reorder, flush_at=C)}
-    fakes.update({f"verify{T}": _ReferenceKernel(ref.verify, False, reorder) for T in kernels.DRAFTS})
+    fakes.update({f"verify{T}": _ReferenceKernel(ref.verify, False, reorder) for T in kernels.VERIFY_TOKENS})
     errors = kernels.gate(family, fakes, heads, None, C=C, cap=cap, device="cpu")
     assert set(errors) == set(fakes) and max(errors.values()) < kernels.GATE_TOLERANCE, errors
     pools = kernels.Pools(heads, 3, cap=cap, C=C, device="cpu", cache_bytes=0)
@@ -137,4 +137,4 @@ def test_gate_and_ops_plumbing_with_reference_kernels(name):
         for s in range(pools.sets):
             op.run(s)
     assert all(bool(torch.isfinite(o).all()) for o in inputs.out.values())
-    assert [op.name for op in ops] == ["recurrent", "buffered", "verify2", "verify4", "verify8"]
+    assert [op.name for op in ops] == ["recurrent", "buffered", "verify2", "verify4", "verify5", "verify8"]

@@ -54,7 +54,7 @@ def build(heads: Mapping, *, C: int, cap: int, configs: Mapping) -> dict:
     verify = configs.get("verify", configs.get("buffered", {}))
     out = {"recurrent": build_gdn_recurrent(Hk, Hv, K, V, **configs.get("recurrent", {})),
            "buffered": build_gdn_buffered(Hk, Hv, K, V, cap=cap, T_new=1, flush_at=C, **configs.get("buffered", {}))}
-    for T in common.DRAFTS:
+    for T in common.VERIFY_TOKENS:
         out[f"verify{T}"] = build_gdn_buffered(Hk, Hv, K, V, cap=cap, T_new=T, flush_at=0, **verify)
     return out
 

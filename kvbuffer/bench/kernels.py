@@ -28,7 +28,7 @@ import torch
 from . import timing
 
 BATCHES = (1, 4, 16, 64, 256, 1024)
-DRAFTS = (2, 4, 8)          # verify widths timed (tokens fed per row: the drafts and the token before them)
+VERIFY_TOKENS = (2, 4, 5, 8)  # verify widths timed: T tokens fed per row (T - 1 drafts and the token before them)
 GATE_TOLERANCE = 2e-2       # relative error against fp64 (bf16 activations and buffer entries)
 INPUT_SETS = 4              # token inputs cycled (small next to the states)
 
@@ -159,7 +159,7 @@ def make_row(shape: str, B: int, ops: list[Op], measured: dict, copy_Bps: float,
     if peer in t:
         row[f"speedup_buffered_vs_{peer}"] = t[peer] / t["buffered"]
         row[f"speedup_recurrent_vs_{peer}"] = t[peer] / t["recurrent"]
-    for T in DRAFTS:
+    for T in VERIFY_TOKENS:
         row[f"verify{T}_over_step"] = t[f"verify{T}"] / t["buffered"]
     return row
 
@@ -169,7 +169,8 @@ def new_result(kind: str, *, C: int, cap: int, peer: str, peer_note: str, launch
     return {"benchmark": kind, "date": datetime.date.today().isoformat(), "gpu": torch.cuda.get_device_name(),
             "copy_GBps": timing.copy_bandwidth() / 1e9, "C": C, "cap": cap, "buffer_dtype": "bfloat16",
             "peer": peer, "peer_note": peer_note, "launches": launches, "replays": replays,
-            "timing": "", "gate": {}, "configs": {}, "rows": []}
+            "timing": "", "verify": "verifyT feeds T tokens per row: T - 1 drafts and the token before them",
+            "gate": {}, "configs": {}, "rows": []}
 
 
 def finish_timing(result: dict, rotated: list[float]) -> None:
@@ -179,17 +180,17 @@ def finish_timing(result: dict, rotated: list[float]) -> None:
 
 
 def table(result: dict) -> str:
-    """µs per launch and the ratios, one line per (shape, batch)."""
+    """µs per launch and the ratios, one line per (shape, batch); vT = a verify of T tokens (T - 1 drafts)."""
     peer, nan = result["peer"], float("nan")
     lines = [f"{result['gpu']}  copy {result['copy_GBps']:.0f} GB/s  C={result['C']}  {result['timing']}",
-             f"{'shape':18s} {'B':>5s} {'read':>8s} {peer:>8s} {'rec':>8s} {'buf':>8s} {'v2':>8s} {'v4':>8s}"
-             f" {'v8':>8s} {'buf/peer':>8s} {'buf/rec':>7s} {'v4/step':>7s} {'buf%read':>8s}"]
+             f"{'shape':18s} {'B':>5s} {'read':>8s} {peer:>8s} {'rec':>8s} {'buf':>8s} {'v2':>8s} {'v5':>8s}"
+             f" {'v8':>8s} {'buf/peer':>8s} {'buf/rec':>7s} {'v5/step':>7s} {'buf%read':>8s}"]
     for r in result["rows"]:
         u = r["us"]
         lines.append(f"{r['shape']:18s} {r['B']:5d} {u['state_read']:8.1f} {u.get(peer, nan):8.1f}"
-                     f" {u['recurrent']:8.1f} {u['buffered']:8.1f} {u['verify2']:8.1f} {u['verify4']:8.1f}"
+                     f" {u['recurrent']:8.1f} {u['buffered']:8.1f} {u['verify2']:8.1f} {u['verify5']:8.1f}"
                      f" {u['verify8']:8.1f} {r.get(f'speedup_buffered_vs_{peer}', nan):8.2f}"
-                     f" {r['speedup_buffered_vs_recurrent']:7.2f} {r['verify4_over_step']:7.2f}"
+                     f" {r['speedup_buffered_vs_recurrent']:7.2f} {r['verify5_over_step']:7.2f}"
                      f" {r['frac_state_read']['buffered']:8.2f}")
     return "\n".join(lines)
 
@@ -200,10 +201,10 @@ class Inputs:
     def __init__(self, family, heads: Mapping, B: int, *, device="cuda", seed: int = 0):
         g = torch.Generator(device=device).manual_seed(seed)
         self.family = family
-        self.tokens = {T: [family.tokens(heads, B, T, g, device) for _ in range(INPUT_SETS)] for T in (1,) + DRAFTS}
+        widths = (1,) + VERIFY_TOKENS
+        self.tokens = {T: [family.tokens(heads, B, T, g, device) for _ in range(INPUT_SETS)] for T in widths}
         self.params = family.params(heads, g, device)
-        self.out = {T: torch.empty(B, T, heads["Hv"], heads["V"], device=device, dtype=torch.bfloat16)
-                    for T in (1,) + DRAFTS}
+        self.out = {T: torch.empty(B, T, heads["Hv"], heads["V"], device=device, dtype=torch.bfloat16) for T in widths}
 
     def kernel_args(self, T: int, s: int) -> tuple:
         """Our kernels' arguments before the state (the family's order)."""
@@ -211,7 +212,7 @@ class Inputs:
 
 
 def our_ops(kernels: Mapping, pools: Pools, inputs: Inputs, act_bytes: Callable[[int], float]) -> list[Op]:
-    """The recurrent step, the buffered step and the verifies of DRAFTS widths, as timed ops."""
+    """The recurrent step, the buffered step and the verifies of VERIFY_TOKENS widths, as timed ops."""
     def recurrent(s):
         kernels["recurrent"].fn(*inputs.kernel_args(1, s), pools.state, pools.state_slots(s), inputs.out[1])
 
@@ -225,7 +226,7 @@ def our_ops(kernels: Mapping, pools: Pools, inputs: Inputs, act_bytes: Callable[
     ops = [Op("recurrent", recurrent, pools.step_bytes("recurrent") + B * act_bytes(1)),
            Op("buffered", buffered("buffered", 1), pools.step_bytes("buffered") + B * act_bytes(1))]
     ops += [Op(f"verify{T}", buffered(f"verify{T}", T), pools.step_bytes("verify", T) + B * act_bytes(T))
-            for T in DRAFTS]
+            for T in VERIFY_TOKENS]
     return ops
 
 
@@ -239,7 +240,7 @@ def gate(family, kernels: Mapping, heads: Mapping, peer, *, C: int, cap: int, B:
     inputs = Inputs(family, heads, B, device=device, seed=1)
     s = C - 3  # fills (r + C - 3) mod C: row 2 is at C - 1
     errors = {}
-    for key, T in [("recurrent", 1), ("buffered", 1)] + [(f"verify{T}", T) for T in DRAFTS]:
+    for key, T in [("recurrent", 1), ("buffered", 1)] + [(f"verify{T}", T) for T in VERIFY_TOKENS]:
         kind = key.rstrip("0123456789")
         want = family.reference(kind, inputs.tokens[T][s % INPUT_SETS], inputs.params, pools, s)
         state, bufs = pools.state.clone(), [b.clone() if torch.is_tensor(b) else b for b in pools.buffers(s)]

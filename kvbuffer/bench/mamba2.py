@@ -65,7 +65,7 @@ def build(heads: Mapping, *, C: int, cap: int, configs: Mapping) -> dict:
     verify = configs.get("verify", step)
     out = {"recurrent": build_mamba2_recurrent(G, H, N, P, has_z=True, **configs.get("recurrent", {})),
            "buffered": build_mamba2_buffered(G, H, N, P, cap=cap, T_new=1, flush_at=C, has_z=True, **step)}
-    for T in common.DRAFTS:
+    for T in common.VERIFY_TOKENS:
         out[f"verify{T}"] = build_mamba2_buffered(G, H, N, P, cap=cap, T_new=T, flush_at=0, has_z=True, **verify)
     return out
 

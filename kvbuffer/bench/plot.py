@@ -7,7 +7,7 @@ throughput (spec). It returns False, drawing nothing, when matplotlib is not ins
 
 from __future__ import annotations
 
-KERNEL_CURVES = ("state_read", "recurrent", "buffered", "verify4")
+KERNEL_CURVES = ("state_read", "recurrent", "buffered", "verify5")  # verify5: 4 drafts
 
 
 def _pyplot():

@@ -35,7 +35,7 @@ def test_kernel_benchmark_gates_and_times(family, shape):
     assert result["timing"].startswith("cuda-graph, ")
     assert all(v < kernels.GATE_TOLERANCE for v in result["gate"][shape].values())
     for row in result["rows"]:
-        assert {"state_read", "recurrent", "buffered", "verify2", "verify4", "verify8"} <= set(row["us"])
+        assert {"state_read", "recurrent", "buffered", "verify2", "verify4", "verify5", "verify8"} <= set(row["us"])
         assert all(v > 0 for v in row["us"].values())
         assert "buffered" in row["profiler_us"]
     json.dumps(result)
