@@ -174,9 +174,9 @@ def _decode_row(llm, prompts, *, device, new_tokens) -> dict:
     _sync(device)
     llm.generate(prompts, max_new_tokens=new_tokens, stop_token_ids=[])
     st = llm.last_stats
-    secs, toks = _warm_steps(st)
+    secs, _ = _warm_steps(st)
     med = statistics.median(secs)
-    return dict(decode_tokens_per_s=sum(toks) / sum(secs), step_ms=1e3 * med,
+    return dict(decode_tokens_per_s=len(prompts) / med, step_ms=1e3 * med,
                 step_ms_mean=1e3 * sum(secs) / len(secs), steps=len(secs), peak_batch=st.peak_batch,
                 kernels=bool(llm.kernels), cuda_graphs=bool(llm.cuda_graphs and llm.runner.graphs.enabled))
 
