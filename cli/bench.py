@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import click
 
-KERNEL_BATCHES = "1,4,16,64,256,1024"
+from kvbuffer.bench import KERNEL_BATCHES
 
 
 def _ints(text: str) -> tuple[int, ...]:
@@ -23,8 +23,6 @@ def _floats(text: str) -> tuple[float, ...]:
         return tuple(float(x) for x in text.split(",") if x.strip())
     except ValueError:
         raise click.BadParameter(f"expected comma-separated numbers, got {text!r}") from None
-
-
 
 
 def _out_option(f):
@@ -55,7 +53,7 @@ def _kernel_command(family: str, peer: str):
     @bench.command(family, help=f"Time the {family} decode kernels (ours and {peer}) in CUDA graphs, B = 1 to 1024.")
     @click.option("--shapes",
                   help=f"Model presets whose head shapes to time (default: kvbuffer.bench.{family}.SHAPES).")
-    @click.option("--batches", default=KERNEL_BATCHES, show_default=True, help="Batch sizes.")
+    @click.option("--batches", default=",".join(map(str, KERNEL_BATCHES)), show_default=True, help="Batch sizes.")
     @click.option("--chunk-size", "C", default=16, show_default=True, type=click.IntRange(min=1),
                   help="Buffer chunk size C (the buffered step flushes at C).")
     @click.option("--cap", default=24, show_default=True, type=click.IntRange(min=2), help="Buffer entries per row.")

@@ -7,5 +7,7 @@
 - e2e, drafter: decode and speculative decoding through the engine, with a drafter of controlled
   acceptance; plot: the figures.
 
-Importing this package needs neither a GPU nor matplotlib; running a benchmark needs CUDA.
+Importing this package needs neither a GPU nor matplotlib (nor torch); running a benchmark needs CUDA.
 """
+
+KERNEL_BATCHES = (1, 4, 16, 64, 256, 1024)  # the kernel benchmarks' batches unless told otherwise

@@ -25,9 +25,7 @@ from typing import Callable, Mapping
 
 import torch
 
-from . import timing
-
-BATCHES = (1, 4, 16, 64, 256, 1024)
+from . import KERNEL_BATCHES, timing
 VERIFY_TOKENS = (2, 4, 5, 8)  # verify widths timed: T tokens fed per row (T - 1 drafts and the token before them)
 GATE_TOLERANCE = 2e-2       # relative error against fp64 (bf16 activations and buffer entries)
 INPUT_SETS = 4              # token inputs cycled (small next to the states)
@@ -254,7 +252,7 @@ def gate(family, kernels: Mapping, heads: Mapping, peer, *, C: int, cap: int, B:
     return errors
 
 
-def run(family, *, shapes, batches=BATCHES, C: int = 16, cap: int = 24, configs: Mapping | None = None,
+def run(family, *, shapes, batches=KERNEL_BATCHES, C: int = 16, cap: int = 24, configs: Mapping | None = None,
         launches: int = timing.DEFAULT_LAUNCHES, replays: int = timing.DEFAULT_REPLAYS,
         on_row: Callable[[dict], None] = lambda result: None) -> dict:
     """Gate, then time every op at every (shape, batch) for one family; returns the result dict."""
