@@ -277,7 +277,7 @@ def bench_spec(model, *, settings=("equal", "capacity"), batches=(1, 16, 64, 256
             common = dict(device=device, mode=mode, batch=B, chunk_size=chunk_size, kernels=kernels,
                           cuda_graphs=cuda_graphs)
             before = _allocated(device)
-            llm = _engine(model, max_len=context + drafts + 8, drafts=drafts, **common)
+            llm = _engine(model, max_len=context + drafts + 1, drafts=drafts, **common)  # the planner's max_len
             cache_gib = (_allocated(device) - before) / 2**30  # what the pools really took
             for alpha in alphas:
                 row = dict(setting=setting, mode=mode, batch=B, planned_requests=planned, admitted=B,
