@@ -13,20 +13,11 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from kvbuffer import presets
 from kvbuffer.tuning import make_conv_shape, make_shape
 
 DEFAULT_DTYPE = "bfloat16"
 
-# From the models' HF configuration files (see /work/shared/NOTES.md's table).
-PRESETS: dict[str, dict] = {
-    "qwen3.5-9b": {"family": "gdn", "Hk": 16, "Hv": 32, "K": 128, "V": 128},
-    "qwen3.5-27b": {"family": "gdn", "Hk": 16, "Hv": 48, "K": 128, "V": 128},
-    "qwen3.5-35b-a3b": {"family": "gdn", "Hk": 16, "Hv": 32, "K": 128, "V": 128},
-    "qwen3.5-122b-a10b": {"family": "gdn", "Hk": 16, "Hv": 64, "K": 128, "V": 128},
-    "qwen3-next-80b": {"family": "gdn", "Hk": 16, "Hv": 32, "K": 128, "V": 128},
-    "nemotron-3-nano": {"family": "mamba2", "Hk": 8, "Hv": 64, "K": 128, "V": 64},
-    "nemotron-3-super": {"family": "mamba2", "Hk": 8, "Hv": 128, "K": 128, "V": 64},
-}
 
 def preset_shape(name: str, dtype: str = DEFAULT_DTYPE) -> dict:
     if name.lower() not in PRESETS:
@@ -47,7 +38,11 @@ def checkpoint_shape(path: str | Path, dtype: str | None = None) -> dict:
     """The linear-attention head shape from a checkpoint directory's config.json (or the file itself)."""
     path = Path(path)
     cfg_path = path / "config.json" if path.is_dir() else path
-    cfg = json.loads(cfg_path.read_text())
+    return config_shape(json.loads(cfg_path.read_text()), dtype, source=str(cfg_path))
+
+
+def config_shape(cfg: dict, dtype: str | None = None, source: str = "config") -> dict:
+    """The linear-attention head shape a transformers-style config dict declares."""
     text = cfg.get("text_config") or cfg  # Qwen3.5 checkpoints are vision-language models
     dtype = dtype or text.get("dtype") or text.get("torch_dtype") or cfg.get("torch_dtype") or DEFAULT_DTYPE
     if "linear_num_value_heads" in text:
@@ -56,8 +51,15 @@ def checkpoint_shape(path: str | Path, dtype: str | None = None) -> dict:
     if "mamba_num_heads" in text:
         return make_shape("mamba2", text.get("n_groups", 1), text["mamba_num_heads"], text["ssm_state_size"],
                           text["mamba_head_dim"], dtype)
-    raise ValueError(f"{cfg_path}: model_type {text.get('model_type')!r} has no linear-attention layers "
+    raise ValueError(f"{source}: model_type {text.get('model_type')!r} has no linear-attention layers "
                      "kvbuffer knows (expected linear_* (Gated DeltaNet) or mamba_* (Mamba-2) keys)")
+
+
+# Head shapes of kvbuffer.presets' real models (the one preset table), without the dtype
+PRESETS: dict[str, dict] = {
+    name: {k: v for k, v in config_shape(presets.get(name).hf_config()).items() if k != "dtype"}
+    for name in presets.MODELS
+}
 
 
 CONV_WIDTH = 4                                   # both families' published checkpoints

@@ -6,16 +6,15 @@ Two paths, both ending in artifacts + one tuning record in the cache:
   default tunables for that GPU's arch; every bucket uses it; status "untuned".
 - measure (the named GPU is device 0): compile every config of each template, check it against
   kvbuffer.reference on fresh inputs (mismatches are rejected, never timed), time it per batch
-  bucket with CUDA events (median over launches, inputs rotated through enough copies to exceed
-  twice the L2), keep the fastest per (kernel, bucket, chunk size) and derive the chunk-size
-  policy from the buffered step (see kvbuffer.autotune.policy). Only winners are published,
+  bucket inside one CUDA graph of many launches (kvbuffer.bench.timing; inputs rotated through
+  enough copies to exceed twice the L2), keep the fastest per (kernel, bucket, chunk size) and
+  derive the chunk-size policy from the buffered step (see kvbuffer.autotune.policy). Only winners are published,
   with status "tuned".
 """
 
 from __future__ import annotations
 
 import math
-import statistics
 import time
 from dataclasses import dataclass, field
 from typing import Callable, Iterable, Mapping, Sequence
@@ -145,19 +144,13 @@ def check(tpl: Template, kernel, shape: Mapping, chunk: int, device, seed: int =
     return max(rel_err(args[i], want) for i, want in expected.items())
 
 
-def cuda_median_seconds(fn: Callable[[list], None], arg_sets: list, warmup: int = 5, iters: int = 50) -> float:
-    """Median launch time with CUDA events, cycling through arg_sets (rotated past L2)."""
-    import torch
+def cuda_median_seconds(fn: Callable[[list], None], arg_sets: list) -> float:
+    """Median seconds per launch, timed as every kvbuffer figure is (kvbuffer.bench.timing.graph_median:
+    many launches in one CUDA graph, cycling through arg_sets, which rotate the inputs past L2)."""
+    from kvbuffer.bench.timing import graph_median
 
-    for i in range(warmup):
-        fn(arg_sets[i % len(arg_sets)])
-    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(iters)]
-    for i, (start, end) in enumerate(events):
-        start.record()
-        fn(arg_sets[i % len(arg_sets)])
-        end.record()
-    torch.cuda.synchronize()
-    return statistics.median(s.elapsed_time(e) for s, e in events) / 1e3
+    nbytes = sum(a.numel() * a.element_size() for args in arg_sets for a in args if hasattr(a, "element_size"))
+    return graph_median(lambda i: fn(arg_sets[i]), len(arg_sets), rotated_bytes=nbytes).seconds
 
 
 def rotation(args: list, l2_bytes: float, limit: int = 16) -> int:

@@ -1,47 +1,162 @@
-"""`kvbuffer bench gdn|mamba2|decode|spec [ARGS...]`: run a benchmark script from benchmarks/ (needs a GPU).
+"""`kvbuffer bench gdn|mamba2|decode|spec`: the benchmarks of kvbuffer.bench (they need a CUDA GPU).
 
-The benchmark scripts live in the source checkout's benchmarks/ folder next to their committed
-results, so this command works from a checkout installed with `pip install -e .`. Arguments after
-the kernel name go to the script; `kvbuffer bench gdn --help` lists them.
+Each subcommand parses its options and calls kvbuffer.bench; `kvbuffer bench SUBCOMMAND --help`
+lists them. Results (JSON, figure, table) land in --out, benchmarks/results/ by default.
 """
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-
 import click
 
-# kernel or job -> (script in benchmarks/, arguments put first)
-SCRIPTS = {"gdn": ("bench_gdn.py", []), "mamba2": ("bench_mamba2.py", []),
-           "decode": ("bench_e2e.py", ["decode"]), "spec": ("bench_e2e.py", ["spec"])}
+from kvbuffer.bench import KERNEL_BATCHES
 
 
-def _benchmarks_dir() -> Path:
-    import kvbuffer
-
-    return Path(kvbuffer.__file__).resolve().parent.parent / "benchmarks"
-
-
-def _load(kernel: str):
-    path = _benchmarks_dir() / SCRIPTS[kernel][0]
-    if not path.is_file():
-        raise click.ClickException(f"{path} not found: `kvbuffer bench` runs the scripts of a source checkout "
-                                   "(git clone, then pip install -e .)")
-    spec = importlib.util.spec_from_file_location(f"kvbuffer_bench_{kernel}", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+def _ints(text: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        raise click.BadParameter(f"expected comma-separated integers, got {text!r}") from None
 
 
-@click.command(context_settings={"ignore_unknown_options": True, "allow_extra_args": True})
-@click.argument("kernel", type=click.Choice(sorted(SCRIPTS)))
-@click.argument("args", nargs=-1, type=click.UNPROCESSED)
-def bench(kernel, args):
-    """Benchmark the buffered kernels against the recurrent baseline and the field's peer kernel."""
+def _floats(text: str) -> tuple[float, ...]:
+    try:
+        return tuple(float(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        raise click.BadParameter(f"expected comma-separated numbers, got {text!r}") from None
+
+
+def _out_option(f):
+    from kvbuffer.bench.results import DEFAULT_DIR
+
+    return click.option("--out", default=DEFAULT_DIR, show_default=True, type=click.Path(file_okay=False),
+                        help="Folder for the results JSON, figure and table.")(f)
+
+
+@click.group("bench", invoke_without_command=True, context_settings={"help_option_names": ["-h", "--help"]})
+@click.pass_context
+def bench(ctx):
+    """Benchmark the buffered kernels and the engine against the recurrent scheme and the peers (CUDA)."""
+    if ctx.invoked_subcommand is None:
+        need_cuda()
+        click.echo(ctx.get_help())
+
+
+def need_cuda() -> None:
+    """One line and exit status 1 where no CUDA GPU is visible (checked when a benchmark runs, after --help)."""
     import torch
 
     if not torch.cuda.is_available():
-        raise click.ClickException("kvbuffer bench times GPU kernels and needs a CUDA GPU; none is visible")
-    module = _load(kernel)
-    module.main(SCRIPTS[kernel][1] + list(args))
+        raise click.ClickException("kvbuffer bench times GPU work and needs a CUDA GPU; none is visible")
+
+
+def _kernel_command(family: str, peer: str):
+    @bench.command(family, help=f"Time the {family} decode kernels (ours and {peer}) in CUDA graphs, B = 1 to 1024.")
+    @click.option("--shapes",
+                  help=f"Model presets whose head shapes to time (default: kvbuffer.bench.{family}.SHAPES).")
+    @click.option("--batches", default=",".join(map(str, KERNEL_BATCHES)), show_default=True, help="Batch sizes.")
+    @click.option("--chunk-size", "C", default=16, show_default=True, type=click.IntRange(min=1),
+                  help="Buffer chunk size C (the buffered step flushes at C).")
+    @click.option("--cap", default=24, show_default=True, type=click.IntRange(min=2), help="Buffer entries per row.")
+    @click.option("--launches", default=32, show_default=True, type=click.IntRange(min=1),
+                  help="Launches captured in one CUDA graph.")
+    @click.option("--replays", default=20, show_default=True, type=click.IntRange(min=1),
+                  help="Graph replays; the median is reported.")
+    @click.option("--configs", type=click.Path(exists=True, dir_okay=False),
+                  help="JSON {preset: {recurrent|buffered|verify: tunables}}; default: each kernel's defaults.")
+    @_out_option
+    def command(shapes, batches, C, cap, launches, replays, configs, out):
+        import importlib
+        import json
+
+        need_cuda()
+        from kvbuffer.bench import kernels, results
+
+        module = importlib.import_module(f"kvbuffer.bench.{family}")
+        cfg = json.loads(open(configs).read()) if configs else None
+        chosen = tuple(s for s in shapes.split(",") if s) if shapes else module.SHAPES
+        stem = "_".join((family,) + chosen)  # runs of other shapes on the same day keep their own files
+        result = module.run(shapes=chosen, batches=_ints(batches), C=C, cap=cap, configs=cfg, launches=launches,
+                            replays=replays, on_row=lambda r: results.write(r, results.result_path(out, stem, r)))
+        text = kernels.table(result)
+        click.echo(text)
+        for p in results.finish(result, results.result_path(out, stem, result), text):
+            click.echo(f"wrote {p}")
+
+    return command
+
+
+_kernel_command("gdn", "FLA's fused_recurrent_gated_delta_rule")
+_kernel_command("mamba2", "mamba_ssm's selective_state_update")
+
+
+def _engine_options(f):
+    options = [
+        click.option("--preset", default="qwen3.5-9b", show_default=True,
+                     help="Model preset (kvbuffer.presets): random weights in its shapes."),
+        click.option("--modes", default="kvbuffer,recurrent", show_default=True, help="Engine modes to compare."),
+        click.option("--prompt-len", default=128, show_default=True, type=click.IntRange(min=1)),
+        click.option("--new-tokens", default=32, show_default=True, type=click.IntRange(min=2)),
+        click.option("--chunk-size", default=16, show_default=True, type=click.IntRange(min=1)),
+        click.option("--kernels", default="auto", show_default=True, type=click.Choice(["auto", "true", "false"])),
+        click.option("--cuda-graphs", default="auto", show_default=True, type=click.Choice(["auto", "true", "false"])),
+        _out_option,
+    ]
+    for option in reversed(options):
+        f = option(f)
+    return f
+
+
+def _flag(text: str):
+    return {"auto": "auto", "true": True, "false": False}[text]
+
+
+def _engine_run(what, preset, modes, kernels, cuda_graphs, out, **options):
+    need_cuda()
+    from kvbuffer import presets
+    from kvbuffer.bench import e2e
+
+    try:
+        presets.get(preset)
+    except ValueError as e:
+        raise click.BadParameter(str(e), param_hint="--preset") from None
+    e2e.run(what, preset=preset, out_dir=out, modes=tuple(modes.split(",")), kernels=_flag(kernels),
+            cuda_graphs=_flag(cuda_graphs), **options)
+
+
+def _profile_option(f):
+    return click.option("--profile-batch", default=0, show_default=True, type=click.IntRange(min=0),
+                        help="Profile the steps at this batch (wall vs device time, launches, device time by "
+                             "kernel class); 0: none.")(f)
+
+
+@bench.command("decode")
+@_engine_options
+@click.option("--batches", default="1,16,64,256", show_default=True, help="Batch sizes.")
+@_profile_option
+def decode(preset, modes, prompt_len, new_tokens, chunk_size, kernels, cuda_graphs, out, batches, profile_batch):
+    """Decode throughput and step latency, kvbuffer vs the recurrent scheme, random-weight model."""
+    _engine_run("decode", preset, modes, kernels, cuda_graphs, out, prompt_len=prompt_len, new_tokens=new_tokens,
+                chunk_size=chunk_size, batches=_ints(batches), profile_batch=profile_batch)
+
+
+@bench.command("spec")
+@_engine_options
+@click.option("--setting", "settings", multiple=True, type=click.Choice(["equal", "capacity"]),
+              default=("equal", "capacity"), show_default=True,
+              help="equal: both modes admit the same requests; capacity: as many as --memory-budget holds.")
+@click.option("--batches", default="1,16,64,256", show_default=True, help="Batch sizes of the equal setting.")
+@click.option("--alphas", default="0,0.5,0.7,0.9", show_default=True,
+              help="Probability that each draft is right (until the first miss).")
+@click.option("--draft-tokens", default=4, show_default=True, type=click.IntRange(min=1), help="Drafts per step.")
+@click.option("--memory-budget", default=40.0, show_default=True, type=click.FloatRange(min=0),
+              help="GiB for the per-request caches (capacity setting).")
+@click.option("--max-requests", default=1024, show_default=True, type=click.IntRange(min=1),
+              help="Cap on the requests admitted (capacity setting).")
+@_profile_option
+def spec(preset, modes, prompt_len, new_tokens, chunk_size, kernels, cuda_graphs, out, settings, batches, alphas,
+         draft_tokens, memory_budget, max_requests, profile_batch):
+    """Speculative decoding with a drafter of chosen acceptance: equal batch and under a memory budget."""
+    _engine_run("spec", preset, modes, kernels, cuda_graphs, out, prompt_len=prompt_len, new_tokens=new_tokens,
+                chunk_size=chunk_size, settings=tuple(settings), batches=_ints(batches), alphas=_floats(alphas),
+                drafts=draft_tokens, budget_bytes=int(memory_budget * 2**30), max_requests=max_requests,
+                profile_batch=profile_batch)

@@ -9,10 +9,12 @@ speculation, one extra state per fed draft token (what SGLang and vLLM keep to r
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, replace
 
 import torch
 
+from . import presets
 from .pools import LinearLayerShape
 from .runtime.caches import CacheSpec
 
@@ -32,28 +34,45 @@ class ModelGeometry:
     head_dim: int
 
 
-def _gdn(name, params_b, n_lin, n_att, Hk, Hv, kv_heads, head_dim=256, K=128, V=128):
-    shape = LinearLayerShape(Hk, Hv, K, V, delta_rule=True)
-    return ModelGeometry(name, int(params_b * 1e9 * 2), shape, n_lin, 2 * Hk * K + Hv * V, 4, n_att, kv_heads, head_dim)
+class _PresetGeometries(Mapping):
+    """kvbuffer.presets' real models by name, each geometry derived on first use (see preset_geometry)."""
+
+    def __init__(self):
+        self._built: dict[str, ModelGeometry] = {}
+
+    def __getitem__(self, name: str) -> ModelGeometry:
+        if name not in self:
+            raise KeyError(name)
+        if name not in self._built:
+            self._built[name] = preset_geometry(presets.get(name))
+        return self._built[name]
+
+    def __contains__(self, name) -> bool:
+        return name in presets.MODELS
+
+    def __iter__(self):
+        return iter(presets.MODELS)
+
+    def __len__(self) -> int:
+        return len(presets.MODELS)
 
 
-def _mamba(name, params_b, n_lin, n_att, heads, groups, kv_heads, head_dim=128, P=64, N=128):
-    shape = LinearLayerShape(groups, heads, N, P, delta_rule=False)
-    return ModelGeometry(name, int(params_b * 1e9 * 2), shape, n_lin, heads * P + 2 * groups * N, 4, n_att,
-                         kv_heads, head_dim)
+def preset_geometry(preset: presets.Preset) -> ModelGeometry:
+    """A preset's geometry, read from its model built on the meta device (shapes only, no memory).
+
+    The weights count as bf16 at the parameter count the model's name states (embeddings and MTP
+    layers vary between counts); a preset without one counts its parameters.
+    """
+    from .models.loader import build_model
+
+    with torch.device("meta"):
+        model = build_model(preset.hf_config())
+    params = preset.params_billions * 1e9 if preset.params_billions else sum(p.numel() for p in model.parameters())
+    return replace(geometry_of(model), name=preset.name, weight_bytes=int(params * 2))
 
 
-# Layer counts and head shapes from the models' configuration files; weights are bf16 at the
-# parameter count the model's name states (an approximation: embeddings and MTP layers vary).
-PRESETS: dict[str, ModelGeometry] = {g.name: g for g in (
-    _gdn("qwen3.5-9b", 9, 24, 8, 16, 32, kv_heads=4),
-    _gdn("qwen3.5-27b", 27, 48, 16, 16, 48, kv_heads=4),
-    _gdn("qwen3.5-35b-a3b", 35, 30, 10, 16, 32, kv_heads=2),
-    _gdn("qwen3.5-122b-a10b", 122, 36, 12, 16, 64, kv_heads=2),
-    _gdn("qwen3-next-80b", 80, 36, 12, 16, 32, kv_heads=2),
-    _mamba("nemotron-3-nano", 30, 23, 6, heads=64, groups=8, kv_heads=2),
-    _mamba("nemotron-3-super", 120, 40, 8, heads=128, groups=8, kv_heads=2),
-)}
+# Geometries of kvbuffer.presets' real models (the smoke-test presets are left out)
+PRESETS: Mapping[str, ModelGeometry] = _PresetGeometries()
 
 
 def geometry_of(model) -> ModelGeometry:

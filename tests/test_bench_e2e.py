@@ -1,40 +1,52 @@
-"""The end-to-end benchmark runs (tiny shapes on the CPU); its real numbers come from a GPU run."""
+"""The end-to-end benchmark's code path on the CPU (tiny presets); its real numbers come from a GPU run."""
 
-import importlib.util
 import json
-import pathlib
 
 import pytest
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+from kvbuffer.bench import e2e
 
-
-def _bench():
-    spec = importlib.util.spec_from_file_location("bench_e2e", ROOT / "benchmarks" / "bench_e2e.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+SMALL = dict(prompt_len=20, new_tokens=4, chunk_size=6)
 
 
 @pytest.mark.parametrize("preset", ["tiny-qwen", "tiny-nemotron"])
-def test_decode_and_spec_benchmarks_run(tmp_path, preset):
-    bench = _bench()
-    dec = bench.main(["decode", "--preset", preset, "--device", "cpu", "--batches", "1,3", "--prompt-len", "20",
-                      "--new-tokens", "4", "--chunk-size", "6", "--out", str(tmp_path)])
-    assert {(r["batch"], r["mode"]) for r in dec["rows"]} == {(b, m) for b in (1, 3) for m in ("kvbuffer", "recurrent")}
-    assert all(r["decode_tokens_per_s"] > 0 and r["peak_batch"] == r["batch"] for r in dec["rows"])
-    spec = bench.main(["spec", "--preset", preset, "--device", "cpu", "--draft-tokens", "2", "--prompt-len", "20",
-                       "--new-tokens", "4", "--chunk-size", "6", "--memory-budget", "0.002", "--max-requests", "6",
-                       "--out", str(tmp_path)])
-    rows = {r["mode"]: r for r in spec["rows"]}
-    assert rows["kvbuffer"]["planned_requests"] > rows["recurrent"]["planned_requests"]
-    for r in rows.values():
-        assert r["admitted"] == min(r["planned_requests"], 6)
-    assert len(list(tmp_path.glob("e2e_*.json"))) == 2
-    json.loads(next(tmp_path.glob("e2e_spec_*.json")).read_text())
+def test_decode_benchmark_runs(tmp_path, preset):
+    result = e2e.run("decode", preset=preset, device="cpu", out_dir=tmp_path, batches=(1, 3), profile_batch=3,
+                     **SMALL)
+    rows = result["rows"]
+    assert {(r["batch"], r["mode"]) for r in rows} == {(b, m) for b in (1, 3) for m in e2e.MODES}
+    assert all(r["decode_tokens_per_s"] > 0 and r["peak_batch"] == r["batch"] for r in rows)
+    profiled = [r["profile"] for r in rows if "profile" in r]
+    assert len(profiled) == 2 and all(set(p["device_us_per_step_by_class"]) == {"gemm", "state", "attention", "other"}
+                                      for p in profiled)
+    saved = json.loads(next(tmp_path.glob("e2e_decode_*.json")).read_text())
+    assert saved["rows"] == json.loads(json.dumps(rows)) and saved["benchmark"] == "decode"
 
 
-def test_nemotron_nano_preset_has_the_published_layer_mix():
-    bench = _bench()
-    p = bench.PRESETS["nemotron-3-nano"]["hybrid_override_pattern"]
-    assert (len(p), p.count("M"), p.count("E"), p.count("*")) == (52, 23, 23, 6)
+@pytest.mark.parametrize("preset, alphas", [("tiny-qwen", (0.0, 1.0)), ("tiny-nemotron", (1.0,))])
+def test_spec_benchmark_equal_batch_and_capacity(tmp_path, preset, alphas):
+    result = e2e.run("spec", preset=preset, device="cpu", out_dir=tmp_path, batches=(2,), alphas=alphas,
+                     drafts=2, budget_bytes=int(0.002 * 2**30), max_requests=5, profile_batch=2,
+                     **dict(SMALL, new_tokens=8))  # alpha 1 emits 3 tokens a step: 8 tokens give a warm verify
+    spec = [r for r in result["rows"] if r.get("alpha") is not None]
+    plain = [r for r in result["rows"] if r.get("alpha") is None]
+    assert {(r["setting"], r["mode"], r["alpha"]) for r in spec} == {
+        (s, m, a) for s in ("equal", "capacity") for m in e2e.MODES for a in alphas}
+    assert len(plain) == 4 and all(r["draft_tokens"] == 0 for r in plain)
+    profiled = [r["profile"]["step"] for r in result["rows"] if r["batch"] == 2 and "profile" in r]
+    assert sorted(profiled) == ["decode", "decode", "verify", "verify"]  # both modes: alpha 1's verify, plain
+    for r in spec:
+        assert r["acceptance"] == (1.0 if r["alpha"] == 1.0 else 0.0), r
+        assert r["tokens_per_step"] == pytest.approx(3.0 if r["alpha"] == 1.0 else 1.0, abs=0.7)
+    cap = {r["mode"]: r for r in spec if r["setting"] == "capacity"}
+    assert cap["kvbuffer"]["planned_requests"] > cap["recurrent"]["planned_requests"]
+    for r in cap.values():
+        assert r["admitted"] == r["peak_batch"] == min(r["planned_requests"], 5)
+
+
+def test_kernel_classes():
+    assert e2e.kernel_class("sm90_xmma_gemm_bf16bf16_bf16f32") == "gemm"
+    assert e2e.kernel_class("nvjet_tst_128x64_64x8") == "gemm"
+    assert e2e.kernel_class("pytorch_flash::flash_fwd_kernel") == "attention"
+    assert e2e.kernel_class("gdn_buffered_kernel") == "state"
+    assert e2e.kernel_class("triton_red_fused_add_rms_norm_0") == "other"

@@ -1,0 +1,339 @@
+"""End-to-end decode and speculative decoding through the engine: kvbuffer vs the recurrent scheme, same run.
+
+Models are random-weight (bf16 on CUDA) with a preset's layer and head shapes (kvbuffer.presets),
+built directly on the device; the numbers measure the serving path, not the model's quality.
+
+decode: B requests of `prompt_len` random tokens, `new_tokens` greedy tokens each; reported are the
+median decode step and the throughput it gives (prefill excluded; the first step, which captures
+the CUDA graph, left out), for each mode in the same process.
+
+spec: speculative decoding with T drafts from kvbuffer.bench.drafter (the model's own greedy
+continuation, each draft right with probability alpha), so acceptance is what alpha makes it and
+not what random weights allow. Two settings: "equal" (both modes admit the same B requests) and
+"capacity" (a memory budget for the per-request caches; the planner says how many requests each
+scheme admits, the engine's pools are sized for exactly those, capped by `max_requests`). Each row
+reports acceptance, tokens per step and throughput; each batch also gets a plain-decoding row.
+
+Every engine is freed (del, gc, empty_cache) before the next is built. With `profile_batch`, the
+steps at that batch are profiled (decode steps; for spec also the verify steps of the last alpha):
+wall vs device-busy time, kernel launches and device time by class (GEMM, state kernels,
+attention, everything else) per step.
+
+The recurrent scheme on the peers' kernels (FLA, mamba_ssm) is not a row here: the engine runs
+either mode on kvbuffer's own kernels.
+"""
+
+from __future__ import annotations
+
+import datetime
+import gc
+import statistics
+import time
+
+import torch
+
+from .. import LLM, presets
+from ..models.loader import build_model
+from ..plan import geometry_of, request_spec
+from .drafter import ReferenceDrafter, expected_accepted
+
+MODES = ("kvbuffer", "recurrent")
+ALPHAS = (0.0, 0.5, 0.7, 0.9)
+REFERENCE_BATCH = 256  # the greedy reference runs in batches of at most this many requests
+
+
+def random_model(preset: str, device, dtype) -> torch.nn.Module:
+    """The preset's architecture with random weights, allocated directly on `device` in `dtype`."""
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device(device):
+            model = build_model(presets.get(preset).hf_config())
+    finally:
+        torch.set_default_dtype(old)
+    g = torch.Generator(device=device).manual_seed(0)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() >= 2:  # matrices (experts are allocated uninitialised)
+                p.normal_(0.0, 0.02, generator=g)
+    return model.eval()
+
+
+def random_prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, vocab, (length,), generator=g).tolist() for _ in range(n)]
+
+
+def release(device) -> None:
+    """Hand a freed engine's memory back before the next one is built (the caller has `del`ed it)."""
+    gc.collect()
+    if torch.device(device).type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def _sync(device) -> None:
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize()
+
+
+def _allocated(device) -> int:
+    return torch.cuda.memory_allocated() if torch.device(device).type == "cuda" else 0
+
+
+def _warm_steps(stats) -> tuple[list[float], list[int]]:
+    """(seconds, tokens) of the decode steps after the first (which captures a CUDA graph)."""
+    steps = list(zip(stats.step_seconds, stats.step_tokens))
+    steps = steps[1:] or steps
+    return [s for s, _ in steps], [t for _, t in steps]
+
+
+# -- profiles --------------------------------------------------------------------------------------
+
+_CLASSES = (  # first match wins; names lower-cased
+    ("gemm", ("gemm", "gemv", "cutlass", "cublas", "nvjet", "xmma", "splitkreduce", "matmul")),
+    ("attention", ("flash", "fmha", "attention", "sdpa", "efficient_attention")),
+    ("state", ("gdn", "mamba", "linear_decode", "conv1d", "flush", "buffered", "recurrent", "verify")),
+)
+
+
+def kernel_class(name: str) -> str:
+    """GEMM, attention, state (kvbuffer's and the peers' state and conv kernels) or other, by kernel name."""
+    low = name.lower()
+    for cls, words in _CLASSES:
+        if any(w in low for w in words):
+            return cls
+    return "other"
+
+
+def profile_steps(llm, prompts, *, device, step: str = "decode", steps: int = 8, skip: int = 3,
+                  max_new_tokens: int | None = None) -> dict:
+    """torch.profiler over `steps` calls of the runner's `step` ("decode" or "verify") after `skip` warm
+    ones, in one generate call: wall and device-busy time per step, launches per step, device time by
+    kernel class, the top kernels. Fewer steps are profiled if the generation ends first."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from .timing import device_kernels
+
+    prof = profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA])
+    seen, started, wall = [0], [0.0], [None]
+    original = getattr(llm.runner, step)
+
+    def stop():
+        _sync(device)
+        wall[0] = time.perf_counter() - started[0]
+        prof.stop()
+
+    def profiled(*args, **kwargs):
+        seen[0] += 1
+        if seen[0] == skip + 1:
+            _sync(device)
+            prof.start()
+            started[0] = time.perf_counter()
+        out = original(*args, **kwargs)
+        if seen[0] == skip + steps:
+            stop()
+        return out
+
+    setattr(llm.runner, step, profiled)
+    try:
+        llm.generate(prompts, max_new_tokens=max_new_tokens or skip + steps + 1, stop_token_ids=[])
+    finally:
+        setattr(llm.runner, step, original)
+    done = min(steps, seen[0] - skip)
+    if done < 1:
+        raise RuntimeError(f"the generation made {seen[0]} {step} steps, fewer than the {skip} warm ones")
+    if wall[0] is None:
+        stop()
+    kernels = device_kernels(prof)
+    by_class = {c: 0.0 for c in ("gemm", "state", "attention", "other")}
+    for e in kernels:
+        by_class[kernel_class(e.key)] += e.self_device_time_total / done
+    busy_us = sum(by_class.values())
+    return dict(step=step, steps=done, wall_ms_per_step=1e3 * wall[0] / done, device_busy_ms_per_step=busy_us / 1e3,
+                launches_per_step=sum(e.count for e in kernels) / done, device_us_per_step_by_class=by_class,
+                kernels=[dict(name=e.key[:90], cls=kernel_class(e.key), us_per_step=e.self_device_time_total / done,
+                              calls_per_step=e.count / done) for e in kernels[:40]])
+
+
+def format_profile(tag: str, prof: dict) -> str:
+    cls = " ".join(f"{k} {v / 1e3:.2f}" for k, v in prof["device_us_per_step_by_class"].items())
+    return (f"profile {tag}: {prof['wall_ms_per_step']:.2f} ms/step wall, device busy "
+            f"{prof['device_busy_ms_per_step']:.2f} ms ({cls} ms), {prof['launches_per_step']:.0f} launches/step")
+
+
+# -- decode ----------------------------------------------------------------------------------------
+
+def _engine(model, *, device, mode, batch, max_len, chunk_size, kernels, cuda_graphs, drafts=0):
+    spec = {"method": "ngram", "num_draft_tokens": drafts} if drafts else None
+    return LLM(model, device=device, mode=mode, chunk_size=chunk_size, max_batch=batch, max_len=max_len,
+               kernels=kernels, cuda_graphs=cuda_graphs, speculative=spec)
+
+
+def _decode_row(llm, prompts, *, device, new_tokens) -> dict:
+    llm.generate(prompts[:1], max_new_tokens=2, stop_token_ids=[])  # warm-up: kernels loaded
+    _sync(device)
+    llm.generate(prompts, max_new_tokens=new_tokens, stop_token_ids=[])
+    st = llm.last_stats
+    secs, _ = _warm_steps(st)
+    med = statistics.median(secs)
+    return dict(decode_tokens_per_s=len(prompts) / med, step_ms=1e3 * med,
+                step_ms_mean=1e3 * sum(secs) / len(secs), steps=len(secs), peak_batch=st.peak_batch,
+                kernels=bool(llm.kernels), cuda_graphs=bool(llm.cuda_graphs and llm.runner.graphs.enabled))
+
+
+def bench_decode(model, *, batches, modes=MODES, prompt_len=128, new_tokens=32, chunk_size=16, device="cuda",
+                 kernels="auto", cuda_graphs="auto", profile_batch=0, on_row=lambda rows: None) -> list[dict]:
+    rows = []
+    for B in batches:
+        prompts = random_prompts(B, prompt_len, model.config.vocab_size, seed=B)
+        for mode in modes:
+            llm = _engine(model, device=device, mode=mode, batch=B, max_len=prompt_len + new_tokens + 8,
+                          chunk_size=chunk_size, kernels=kernels, cuda_graphs=cuda_graphs)
+            row = dict(batch=B, mode=mode, **_decode_row(llm, prompts, device=device, new_tokens=new_tokens))
+            print(f"decode B={B:4d} {mode:9s} {row['decode_tokens_per_s']:10.1f} tok/s {row['step_ms']:8.2f} ms/step",
+                  flush=True)
+            if B == profile_batch:
+                row["profile"] = profile_steps(llm, prompts, device=device)
+                print(format_profile(f"B={B} {mode}", row["profile"]), flush=True)
+            rows.append(row)
+            del llm
+            release(device)
+            on_row(rows)
+    return rows
+
+
+# -- speculative -----------------------------------------------------------------------------------
+
+def greedy_references(model, prompts, *, tokens, device, chunk_size, kernels, cuda_graphs) -> dict:
+    """Each prompt's greedy continuation of `tokens` tokens (plain kvbuffer decoding, in batches)."""
+    refs = {}
+    for start in range(0, len(prompts), REFERENCE_BATCH):
+        part = prompts[start:start + REFERENCE_BATCH]
+        llm = _engine(model, device=device, mode="kvbuffer", batch=len(part), max_len=len(part[0]) + tokens + 8,
+                      chunk_size=chunk_size, kernels=kernels, cuda_graphs=cuda_graphs)
+        for p, out in zip(part, llm.generate(part, max_new_tokens=tokens, stop_token_ids=[])):
+            refs[tuple(p)] = out.token_ids
+        del llm
+        release(device)
+    return refs
+
+
+def admitted_requests(model, *, mode, budget_bytes, context, drafts, chunk_size) -> int:
+    """How many requests the planner admits for `mode` in `budget_bytes` of per-request caches."""
+    spec = request_spec(geometry_of(model), scheme=mode, context=context, draft_tokens=drafts, chunk_size=chunk_size)
+    return int(budget_bytes // sum(spec.nbytes(next(model.parameters()).dtype).values()))
+
+
+def _spec_row(llm, prompts, refs, *, alpha, drafts, device, new_tokens, vocab, profile=False) -> dict:
+    llm.drafter = ReferenceDrafter(refs, alpha, vocab)  # the engine's drafter slot, as the tests use it
+    llm.generate(prompts[:1], max_new_tokens=2, stop_token_ids=[])  # warm-up
+    _sync(device)
+    before = dict(llm.spec_stats)
+    llm.generate(prompts, max_new_tokens=new_tokens, stop_token_ids=[])
+    st = {k: llm.spec_stats[k] - before[k] for k in before}
+    secs, toks = _warm_steps(llm.last_stats)
+    row = dict(alpha=alpha, draft_tokens=drafts, decode_tokens_per_s=sum(toks) / sum(secs),
+               step_ms=1e3 * statistics.median(secs), peak_batch=llm.last_stats.peak_batch,
+               acceptance=st["accepted"] / st["proposed"] if st["proposed"] else 0.0,
+               expected_acceptance=expected_accepted(alpha, drafts) / drafts,
+               tokens_per_step=st["emitted"] / st["request_steps"] if st["request_steps"] else 0.0,
+               diverged_requests=len(llm.drafter.diverged), kernels=bool(llm.kernels))
+    if profile:  # the verify steps; the reference continuations are long enough for new_tokens
+        row["profile"] = profile_steps(llm, prompts, device=device, step="verify", steps=4, skip=1,
+                                       max_new_tokens=new_tokens)
+        print(format_profile(f"verify B={len(prompts)} alpha={alpha}", row["profile"]), flush=True)
+    return row
+
+
+def bench_spec(model, *, settings=("equal", "capacity"), batches=(1, 16, 64, 256), alphas=ALPHAS, drafts=4,
+               budget_bytes=40 * 2**30, max_requests=1024, modes=MODES, prompt_len=128, new_tokens=32,
+               chunk_size=16, device="cuda", kernels="auto", cuda_graphs="auto", profile_batch=0,
+               on_row=lambda rows: None) -> list[dict]:
+    """Speculative rows (per setting, batch, alpha and mode) and a plain-decoding row per (batch, mode).
+
+    At `profile_batch`, the last alpha's verify steps and the plain decode steps are profiled."""
+    vocab = model.config.vocab_size
+    context = prompt_len + new_tokens
+    plan = {}  # (setting, mode) -> [(batch, planned)]
+    if "equal" in settings:
+        for mode in modes:
+            plan[("equal", mode)] = [(B, None) for B in batches]
+    if "capacity" in settings:
+        for mode in modes:
+            n = admitted_requests(model, mode=mode, budget_bytes=budget_bytes, context=context, drafts=drafts,
+                                  chunk_size=chunk_size)
+            plan[("capacity", mode)] = [(min(n, max_requests), n)]
+    largest = max(B for runs in plan.values() for B, _ in runs)
+    prompts = random_prompts(largest, prompt_len, vocab, seed=drafts)
+    refs = greedy_references(model, prompts, tokens=new_tokens + drafts + 2, device=device, chunk_size=chunk_size,
+                             kernels=kernels, cuda_graphs=cuda_graphs)
+    rows = []
+    for (setting, mode), runs in plan.items():
+        for B, planned in runs:
+            if B < 1:
+                rows.append(dict(setting=setting, mode=mode, alpha=None, planned_requests=planned, admitted=0))
+                continue
+            mine = prompts[:B]
+            common = dict(device=device, mode=mode, batch=B, chunk_size=chunk_size, kernels=kernels,
+                          cuda_graphs=cuda_graphs)
+            before = _allocated(device)
+            llm = _engine(model, max_len=context + drafts + 1, drafts=drafts, **common)  # the planner's max_len
+            cache_gib = (_allocated(device) - before) / 2**30  # what the pools really took
+            for alpha in alphas:
+                row = dict(setting=setting, mode=mode, batch=B, planned_requests=planned, admitted=B,
+                           cache_gib=cache_gib, **_spec_row(llm, mine, refs, alpha=alpha, drafts=drafts,
+                                                            device=device, new_tokens=new_tokens, vocab=vocab,
+                                                            profile=B == profile_batch and alpha == alphas[-1]))
+                rows.append(row)
+                print(f"spec {setting:8s} B={B:4d} {mode:9s} alpha={alpha:.1f} "
+                      f"{row['decode_tokens_per_s']:10.1f} tok/s acceptance {row['acceptance']:.2f} "
+                      f"({row['tokens_per_step']:.2f} tokens/step)", flush=True)
+                on_row(rows)
+            del llm
+            release(device)
+            llm = _engine(model, max_len=context + 8, **common)
+            rows.append(dict(setting=setting, mode=mode, batch=B, planned_requests=planned, admitted=B, alpha=None,
+                             draft_tokens=0, **_decode_row(llm, mine, device=device, new_tokens=new_tokens)))
+            if B == profile_batch:
+                rows[-1]["profile"] = profile_steps(llm, mine, device=device)
+                print(format_profile(f"decode B={B} {mode}", rows[-1]["profile"]), flush=True)
+            del llm
+            release(device)
+            on_row(rows)
+    return rows
+
+
+def new_result(what: str, preset: str, *, device, dtype, args: dict) -> dict:
+    gpu = torch.cuda.get_device_name(0) if torch.device(device).type == "cuda" else "cpu"
+    approx = presets.get(preset).approximate
+    return dict(benchmark=what, preset=preset, date=datetime.date.today().isoformat(), gpu=gpu,
+                dtype=str(dtype).replace("torch.", ""), args=args, rows=[],
+                timing="engine steps: wall clock per step (host-synchronised by sampling), median over steps",
+                note="random weights" + (f"; approximate config fields: {', '.join(approx)}" if approx else ""))
+
+
+def run(what: str, *, preset: str, device: str = "cuda", dtype=None, out_dir=None, **options) -> dict:
+    """Build the preset's random model, run `what` ("decode" or "spec") with `options` (bench_decode's
+    or bench_spec's keywords), write the results JSON after every row and its figure at the end."""
+    from . import results
+
+    if what not in ("decode", "spec"):
+        raise ValueError(f"what must be 'decode' or 'spec', got {what!r}")
+    dtype = dtype or (torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32)
+    t0 = time.time()
+    model = random_model(preset, device, dtype)
+    print(f"{preset}: built in {time.time() - t0:.0f} s", flush=True)
+    result = new_result(what, preset, device=device, dtype=dtype,
+                        args={k: list(v) if isinstance(v, tuple) else v for k, v in options.items()})
+    settings = "_" + "-".join(options["settings"]) if "settings" in options else ""  # one file per setting run
+    path = results.result_path(out_dir or results.DEFAULT_DIR, f"e2e_{what}{settings}_{preset}", result)
+
+    def save(rows):
+        result["rows"] = rows
+        results.write(result, path)
+
+    bench = bench_decode if what == "decode" else bench_spec
+    bench(model, device=device, on_row=save, **options)
+    for p in results.finish(result, path):
+        print(f"wrote {p}")
+    return result

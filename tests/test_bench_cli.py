@@ -1,0 +1,30 @@
+"""`kvbuffer bench`: real subcommands whose --help lists their options; without CUDA, one line and exit 1."""
+
+import pytest
+import torch
+from click.testing import CliRunner
+
+from kvbuffer.cli.main import main
+
+OPTIONS = {"gdn": ["--shapes", "--batches", "--launches", "--replays", "--configs", "--out"],
+           "mamba2": ["--shapes", "--batches", "--launches", "--replays", "--configs", "--out"],
+           "decode": ["--preset", "--batches", "--modes", "--profile-batch", "--out"],
+           "spec": ["--preset", "--setting", "--alphas", "--draft-tokens", "--memory-budget", "--max-requests"]}
+
+
+@pytest.mark.parametrize("command", sorted(OPTIONS))
+def test_help_lists_the_options(command):
+    res = CliRunner().invoke(main, ["bench", command, "--help"])
+    assert res.exit_code == 0, res.output
+    for option in OPTIONS[command]:
+        assert option in res.output
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message on a machine without CUDA")
+@pytest.mark.parametrize("args", [[], ["gdn"], ["mamba2"], ["decode"], ["spec", "--alphas", "1"]],
+                         ids=["bare", "gdn", "mamba2", "decode", "spec"])
+def test_without_cuda_one_line_and_exit_1(args):
+    res = CliRunner().invoke(main, ["bench", *args])
+    assert res.exit_code == 1
+    lines = res.output.strip().splitlines()
+    assert len(lines) == 1 and "needs a CUDA GPU" in lines[0]

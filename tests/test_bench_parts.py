@@ -1,0 +1,140 @@
+"""The benchmarks' CPU-checkable parts: rotation sizes, pools, the alpha drafter, the preset table."""
+
+import pytest
+import torch
+
+from kvbuffer import LLM, presets
+from kvbuffer.autotune import models
+from kvbuffer.bench import e2e, kernels, timing
+from kvbuffer.bench.drafter import ReferenceDrafter, expected_accepted
+from kvbuffer.plan import PRESETS as GEOMETRIES
+
+
+@pytest.mark.parametrize("per_set, cache, multiple, want", [
+    (10, 25, 1, 3), (10, 30, 1, 4), (100, 30, 1, 2), (10, 25, 4, 4), (7, 0, 1, 2)])
+def test_sets_exceed_the_cache(per_set, cache, multiple, want):
+    n = timing.sets_to_exceed(per_set, cache, multiple_of=multiple)
+    assert n == want and n * per_set > cache and n % multiple == 0
+
+
+def test_sets_reject_bad_sizes():
+    with pytest.raises(ValueError, match="bytes_per_set"):
+        timing.sets_to_exceed(0, 10)
+
+
+def test_timing_line():
+    t = timing.Timing(1e-5, 64, 20, 123e6)
+    assert t.method == "cuda-graph, 64 launches, median of 20 replays, inputs rotated over 123 MB"
+    assert t.us == pytest.approx(10.0)
+
+
+@pytest.mark.parametrize("preset", ["qwen3.5-9b", "nemotron-3-nano"])
+def test_pools_rotate_windows_and_fills(preset):
+    heads = dict(kernels.heads_of(preset), Hv=8)  # fewer heads: small CPU tensors
+    C = 4
+    pools = kernels.Pools(heads, 3, cap=6, C=C, device="cpu", cache_bytes=1e6)
+    assert pools.rotated_bytes > 1e6 and pools.sets % C == 0 and pools.sets % pools.windows == 0
+    seen = {(int(pools.state_slots(s)[0]), int(pools.lengths(s)[0])) for s in range(pools.sets)}
+    assert len(seen) == pools.sets  # every (window, fill) pairing once
+    assert all(not torch.equal(pools.state_slots(s), pools.buffer_slots(s)) for s in range(pools.sets))
+    assert pools.state_window(1).data_ptr() == pools.state[pools.state_slots(1)[0]].data_ptr()
+    assert pools.step_bytes("recurrent") == 2 * pools.step_bytes("read")
+    with pytest.raises(ValueError, match="kind"):
+        pools.step_bytes("nope")
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    model = e2e.random_model("tiny-qwen", "cpu", torch.float32)
+    prompts = e2e.random_prompts(3, 12, model.config.vocab_size, seed=1)
+    refs = e2e.greedy_references(model, prompts, tokens=12, device="cpu", chunk_size=6, kernels=False,
+                                 cuda_graphs=False)
+    return model, prompts, refs
+
+
+@pytest.mark.parametrize("alpha, rate", [(1.0, 1.0), (0.0, 0.0), (0.6, None)])
+def test_alpha_drafter_acceptance_and_exact_output(tiny, alpha, rate):
+    model, prompts, refs = tiny
+    T = 3
+    llm = LLM(model, device="cpu", chunk_size=6, max_batch=3, max_len=40, kernels=False,
+              speculative={"method": "ngram", "num_draft_tokens": T})
+    llm.drafter = ReferenceDrafter(refs, alpha, model.config.vocab_size, seed=3)
+    outs = llm.generate(prompts, max_new_tokens=8, stop_token_ids=[])
+    for p, o in zip(prompts, outs):
+        assert o.token_ids == refs[tuple(p)][:8]  # the engine verified every draft: output = plain greedy
+    acc = llm.acceptance["acceptance_rate"]
+    assert acc == rate if rate is not None else 0.0 < acc < 1.0
+    assert not llm.drafter.diverged
+
+
+def test_alpha_drafter_rejects_bad_arguments():
+    with pytest.raises(ValueError, match="alpha"):
+        ReferenceDrafter({}, 1.5, 10)
+    with pytest.raises(ValueError, match="vocab_size"):
+        ReferenceDrafter({}, 0.5, 1)
+    assert expected_accepted(0.5, 3) == pytest.approx(0.875)
+
+
+def test_one_preset_table_feeds_planner_and_tuner():
+    assert set(GEOMETRIES) == set(models.PRESETS) == set(presets.MODELS)
+    assert not {"tiny-qwen", "tiny-nemotron"} & set(GEOMETRIES)
+    for name in presets.MODELS:
+        geo, heads = GEOMETRIES[name], models.PRESETS[name]
+        s = geo.linear_shape
+        assert (heads["Hk"], heads["Hv"], heads["K"], heads["V"]) == (s.num_k_heads, s.num_v_heads, s.head_k_dim,
+                                                                      s.head_v_dim)
+        assert geo.weight_bytes == int(presets.get(name).params_billions * 1e9 * 2)
+    nano = GEOMETRIES["nemotron-3-nano"]
+    assert (nano.num_linear_layers, nano.num_attention_layers, nano.conv_dim) == (23, 6, 64 * 64 + 2 * 8 * 128)
+    pattern = presets.get("nemotron-3-nano").config["hybrid_override_pattern"]
+    assert (len(pattern), pattern.count("M"), pattern.count("E"), pattern.count("*")) == (52, 23, 23, 6)
+    with pytest.raises(ValueError, match="unknown model preset"):
+        presets.get("qwen9")
+
+
+def test_preset_configs_are_copies():
+    a = presets.get("qwen3.5-9b").hf_config()
+    a["layer_types"].append("x")
+    assert len(presets.get("qwen3.5-9b").hf_config()["layer_types"]) == 32
+
+
+class _ReferenceKernel:
+    """Stands in for a compiled kernel on the CPU: the kernel's argument order, the reference's arithmetic."""
+
+    def __init__(self, ref, single: bool, reorder=None, **kw):
+        self.ref, self.single, self.reorder, self.kw = ref, single, reorder, kw
+
+    def fn(self, *args):
+        *args, out = args
+        tokens = 5 if self.reorder is None else 8  # leading per-token / per-layer arguments
+        lead = [t[:, 0] if self.single and t.dim() >= 3 else t for t in args[:tokens]]
+        lead, kw = (lead, {}) if self.reorder is None else self.reorder(lead)
+        o = self.ref(*lead, *args[tokens:], **kw, **self.kw)
+        out.copy_(o.unsqueeze(1) if self.single else o)
+
+
+def _mamba_order(lead):  # kernel: x, dt, A_log, dt_bias, B, C, D, z -> reference: ..., D, then z by keyword
+    return lead[:7], {"z": lead[7]}
+
+
+@pytest.mark.parametrize("name", ["gdn", "mamba2"])
+def test_gate_and_ops_plumbing_with_reference_kernels(name):
+    from kvbuffer.bench import gdn, mamba2
+    from kvbuffer.reference import gdn as gdn_ref, mamba2 as mamba2_ref
+
+    family, ref, reorder = {"gdn": (gdn, gdn_ref, None), "mamba2": (mamba2, mamba2_ref, _mamba_order)}[name]
+    heads = dict(kernels.heads_of(family.SHAPES[0]), Hk=2, Hv=4, K=32, V=16)  # small: the CPU does the math
+    C, cap = 4, 13
+    fakes = {"recurrent": _ReferenceKernel(ref.recurrent_step, True, reorder),
+             "buffered": _ReferenceKernel(ref.buffered_step, True, reorder, flush_at=C)}
+    fakes.update({f"verify{T}": _ReferenceKernel(ref.verify, False, reorder) for T in kernels.VERIFY_TOKENS})
+    errors = kernels.gate(family, fakes, heads, None, C=C, cap=cap, device="cpu")
+    assert set(errors) == set(fakes) and max(errors.values()) < kernels.GATE_TOLERANCE, errors
+    pools = kernels.Pools(heads, 3, cap=cap, C=C, device="cpu", cache_bytes=0)
+    inputs = kernels.Inputs(family, heads, 3, device="cpu")
+    ops = kernels.our_ops(fakes, pools, inputs, lambda T: family.act_bytes(heads, T))
+    for op in ops:
+        for s in range(pools.sets):
+            op.run(s)
+    assert all(bool(torch.isfinite(o).all()) for o in inputs.out.values())
+    assert [op.name for op in ops] == ["recurrent", "buffered", "verify2", "verify4", "verify5", "verify8"]
