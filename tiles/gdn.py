@@ -9,6 +9,7 @@ step and 2.5-2.7x for verify (docs/kernels.md). Tensor ABI: linear_decode's modu
 the recurrent step takes a token axis of 1.
 """
 
+from ..reference.core import LOG_DECAY_FLOOR
 from .linear_decode import _tl, check_shape as _check_shape, pow2 as _pow2  # noqa: F401
 from .simt_parts import fitted_tunables, row_stager, simt_layout, state_macros
 from .linear_decode import (  # noqa: F401  (the tunables lists are part of this module's API)
@@ -196,8 +197,9 @@ def gdn_buffered(Hk: int, Hv: int, K: int = 128, V: int = 128, *, cap: int = 16,
                     vr[t] = T.cast(v[bb, t, hv, v0 + tx], f32)
             if tx < Tn:
                 dacc[0] = T.cast(a[bb, tx, hv], f64) + T.cast(dt_bias[hv], f64)
-                gld[tx] = -T.exp(T.cast(A_log[hv], f64)) * T.if_then_else(
-                    dacc[0] > SOFTPLUS_THRESHOLD, dacc[0], T.log1p(T.exp(dacc[0])))
+                # clamped as in reference.core.clamp_log_decay: G stays finite at any gate
+                gld[tx] = T.max(-T.exp(T.cast(A_log[hv], f64)) * T.if_then_else(
+                    dacc[0] > SOFTPLUS_THRESHOLD, dacc[0], T.log1p(T.exp(dacc[0]))), LOG_DECAY_FLOOR)
                 betas[tx] = T.cast(1.0 / (1.0 + T.exp(-T.cast(b[bb, tx, hv], f64))), f32)
 
             if bslot >= 0:

@@ -11,6 +11,7 @@ dt_bias, Bm, Cm, D, z, state (NS, H, N, P) fp32 key-major, state_slots, buf_k, b
 buffer_slots, lengths, y. All arithmetic is fp32 FMA (scalars in fp64); no tensor cores, no TF32.
 """
 
+from ..reference.core import LOG_DECAY_FLOOR
 from .linear_decode import SOFTPLUS_THRESHOLD, _tl, check_shape
 from .simt_parts import row_stager, simt_layout, state_macros
 
@@ -165,7 +166,7 @@ def mamba2_buffered_simt(G: int, H: int, N: int = 128, P: int = 64, *, cap: int 
                 dacc[0] = T.cast(dt[bb, tx, hv], f64) + T.cast(dt_bias[hv], f64)
                 dacc[1] = T.if_then_else(dacc[0] > SOFTPLUS_THRESHOLD, dacc[0], T.log1p(T.exp(dacc[0])))
                 dts[tx] = dacc[1]
-                gld[tx] = -T.exp(T.cast(A_log[hv], f64)) * dacc[1]
+                gld[tx] = T.max(-T.exp(T.cast(A_log[hv], f64)) * dacc[1], LOG_DECAY_FLOOR)  # clamp_log_decay
 
             if bslot >= 0:
                 # ---- phase 0b: the buffer (entries i < n only; the rest is never read) and the new keys
