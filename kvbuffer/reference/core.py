@@ -62,7 +62,7 @@ def clamp_log_decay(g: torch.Tensor) -> torch.Tensor:
       negative, so every clamped g' = max(g, F) satisfies F <= g' <= 0. Hence for i <= t,
       G_t - G_i = g'_{i+1} + ... + g'_t lies in [(t - i) F, 0], and exp(G_t - G_i) <= 1.
     * G stays finite: a buffer holds at most cap entries since its state, so |G| <= cap |F|
-      (2,048 at cap 16, exact in fp32; any cap below 1e36 is finite).
+      (2,048 at cap 16; finite in fp32 for any cap below 1e36).
     * A weight whose span contains a clamped step is as zero as the recurrence's exp(g): its
       exponent is <= F + a few ulp(|G|) (under 2^-6 for |G| <= 2^15 in fp32) < -127, and
       exp(x) rounds to exactly 0 in fp32 for x < -103.98 (the smallest subnormal is e^-103.28),
