@@ -28,15 +28,28 @@ CASES = {  # name: (kernel params, fill, B, null state row, padding row)
     "step_fused_flush_BV64": (dict(Hk=2, Hv=4, cap=17, T_new=1, flush_at=16, BV=64, threads=128), 15, 3, None, 2),
     "verify4_shuffles_BV32": (dict(Hk=2, Hv=4, cap=24, T_new=4, flush_at=0, BV=32, threads=128), 5, 3, 1, 2),
     "prefill2_small_heads": (dict(Hk=1, Hv=2, K=32, V=32, cap=9, T_new=2, flush_at=8, BV=32, threads=64), 6, 3, None, 2),
+    # the small-batch value tiles (tiles.gdn.SMALL_BATCH_CONFIGS): 4 or 2 column groups, 16 or 32 row groups
+    "small_batch_step_fused_flush_BV16": (dict(Hk=2, Hv=4, cap=17, T_new=1, flush_at=16, BV=16, threads=64),
+                                          15, 3, None, 2),
+    "small_batch_verify5_BV16_128": (dict(Hk=2, Hv=4, cap=21, T_new=5, flush_at=0, BV=16, threads=128), 11, 3, 1, 2),
+    "small_batch_verify2_BV8": (dict(Hk=2, Hv=4, cap=17, T_new=2, flush_at=16, BV=8, threads=64), 14, 3, None, 2),
+}
+# gate inputs a at the extremes (row, token): +inf, and 3e38 on consecutive tokens; the rows' buffers also hold
+# an earlier step at the clamp (G drops by 128 mid-buffer)
+EXTREME = {"inf": float("inf"), "huge": 3e38}
+EXTREME_CASES = {
+    "extreme_verify4": ("verify4_shuffles_BV32", {(0, 1): "inf", (1, 1): "huge", (1, 2): "huge", (1, 3): "huge"}),
+    "extreme_step_fused_flush": ("step_fused_flush_BV64", {(0, 0): "inf", (1, 0): "huge"}),
 }
 
 
-@pytest.mark.parametrize("case", CASES)
+@pytest.mark.parametrize("case", list(CASES) + list(EXTREME_CASES))
 def test_simt_template_emulated(case, tmp_path):
     from kvbuffer.tiles import compile_template
     from kvbuffer.tiles.gdn import gdn_buffered
 
-    params, fill, B, null_row, pad_row = CASES[case]
+    base, extremes = EXTREME_CASES.get(case, (case, {}))
+    params, fill, B, null_row, pad_row = CASES[base]
     Hk, Hv, T, C, cap = params["Hk"], params["Hv"], params["T_new"], params["flush_at"], params["cap"]
     K, V = params.get("K", 128), params.get("V", 128)
     emu = Emulated(compile_template(gdn_buffered(**params), get_gpu("h200").target).get_kernel_source(), str(tmp_path))
@@ -55,6 +68,10 @@ def test_simt_template_emulated(case, tmp_path):
     bk[:, :fill] = torch.nn.functional.normalize(r(nb, fill, Hk, K), dim=-1).bfloat16()
     bv[:, :fill] = (0.5 * r(nb, fill, Hv, V)).bfloat16()
     bg[:, :fill] = torch.cumsum(-(0.02 + 0.5 * torch.rand(nb, fill, Hv, generator=g)), dim=1)
+    for (row, t), name in extremes.items():
+        a[row, t] = EXTREME[name]
+    if extremes:
+        bg[:, fill // 2:fill] += ref.LOG_DECAY_FLOOR
     ss, bs = torch.randperm(ns, generator=g)[:B].int(), torch.randperm(nb, generator=g)[:B].int()
     if null_row is not None:
         ss[null_row] = -1
@@ -76,6 +93,7 @@ def test_simt_template_emulated(case, tmp_path):
         ref.flush(s64, ss.long(), rk, rv, rg, bs.long(), (ln + T).long())
     assert _rel(o, o64) < 1e-2
     assert _rel(state, s64) < 1e-6
+    assert bool(torch.isfinite(bg[bs[bs >= 0].long(), :fill + T]).all())
     written = torch.zeros(bk.shape[:2], dtype=torch.bool)
     for row in torch.nonzero(bs >= 0).flatten().tolist():
         written[int(bs[row]), fill:fill + T] = True

@@ -41,15 +41,29 @@ CASES = {
     "prefill8_fused_flush_fp32_inputs": (
         dict(G=1, H=2, N=32, P=32, cap=9, T_new=8, flush_at=8, BV=32, threads=64, in_dtype="float32"),
         [0, 0], [], [1]),
+    # the small-batch value tiles (tiles.mamba2_simt.SMALL_BATCH_CONFIGS)
+    "small_batch_step_fused_flush_BV16": (
+        dict(G=2, H=4, N=128, P=64, cap=17, T_new=1, flush_at=16, BV=16, threads=64, has_z=True),
+        [15, 0, 1, 7], [1], [3]),
+    "small_batch_verify5_BV8": (
+        dict(G=2, H=4, N=64, P=32, cap=21, T_new=5, flush_at=0, BV=8, threads=64),
+        [0, 11, 1], [2], []),
+}
+# decays at the extremes on every token (head: A_log): g = -inf on head 0, g ~ -1e38 on head 1 (sums overflow
+# fp32); the case's own gates elsewhere
+EXTREME_CASES = {
+    "extreme_step_fused_flush": ("step_fused_flush_nemotron_tile_z", {0: float("inf"), 1: 88.0}),
+    "extreme_verify4": ("verify4_no_flush_full_buffer", {0: float("inf"), 1: 88.0}),
 }
 
 
-@pytest.mark.parametrize("case", CASES)
+@pytest.mark.parametrize("case", list(CASES) + list(EXTREME_CASES))
 def test_mamba2_simt_template_emulated(case, tmp_path):
     from kvbuffer.tiles import compile_template
     from kvbuffer.tiles.mamba2 import mamba2_buffered
 
-    params, fills, null_rows, pad_rows = CASES[case]
+    base, extreme_heads = EXTREME_CASES.get(case, (case, {}))
+    params, fills, null_rows, pad_rows = CASES[base]
     G, H, N, P = params["G"], params["H"], params["N"], params["P"]
     T, C, cap, has_z = params["T_new"], params["flush_at"], params["cap"], params.get("has_z", False)
     act = getattr(torch, params.get("in_dtype", "bfloat16"))
@@ -62,6 +76,8 @@ def test_mamba2_simt_template_emulated(case, tmp_path):
     dt = (r(B, T, H) - 2).to(act)
     Bm, Cm = r(B, T, G, N).to(act), r(B, T, G, N).to(act)
     A_log = torch.log(1 + 7 * torch.rand(H, generator=g))
+    for head, value in extreme_heads.items():
+        A_log[head] = value
     dt_bias = torch.log(torch.expm1(0.001 + 0.1 * torch.rand(H, generator=g)))
     D = r(H)
     ns = nb = B + 3
@@ -107,6 +123,7 @@ def test_mamba2_simt_template_emulated(case, tmp_path):
     print(case, {k: f"{v:.2e}" for k, v in errs.items()})
     assert errs["y"] < 1e-2 and errs["buf_k"] == 0 and errs["buf_v"] < 1e-2 and errs["buf_g"] < 1e-6
     assert errs["state"] < 1e-6
+    assert bool(torch.isfinite(bg[written]).all())
     for row in pad_rows:
         assert bool((y[row] == 0).all()), "a padding row must output exact zeros"
     touched = torch.zeros(ns, dtype=torch.bool)

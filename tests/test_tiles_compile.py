@@ -1,4 +1,5 @@
-"""Every GDN, Mamba-2 and conv1d TileLang template compiles for sm_90a with nvcc (CPU only; no GPU needed).
+"""Every GDN, Mamba-2 and conv1d TileLang template compiles for sm_90a with nvcc (CPU only; no GPU needed),
+and one kernel of each template family for every arch `kvbuffer tune --list-gpus` offers.
 
 Skips cleanly when TileLang or nvcc is missing. One small config per template keeps CI near
 a few seconds per kernel; the GPU tests (tests/gpu) cover the numerics.
@@ -17,6 +18,8 @@ pytestmark = pytest.mark.tilelang
 _NVCC = shutil.which("nvcc") or (os.path.exists("/usr/local/cuda/bin/nvcc") and "/usr/local/cuda/bin/nvcc")
 if importlib.util.find_spec("tilelang") is None or not _NVCC:
     pytest.skip("needs TileLang and nvcc", allow_module_level=True)
+
+from kvbuffer.autotune.gpus import CATALOGUE  # noqa: E402
 
 CASES = {
     "recurrent": ("gdn_recurrent", dict(Hk=16, Hv=32)),
@@ -63,6 +66,39 @@ def test_template_compiles_for_sm90a(case):
     if name == "gdn_buffered" or params.get("variant") == "simt":
         # the SIMT templates: their own barriers only (4, a 5th in the fused flush)
         assert src.count("__syncthreads()") == 4 + bool(params.get("flush_at"))
+
+
+ARCHS = sorted({gpu.arch for gpu in CATALOGUE})  # every arch `kvbuffer tune --list-gpus` offers
+# one small kernel per template family: GDN and Mamba-2 recurrent / buffered (both Mamba-2 variants) / flush,
+# the conv1d update and accept
+FAMILY_KERNELS = {
+    "gdn_recurrent": ("gdn_recurrent", dict(Hk=1, Hv=2, K=32, V=32, BV=16, threads=64)),
+    "gdn_buffered_verify2_fused_flush": ("gdn_buffered", dict(Hk=1, Hv=2, K=32, V=32, cap=9, T_new=2, flush_at=8,
+                                                              BV=32, threads=64)),
+    "gdn_flush": ("gdn_flush", dict(Hk=1, Hv=2, K=32, V=32, cap=9, BV=16, threads=64)),
+    "mamba2_recurrent_z": ("mamba2.mamba2_recurrent", dict(G=1, H=2, N=32, P=32, BV=16, threads=64, has_z=True)),
+    "mamba2_buffered_simt": ("mamba2.mamba2_buffered", dict(G=1, H=2, N=32, P=32, cap=9, T_new=1, flush_at=8,
+                                                           BV=32, threads=64, blocks=0)),
+    "mamba2_buffered_reduce": ("mamba2.mamba2_buffered", dict(G=1, H=2, N=32, P=32, cap=9, T_new=1, flush_at=8,
+                                                             BV=32, threads=64, blocks=0, variant="reduce")),
+    "mamba2_flush": ("mamba2.mamba2_flush", dict(G=1, H=2, N=32, P=32, cap=9, BV=16, threads=64)),
+    "conv1d_update": ("conv1d.conv1d_update", dict(D=256, W=4, span=6, T_len=2, mode="verify")),
+    "conv1d_accept": ("conv1d.conv1d_accept", dict(D=256, W=4, span=6)),
+}
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("case", FAMILY_KERNELS)
+def test_every_family_builds_for_every_arch(case, arch):
+    import importlib
+
+    from kvbuffer.tiles import compile_template
+
+    template, params = FAMILY_KERNELS[case]
+    module, _, name = template.rpartition(".")
+    prim = getattr(importlib.import_module(f"kvbuffer.tiles.{module or 'gdn'}"), name)(**params)
+    kernel = compile_template(prim, {"kind": "cuda", "arch": arch})
+    assert "__global__" in kernel.get_kernel_source()
 
 
 def test_import_kvbuffer_does_not_import_tilelang():

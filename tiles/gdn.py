@@ -9,6 +9,7 @@ step and 2.5-2.7x for verify (docs/kernels.md). Tensor ABI: linear_decode's modu
 the recurrent step takes a token axis of 1.
 """
 
+from ..reference.core import LOG_DECAY_FLOOR
 from .linear_decode import _tl, check_shape as _check_shape, pow2 as _pow2  # noqa: F401
 from .simt_parts import fitted_tunables, row_stager, simt_layout, state_macros
 from .linear_decode import (  # noqa: F401  (the tunables lists are part of this module's API)
@@ -32,9 +33,16 @@ def gdn_recurrent(Hk: int, Hv: int, K: int = 128, V: int = 128, *, BV: int = 32,
 
 
 # (BV, threads, blocks): blocks > 0 caps registers so that many blocks share an SM (0: the compiler's
-# choice); best first (H200, Qwen3.5 shapes), since `kvbuffer tune --max-configs N` tries the first N
-_BUFFERED_CONFIGS = ((128, 128, 0), (128, 128, 3), (64, 64, 0), (64, 128, 0), (64, 128, 5), (128, 256, 0),
-                     (32, 64, 0), (32, 64, 10), (32, 128, 0), (64, 256, 0), (32, 256, 0))
+# choice); best first (H200, Qwen3.5 shapes), since `kvbuffer tune --max-configs N` tries the first N.
+# SMALL_BATCH_CONFIGS: the grid is (V / BV) x Hv x B blocks, only 32 x B at the 9B's winner (BV 128), too
+# few for a GPU's SMs at B <= 16 (132 on an H100 / H200); BV 16 or 8 gives 8-16x the blocks, and a
+# thread holds 4-8 rows x 4 columns of S0 (32 values, not 128), so its S0 loads and FMAs are short. Same
+# kernel ABI. The tuner times them in every batch bucket and keeps them where they win; one sits early in
+# the list so short tuning runs (--max-configs) see it too.
+SMALL_BATCH_CONFIGS = ((16, 64, 0), (16, 128, 0), (8, 64, 0))
+_BUFFERED_CONFIGS = ((128, 128, 0), (128, 128, 3), SMALL_BATCH_CONFIGS[0], (64, 64, 0), (64, 128, 0),
+                     (64, 128, 5), (128, 256, 0), (32, 64, 0), (32, 64, 10), (32, 128, 0), (64, 256, 0),
+                     (32, 256, 0)) + SMALL_BATCH_CONFIGS[1:]
 
 
 # the winner of every GDN shape measured on the H200 (Qwen3.5-9B and -27B, benchmarks/results/gdn_*)
@@ -196,8 +204,9 @@ def gdn_buffered(Hk: int, Hv: int, K: int = 128, V: int = 128, *, cap: int = 16,
                     vr[t] = T.cast(v[bb, t, hv, v0 + tx], f32)
             if tx < Tn:
                 dacc[0] = T.cast(a[bb, tx, hv], f64) + T.cast(dt_bias[hv], f64)
-                gld[tx] = -T.exp(T.cast(A_log[hv], f64)) * T.if_then_else(
-                    dacc[0] > SOFTPLUS_THRESHOLD, dacc[0], T.log1p(T.exp(dacc[0])))
+                # clamped as in reference.core.clamp_log_decay: G stays finite at any gate
+                gld[tx] = T.max(-T.exp(T.cast(A_log[hv], f64)) * T.if_then_else(
+                    dacc[0] > SOFTPLUS_THRESHOLD, dacc[0], T.log1p(T.exp(dacc[0]))), LOG_DECAY_FLOOR)
                 betas[tx] = T.cast(1.0 / (1.0 + T.exp(-T.cast(b[bb, tx, hv], f64))), f32)
 
             if bslot >= 0:

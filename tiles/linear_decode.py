@@ -40,6 +40,8 @@ Tensor ABI (contiguous; `in` = activation dtype, `bd` = buffer dtype):
 import itertools
 from types import SimpleNamespace
 
+from ..reference.core import LOG_DECAY_FLOOR
+
 L2NORM_EPS = 1e-6
 SOFTPLUS_THRESHOLD = 20.0
 FAMILIES = ("gdn", "mamba2")
@@ -351,13 +353,13 @@ def linear_buffered(family: str, Hk: int, Hv: int, K: int = 128, V: int = 128, *
         sslot = state_slots[bb]
         bslot = buffer_slots[bb]
         n = lengths[bb]
-        # cumulative log decays of the new tokens
+        # cumulative log decays of the new tokens, each step's clamped (reference.core.clamp_log_decay)
         G_prev = T.if_then_else(n > 0, buf_g[bslot, T.max(n - 1, 0), hv], 0.0)
         for t in T.Parallel(Tn):
             c.Gs[t] = G_prev
         for u in T.serial(Tn):
             for t in T.Parallel(Tn):
-                c.Gs[t] = c.Gs[t] + T.if_then_else(u <= t, s.gl[u], 0.0)
+                c.Gs[t] = c.Gs[t] + T.if_then_else(u <= t, T.max(s.gl[u], LOG_DECAY_FLOOR), 0.0)
         # the buffer (entries i < n, never past them) followed by the new keys (and values)
         for i, j in T.Parallel(cp, K):
             c.Kb[i, j] = T.if_then_else(

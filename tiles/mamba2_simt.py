@@ -11,6 +11,7 @@ dt_bias, Bm, Cm, D, z, state (NS, H, N, P) fp32 key-major, state_slots, buf_k, b
 buffer_slots, lengths, y. All arithmetic is fp32 FMA (scalars in fp64); no tensor cores, no TF32.
 """
 
+from ..reference.core import LOG_DECAY_FLOOR
 from .linear_decode import SOFTPLUS_THRESHOLD, _tl, check_shape
 from .simt_parts import row_stager, simt_layout, state_macros
 
@@ -21,8 +22,11 @@ from .simt_parts import row_stager, simt_layout, state_macros
 # (64,64,6) 168 (8 B spilled), 192 KB like GDN's winner (128 state values a thread, 3 x 64 KB);
 # (64,64) 182, 160 KB; (32,64,10) 96 (4 B spilled), 160 KB. A cap spills more at T = 8 (240-356 B), where
 # the uncapped configs (151-255 registers) do not spill; tune picks per kernel.
-SIMT_CONFIGS = ((64, 128, 0), (64, 64, 6), (64, 64, 0), (32, 64, 10), (64, 128, 5), (32, 64, 0), (64, 256, 0),
-                (32, 128, 0))
+# SMALL_BATCH_CONFIGS: at B <= 16 a grid of (P / BV) x H x B = 64 x B blocks (BV 64, Nemotron-3 Nano) leaves
+# SMs idle; BV 16 or 8 gives 4-8x the blocks, each thread holding 32 state values (same ABI as the rest).
+SMALL_BATCH_CONFIGS = ((16, 64, 0), (16, 128, 0), (8, 64, 0))
+SIMT_CONFIGS = ((64, 128, 0), (64, 64, 6), SMALL_BATCH_CONFIGS[0], (64, 64, 0), (32, 64, 10), (64, 128, 5),
+                (32, 64, 0), (64, 256, 0), (32, 128, 0)) + SMALL_BATCH_CONFIGS[1:]
 
 
 def get_simt_configs(K: int = 128) -> list[dict]:
@@ -165,7 +169,7 @@ def mamba2_buffered_simt(G: int, H: int, N: int = 128, P: int = 64, *, cap: int 
                 dacc[0] = T.cast(dt[bb, tx, hv], f64) + T.cast(dt_bias[hv], f64)
                 dacc[1] = T.if_then_else(dacc[0] > SOFTPLUS_THRESHOLD, dacc[0], T.log1p(T.exp(dacc[0])))
                 dts[tx] = dacc[1]
-                gld[tx] = -T.exp(T.cast(A_log[hv], f64)) * dacc[1]
+                gld[tx] = T.max(-T.exp(T.cast(A_log[hv], f64)) * dacc[1], LOG_DECAY_FLOOR)  # clamp_log_decay
 
             if bslot >= 0:
                 # ---- phase 0b: the buffer (entries i < n only; the rest is never read) and the new keys

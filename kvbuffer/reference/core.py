@@ -26,7 +26,8 @@ lengths once per forward, after every layer has run (see kvbuffer.pools.BufferPo
 
 Everything is computed in the state's dtype; buffer entries are stored in the buffer's dtype and
 read back from it, exactly as a kernel would. Weights are always exp(G_t - G_i) <= 1, formed as
-a difference of cumulative log decays, never as a ratio of exponentials.
+a difference of cumulative log decays, never as a ratio of exponentials. Each step's log decay
+enters G clamped at LOG_DECAY_FLOOR (see `clamp_log_decay`), so G stays finite at any gate.
 """
 
 from __future__ import annotations
@@ -43,7 +44,37 @@ from ..checks import (
 )
 from ..errors import ShapeError, SlotError
 
-__all__ = ["recurrent_step", "verify", "buffered_step", "flush", "prefill"]
+__all__ = ["recurrent_step", "verify", "buffered_step", "flush", "prefill", "LOG_DECAY_FLOOR", "clamp_log_decay"]
+
+LOG_DECAY_FLOOR = -128.0
+
+
+def clamp_log_decay(g: torch.Tensor) -> torch.Tensor:
+    """max(g, LOG_DECAY_FLOOR): the log decay a step adds to the cumulative G of the buffered form.
+
+    Why: an extreme gate (an input of +inf, or 3e38 on consecutive steps) gives g = -inf, or
+    cumulative sums that overflow fp32 to -inf, and then exp(G_t - G_i) = exp(-inf + inf) = NaN,
+    while the recurrent step just multiplies its state by exp(g) = 0. Every template clamps at the
+    same floor, so the entries they write (G) equal this reference's.
+
+    Why it changes nothing else, for gates g <= 0 (both families' fronts give g <= 0):
+    * The weights stay <= 1: clamping only raises a g that is below the floor, and the floor is
+      negative, so every clamped g' = max(g, F) satisfies F <= g' <= 0. Hence for i <= t,
+      G_t - G_i = g'_{i+1} + ... + g'_t lies in [(t - i) F, 0], and exp(G_t - G_i) <= 1.
+    * G stays finite: a buffer holds at most cap entries since its state, so |G| <= cap |F|
+      (2,048 at cap 16; finite in fp32 for any cap below 1e36).
+    * A weight whose span contains a clamped step is as zero as the recurrence's exp(g): its
+      exponent is <= F + a few ulp(|G|) (under 2^-6 for |G| <= 2^15 in fp32) < -127, and
+      exp(x) rounds to exactly 0 in fp32 for x < -103.98 (the smallest subnormal is e^-103.28),
+      and flushes to 0 even sooner under FTZ; the recurrent step's exp(g) with g < F is 0 too. In
+      fp64 such a weight is at most e^-127 ~ 7e-56 instead of 0, far below any tolerance.
+    * A gate at or above the floor passes bit-exactly (max is exact), so every output and entry
+      of a run whose gates stay above F is unchanged; no sane gate is that low (a decay of e^-128
+      per token erases the state in one step).
+    After a clamped step, a difference of two G's carries the rounding of G's larger magnitude
+    (ulp 2^-16 at |G| = 128, 2^-12 at 2,048 in fp32): a relative error of that size in a weight.
+    """
+    return g.clamp(min=LOG_DECAY_FLOOR)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -190,9 +221,9 @@ def verify(q, k, v, g, beta, state, state_slots, buf_k, buf_v, buf_g, buffer_slo
     S0 = _read_states(state, state_slots)
     keys, vals, logd, filled = _read_buffer(buf_k, buf_v, buf_g, buffer_slots, lengths, Hv, dt)
     qe, ke = _by_value_head(q.to(dt), Hv), _by_value_head(k.to(dt), Hv)  # (B, T, Hv, K)
-    vv, gg = v.to(dt), g.to(dt)
+    vv, gg = v.to(dt), clamp_log_decay(g.to(dt))
 
-    G = _last_log_decay(logd, lengths)[:, None, :] + torch.cumsum(gg, dim=1)  # (B, T, Hv)
+    G = _last_log_decay(logd, lengths)[:, None, :] + torch.cumsum(gg, dim=1)  # (B, T, Hv), finite
     decay0 = torch.exp(G)[..., None]  # weight of S0 for each new token
     # one read of S0 serves both S0^T k and S0^T q
     s0k = torch.einsum("bhkv,bthk->bthv", S0, ke)

@@ -173,15 +173,17 @@ def _configs():
     return [pytest.param(c, id="-".join(f"{k}{v}" for k, v in c.items())) for c in get_buffered_configs()]
 
 
+@pytest.mark.parametrize("B", [1, 3, 4, 16, 64, 257])
 @pytest.mark.parametrize("T", [1, 4])
 @pytest.mark.parametrize("cfg", _configs())
-def test_buffered_configs(cfg, T):
-    """Every tunable config the tuner may pick: a filling step (fused flush) and a 4-draft verify."""
+def test_buffered_configs(cfg, T, B):
+    """Every tunable config the tuner may pick (the small-batch ones included, hence B down to 1): a filling
+    step (fused flush) and a 4-draft verify."""
     Hk, Hv = HEADS["ratio2"]
     fill, flush_at = (C - 1, C) if T == 1 else (5, 0)
     op = buffered_op(Hk, Hv, T, flush_at, **cfg)
-    r = _run_buffered_pair(op, Hk, Hv, 64, T, fill, 3700 + T + cfg["BV"] + cfg["threads"], flush_at=flush_at)
-    tag = "configs/" + "-".join(f"{k}{v}" for k, v in cfg.items()) + f"/T{T}"
+    r = _run_buffered_pair(op, Hk, Hv, B, T, fill, 3700 + T + B + cfg["BV"] + cfg["threads"], flush_at=flush_at)
+    tag = "configs/" + "-".join(f"{k}{v}" for k, v in cfg.items()) + f"/T{T}/B{B}"
     eo, es = rel_err(r["out"], r["o64"]), rel_err(r["state"], r["s64"])
     record(f"{tag}/o", eo)
     record(f"{tag}/state", es)
@@ -260,17 +262,21 @@ def test_prefill_chunks():
     assert n == n64 and eo < OUT_TOL and es < 1e-4
 
 
-def test_long_run_with_flushes():
-    """2,000 buffered steps (125 fused flushes) against the fp64 *recurrent* form, and our recurrent kernel."""
+def _run_steps(steps, seed, gates=None):
+    """`steps` buffered steps (fused flushes) and recurrent-kernel steps against the fp64 *recurrent* form;
+    `gates` {step: value} overrides row 0's gate input a. Returns the worst output errors (buffered,
+    recurrent kernel), the state errors after a final flush, and the buffer's log decays."""
     Hk, Hv = HEADS["ratio2"]
-    B, steps = 3, 2000
-    g = _gen(7000)
+    B = 3
+    g = _gen(seed)
     state, ss, bk, bv, bg, bs, ln = pools(B, Hk, Hv, cap=CAP, fill=0, gen=g, spare=0)
     s_rec, s64 = state.clone(), state.double()
     op, rop = buffered_op(Hk, Hv), recurrent_op(Hk, Hv)
     worst_buf, worst_rec = 0.0, 0.0
     for t in range(steps):
         q, k, v, a, b, A_log, dt_bias = (x[:, 0] if x.dim() > 1 else x for x in tokens(B, 1, Hk, Hv, gen=g))
+        if gates and t in gates:
+            a[0] = gates[t]
         o = gdn_buffered_step(op, q, k, v, a, b, A_log, dt_bias, state, ss, bk, bv, bg, bs, ln)
         o_rec = gdn_recurrent_step(rop, q, k, v, a, b, A_log, dt_bias, s_rec, ss)
         q64, k64, g64, beta64 = front64(q, k, a, b, A_log, dt_bias)
@@ -280,10 +286,46 @@ def test_long_run_with_flushes():
         ln += 1
         ln[ln == C] = 0  # the fused flush emptied those rows
     gdn_flush(flush_op(Hk, Hv), state, ss, bk, bv, bg, bs, ln)
-    es, es_rec = rel_err(state, s64), rel_err(s_rec, s64)
+    return worst_buf, worst_rec, rel_err(state, s64), rel_err(s_rec, s64), bg
+
+
+def test_long_run_with_flushes():
+    """2,000 buffered steps (125 fused flushes) against the fp64 *recurrent* form, and our recurrent kernel."""
+    worst_buf, worst_rec, es, es_rec, _ = _run_steps(2000, 7000)
     record("long/buffered/o_max", worst_buf)
     record("long/recurrent/o_max", worst_rec)
     record("long/buffered/state", es)
     record("long/recurrent/state", es_rec)
     assert worst_buf < 2e-2 and es < 1e-2, (worst_buf, es)
     assert worst_rec < OUT_TOL and es_rec < 1e-4
+
+
+EXTREME_GATES = {5: float("inf"), 14: 3e38, 15: 3e38, 16: 3e38, 40: float("inf")}  # step: gate input a
+
+
+def test_extreme_gates_follow_recurrent():
+    """Gate inputs of +inf, and 3e38 on consecutive steps across a fused flush, on row 0: the buffered
+    kernel stays finite and follows the fp64 recurrent form (G is clamped, reference.core.clamp_log_decay)."""
+    worst_buf, worst_rec, es, _, bg = _run_steps(64, 7500, EXTREME_GATES)
+    assert bool(torch.isfinite(bg).all()), "cumulative log decays must stay finite"
+    record("extreme/buffered/o_max", worst_buf)
+    record("extreme/buffered/state", es)
+    assert worst_buf < 2e-2 and es < 1e-2 and worst_rec < OUT_TOL, (worst_buf, es, worst_rec)
+
+
+def test_extreme_gates_in_drafts():
+    """A 4-draft verify whose drafts carry gate inputs +inf and 3e38: matches the fp64 reference verify."""
+    Hk, Hv = HEADS["ratio2"]
+    T, B = 4, 5
+    g = _gen(7600)
+    state, ss, bk, bv, bg, bs, ln = pools(B, Hk, Hv, cap=CAP, fill=7, gen=g)
+    q, k, v, a, b, A_log, dt_bias = tokens(B, T, Hk, Hv, gen=g)
+    a[0, 1], a[1, 2:] = float("inf"), 3e38
+    rs, rk, rv, rg = state.double(), _clean(bk), _clean(bv), _clean(bg)
+    out = torch.full_like(v, float("nan"))
+    gdn_verify(buffered_op(Hk, Hv, T, 0), q, k, v, a, b, A_log, dt_bias, state, ss, bk, bv, bg, bs, ln, out=out)
+    q64, k64, g64, beta64 = front64(q, k, a, b, A_log, dt_bias)
+    o64 = ref.verify(q64, k64, v.double(), g64, beta64, rs, ss, rk, rv, rg, bs, ln)
+    eo = rel_err(out, o64)
+    record("extreme/verify/o", eo)
+    assert eo < OUT_TOL

@@ -281,18 +281,21 @@ def test_prefill_chunks(variant):
     assert n == n64 and ey < OUT_TOL and es < STATE_TOL, (ey, es)
 
 
-@pytest.mark.parametrize("variant", VARIANTS)
-def test_long_run_with_flushes(variant):
-    """1,000 buffered steps (62 fused flushes) against the fp64 recurrence and our recurrent kernel."""
+def _run_steps(variant, steps, seed, A_log_of=None):
+    """`steps` buffered steps (fused flushes) and recurrent-kernel steps against the fp64 recurrence;
+    `A_log_of` {head: value} overrides the layer's A_log. Returns the worst output errors (buffered,
+    recurrent kernel), the state errors after a final flush, and the buffer's log decays."""
     G, H = SHAPES["nano"]
-    B, steps = 3, 1000
-    g = _gen(7000)
+    B = 3
+    g = _gen(seed)
     state, ss, bk, bv, bg, bs, ln = pools(B, G, H, N, P, cap=CAP, fill=0, gen=g, spare=0)
     s_rec, s64 = state.clone(), state.double()
     op, rop = buffered_op(G, H, variant=variant), recurrent_op(G, H)
     worst_buf = worst_rec = 0.0
     for _ in range(steps):
         x, dt, Bm, Cm, z, A_log, dt_bias, D = (t[:, 0] if t.dim() > 1 else t for t in tokens(B, 1, G, H, gen=g))
+        for head, value in (A_log_of or {}).items():
+            A_log[head] = value
         y = mamba2_buffered_step(op, x, dt, A_log, dt_bias, Bm, Cm, D, state, ss, bk, bv, bg, bs, ln, z=z)
         y_rec = mamba2_recurrent_step(rop, x, dt, A_log, dt_bias, Bm, Cm, D, s_rec, ss, z=z)
         x64, dt64, B64, C64, z64 = _d(x, dt, Bm, Cm, z)
@@ -301,9 +304,51 @@ def test_long_run_with_flushes(variant):
         ln += 1
         ln[ln == C] = 0
     mamba2_flush(flush_op(G, H), state, ss, bk, bv, bg, bs, ln)
-    es, es_rec = rel_err(state, s64), rel_err(s_rec, s64)
+    return worst_buf, worst_rec, rel_err(state, s64), rel_err(s_rec, s64), bg
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_long_run_with_flushes(variant):
+    """1,000 buffered steps (62 fused flushes) against the fp64 recurrence and our recurrent kernel."""
+    worst_buf, worst_rec, es, es_rec, _ = _run_steps(variant, 1000, 7000)
     for name, v in (("buffered/y_max", worst_buf), ("recurrent/y_max", worst_rec),
                     ("buffered/state", es), ("recurrent/state", es_rec)):
         record(f"{_tag(variant)}/long/{name}", v)
     assert worst_buf < 2e-2 and es < 1e-2, (worst_buf, es)
     assert worst_rec < OUT_TOL and es_rec < 1e-4, (worst_rec, es_rec)
+
+
+def _small_batch_configs():
+    from kvbuffer.tiles.mamba2_simt import SMALL_BATCH_CONFIGS
+
+    return [pytest.param(dict(BV=bv, threads=th), id=f"BV{bv}-threads{th}") for bv, th, _ in SMALL_BATCH_CONFIGS]
+
+
+@pytest.mark.parametrize("T", [1, 5])
+@pytest.mark.parametrize("B", [1, 3, 4, 16, 64, 257])
+@pytest.mark.parametrize("cfg", _small_batch_configs())
+def test_small_batch_configs(cfg, B, T):
+    """The narrow value tiles meant for B <= 16 (thread-level variant): a filling step and a 5-token verify."""
+    G, H = SHAPES["nano"]
+    fill, flush_at = (C - 1, C) if T == 1 else (C - 5, 0)
+    op = build_mamba2_buffered(G, H, N, P, cap=CAP, T_new=T, flush_at=flush_at, has_z=True, variant="simt",
+                               blocks=0, **cfg)
+    r = _run_pair(op, G, H, B, T, fill, 3800 + 13 * B + T + cfg["BV"], flush_at=flush_at)
+    tag = f"m2simt/small_batch/BV{cfg['BV']}-threads{cfg['threads']}/B{B}/T{T}"
+    ey, es = rel_err(r["out"], r["y64"]), rel_err(r["state"], r["s64"])
+    record(f"{tag}/y", ey)
+    record(f"{tag}/state", es)
+    assert ey < OUT_TOL and es < FUSED_FLUSH_STATE_TOL, (ey, es)
+    _check_entries(r, T, tag)
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_extreme_gates_follow_recurrent(variant):
+    """Decays at the extremes on every step: head 0 with A_log = +inf (g = -inf), head 1 with A_log = 88
+    (g ~ -1e38, whose sums overflow fp32). The buffered kernels stay finite and follow the fp64 recurrence
+    across fused flushes (G is clamped, reference.core.clamp_log_decay)."""
+    worst_buf, worst_rec, es, _, bg = _run_steps(variant, 48, 7500, {0: float("inf"), 1: 88.0})
+    assert bool(torch.isfinite(bg).all()), "cumulative log decays must stay finite"
+    record(f"{_tag(variant)}/extreme/buffered/y_max", worst_buf)
+    record(f"{_tag(variant)}/extreme/buffered/state", es)
+    assert worst_buf < 2e-2 and es < 1e-2 and worst_rec < OUT_TOL, (worst_buf, es, worst_rec)
