@@ -19,7 +19,7 @@ _NVCC = shutil.which("nvcc") or (os.path.exists("/usr/local/cuda/bin/nvcc") and 
 if importlib.util.find_spec("tilelang") is None or not _NVCC:
     pytest.skip("needs TileLang and nvcc", allow_module_level=True)
 
-from kvbuffer.autotune.gpus import CATALOGUE  # noqa: E402
+from kvbuffer.gpus import CATALOGUE  # noqa: E402
 
 CASES = {
     "recurrent": ("gdn_recurrent", dict(Hk=16, Hv=32)),
