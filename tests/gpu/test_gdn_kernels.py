@@ -33,6 +33,7 @@ C, CAP = 16, 24      # flush_at, buffer capacity (room for 8 drafts after C-1 en
 OUT_TOL = 1e-2       # bf16 outputs: rounding alone is ~2e-3
 ENTRY_TOL = 1e-2     # bf16 buffer entries
 STATE_TOL = 1e-5     # fp32 state against fp64
+FUSED_FLUSH_STATE_TOL = 3e-5  # a step that folds its buffer: fp32 rank-C update of every config (as Mamba-2's)
 BATCHES = [1, 3, 64, 257]
 
 
@@ -187,7 +188,7 @@ def test_buffered_configs(cfg, T, B):
     eo, es = rel_err(r["out"], r["o64"]), rel_err(r["state"], r["s64"])
     record(f"{tag}/o", eo)
     record(f"{tag}/state", es)
-    assert eo < OUT_TOL and es < STATE_TOL
+    assert eo < OUT_TOL and es < (FUSED_FLUSH_STATE_TOL if flush_at else STATE_TOL)
     _check_entries(r, T, tag)
 
 
@@ -307,7 +308,7 @@ def test_extreme_gates_follow_recurrent():
     """Gate inputs of +inf, and 3e38 on consecutive steps across a fused flush, on row 0: the buffered
     kernel stays finite and follows the fp64 recurrent form (G is clamped, reference.core.clamp_log_decay)."""
     worst_buf, worst_rec, es, _, bg = _run_steps(64, 7500, EXTREME_GATES)
-    assert bool(torch.isfinite(bg).all()), "cumulative log decays must stay finite"
+    assert bool(torch.isfinite(bg[:, :C]).all()), "cumulative log decays must stay finite"  # entries >= C: never written (NaN-poisoned)
     record("extreme/buffered/o_max", worst_buf)
     record("extreme/buffered/state", es)
     assert worst_buf < 2e-2 and es < 1e-2 and worst_rec < OUT_TOL, (worst_buf, es, worst_rec)

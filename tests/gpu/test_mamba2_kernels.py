@@ -348,7 +348,7 @@ def test_extreme_gates_follow_recurrent(variant):
     (g ~ -1e38, whose sums overflow fp32). The buffered kernels stay finite and follow the fp64 recurrence
     across fused flushes (G is clamped, reference.core.clamp_log_decay)."""
     worst_buf, worst_rec, es, _, bg = _run_steps(variant, 48, 7500, {0: float("inf"), 1: 88.0})
-    assert bool(torch.isfinite(bg).all()), "cumulative log decays must stay finite"
+    assert bool(torch.isfinite(bg[:, :C]).all()), "cumulative log decays must stay finite"  # entries >= C: never written (NaN-poisoned)
     record(f"{_tag(variant)}/extreme/buffered/y_max", worst_buf)
     record(f"{_tag(variant)}/extreme/buffered/state", es)
     assert worst_buf < 2e-2 and es < 1e-2 and worst_rec < OUT_TOL, (worst_buf, es, worst_rec)
