@@ -36,3 +36,7 @@ class BufferOverflowError(KVBufferError, ValueError):
 
 class ArtifactError(KVBufferError, RuntimeError):
     """A compiled kernel artifact is missing, corrupt or built for another machine."""
+
+
+class QueueFullError(KVBufferError, RuntimeError):
+    """Too many requests already wait for a slot; try again later (a server answers 503)."""
