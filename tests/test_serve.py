@@ -5,10 +5,12 @@ and SIGTERM. Every loop is bounded in count and time."""
 from __future__ import annotations
 
 import json
+import re
 import signal
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import httpx
 import pytest
@@ -17,21 +19,22 @@ import torch
 pytest.importorskip("fastapi")
 openai = pytest.importorskip("openai")
 
-from serve_helpers import Server  # noqa: E402
 
 from kvbuffer import LLM, demo_checkpoint  # noqa: E402
 from kvbuffer.serve.chat import chat_prompt  # noqa: E402
+from kvbuffer.serve.launch import ServerProcess  # noqa: E402
 
 MAX_LEN = 256
 PROMPTS = [f"{w} {i} " for i in range(16) for w in ("The", "def", "import", "class")]  # 64 distinct prompts
 N_TOKENS = 12
+CPU = ("--device", "cpu", "--log-level", "warning")
 
 
 @pytest.fixture(scope="module")
 def server():
-    s = Server("--max-batch", "16", "--max-waiting", "96", "--max-len", str(MAX_LEN))
+    s = ServerProcess(*CPU, "--max-batch", "16", "--max-waiting", "96", "--max-len", str(MAX_LEN), timeout=90)
     yield s
-    s.stop()
+    s.kill()
 
 
 @pytest.fixture(scope="module")
@@ -86,6 +89,13 @@ def test_sampling_options_n_seed_stop_and_logprobs(client, llm):
     assert eos.choices[0].finish_reason == "stop" and eos.choices[0].text == want[:3]
     lp = client.completions.create(model="demo", prompt="The ", max_tokens=4, temperature=0, logprobs=1)
     assert len(lp.choices[0].logprobs.token_logprobs) == 4 and all(x <= 0 for x in lp.choices[0].logprobs.token_logprobs)
+
+
+def test_the_readme_client_example_runs(server, capsys):
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    block = re.findall(r"```py\n(.*?)```", readme.split("## Serving", 1)[1], re.S)[0]
+    exec(compile(block.replace("127.0.0.1:8000", f"127.0.0.1:{server.port}"), "README.md", "exec"), {})
+    assert capsys.readouterr().out.strip()
 
 
 def test_models_health_and_metrics(server, client):
@@ -188,10 +198,10 @@ def test_bad_chat_messages(server):
 def small_server():
     """Four slots and four places in the queue: the queue overflows, then SIGTERM drains it. The other
     mode, with speculative decoding: greedy outputs stay those of plain LLM.generate."""
-    s = Server("--max-batch", "4", "--max-waiting", "4", "--max-len", str(MAX_LEN), "--mode", "recurrent",
-               "--speculative", "ngram", "--draft-tokens", "3")
+    s = ServerProcess(*CPU, "--max-batch", "4", "--max-waiting", "4", "--max-len", str(MAX_LEN), "--mode", "recurrent",
+               "--speculative", "ngram", "--draft-tokens", "3", timeout=90)
     yield s
-    s.stop()
+    s.kill()
 
 
 def test_queue_overflow_is_a_503_and_the_server_recovers(small_server, llm):
