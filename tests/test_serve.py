@@ -87,8 +87,11 @@ def test_sampling_options_n_seed_stop_and_logprobs(client, llm):
     eos = client.completions.create(model="demo", prompt="The ", max_tokens=40, temperature=0,
                                     stop=[ord(want[3])])  # a token id: the byte tokenizer's ids are bytes
     assert eos.choices[0].finish_reason == "stop" and eos.choices[0].text == want[:3]
-    lp = client.completions.create(model="demo", prompt="The ", max_tokens=4, temperature=0, logprobs=1)
+    lp = client.completions.create(model="demo", prompt="The ", max_tokens=4, temperature=0, logprobs=0)
     assert len(lp.choices[0].logprobs.token_logprobs) == 4 and all(x <= 0 for x in lp.choices[0].logprobs.token_logprobs)
+    chat = client.chat.completions.create(model="demo", messages=[{"role": "user", "content": "hi"}], max_tokens=3,
+                                          temperature=0, logprobs=True)
+    assert [t.token for t in chat.choices[0].logprobs.content] == list(chat.choices[0].message.content)
 
 
 def test_the_readme_client_example_runs(server, capsys):

@@ -146,7 +146,8 @@ class _Handler:
             raise BadRequest(f"stop token id {bad[0]} is outside the vocabulary", "stop")
         return SamplingParams(max_new_tokens=limit, temperature=body.temperature, top_k=max(body.top_k, 0),
                               top_p=body.top_p, seed=None if body.seed is None else body.seed + choice,
-                              stop_token_ids=eos + tuple(body.stop_token_ids()), logprobs=bool(body.logprobs))
+                              stop_token_ids=eos + tuple(body.stop_token_ids()),
+                              logprobs=body.logprobs is not None if kind == "completion" else body.logprobs)
 
     async def run(self, kind: str, body, request: Request):
         if body.model is not None and body.model != self.model_name:
