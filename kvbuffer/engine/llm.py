@@ -280,19 +280,20 @@ class LLM:
 
     def add_request(self, prompt_ids: list[int], params: SamplingParams, *, return_logits: bool = False,
                     _prepare=None) -> int:
-        """Queue a request (token ids, already checked by the caller or by _encode_all); returns its id.
+        """Queue a request (token ids); returns its id.
 
         It is admitted by a later step() as soon as the pools have room (it waits until then).
-        Raises ValueError when the prompt cannot fit in max_len.
+        Raises ValueError when the prompt is empty, has an id outside the vocabulary or cannot fit
+        in max_len.
         """
         if not isinstance(params, SamplingParams):
             raise TypeError(f"params must be a SamplingParams, got {type(params).__name__}")
-        if len(prompt_ids) > self.runner.spec.max_len:
-            raise ValueError(f"prompt of {len(prompt_ids)} tokens exceeds max_len={self.runner.spec.max_len}")
+        prompt_ids = [int(t) for t in prompt_ids]
+        self._check_prompt(prompt_ids, "prompt_ids")
         if params.stop_token_ids is None:
             params = dataclasses.replace(params, stop_token_ids=tuple(self.model.config.eos_token_ids))
         sched = self.scheduler
-        req = Request(self._next_rid, list(prompt_ids), params, keep_logits=return_logits)
+        req = Request(self._next_rid, prompt_ids, params, keep_logits=return_logits)
         sched.add(req)
         self._next_rid += 1
         self._gens[req.rid] = torch.Generator().manual_seed(params.seed) if params.seed is not None else None
@@ -506,15 +507,18 @@ class LLM:
                 ids = list(self.tokenizer.encode(p))
             else:
                 ids = [int(t) for t in p]
-            if not ids:
-                raise ValueError(f"prompt {i} is empty")
-            if len(ids) > self.runner.spec.max_len:
-                raise ValueError(f"prompt {i}: {len(ids)} tokens exceed max_len={self.runner.spec.max_len}")
-            bad = [t for t in ids if not 0 <= t < self.vocab_size]
-            if bad:
-                raise ValueError(f"prompt {i} has token id {bad[0]} outside the vocabulary [0, {self.vocab_size})")
+            self._check_prompt(ids, f"prompt {i}")
             out.append(ids)
         return out
+
+    def _check_prompt(self, ids: list[int], what: str) -> None:
+        if not ids:
+            raise ValueError(f"{what} is empty")
+        if len(ids) > self.runner.spec.max_len:
+            raise ValueError(f"{what}: {len(ids)} tokens exceed max_len={self.runner.spec.max_len}")
+        bad = [t for t in ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise ValueError(f"{what} has token id {bad[0]} outside the vocabulary [0, {self.vocab_size})")
 
     def _decode_text(self, ids):
         return self.tokenizer.decode(ids) if self.tokenizer is not None else None
