@@ -167,9 +167,12 @@ class AsyncEngine:
         stream.loop.call_soon_threadsafe(stream.outputs.put_nowait, out)
 
     def _fail_running(self, message: str) -> None:
-        for req in list(self.llm.scheduler.running):
-            self.llm.abort(req.rid)
-            key = self._by_rid.pop(req.rid, None)
-            if key is not None:
-                stream = self._streams.pop(key)
-                stream.loop.call_soon_threadsafe(stream.outputs.put_nowait, EngineFailure(message))
+        """After a failed step: every request but those still waiting was in it (running, or
+        admitted by it and already released by the engine) and fails; the waiting ones go on."""
+        waiting = {r.rid for r in self.llm.scheduler.waiting}
+        for key, stream in list(self._streams.items()):
+            if stream.rid in waiting:
+                continue
+            self.llm.abort(stream.rid)
+            del self._streams[key], self._by_rid[stream.rid]
+            stream.loop.call_soon_threadsafe(stream.outputs.put_nowait, EngineFailure(message))
