@@ -84,3 +84,17 @@ def test_stop_strings_cut_the_stream(deltas, stops, sent, stopped):
     if not hit:
         out += m.flush()
     assert (out, hit) == (sent, stopped)
+
+
+def test_generate_cli_streams_what_a_full_decode_gives():
+    """`kvbuffer generate` printed one token at a time (日本���); now its stream is the full decode."""
+    from click.testing import CliRunner
+
+    from kvbuffer import LLM, demo_checkpoint
+    from kvbuffer.cli.main import main
+
+    prompt = "日本語と"
+    out = LLM(str(demo_checkpoint()), device="cpu").generate([prompt], max_new_tokens=24)[0]
+    r = CliRunner().invoke(main, ["generate", "--prompt", prompt, "--max-new-tokens", "24", "--device", "cpu"])
+    assert r.exit_code == 0, r.output
+    assert r.stdout == prompt + out.text + "\n"
