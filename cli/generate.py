@@ -49,17 +49,20 @@ def _engine_check(name: str):
               help="Speculative decoding: n-gram prompt lookup, or the checkpoint's MTP head.")
 @click.option("--draft-tokens", default=4, show_default=True, type=click.IntRange(1, 16),
               help="Draft tokens per step with --speculative.")
+@click.option("--max-len", default=2048, show_default=True, type=click.IntRange(min=2),
+              help="Longest context (prompt + output) per request; a request that reaches it stops there.")
 @click.option("--device", default=None, callback=_engine_check("check_device"),
               help="cpu, cuda, cuda:1 ... (default: cuda when available).")
 @click.option("--dtype", type=click.Choice(["float32", "bfloat16", "float16"]), default=None)
 @click.option("--cuda-graphs/--no-cuda-graphs", default=True, show_default=True,
               help="Replay decode steps as CUDA graphs (on CUDA with the compiled kernels).")
 def generate(model, prompts, prompts_file, max_new_tokens, temperature, top_k, top_p, seed, mode, chunk_size,
-             speculative, draft_tokens, device, dtype, cuda_graphs):
+             speculative, draft_tokens, max_len, device, dtype, cuda_graphs):
     """Generate text. Streams the output when there is a single prompt."""
     import torch
 
     from kvbuffer import LLM
+    from kvbuffer.detokenize import IncrementalDetokenizer
 
     if speculative is None and click.get_current_context().get_parameter_source("draft_tokens") is \
             click.core.ParameterSource.COMMANDLINE:
@@ -69,7 +72,7 @@ def generate(model, prompts, prompts_file, max_new_tokens, temperature, top_k, t
         texts = ["The "]
     path = resolve_model(model)
     llm = LLM(str(path), device=device, dtype=getattr(torch, dtype) if dtype else None, mode=mode,
-              chunk_size=chunk_size, max_batch=max(1, min(len(texts), 64)),
+              chunk_size=chunk_size, max_batch=max(1, min(len(texts), 64)), max_len=max_len,
               speculative={"method": speculative, "num_draft_tokens": draft_tokens} if speculative else None,
               cuda_graphs="auto" if cuda_graphs else False)
     if llm.tokenizer is None:
@@ -78,17 +81,20 @@ def generate(model, prompts, prompts_file, max_new_tokens, temperature, top_k, t
     if stream:
         click.echo(texts[0], nl=False)
 
-    def on_token(_index, token):
-        piece = llm.tokenizer.decode([token])
-        click.echo(piece, nl=False)
-        sys.stdout.flush()
+    detok = IncrementalDetokenizer(llm.tokenizer, llm.tokenizer.encode(texts[0])) if stream else None
+
+    def on_token(_index, token):  # whole characters only: a UTF-8 character may span several tokens
+        piece = detok.add(token)
+        if piece:
+            click.echo(piece, nl=False)
+            sys.stdout.flush()
 
     t0 = time.perf_counter()
     outs = llm.generate(texts, max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
                         seed=seed, on_token=on_token if stream else None)
     elapsed = time.perf_counter() - t0
     if stream:
-        click.echo()
+        click.echo(detok.flush())
         sys.stdout.flush()
     else:
         for text, out in zip(texts, outs):

@@ -124,10 +124,12 @@ main.add_command(cache)
 from .bench import bench  # noqa: E402
 from .generate import generate  # noqa: E402
 from .plan import plan_command  # noqa: E402
+from .serve import serve  # noqa: E402
 
 main.add_command(generate)
 main.add_command(bench)
 main.add_command(plan_command)
+main.add_command(serve)
 
 if __name__ == "__main__":
     main()

@@ -41,3 +41,7 @@ class ArtifactError(KVBufferError, RuntimeError):
 class CheckpointError(KVBufferError, ValueError):
     """A checkpoint cannot be loaded as it is (bad config.json, unreadable or inconsistent weights);
     the message names the file or tensor."""
+
+
+class QueueFullError(KVBufferError, RuntimeError):
+    """Too many requests already wait for a slot; try again later (a server answers 503)."""

@@ -1,15 +1,18 @@
 """`kvbuffer.LLM`: load a checkpoint, then generate with continuous batching over the pools.
 
-The loop is the classic one: admit waiting requests while request slots are free (each is
-prefilled, in chunks), then run one decode step for every running request, sample, retire the
-finished ones (their slots are freed at once) and repeat. Requests that find the pools full wait.
+The engine is step-able: `add_request()` queues a request at any time, and each `step()` admits
+the waiting requests that fit (each is prefilled, in chunks), runs one decode step for every
+running request, samples, and retires the finished ones (their slots are freed at once).
+`generate()` is a loop over `step()`, and `kvbuffer serve` drives the same engine as requests
+arrive. Requests that find the pools full wait (kvbuffer.engine.scheduler).
 """
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import logging
 import time
-from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -21,7 +24,8 @@ from ..runtime.batch import MODES
 from ..runtime.caches import CacheSpec
 from .request import Request
 from .runner import ModelRunner
-from .sampling import SamplingParams, sample_rows, sample_token
+from .sampling import SamplingParams, sample_rows, sample_token, token_logprob
+from .scheduler import Scheduler
 from .drafters import MTPDrafter, NgramDrafter
 from .options import check_generate_args, check_llm_args
 from .speculative import SpeculativeConfig, accept_drafts
@@ -33,9 +37,37 @@ log = logging.getLogger(__name__)
 class GenerationOutput:
     prompt_token_ids: list[int]
     token_ids: list[int]
-    finish_reason: str  # "stop" (a stop token) or "length" (max_new_tokens)
+    finish_reason: str  # "stop" (a stop token) or "length" (max_new_tokens, or the context reached max_len)
     text: str | None = None
     logits: list[torch.Tensor] = field(default_factory=list, repr=False)  # with return_logits=True
+
+
+@dataclass(frozen=True)
+class StepOutput:
+    """Tokens one request got in one engine step; finish_reason is set on its last output."""
+    rid: int
+    token_ids: list[int]
+    logprobs: list[float] | None  # with SamplingParams.logprobs
+    finish_reason: str | None
+
+
+def _group(events, finished: dict) -> list[StepOutput]:
+    """(rid, token, logprob) events of a step -> one StepOutput per run of one request's tokens."""
+    out = []
+    for i, (rid, token, logprob) in enumerate(events):
+        if out and out[-1].rid == rid and i and events[i - 1][0] == rid:
+            out[-1].token_ids.append(token)
+            if logprob is not None:
+                out[-1].logprobs.append(logprob)
+            continue
+        out.append(StepOutput(rid, [token], None if logprob is None else [logprob], None))
+    last = {o.rid: k for k, o in enumerate(out)}
+    for rid, reason in finished.items():
+        if rid in last:
+            out[last[rid]] = dataclasses.replace(out[last[rid]], finish_reason=reason)
+        else:
+            out.append(StepOutput(rid, [], None, reason))
+    return out
 
 
 @dataclass
@@ -188,75 +220,185 @@ class LLM:
         """Generate for one prompt or a list (strings need a tokenizer; or lists of token ids).
 
         Returns one GenerationOutput per prompt, in order. `on_token(index, token_id)` is called
-        for every sampled token (streaming). Greedy when temperature == 0.
+        for every sampled token (streaming). Greedy when temperature == 0. A request whose context
+        reaches max_len ends with finish_reason "length"; the others go on.
         """
         check_generate_args(prompts, max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, stop_token_ids=stop_token_ids, return_logits=return_logits, on_token=on_token, vocab_size=self.vocab_size)  # noqa: E501
+        if self.scheduler:
+            raise RuntimeError("generate() needs an idle engine; requests added with add_request() are in flight")
         prompt_ids = self._encode_all(prompts)
-        stops = tuple(stop_token_ids) if stop_token_ids is not None else tuple(self.model.config.eos_token_ids)
-        reqs = []
-        for i, ids in enumerate(prompt_ids):
-            params = SamplingParams(max_new_tokens, temperature, top_k, top_p,
-                                    None if seed is None else seed + i, stops)
-            reqs.append(Request(self._next_rid, ids, params))
-            self._next_rid += 1
-        gens = {r.rid: (torch.Generator().manual_seed(r.params.seed) if r.params.seed is not None else None)
-                for r in reqs}
+        stops = tuple(stop_token_ids) if stop_token_ids is not None else None
+        params = [SamplingParams(max_new_tokens, temperature, top_k, top_p, None if seed is None else seed + i, stops)
+                  for i in range(len(prompt_ids))]
         start = time.perf_counter()
-        stats = GenerationStats(len(reqs), sum(len(p) for p in prompt_ids))
-        self._run(reqs, gens, return_logits, on_token, _prepare, stats)
+        self._done = {}
+        self._stats = stats = GenerationStats(len(prompt_ids), sum(len(p) for p in prompt_ids))
+        rids = []
+        try:
+            for ids, p in zip(prompt_ids, params):
+                rids.append(self.add_request(ids, p, return_logits=return_logits, _prepare=_prepare))
+            index = {rid: i for i, rid in enumerate(rids)}
+            while self.has_work():
+                for out in self.step():
+                    if on_token is not None:
+                        for token in out.token_ids:
+                            on_token(index[out.rid], token)
+        finally:  # an error (or a callback's) must not leave requests in the engine
+            for rid in rids:
+                self.abort(rid)
+            self._stats = None
+        reqs = [self._done.pop(rid) for rid in rids]
         stats.generated_tokens = sum(len(r.output) for r in reqs)
         stats.seconds = time.perf_counter() - start
         self.last_stats = stats
         return [GenerationOutput(r.prompt, r.output, r.finish_reason, self._decode_text(r.output), r.logits)
                 for r in reqs]
 
-    def _run(self, reqs, gens, return_logits, on_token, prepare, stats):
-        index = {r.rid: i for i, r in enumerate(reqs)}
-        waiting, running, admitted = deque(reqs), [], []
-        free = self.runner.caches.requests
-        try:
-            while waiting or running:
-                while waiting and free.num_free:
-                    req = waiting.popleft()
-                    self.runner.admit(req)
-                    admitted.append(req)  # released by the finally clause if anything below fails
-                    if prepare is not None:  # e.g. caches imported from transformers
-                        prepare(req)
-                if admitted:
-                    self._prefill(admitted, gens, return_logits, on_token, index)
-                    for req in admitted:
-                        if req.finish_reason is None:
-                            running.append(req)
-                        else:
-                            self._retire(req)
-                    admitted = []
-                if not running:
-                    continue
-                t0, before = time.perf_counter(), sum(len(r.output) for r in running)
-                if self.speculative is not None:
-                    self._speculative_step(running, gens, return_logits, on_token, index)
-                else:
-                    logits = self.runner.decode(running)
-                    tokens = sample_rows(logits, [r.params for r in running], [gens[r.rid] for r in running])
-                    for req, row, token in zip(running, logits, tokens):
-                        self._emit(req, token, row, return_logits, on_token, index)
-                took = time.perf_counter() - t0  # sampling synchronised the device
-                emitted = sum(len(r.output) for r in running) - before
-                stats.decode_seconds += took
-                stats.decode_steps += 1
-                stats.decode_tokens += emitted
-                stats.step_seconds.append(took)
-                stats.step_tokens.append(emitted)
-                stats.peak_batch = max(stats.peak_batch, len(running))
-                for req in [r for r in running if r.finish_reason is not None]:
-                    running.remove(req)
-                    self._retire(req)
-        finally:  # an error must not leak slots: release whatever is still held
-            for req in running + admitted:
-                if req.slot >= 0:
-                    self._retire(req)
+    # the step-able engine ----------------------------------------------------------------------
+    @functools.cached_property
+    def scheduler(self) -> Scheduler:
+        """The requests in flight (generate() and a server drive the same one)."""
+        self._gens, self._prepares, self._done, self._stats = {}, {}, {}, None
+        return Scheduler()
 
-    def _prefill(self, reqs, gens, return_logits, on_token, index):
+    def add_request(self, prompt_ids: list[int], params: SamplingParams, *, return_logits: bool = False,
+                    _prepare=None) -> int:
+        """Queue a request (token ids); returns its id.
+
+        It is admitted by a later step() as soon as the pools have room (it waits until then).
+        Raises ValueError when the prompt is empty, has an id outside the vocabulary or cannot fit
+        in max_len.
+        """
+        if not isinstance(params, SamplingParams):
+            raise TypeError(f"params must be a SamplingParams, got {type(params).__name__}")
+        prompt_ids = [int(t) for t in prompt_ids]
+        self._check_prompt(prompt_ids, "prompt_ids")
+        if params.stop_token_ids is None:
+            params = dataclasses.replace(params, stop_token_ids=tuple(self.model.config.eos_token_ids))
+        sched = self.scheduler
+        req = Request(self._next_rid, prompt_ids, params, keep_logits=return_logits)
+        sched.add(req)
+        self._next_rid += 1
+        self._gens[req.rid] = torch.Generator().manual_seed(params.seed) if params.seed is not None else None
+        if _prepare is not None:  # e.g. caches imported from transformers, right after admission
+            self._prepares[req.rid] = _prepare
+        return req.rid
+
+    def abort(self, rid: int) -> Request | None:
+        """Stop a request now (waiting or running) and free its slots; returns it, or None if it is done
+        or unknown. Call between steps, from the thread that calls step()."""
+        req = self.scheduler.remove(rid)
+        if req is None:
+            return None
+        if req.finish_reason is None:
+            req.finish_reason = "abort"
+        self._finish(req)
+        return req
+
+    def has_work(self) -> bool:
+        return bool(self.scheduler)
+
+    def step(self) -> list[StepOutput]:
+        """Admit what fits, prefill it, then one decode (or draft + verify) step for the running requests.
+
+        Returns the tokens each request got, in the order they were sampled (a request admitted in
+        this step may appear twice: its prefill token, then its decode token). Finished requests
+        have freed their slots before this returns.
+        """
+        sched, events, finished = self.scheduler, [], {}
+        admitted = []
+        try:
+            chosen = sched.admit(self.runner.caches.requests.num_free, self._free_states(), self._wants_state)
+            for k, req in enumerate(chosen):
+                try:
+                    self._admit(req)
+                except BaseException:  # the requests not admitted yet keep their place in the queue
+                    sched.waiting.extendleft(reversed(chosen[k:]))
+                    raise
+                admitted.append(req)
+            if admitted:
+                self._prefill(admitted, events)
+            sched.running += admitted
+            admitted = []
+            self._retire_finished(finished)  # before decoding, so their slots serve the others at once
+            fed = self.speculative.num_draft_tokens + 1 if self.speculative is not None else 1
+            running = sched.runnable(self._free_states(), fed, self._wants_state)
+            if running:
+                self._decode_step(running, events)
+        except BaseException:  # a failed step must not leak slots: what it admitted goes back
+            for req in admitted:
+                self._finish(req, "abort")
+            raise
+        self._retire_finished(finished)
+        return _group(events, finished)
+
+    def _retire_finished(self, finished: dict) -> None:
+        sched = self.scheduler
+        for req in [r for r in sched.running if r.finish_reason is not None]:
+            sched.finish(req)
+            self._finish(req)
+            finished[req.rid] = req.finish_reason
+
+    def _admit(self, req: Request) -> None:
+        try:
+            self.runner.admit(req)
+            prepare = self._prepares.pop(req.rid, None)
+            if prepare is not None:
+                prepare(req)
+        except BaseException:  # e.g. a state slot that failed after the request slot: give back what it took
+            if req.slot >= 0:
+                self.runner.release(req)
+            raise
+
+    def _free_states(self) -> int:
+        states = self.runner.caches.states
+        return states.slots.num_free if states is not None else 0
+
+    def _wants_state(self, req: Request, adding: int) -> bool:
+        """Whether feeding `adding` more tokens needs a state slot this request does not hold yet."""
+        caches = self.runner.caches
+        if caches.states is None or req.state_slot >= 0:
+            return False
+        if caches.buffers is None:  # recurrent: the state is taken at admission
+            return True
+        fill = caches.buffers.length(req.slot) if req.slot >= 0 else 0
+        return fill + adding >= self.chunk_size
+
+    def _finish(self, req: Request, reason: str | None = None) -> None:
+        """Free a request's slots and drafter rows and keep it for generate() to collect."""
+        if reason is not None and req.finish_reason is None:
+            req.finish_reason = reason
+        if req.slot >= 0:
+            if self.drafter is not None:
+                self.drafter.release(req)
+            self.runner.release(req)
+        self._gens.pop(req.rid, None)
+        self._prepares.pop(req.rid, None)
+        if self._stats is not None:
+            self._done[req.rid] = req
+
+    def _decode_step(self, running, events):
+        stats = self._stats
+        t0, before = time.perf_counter(), sum(len(r.output) for r in running)
+        if self.speculative is not None:
+            self._speculative_step(running, events)
+        else:
+            logits = self.runner.decode(running)
+            tokens = sample_rows(logits, [r.params for r in running], [self._gens[r.rid] for r in running])
+            for req, row, token in zip(running, logits, tokens):
+                self._emit(req, token, row, events)
+        if stats is None:
+            return
+        took = time.perf_counter() - t0  # sampling synchronised the device
+        emitted = sum(len(r.output) for r in running) - before
+        stats.decode_seconds += took
+        stats.decode_steps += 1
+        stats.decode_tokens += emitted
+        stats.step_seconds.append(took)
+        stats.step_tokens.append(emitted)
+        stats.peak_batch = max(stats.peak_batch, len(running))
+
+    def _prefill(self, reqs, events):
         """Feed the newly admitted requests' prompts, many requests per forward, then sample each
         one's first token (and let a drafter that reads hidden states learn the prompt)."""
         want = self.drafter is not None and self.drafter.needs_hidden
@@ -271,13 +413,18 @@ class LLM:
                     hidden[req.rid].append(h)
             todo = [r for r in todo if r.pending]
         for req in reqs:
-            self._take(req, last.get(req.rid), gens, return_logits, on_token, index)
+            logits = last.get(req.rid)
+            self._emit(req, sample_token(logits, req.params, self._gens[req.rid]), logits, events)
             if want:  # the head learns the prompt: each position with the token after it
                 self.drafter.on_prefill(req, torch.cat(hidden[req.rid]), req.context[start[req.rid] + 1:req.cached + 1])
 
-    def _speculative_step(self, running, gens, return_logits, on_token, index):
-        """Draft T tokens per request, verify them in one forward, keep the accepted prefix + one more."""
-        T = self.speculative.num_draft_tokens
+    def _speculative_step(self, running, events):
+        """Draft T tokens per request, verify them in one forward, keep the accepted prefix + one more.
+
+        Near max_len the step drafts fewer tokens, so that every request's fed positions fit (each
+        running request has room for at least its real token: _emit finished those without)."""
+        room = min(self.runner.spec.max_len - r.cached - 1 for r in running)
+        T = min(self.speculative.num_draft_tokens, room)
         proposals = [p[:T] for p in self.drafter.propose(running, T)]
         drafts = [p + [None] * (T - len(p)) for p in proposals]  # padding drafts are never kept
         fed = [[0 if d is None else d for d in ds] for ds in drafts]
@@ -288,12 +435,12 @@ class LLM:
         greedy = any(r.params.temperature == 0.0 for r in running)
         argmax = torch.argmax(logits, dim=-1).tolist() if greedy else [None] * len(running)  # one sync
         for req, row, ds, top in zip(running, logits, drafts, argmax):
-            m, nxt = accept_drafts(row, ds, req.params, gens[req.rid], top)
+            m, nxt = accept_drafts(row, ds, req.params, self._gens[req.rid], top)
             kept.append(m + 1)  # the real token and m drafts enter the caches
             following.append(ds[:m] + [nxt])
             for i, token in enumerate(ds[:m] + [nxt]):
                 if req.finish_reason is None:
-                    self._emit(req, token, row[i], return_logits, on_token, index)
+                    self._emit(req, token, row[i], events)
             self.spec_stats["accepted"] += m
             self.spec_stats["emitted"] += m + 1
         self.spec_stats["request_steps"] += len(running)
@@ -308,24 +455,18 @@ class LLM:
         return {"acceptance_rate": st["accepted"] / st["proposed"] if st["proposed"] else 0.0,
                 "tokens_per_step": st["emitted"] / st["request_steps"] if st["request_steps"] else 0.0}
 
-    def _take(self, req, logits, gens, return_logits, on_token, index):
-        self._emit(req, sample_token(logits, req.params, gens[req.rid]), logits, return_logits, on_token, index)
-
-    def _emit(self, req, token, logits, return_logits, on_token, index):
+    def _emit(self, req, token, logits, events):
         req.output.append(token)
-        if return_logits:
+        if req.keep_logits:
             req.logits.append(logits.detach().float().cpu())
-        if on_token is not None:
-            on_token(index[req.rid], token)
+        logprob = token_logprob(logits, token) if req.params.logprobs else None
+        if logprob is not None:
+            req.logprobs.append(logprob)
+        events.append((req.rid, token, logprob))
         if token in req.params.stop_token_ids:
             req.finish_reason = "stop"
-        elif len(req.output) >= req.params.max_new_tokens:
-            req.finish_reason = "length"
-
-    def _retire(self, req):
-        if self.drafter is not None:
-            self.drafter.release(req)
-        self.runner.release(req)
+        elif len(req.output) >= req.params.max_new_tokens or len(req.context) >= self.runner.spec.max_len:
+            req.finish_reason = "length"  # the next token could not be fed within max_len
 
     def hf_config(self):
         """The transformers config of the loaded checkpoint (for moving caches to transformers)."""
@@ -349,13 +490,18 @@ class LLM:
                 ids = list(self.tokenizer.encode(p))
             else:
                 ids = [int(t) for t in p]
-            if not ids:
-                raise ValueError(f"prompt {i} is empty")
-            bad = [t for t in ids if not 0 <= t < self.vocab_size]
-            if bad:
-                raise ValueError(f"prompt {i} has token id {bad[0]} outside the vocabulary [0, {self.vocab_size})")
+            self._check_prompt(ids, f"prompt {i}")
             out.append(ids)
         return out
+
+    def _check_prompt(self, ids: list[int], what: str) -> None:
+        if not ids:
+            raise ValueError(f"{what} is empty")
+        if len(ids) > self.runner.spec.max_len:
+            raise ValueError(f"{what}: {len(ids)} tokens exceed max_len={self.runner.spec.max_len}")
+        bad = [t for t in ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise ValueError(f"{what} has token id {bad[0]} outside the vocabulary [0, {self.vocab_size})")
 
     def _decode_text(self, ids):
         return self.tokenizer.decode(ids) if self.tokenizer is not None else None

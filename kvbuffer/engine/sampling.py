@@ -15,6 +15,7 @@ class SamplingParams:
     top_p: float = 1.0
     seed: int | None = None
     stop_token_ids: tuple[int, ...] | None = None  # None = the model's eos tokens
+    logprobs: bool = False  # record each sampled token's log-probability (one softmax per token)
 
     def __post_init__(self):
         if self.max_new_tokens < 1:
@@ -50,6 +51,11 @@ def sample_token(logits: torch.Tensor, params: SamplingParams, generator: torch.
         return int(torch.argmax(logits))
     probs = filtered_probs(logits, params)
     return int(torch.multinomial(probs.cpu(), 1, generator=generator))
+
+
+def token_logprob(logits: torch.Tensor, token: int) -> float:
+    """log p(token) under the model's distribution (before temperature and filtering), as OpenAI reports it."""
+    return float(torch.log_softmax(logits.float(), dim=-1)[token])
 
 
 def sample_rows(logits: torch.Tensor, params: list[SamplingParams], generators: list) -> list[int]:

@@ -1,0 +1,7 @@
+"""`kvbuffer serve`: an OpenAI-compatible HTTP server on the step-able engine.
+
+schemas.py checks requests (unknown fields are errors), chat.py turns messages into a prompt,
+engine_loop.py runs the engine in one background thread that admits requests as they arrive,
+stream.py turns one request's tokens into text pieces, app.py has the routes, metrics.py the
+Prometheus metrics, benchmark.py the serving benchmark. Needs the `serve` extra.
+"""

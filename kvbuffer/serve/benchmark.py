@@ -1,0 +1,223 @@
+"""The serving benchmark (`kvbuffer bench serve`), in the manner of vLLM's: many clients stream
+completions from a server; report throughput, time to first token (TTFT) and time per output token
+(TPOT), median and p99, for mode "kvbuffer" against mode "recurrent" on the same build.
+
+It starts `kvbuffer serve` itself for each mode (a checkpoint, or a preset's shape with random
+weights), or measures a server already running (--url). Requests arrive at --request-rate
+(Poisson; inf = all at once) with at most --concurrency in flight; prompt and output lengths are
+drawn uniformly within --range-ratio of --input-len and --output-len. Prompts are random token
+ids below 256 (valid in every vocabulary, and the model needs no tokenizer); `ignore_eos` makes
+each request generate exactly its output length. A warm-up request runs before the clock starts.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+import statistics
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import click
+
+PROMPT_VOCAB = 256
+
+
+@dataclass
+class RequestResult:
+    ok: bool
+    prompt_len: int
+    output_len: int = 0
+    ttft: float = 0.0
+    latency: float = 0.0
+    error: str = ""
+
+
+@dataclass
+class Summary:
+    mode: str
+    concurrency: int
+    request_rate: float
+    completed: int
+    failed: int
+    seconds: float
+    requests_per_s: float
+    output_tokens_per_s: float
+    total_tokens_per_s: float
+    ttft_median_ms: float
+    ttft_p99_ms: float
+    tpot_median_ms: float
+    tpot_p99_ms: float
+
+
+def _percentile(xs: list[float], q: float) -> float:
+    if not xs:
+        return float("nan")
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, max(0, round(q / 100 * (len(xs) - 1))))]
+
+
+def workload(num_requests: int, input_len: int, output_len: int, range_ratio: float, seed: int):
+    """[(prompt token ids, output length)], the same for every mode of one run."""
+    rng = random.Random(seed)
+
+    def draw(n):
+        return rng.randint(max(1, int(n * (1 - range_ratio))), max(1, int(n * (1 + range_ratio))))
+
+    return [([rng.randrange(PROMPT_VOCAB) for _ in range(draw(input_len))], draw(output_len))
+            for _ in range(num_requests)]
+
+
+async def _one(client, url: str, model: str, prompt: list[int], output_len: int) -> RequestResult:
+    body = {"model": model, "prompt": prompt, "max_tokens": output_len, "temperature": 0, "ignore_eos": True,
+            "stream": True, "stream_options": {"include_usage": True}}
+    start, first, tokens = time.perf_counter(), None, 0
+    try:
+        async with client.stream("POST", url + "/v1/completions", json=body) as r:
+            if r.status_code != 200:
+                return RequestResult(False, len(prompt), error=f"HTTP {r.status_code}: {(await r.aread())[:200]!r}")
+            async for line in r.aiter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                chunk = json.loads(line[6:])
+                if "error" in chunk:
+                    return RequestResult(False, len(prompt), error=chunk["error"]["message"])
+                if chunk.get("choices") and first is None:
+                    first = time.perf_counter()
+                if chunk.get("usage"):
+                    tokens = chunk["usage"]["completion_tokens"]
+    except Exception as e:  # a failed request is counted, not fatal
+        return RequestResult(False, len(prompt), error=f"{type(e).__name__}: {e}")
+    return RequestResult(first is not None, len(prompt), tokens, (first or start) - start, time.perf_counter() - start)
+
+
+async def run_load(url: str, model: str, requests, *, concurrency: int, request_rate: float, seed: int):
+    """Send the requests; returns (results, seconds from the first send to the last answer)."""
+    import httpx
+
+    gate = asyncio.Semaphore(concurrency)
+    rng = random.Random(seed)
+    limits = httpx.Limits(max_connections=concurrency + 8, max_keepalive_connections=concurrency + 8)
+    async with httpx.AsyncClient(timeout=httpx.Timeout(None, connect=30), limits=limits) as client:
+        await _one(client, url, model, requests[0][0][:8], 4)  # warm-up
+
+        async def gated(prompt, n):
+            async with gate:
+                return await _one(client, url, model, prompt, n)
+
+        tasks, start = [], time.perf_counter()
+        for prompt, n in requests:
+            tasks.append(asyncio.create_task(gated(prompt, n)))
+            if request_rate != float("inf"):
+                await asyncio.sleep(rng.expovariate(request_rate))
+        results = await asyncio.gather(*tasks)
+    return results, time.perf_counter() - start
+
+
+def summarize(mode: str, concurrency: int, request_rate: float, results, seconds: float) -> Summary:
+    ok = [r for r in results if r.ok]
+    out = sum(r.output_len for r in ok)
+    tpot = [(r.latency - r.ttft) / (r.output_len - 1) for r in ok if r.output_len > 1]
+    ms = 1000.0
+    return Summary(mode, concurrency, request_rate, len(ok), len(results) - len(ok), seconds, len(ok) / seconds,
+                   out / seconds, (out + sum(r.prompt_len for r in ok)) / seconds,
+                   statistics.median([r.ttft for r in ok]) * ms if ok else float("nan"),
+                   _percentile([r.ttft for r in ok], 99) * ms,
+                   statistics.median(tpot) * ms if tpot else float("nan"), _percentile(tpot, 99) * ms)
+
+
+def _table(rows: list[Summary]) -> str:
+    head = (f"{'mode':<10} {'conc':>5} {'done':>5} {'fail':>4} {'req/s':>8} {'out tok/s':>10} "
+            f"{'TTFT med':>9} {'TTFT p99':>9} {'TPOT med':>9} {'TPOT p99':>9}  (ms)")
+    lines = [head]
+    for s in rows:
+        lines.append(f"{s.mode:<10} {s.concurrency:>5} {s.completed:>5} {s.failed:>4} {s.requests_per_s:>8.2f} "
+                     f"{s.output_tokens_per_s:>10.1f} {s.ttft_median_ms:>9.1f} {s.ttft_p99_ms:>9.1f} "
+                     f"{s.tpot_median_ms:>9.2f} {s.tpot_p99_ms:>9.2f}")
+    return "\n".join(lines)
+
+
+def _ints(text: str) -> list[int]:
+    try:
+        values = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        values = []
+    if not values or min(values) < 1:
+        raise click.BadParameter(f"expected positive integers separated by commas, got {text!r}")
+    return values
+
+
+@click.command("serve")
+@click.option("--url", default=None, help="Measure a running server instead of starting one per mode.")
+@click.option("--model", "model_dir", default=None, help="Checkpoint directory for the servers it starts "
+              "[default: the demo model].")
+@click.option("--preset", default=None, help="Start the servers on this preset's shape with random weights.")
+@click.option("--modes", default="kvbuffer,recurrent", show_default=True,
+              help="Modes to compare (each gets its own server); ignored with --url.")
+@click.option("--concurrency", "concurrency_list", default="1,64,256", show_default=True,
+              help="Most requests in flight; one run per value, comma-separated.")
+@click.option("--request-rate", default=float("inf"), type=click.FloatRange(min=0, min_open=True),
+              help="Requests per second (Poisson arrivals) [default: inf, all at once].")
+@click.option("--num-requests", default=None, type=click.IntRange(min=1),
+              help="Requests per run [default: 4 x the concurrency, at least 16].")
+@click.option("--input-len", default=256, show_default=True, type=click.IntRange(min=1))
+@click.option("--output-len", default=128, show_default=True, type=click.IntRange(min=1))
+@click.option("--range-ratio", default=0.0, show_default=True, type=click.FloatRange(0.0, 0.99),
+              help="Lengths uniform in [L(1-r), L(1+r)].")
+@click.option("--max-batch", default=None, type=click.IntRange(min=1),
+              help="The servers' --max-batch [default: the largest concurrency].")
+@click.option("--max-len", default=None, type=click.IntRange(min=2),
+              help="The servers' --max-len [default: longest prompt + output].")
+@click.option("--server-arg", "server_args", multiple=True,
+              help="More `kvbuffer serve` options for the servers it starts (repeat), e.g. --server-arg=--device=cuda.")
+@click.option("--seed", default=0, show_default=True, type=int)
+@click.option("--out", "out_path", default=None, type=click.Path(dir_okay=False, path_type=Path),
+              help="Write the results as JSON here.")
+def bench_serve(url, model_dir, preset, modes, concurrency_list, request_rate, num_requests, input_len, output_len,
+                range_ratio, max_batch, max_len, server_args, seed, out_path):
+    """Serving benchmark: throughput, TTFT and TPOT (median, p99) per mode and concurrency."""
+    from .launch import ServerProcess
+
+    levels = _ints(concurrency_list)
+    mode_list = [m.strip() for m in modes.split(",") if m.strip()]
+    bad = [m for m in mode_list if m not in ("kvbuffer", "recurrent")]
+    if bad or not mode_list:
+        raise click.BadParameter(f"modes must be kvbuffer and/or recurrent, got {modes!r}", param_hint="--modes")
+    if model_dir is not None and preset is not None:
+        raise click.UsageError("give --model or --preset, not both")
+    count = {c: num_requests or max(16, 4 * c) for c in levels}
+    loads = {c: workload(count[c], input_len, output_len, range_ratio, seed) for c in levels}
+    longest = max(len(p) + n for load in loads.values() for p, n in load)
+    rows = []
+    for mode in ([None] if url else mode_list):
+        server = None
+        if url is None:
+            args = ["--mode", mode, "--max-batch", str(max_batch or max(levels)), "--max-len", str(max_len or longest),
+                    "--max-waiting", str(max(count.values())), "--log-level", "warning", *server_args]
+            args += ["--preset", preset] if preset else (["--model", model_dir] if model_dir else [])
+            click.echo(f"starting kvbuffer serve {' '.join(args)}", err=True)
+            server = ServerProcess(*args)
+        target = url or server.url
+        try:
+            import httpx
+
+            model = httpx.get(target + "/v1/models", timeout=30).json()["data"][0]["id"]
+            for c in levels:
+                results, seconds = asyncio.run(run_load(target, model, loads[c], concurrency=c,
+                                                        request_rate=request_rate, seed=seed))
+                rows.append(summarize(mode or "(url)", c, request_rate, results, seconds))
+                failed = [r.error for r in results if not r.ok]
+                if failed:
+                    click.echo(f"{len(failed)} requests failed, first: {failed[0]}", err=True)
+                click.echo(_table(rows[-1:]).splitlines()[1], err=True)
+        finally:
+            if server is not None:
+                server.stop()
+    click.echo(_table(rows))
+    if out_path is not None:
+        out_path.write_text(json.dumps({"config": {"input_len": input_len, "output_len": output_len,
+                                                   "range_ratio": range_ratio, "request_rate": request_rate,
+                                                   "preset": preset, "model": model_dir, "url": url},
+                                        "results": [asdict(r) for r in rows]}, indent=2))

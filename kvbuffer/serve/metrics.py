@@ -1,0 +1,67 @@
+"""Prometheus metrics of one server (its own registry, so that several servers fit in a process)."""
+
+from __future__ import annotations
+
+import time
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+RATE_WINDOW_S = 10.0  # tokens/s is averaged over the steps of this many seconds
+
+
+class ServerMetrics:
+    def __init__(self):
+        r = self.registry = CollectorRegistry()
+        self.running = Gauge("kvbuffer_requests_running", "Requests decoding now", registry=r)
+        self.waiting = Gauge("kvbuffer_requests_waiting", "Requests waiting for a slot", registry=r)
+        self.request_slots = Gauge("kvbuffer_request_slots_used_ratio", "Request slots (buffer, conv, KV) in use",
+                                   registry=r)
+        self.state_slots = Gauge("kvbuffer_state_slots_used_ratio", "Recurrent state slots in use", registry=r)
+        self.buffer_fill = Gauge("kvbuffer_buffer_entries_used_ratio",
+                                 "Buffer entries in use over all request slots (mode kvbuffer)", registry=r)
+        self.tokens_per_second = Gauge("kvbuffer_generation_tokens_per_second",
+                                       f"Tokens generated per second over the last {RATE_WINDOW_S:g} s", registry=r)
+        self.acceptance = Gauge("kvbuffer_spec_acceptance_rate", "Speculative drafts accepted / proposed", registry=r)
+        self.prompt_tokens = Counter("kvbuffer_prompt_tokens", "Prompt tokens admitted", registry=r)
+        self.generated = Counter("kvbuffer_generation_tokens", "Tokens generated", registry=r)
+        self.finished = Counter("kvbuffer_requests_finished", "Requests finished", ["finish_reason"], registry=r)
+        self.rejected = Counter("kvbuffer_requests_rejected", "Requests answered with an error",
+                                ["status"], registry=r)
+        self.ttft = Histogram("kvbuffer_time_to_first_token_seconds", "Arrival to first token",
+                              buckets=LATENCY_BUCKETS, registry=r)
+        self.tpot = Histogram("kvbuffer_time_per_output_token_seconds", "Mean time per token after the first",
+                              buckets=LATENCY_BUCKETS, registry=r)
+        self._window: list[tuple[float, int]] = []
+
+    def on_step(self, llm, outs, seconds: float) -> None:
+        """Called by the engine thread after each step."""
+        now, tokens = time.monotonic(), sum(len(o.token_ids) for o in outs)
+        self.generated.inc(tokens)
+        for o in outs:
+            if o.finish_reason is not None:
+                self.finished.labels(o.finish_reason).inc()
+        self._window = [(t, n) for t, n in self._window if now - t < RATE_WINDOW_S] + [(now, tokens)]
+        span = max(now - self._window[0][0], seconds, 1e-9)
+        self.tokens_per_second.set(sum(n for _, n in self._window) / span)
+        sched, caches = llm.scheduler, llm.runner.caches
+        self.running.set(len(sched.running))
+        self.waiting.set(len(sched.waiting))
+        spec = llm.runner.spec
+        self.request_slots.set(1 - caches.requests.num_free / spec.max_requests)
+        if caches.states is not None:
+            self.state_slots.set(1 - caches.states.slots.num_free / spec.max_states)
+        if caches.buffers is not None:
+            used = sum(caches.buffers.length(r.slot) for r in sched.running if r.slot >= 0)
+            self.buffer_fill.set(used / (spec.max_requests * spec.chunk_size))
+        if llm.speculative is not None:
+            self.acceptance.set(llm.acceptance["acceptance_rate"])
+
+    def on_request_done(self, arrival: float, first: float | None, last: float | None, tokens: int) -> None:
+        if first is not None:
+            self.ttft.observe(first - arrival)
+        if first is not None and tokens > 1:
+            self.tpot.observe((last - first) / (tokens - 1))
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
