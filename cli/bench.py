@@ -160,3 +160,25 @@ def spec(preset, modes, prompt_len, new_tokens, chunk_size, kernels, cuda_graphs
                 chunk_size=chunk_size, settings=tuple(settings), batches=_ints(batches), alphas=_floats(alphas),
                 drafts=draft_tokens, budget_bytes=int(memory_budget * 2**30), max_requests=max_requests,
                 profile_batch=profile_batch)
+
+
+@bench.command("transformers", add_help_option=False,
+               context_settings={"ignore_unknown_options": True, "allow_extra_args": True})
+@click.argument("args", nargs=-1, type=click.UNPROCESSED)
+def transformers_bench(args):
+    """model.generate tokens/s of a Qwen3.5-9B-shaped transformers model, stock vs kvbuffer-enabled
+    (options: kvbuffer bench transformers --help)."""
+    from kvbuffer.integrations.benchmark import main
+
+    if "--help" not in args and "-h" not in args:
+        need_cuda()
+    main(list(args))
+
+
+def _serve_command():
+    from kvbuffer.serve.benchmark import bench_serve
+
+    bench.add_command(bench_serve, "serve")
+
+
+_serve_command()
