@@ -36,6 +36,15 @@ def quiet_tilelang() -> Iterator[None]:
             os.environ[PRINT_ON_COMPILATION] = printing
 
 
+def _terminal_width(stream) -> int:
+    """Columns of the terminal `stream` writes to; 0 when it is none (a file, a pipe) or reports no
+    size (some pseudo-terminals), where a live bar would render as nothing."""
+    try:
+        return os.get_terminal_size(stream.fileno()).columns if stream.isatty() else 0
+    except (OSError, ValueError, AttributeError):
+        return 0
+
+
 class KernelProgress:
     """Progress over `total` kernel builds; `start(label)` before each, `done(result)` after."""
 
@@ -44,7 +53,7 @@ class KernelProgress:
         self.stream = stream or sys.stderr
         self.label = ""
         self._bar = None
-        if self.stream.isatty() if live is None else live:
+        if _terminal_width(self.stream) > 0 if live is None else live:
             from tqdm import tqdm
 
             self._bar = tqdm(total=total, file=self.stream, unit="kernel", dynamic_ncols=True,

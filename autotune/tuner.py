@@ -82,8 +82,9 @@ def _key(req: TuneRequest, tpl: Template, chunk: int, tunables: Mapping, drafts:
 
 
 def _publish(cache: ArtifactCache, key: ArtifactKey, kernel, status: str, info: Mapping) -> str:
-    return cache.put(key, lambda path: kernel.export_library(str(path)), function=function_name(kernel),
-                     status=status, info=info)
+    with quiet_tilelang():  # export_library logs an INFO line per kernel
+        return cache.put(key, lambda path: kernel.export_library(str(path)), function=function_name(kernel),
+                         status=status, info=info)
 
 
 # ----------------------------------------------------------------------------------------------
