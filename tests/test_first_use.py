@@ -5,6 +5,9 @@ them. The real build runs in tests/gpu/test_first_use.py."""
 
 import importlib.util
 import io
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -125,3 +128,38 @@ def test_nvcc_is_found_where_tilelang_looks(monkeypatch, tmp_path):
     monkeypatch.setattr(autobuild.importlib.metadata, "files", lambda dist: [])
     problem = autobuild.nvcc_problem()
     assert "CUDA_HOME" in problem and "PATH" in problem and "\n" not in problem
+
+
+LOAD_WITHOUT_TILELANG = """
+import sys
+sys.modules["tilelang"] = None
+import torch, kvbuffer
+from kvbuffer import gpus
+gpus.detect_local_gpu = lambda device=0: gpus.get_gpu("h200")
+from kvbuffer.kernels import launch, lookup
+from kvbuffer.runtime import backend
+spec = kvbuffer.LLM(kvbuffer.demo_checkpoint(), device="cpu", max_batch=1, max_len=32).runner.spec
+chosen, why = backend.resolve_backend("auto", torch.device("cuda"), spec, torch.float32, "kvbuffer")
+D, W = spec.conv_dim, spec.conv_width
+x, pool, w = torch.zeros(1, 1, D), torch.zeros(1, D, W), torch.zeros(D, W)  # the pool spans W - 1 + 1 tokens
+lookup.kernel_for(launch.conv_update_key("advance", x, pool, w, None, True), 1)
+print(chosen.name, len(lookup.loaded_keys()))
+"""
+
+
+@pytest.mark.tilelang
+@pytest.mark.skipif(importlib.util.find_spec("tilelang") is None or autobuild.nvcc_path() is None,
+                    reason="needs TileLang and nvcc to compile")
+def test_real_build_for_an_absent_gpu_loads_in_a_process_without_tilelang(demo, monkeypatch, tmp_path):
+    """The real build (TileLang compiles for sm_90a on this CPU) of what the fp32 demo launches on an
+    H200; then a process with TileLang blocked picks the kernels for it and finds its conv's."""
+    monkeypatch.setenv("KVBUFFER_CACHE_DIR", str(tmp_path))
+    key = backend.decode_step_key(demo[0], demo[1])
+    gpu = gpus.get_gpu("h200")
+    out = io.StringIO()
+    autobuild.build(key, "float32", gpu, autobuild.tune_command(key, gpu.name), stream=out)
+    assert out.getvalue().count("\n") == 9 and "[8/8] conv1d_prefill: built" in out.getvalue()
+    res = subprocess.run([sys.executable, "-c", LOAD_WITHOUT_TILELANG], capture_output=True, text=True,
+                         env=dict(os.environ, KVBUFFER_CACHE_DIR=str(tmp_path)))
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert res.stdout.split() == ["kernels", "5"]  # prefill chunks 8, 4, 2, the decode step, the conv step
