@@ -25,9 +25,11 @@ from kvbuffer.tuning import TUNING_FORMAT, ChunkPolicy, tuning_name
 
 from .cache import ArtifactCache, build_versions
 from .policy import POLICY_KERNELS, Winner
+from .progress import quiet_tilelang
 from .registry import Template
 
 CHECK_BATCH = 7                      # an awkward batch for the correctness gate
+BATCH_BUCKETS = (1, 16, 64, 256, 1024)  # what `kvbuffer tune` tunes for unless told otherwise
 
 
 @dataclass(frozen=True)
@@ -65,6 +67,11 @@ def plan(templates: Sequence[Template], chunk_sizes: Iterable[int],
     return out
 
 
+def label(tpl: Template, chunk: int, drafts: int) -> str:
+    """How a progress line names one build: 'gdn_buffered_step C=16 drafts=4'."""
+    return tpl.name + (f" C={chunk}" if chunk else "") + (f" drafts={drafts}" if drafts else "")
+
+
 def function_name(kernel) -> str:
     return str(kernel.prim_func.attrs["global_symbol"])
 
@@ -75,8 +82,9 @@ def _key(req: TuneRequest, tpl: Template, chunk: int, tunables: Mapping, drafts:
 
 
 def _publish(cache: ArtifactCache, key: ArtifactKey, kernel, status: str, info: Mapping) -> str:
-    return cache.put(key, lambda path: kernel.export_library(str(path)), function=function_name(kernel),
-                     status=status, info=info)
+    with quiet_tilelang():  # export_library logs an INFO line per kernel
+        return cache.put(key, lambda path: kernel.export_library(str(path)), function=function_name(kernel),
+                         status=status, info=info)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -84,16 +92,20 @@ def _publish(cache: ArtifactCache, key: ArtifactKey, kernel, status: str, info: 
 
 
 def build_untuned(cache: ArtifactCache, req: TuneRequest, templates: Sequence[Template],
-                  progress: Callable[[BuildResult], None] = lambda r: None) -> tuple[list[BuildResult], str]:
-    """Compile every template with its defaults for req.gpu's arch; returns (results, tuning name)."""
+                  progress: Callable[[BuildResult], None] = lambda r: None,
+                  on_start: Callable[[str], None] = lambda label: None) -> tuple[list[BuildResult], str]:
+    """Compile every template with its defaults for req.gpu's arch; returns (results, tuning name).
+    `on_start` gets each build's label before it compiles, `progress` its result after."""
     results = []
     for tpl, chunk, drafts in plan(templates, req.chunk_sizes, req.draft_tokens):
+        on_start(label(tpl, chunk, drafts))
         defaults = tpl.defaults_for(req.shape)
         key = _key(req, tpl, chunk, defaults, drafts)
         t0 = time.perf_counter()
         reused = cache.has(key)
         if not reused:
-            kernel = tpl.compile(req.shape, chunk, drafts, target=req.gpu.target, **defaults)
+            with quiet_tilelang():
+                kernel = tpl.compile(req.shape, chunk, drafts, target=req.gpu.target, **defaults)
             _publish(cache, key, kernel, "untuned", {"compile_s": round(time.perf_counter() - t0, 2)})
         res = BuildResult(tpl.name, chunk, defaults, key.name, cache.status(key.name),
                           time.perf_counter() - t0, reused, drafts=drafts)
@@ -161,18 +173,22 @@ def rotation(args: list, l2_bytes: float, limit: int = 16) -> int:
 
 def measure(cache: ArtifactCache, req: TuneRequest, templates: Sequence[Template], *, device="cuda",
             timer: Callable = cuda_median_seconds, progress: Callable[[BuildResult], None] = lambda r: None,
+            on_start: Callable[[str], None] = lambda label: None,
             configs_limit: int | None = None) -> tuple[list[BuildResult], str]:
-    """The measuring path; one BuildResult per (kernel, chunk size, bucket); progress once per build."""
+    """The measuring path; one BuildResult per (kernel, chunk size, bucket); on_start and progress
+    once per build."""
     import torch
 
     results, winners, timings = [], [], {}
     for tpl, chunk, drafts in plan(templates, req.chunk_sizes, req.draft_tokens):
+        on_start(label(tpl, chunk, drafts))
         size = chunk or max(req.chunk_sizes)
         candidates, rejected = [], []
         for tunables in tpl.configs()[:configs_limit]:
             t0 = time.perf_counter()
             try:
-                kernel = tpl.compile(req.shape, chunk, drafts, target=req.gpu.target, **tunables)
+                with quiet_tilelang():
+                    kernel = tpl.compile(req.shape, chunk, drafts, target=req.gpu.target, **tunables)
             except Exception as e:  # a config the compiler rejects is a tuning outcome, not a failure
                 rejected.append((tunables, f"compile: {type(e).__name__}: {str(e)[:200]}"))
                 continue

@@ -10,7 +10,6 @@ from __future__ import annotations
 import importlib.metadata
 import os
 import platform
-import shutil
 
 import click
 
@@ -60,13 +59,15 @@ def env():
     """Show the GPU, CUDA toolkit and library versions that kvbuffer sees."""
     import torch
 
+    from kvbuffer.kernels.autobuild import nvcc_path, nvcc_problem
+
     rows = [
         ("python", platform.python_version()),
         ("kvbuffer", _version("kvbuffer")),
         ("torch", torch.__version__),
         ("tilelang (compile side)", _version("tilelang")),
         ("apache-tvm-ffi (runtime ABI)", _version("apache-tvm-ffi")),
-        ("nvcc", shutil.which("nvcc") or "not found"),
+        ("nvcc (compile side)", nvcc_path() or f"not found: {nvcc_problem()}"),
     ]
     if torch.cuda.is_available():
         props = torch.cuda.get_device_properties(0)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import sys
+
 import click
 
 DEFAULT_CHUNKS = "8,16,32"
@@ -24,8 +26,10 @@ def _table(rows: list[tuple]) -> None:
         click.echo("  ".join(str(c).ljust(w) for c, w in zip(row, widths)).rstrip())
 
 
-def _resolve_shapes(model, heads, family, dtype) -> tuple[dict, dict]:
-    """(linear-layer head shape, its short conv's shape); dtype None: a checkpoint's own, else bfloat16."""
+def _resolve_shapes(model, heads, family, dtype, conv: bool) -> list[dict]:
+    """The head shapes to build, each once: a model's or --heads' linear-layer shape and (with
+    `conv`) its short conv's; neither given: every bundled preset's. dtype None: a checkpoint's own,
+    else bfloat16."""
     from pathlib import Path
 
     from ..autotune import models
@@ -33,18 +37,20 @@ def _resolve_shapes(model, heads, family, dtype) -> tuple[dict, dict]:
     if model and heads:
         raise click.UsageError("give --model or --heads, not both")
     try:
-        if heads:
-            shape = models.parse_heads(heads, family, dtype or models.DEFAULT_DTYPE)
-            return shape, models.conv_shape(shape)
-        if model is None:
-            raise click.UsageError("name a head shape: --model PRESET|CHECKPOINT_DIR or --heads Hk,Hv,K,V")
-        if model.lower() not in models.PRESETS and Path(model).exists():
+        if model is not None and model.lower() not in models.PRESETS and Path(model).exists():
             shape = models.checkpoint_shape(model, dtype)
-            return shape, models.checkpoint_conv_shape(model, shape)
-        shape = models.preset_shape(model, dtype or models.DEFAULT_DTYPE)  # unknown: lists the presets
-        return shape, models.conv_shape(shape)
+            pairs = [(shape, models.checkpoint_conv_shape(model, shape))]
+        else:
+            if heads:
+                linear = [models.parse_heads(heads, family, dtype or models.DEFAULT_DTYPE)]
+            else:  # unknown preset: preset_shape lists them
+                names = [model] if model else list(models.PRESETS)
+                linear = [models.preset_shape(name, dtype or models.DEFAULT_DTYPE) for name in names]
+            pairs = [(shape, models.conv_shape(shape)) for shape in linear]
     except (ValueError, KeyError, OSError) as e:
         raise click.BadParameter(str(e), param_hint="--model/--heads") from None
+    shapes = [linear for linear, _ in pairs] + ([c for _, c in pairs] if conv else [])
+    return list({tuple(sorted(s.items())): s for s in shapes}.values())
 
 
 def _drafts(text: str) -> tuple[int, ...]:
@@ -105,7 +111,8 @@ def _templates(shapes: list[dict], kernels: str | None) -> list[tuple[dict, list
 @click.command()
 @click.option("--gpu", help="GPU to build for (see --list-gpus); default: the local GPU.")
 @click.option("--list-gpus", is_flag=True, help="List the GPUs kvbuffer can build for, and exit.")
-@click.option("--model", help="Model preset (qwen3.5-9b, ..., nemotron-3-super) or a checkpoint directory.")
+@click.option("--model", help="Model preset (qwen3.5-9b, ..., nemotron-3-super) or a checkpoint directory "
+              "[default: every preset, each distinct head shape once].")
 @click.option("--heads", help="Explicit head shape Hk,Hv,K,V (instead of --model).")
 @click.option("--family", type=click.Choice(["gdn", "mamba2"]), default="gdn", show_default=True,
               help="Layer family for --heads.")
@@ -130,7 +137,8 @@ def tune(gpu, list_gpus, model, heads, family, dtype, chunk_sizes, batch_buckets
     Without the named GPU, each kernel is compiled for its arch with default tunables and recorded
     as untuned. With it, every config is checked against the reference, timed per batch bucket,
     and the winners and a chunk-size policy are recorded as tuned. The linear layers' kernels and
-    the short conv's get one tuning record each.
+    the short conv's get one tuning record each. With neither --model nor --heads, every bundled
+    preset's head shapes are built.
     """
     from ..gpus import catalogue_table
 
@@ -138,19 +146,27 @@ def tune(gpu, list_gpus, model, heads, family, dtype, chunk_sizes, batch_buckets
         _table(catalogue_table())
         return
     from ..autotune.cache import ArtifactCache
+    from ..kernels.autobuild import nvcc_problem
 
-    shape, conv_shape = _resolve_shapes(model, heads, family, dtype)
+    shapes = _resolve_shapes(model, heads, family, dtype, conv)
     target, present = _resolve_gpu(gpu)
     chunks, buckets = _ints(chunk_sizes, "--chunk-sizes"), _ints(batch_buckets, "--batch-buckets")
     drafts = _drafts(draft_tokens)
+    found = _templates(shapes, kernels)
+    problem = nvcc_problem()
+    if problem:
+        raise click.ClickException(problem)
     cache = ArtifactCache(cache_dir)
-    for one_shape, tpls in _templates([shape, conv_shape] if conv else [shape], kernels):
-        _tune_shape(cache, target, present and not build_only, one_shape, tpls, chunks, buckets, drafts, max_configs)
+    for i, (one_shape, tpls) in enumerate(found):
+        step = f"[{i + 1}/{len(found)}] " if len(found) > 1 else ""
+        _tune_shape(cache, target, present and not build_only, one_shape, tpls, chunks, buckets, drafts, max_configs,
+                    step)
 
 
-def _tune_shape(cache, target, measuring, shape, tpls, chunks, buckets, drafts, max_configs) -> None:
-    """Build (or measure) one shape's templates, print the summary and its tuning record."""
+def _tune_shape(cache, target, measuring, shape, tpls, chunks, buckets, drafts, max_configs, step="") -> None:
+    """Build (or measure) one shape's templates, print its results table and its tuning record."""
     from ..autotune import tuner
+    from ..autotune.progress import KernelProgress
 
     req = tuner.TuneRequest(target, shape, chunks, buckets, drafts)
     items = tuner.plan(tpls, req.chunk_sizes, req.draft_tokens)
@@ -159,20 +175,18 @@ def _tune_shape(cache, target, measuring, shape, tpls, chunks, buckets, drafts, 
                                "--draft-tokens T, a T-token prefill chunk a chunk size >= T")
     layouts = ("" if shape["family"] == "conv1d" else f", C in {list(req.chunk_sizes)}") \
         + (f", drafts {list(drafts[1:])}" if len(drafts) > 1 else "")
-    click.echo(f"{'tuning' if measuring else 'building (untuned)'} {len(items)} kernel(s) for {target.name} "
+    click.echo(f"{step}{'tuning' if measuring else 'building (untuned)'} {len(items)} kernel(s) for {target.name} "
                f"({target.arch}), {_shape_text(shape)}{layouts}, cache {cache.root}")
-    with click.progressbar(length=len(items), label="compiling", show_pos=True) as bar:
-        step = lambda r: bar.update(1)  # noqa: E731
+    with KernelProgress(len(items), sys.stdout) as bar:
         if measuring:
-            results, record = tuner.measure(cache, req, tpls, progress=step, configs_limit=max_configs)
+            results, record = tuner.measure(cache, req, tpls, progress=bar.done, on_start=bar.start,
+                                            configs_limit=max_configs)
         else:
-            results, record = tuner.build_untuned(cache, req, tpls, progress=step)
-    _summary(results, measuring)
+            results, record = tuner.build_untuned(cache, req, tpls, progress=bar.done, on_start=bar.start)
+    tuning = cache.tuning(record)
+    _table(results_table(results, shape, target.mem_bandwidth_gbs, measuring))
     from ..tuning import ChunkPolicy
 
-    tuning = cache.tuning(record)
-    if measuring:
-        _table(winners_table(tuning, target.mem_bandwidth_gbs))
     for note in cache.notes:
         click.echo(f"note: {note}")
     measured = sum(w["median_us"] is not None for w in tuning["winners"])
@@ -212,28 +226,25 @@ def traffic_bytes(kernel: str, shape: dict, C: int, B: int) -> float | None:
     return B * (2.0 * state + entry * C)
 
 
-def winners_table(tuning: dict, peak_gbs: float) -> list[tuple]:
-    """Per kernel, chunk size and batch bucket: the chosen config, its time and achieved bandwidth."""
-    rows = [("kernel", "C", "drafts", "batch", "tunables", "median us", "GB/s", "of peak")]
-    order = lambda w: (w["kernel"], w["chunk_size"], w.get("drafts", 0), w["batch_bucket"])  # noqa: E731
-    for w in sorted(tuning["winners"], key=order):
-        nbytes = traffic_bytes(w["kernel"], tuning["shape"], w["chunk_size"] or 1, w["batch_bucket"])
-        gbs = None if nbytes is None else nbytes / w["median_us"] / 1e3
-        tun = " ".join(f"{k}={v}" for k, v in sorted(w["tunables"].items()))
-        rows.append((w["kernel"], w["chunk_size"] or "-", w.get("drafts", 0), w["batch_bucket"], tun,
-                     f"{w['median_us']:.1f}", "-" if gbs is None else f"{gbs:.0f}",
-                     "-" if gbs is None else f"{gbs / peak_gbs:.0%}"))
-    return rows
-
-
-def _summary(results, measured: bool) -> None:
-    rows = [("kernel", "C", "drafts", "tunables", "status", "build", "seconds", "artifact")]
-    shown = set()
+def results_table(results, shape: dict, peak_gbs: float, measured: bool) -> list[tuple]:
+    """One row per artifact (header first). Measured: the batch buckets it won, with its median
+    time and achieved bandwidth at each (a measured artifact has one result per bucket it won)."""
+    header = ("kernel", "C", "drafts", "tunables", "status", "build", "seconds")
+    rows = [header + (("won at B", "median us", "GB/s", "of peak") if measured else ()) + ("artifact",)]
+    by_artifact: dict = {}
     for r in results:
-        if r.artifact in shown:  # the measured path reports a kernel once per batch bucket it won
-            continue
-        shown.add(r.artifact)
+        by_artifact.setdefault(r.artifact, []).append(r)
+    for name, same in by_artifact.items():
+        r = same[0]
         how = "cached" if r.reused else ("measured" if measured else "compiled")
         tun = " ".join(f"{k}={v}" for k, v in sorted(r.tunables.items()))
-        rows.append((r.kernel, r.chunk_size or "-", r.drafts, tun, r.status, how, f"{r.seconds:.1f}", r.artifact))
-    _table(rows)
+        row = (r.kernel, r.chunk_size or "-", r.drafts, tun, r.status, how, f"{r.seconds:.1f}")
+        if measured:
+            us = {b: t for x in same for b, t in x.median_us.items()}
+            gbs = {b: None if (n := traffic_bytes(r.kernel, shape, r.chunk_size or 1, b)) is None else n / t / 1e3
+                   for b, t in us.items()}
+            row += ("/".join(str(b) for b in sorted(us)), "/".join(f"{us[b]:.1f}" for b in sorted(us)),
+                    "/".join("-" if gbs[b] is None else f"{gbs[b]:.0f}" for b in sorted(us)),
+                    "/".join("-" if gbs[b] is None else f"{gbs[b] / peak_gbs:.0%}" for b in sorted(us)))
+        rows.append(row + (name,))
+    return rows

@@ -49,11 +49,10 @@ def test_list_gpus():
     (["--gpu", "h200", "--model", "qwen3.5-9b", "--chunk-sizes", "8,x"], "comma-separated integers"),
     (["--gpu", "h200", "--model", "qwen3.5-9b", "--kernels", "gdn_nope"], "unknown kernel"),
     (["--gpu", "h200", "--model", "nemotron-3-nano", "--kernels", "gdn_flush"], "mamba2"),
-    (["--gpu", "h200"], "--model PRESET|CHECKPOINT_DIR or --heads"),
     (["--gpu", "h200", "--model", "qwen3.5-9b", "--draft-tokens", "4,17"], "[1, 16]"),
     (["--gpu", "h200", "--model", "qwen3.5-9b", "--draft-tokens", "0"], "positive integers"),
 ], ids=["unknown-gpu", "model-and-heads", "preset", "heads-format", "heads-ratio", "chunks", "kernel", "mamba2",
-        "no-shape", "too-many-drafts", "zero-drafts"])
+        "too-many-drafts", "zero-drafts"])
 def test_bad_options_are_named(args, message, tmp_path):
     result = run("tune", *args, "--cache-dir", str(tmp_path))
     assert result.exit_code != 0
@@ -184,10 +183,19 @@ print(art.meta["function"], c, art.meta["key"]["arch"])
 def test_build_for_absent_gpu_then_load_without_tilelang(tmp_path):
     if torch.cuda.is_available():
         pytest.skip("this test builds for a GPU that is not present")
+    import logging
+
     args = ["tune", "--gpu", "h100", "--model", "qwen3.5-9b", "--kernels", "gdn_flush", "--chunk-sizes", "8",
             "--batch-buckets", "1,64", "--cache-dir", str(tmp_path)]
-    result = run(*args)
+    tilelang_log = logging.getLogger("tilelang")
+    level = tilelang_log.level
+    tilelang_log.setLevel(logging.INFO)  # what a user with TileLang's INFO lines on sees: none of them
+    try:
+        result = run(*args)
+    finally:
+        tilelang_log.setLevel(level)
     assert result.exit_code == 0, result.output
+    assert "INFO" not in result.output and "[1/1] gdn_flush C=8: built" in result.output
     assert "building (untuned) 1 kernel(s) for h100 (sm_90a)" in result.output
     assert "untuned" in result.output and "B<=64: C=8" in result.output
 
@@ -209,3 +217,84 @@ def test_build_for_absent_gpu_then_load_without_tilelang(tmp_path):
     cleared = run("cache", "clear", "--yes", "--cache-dir", str(tmp_path))
     assert "removed 2 entries" in cleared.output
     assert "empty" in run("cache", "ls", "--cache-dir", str(tmp_path)).output
+
+
+# ----------------------------------------------------------------------------------------------
+# what a user sees: every preset, progress, one row per artifact, a missing nvcc
+
+
+def test_tune_without_a_model_builds_every_preset_shape_once(monkeypatch, tmp_path):
+    from kvbuffer.autotune import models, registry
+
+    monkeypatch.setattr(registry, "templates", lambda family=None: [fake_template(f"{family}_toy")])
+    result = run("tune", "--gpu", "h100", "--chunk-sizes", "8", "--cache-dir", str(tmp_path))
+    assert result.exit_code == 0, result.output
+    linear = {tuple(sorted(preset_shape(name).items())) for name in models.PRESETS}
+    convs = {tuple(sorted(models.conv_shape(dict(s)).items())) for s in linear}
+    headers = [line for line in result.output.splitlines() if "building (untuned)" in line]
+    n = len(linear) + len(convs)
+    assert len(headers) == n == 10  # qwen3.5-9b, -35b-a3b and qwen3-next-80b share one head shape
+    assert [h.split("]")[0] for h in headers] == [f"[{i}/{n}" for i in range(1, n + 1)]
+    assert sum("1/1] gdn_toy C=8: built" in line for line in result.output.splitlines()) == 3
+    rows = [line.split()[-1] for line in result.output.splitlines() if line.startswith(("gdn_toy", "mamba2_toy",
+                                                                                         "conv1d_toy"))]
+    assert len(rows) == len(set(rows)) == n
+    assert len(ArtifactCache(tmp_path).manifest()["tunings"]) == n
+    assert "INFO" not in result.output
+
+
+def test_measured_results_list_each_artifact_once():
+    from kvbuffer.cli.tune import results_table
+
+    shape = preset_shape("qwen3.5-9b")
+    won = [tuner.BuildResult("gdn_buffered_step", 16, {"BV": 32}, "art_a", "tuned", 2.0, False, {b: 10.0 * b})
+           for b in (1, 16)] + [tuner.BuildResult("gdn_buffered_step", 16, {"BV": 64}, "art_b", "tuned", 2.0, False,
+                                                  {64: 300.0})]
+    header, *rows = results_table(won, shape, 4800, measured=True)
+    assert [r[-1] for r in rows] == ["art_a", "art_b"]
+    assert rows[0][header.index("won at B")] == "1/16" and rows[0][header.index("median us")] == "10.0/160.0"
+    assert rows[1][header.index("GB/s")] != "-"
+
+
+def test_cli_bucket_default_is_the_tuners():
+    from kvbuffer.cli.tune import DEFAULT_BUCKETS
+
+    assert tuple(int(b) for b in DEFAULT_BUCKETS.split(",")) == tuner.BATCH_BUCKETS
+
+
+def test_without_nvcc_tune_and_env_say_how_to_point_at_it(monkeypatch, tmp_path):
+    monkeypatch.setenv("CUDA_HOME", str(tmp_path))  # no bin/nvcc there
+    result = run("tune", "--gpu", "h100", "--model", "qwen3.5-9b", "--cache-dir", str(tmp_path / "cache"))
+    assert result.exit_code == 1
+    assert result.output.count("\n") == 1 and "CUDA_HOME" in result.output and "nvcc" in result.output
+    assert not (tmp_path / "cache").exists()
+    env = run("env")
+    assert env.exit_code == 0 and any(line.startswith("nvcc") and "not found" in line and "CUDA_HOME" in line
+                                      for line in env.output.splitlines())
+
+
+def test_quiet_tilelang_hides_info_and_restores():
+    import logging
+    import os
+
+    from kvbuffer.autotune.progress import PRINT_ON_COMPILATION, quiet_tilelang
+
+    logger = logging.getLogger("tilelang")
+    before = logger.level, os.environ.get(PRINT_ON_COMPILATION)
+    with quiet_tilelang():
+        assert not logger.isEnabledFor(logging.INFO) and logger.isEnabledFor(logging.WARNING)
+        assert os.environ[PRINT_ON_COMPILATION] == "0"
+    assert (logger.level, os.environ.get(PRINT_ON_COMPILATION)) == before
+
+
+def test_live_progress_bar_names_the_kernel_and_count():
+    import io
+
+    from kvbuffer.autotune.progress import KernelProgress
+
+    out = io.StringIO()
+    with KernelProgress(2, out, live=True) as bar:
+        bar.start("gdn_flush C=8")
+        bar.done()
+    text = out.getvalue()
+    assert "gdn_flush C=8" in text and "1/2" in text

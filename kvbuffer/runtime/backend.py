@@ -22,7 +22,7 @@ from typing import NamedTuple, Union
 import torch
 
 from ..errors import ArtifactError
-from ..kernels import launch, lookup
+from ..kernels import autobuild, launch, lookup
 from ..kernels.keys import DTYPE_NAMES, GDNDims, KernelKey, Mamba2Dims, PREFILL_CHUNKS, prefill_plan
 from ..reference import conv as ref_conv
 from ..reference import core as ref_core
@@ -198,18 +198,27 @@ Backend = Union[ReferenceBackend, KernelBackend]
 
 def needed_kernels(spec, dtype: torch.dtype, mode: str) -> list[KernelKey]:
     """The linear kernels an engine with these caches launches (for probing the artifact cache)."""
-    s = spec.linear_shape
-    family = "gdn" if s.delta_rule else "mamba2"
-    dims = (GDNDims if family == "gdn" else Mamba2Dims)(s.num_k_heads, s.num_v_heads, s.head_k_dim, s.head_v_dim)
-    name = DTYPE_NAMES[kernel_dtype(dtype)]
+    step = decode_step_key(spec, dtype)
+    family, dims, name = step.family, step.dims, step.in_dtype
     if mode == "recurrent":
         return [KernelKey(family, "recurrent", dims, name)]
-    cap, C = spec.chunk_size + spec.max_drafts, spec.chunk_size
+    cap, C = step.cap, step.C
     keys = [KernelKey(family, "buffered", dims, name, name, cap=cap, T=T, C=C) for T in (*PREFILL_CHUNKS, 1) if T <= C]
     if spec.max_drafts > 1:  # speculative verify, and the flush of buffers that accepted drafts past C
         keys.append(KernelKey(family, "buffered", dims, name, name, cap=cap, T=spec.max_drafts, C=0))
         keys.append(KernelKey(family, "flush", dims, "", name, cap=cap))
     return keys
+
+
+def decode_step_key(spec, dtype: torch.dtype) -> KernelKey:
+    """The decode step's kernel: its head shape, dtype and buffer layout (C + max_drafts entries)
+    name everything `kvbuffer tune` builds for this engine."""
+    s = spec.linear_shape
+    family = "gdn" if s.delta_rule else "mamba2"
+    dims = (GDNDims if family == "gdn" else Mamba2Dims)(s.num_k_heads, s.num_v_heads, s.head_k_dim, s.head_v_dim)
+    name = DTYPE_NAMES[kernel_dtype(dtype)]
+    return KernelKey(family, "buffered", dims, name, name, cap=spec.chunk_size + spec.max_drafts, T=1,
+                     C=spec.chunk_size)
 
 
 def kernels_supported(spec) -> str | None:
@@ -226,7 +235,9 @@ def resolve_backend(kernels, device: torch.device, spec, dtype: torch.dtype, mod
     """LLM(kernels=True | False | "auto") -> (the Backend, why it was chosen).
 
     "auto": the kernels on CUDA when the head dims suit them and every kernel the engine needs loads
-    from the artifact cache, or may be compiled (kvbuffer.ops.allow_jit / KVBUFFER_JIT=1). Logged.
+    from the artifact cache, or may be compiled (kvbuffer.ops.allow_jit / KVBUFFER_JIT=1). Missing
+    kernels are built into the artifact cache first where TileLang is installed
+    (kvbuffer.kernels.autobuild); True raises if they can be neither loaded nor built. Logged.
     """
     if kernels not in (True, False, "auto"):
         raise ValueError(f"kernels must be True, False or 'auto', got {kernels!r}")
@@ -237,8 +248,10 @@ def resolve_backend(kernels, device: torch.device, spec, dtype: torch.dtype, mod
     if kernels == "auto" and device.type != "cuda":
         return REFERENCE, f"the device is {device.type}"
     why = "the device is not CUDA" if device.type != "cuda" else kernels_supported(spec)
-    if why is None and kernels == "auto" and not lookup.jit_allowed():
-        why = _missing_artifact(spec, dtype, mode)
+    if why is None and not lookup.jit_allowed() and _missing_artifact(spec, dtype, mode):
+        step = decode_step_key(spec, dtype)
+        unbuilt = autobuild.ensure_kernels(step, DTYPE_NAMES.get(dtype, step.in_dtype))
+        why = unbuilt or _missing_artifact(spec, dtype, mode)
     if why is None:
         log.info("kvbuffer: linear layers run on the compiled kernels")
         return KernelBackend(), "compiled kernels"
@@ -253,5 +266,5 @@ def _missing_artifact(spec, dtype, mode) -> str | None:
         try:
             lookup.kernel_for(key, 1)
         except ArtifactError as e:
-            return f"no compiled kernel and no JIT: {str(e).splitlines()[0]}"
+            return f"no compiled kernel: {str(e).splitlines()[0]}"
     return None

@@ -1,0 +1,130 @@
+"""First use on a GPU: build the model's missing kernels once into the artifact cache.
+
+Without this, an engine on a GPU with no artifacts ran on the slow reference ops (or, with
+KVBUFFER_JIT=1, compiled inside every run). `resolve_backend` calls `ensure_kernels` when the
+kernels an engine launches are not in the artifact cache and JIT is off:
+
+- TileLang installed (found with importlib.util.find_spec; imported only when a build runs) and
+  nvcc found: compile, for the local GPU, what `kvbuffer tune --build-only` builds for the model's
+  head shape and buffer layout (the same builder, kvbuffer.autotune.tuner.build_untuned, with its
+  untuned defaults), saying so in one line and showing a progress bar; this engine and every later
+  one, in this process or the next, then load them from the cache. `kvbuffer tune` measures the
+  fastest tunables for them.
+- otherwise: nothing is built, and the reason is one line naming the command that builds them.
+
+KVBUFFER_BUILD_KERNELS=0 turns the build off (a server that must not compile at start-up).
+
+`nvcc_problem` is also the hint `kvbuffer tune` and `kvbuffer env` give on a machine without nvcc.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import importlib.util
+import os
+import shutil
+import sys
+from pathlib import Path
+
+from .keys import KernelKey
+
+SWITCH = "KVBUFFER_BUILD_KERNELS"
+INSTALL = 'pip install "kvbuffer[gpu]"'
+DEFAULT_CUDA_HOME = Path("/usr/local/cuda")
+
+
+def nvcc_path() -> str | None:
+    """nvcc where TileLang 0.1.15 looks for it (tilelang.env._find_cuda_home): $CUDA_HOME or
+    $CUDA_PATH if set (and only there), else `nvcc` on PATH, else the nvidia-cuda-nvcc wheel,
+    else /usr/local/cuda."""
+    home = os.environ.get("CUDA_HOME") or os.environ.get("CUDA_PATH")
+    if home:
+        exe = Path(home) / "bin" / "nvcc"
+        return str(exe) if exe.is_file() else None
+    found = shutil.which("nvcc")
+    if found:
+        return found
+    try:
+        files = importlib.metadata.files("nvidia-cuda-nvcc") or []
+    except importlib.metadata.PackageNotFoundError:
+        files = []
+    wheel = next((str(f.locate()) for f in files if f.name == "nvcc"), None)
+    if wheel:
+        return wheel
+    default = DEFAULT_CUDA_HOME / "bin" / "nvcc"
+    return str(default) if default.is_file() else None
+
+
+def nvcc_problem() -> str | None:
+    """One line on why kernels cannot be compiled here for want of nvcc (None: nvcc is found)."""
+    if nvcc_path() is not None:
+        return None
+    home_var = "CUDA_HOME" if os.environ.get("CUDA_HOME") else "CUDA_PATH" if os.environ.get("CUDA_PATH") else None
+    if home_var:
+        return (f"building kernels needs the CUDA compiler, and ${home_var} ({os.environ[home_var]}) has no "
+                f"bin/nvcc: point {home_var} at the CUDA toolkit's root (the directory holding bin/nvcc)")
+    return ("building kernels needs the CUDA compiler nvcc, which is not found: install the CUDA toolkit and "
+            "set CUDA_HOME to its root (e.g. /usr/local/cuda-13.0) or put its bin/ on PATH")
+
+
+def build_problem() -> str | None:
+    """Why this process cannot compile kernels (None: TileLang and nvcc are both there)."""
+    if importlib.util.find_spec("tilelang") is None:
+        return f"TileLang, which builds them, is not installed ({INSTALL})"
+    return nvcc_problem()
+
+
+def enabled() -> bool:
+    """Whether a missing kernel may be built: yes unless KVBUFFER_BUILD_KERNELS=0."""
+    return os.environ.get(SWITCH, "").strip() != "0"
+
+
+def tune_command(key: KernelKey, gpu_name: str) -> str:
+    """The one command that builds (and on this GPU measures) what `ensure_kernels(key)` builds."""
+    return key.tune_command().replace("<gpu>", gpu_name)
+
+
+def ensure_kernels(key: KernelKey, conv_dtype: str) -> str | None:
+    """Build the kernels of `key`'s head shape and buffer layout for the local GPU unless they
+    cannot be built here; returns None once built, else one line saying why not and what to run.
+
+    `key` is the engine's decode step: its head shape, dtype, chunk size and draft count name
+    everything the engine launches (kvbuffer.runtime.backend.needed_kernels). The short conv runs
+    in the model's own dtype, `conv_dtype` (the linear kernels run fp32 models in bf16).
+    """
+    from ..gpus import detect_local_gpu
+
+    gpu = detect_local_gpu()
+    if gpu is None:
+        return "no CUDA GPU here to build kernels for"
+    command = tune_command(key, gpu.name)
+    if not enabled():
+        return f"no compiled kernels for this model on {gpu.name} ({SWITCH}=0); build them with `{command}`"
+    problem = build_problem()
+    if problem is not None:
+        return f"no compiled kernels for this model on {gpu.name}; {problem}; then `{command}` builds them"
+    build(key, conv_dtype, gpu, command)
+    return None
+
+
+def build(key: KernelKey, conv_dtype: str, gpu, command: str, stream=None) -> None:
+    """Compile `key`'s head shape and its short conv for `gpu` into the artifact cache, untuned."""
+    from ..autotune import tuner
+    from ..autotune.cache import ArtifactCache
+    from ..autotune.models import conv_shape
+    from ..autotune.progress import KernelProgress
+    from ..autotune.registry import templates
+
+    stream = stream or sys.stderr
+    shape = key.record_shapes()[0]
+    chunk, drafts = key.layouts()[0]
+    cache = ArtifactCache()
+    requests = [(tuner.TuneRequest(gpu, s, (chunk,), tuner.BATCH_BUCKETS, (0, drafts) if drafts else (0,)),
+                 templates(s["family"])) for s in (shape, conv_shape({**shape, "dtype": conv_dtype}))]
+    total = sum(len(tuner.plan(tpls, req.chunk_sizes, req.draft_tokens)) for req, tpls in requests)
+    stream.write(f"kvbuffer: building the {total} kernels this model needs for the {gpu.name} once, with "
+                 f"untuned defaults, into {cache.root} (later runs load them); `{command}` measures the "
+                 "fastest\n")
+    with KernelProgress(total, stream) as bar:
+        for req, tpls in requests:
+            tuner.build_untuned(cache, req, tpls, progress=bar.done, on_start=bar.start)

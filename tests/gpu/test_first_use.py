@@ -1,0 +1,47 @@
+"""First use on a GPU, as a new user meets it: `kvbuffer generate` on the bundled demo with an
+empty artifact cache builds the demo's kernels once (one line saying so, one progress line per
+kernel) and runs on them; a second run loads them from the cache and compiles nothing (TileLang is
+blocked in that process, so a compile could not happen) and runs on them too. The CPU side of the
+same flow, with a faked GPU and build, is tests/test_first_use.py."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+pytestmark = [pytest.mark.gpu, pytest.mark.tilelang]
+
+GENERATE = ["generate", "--prompt", "The built-in function ", "--max-new-tokens", "32"]
+BLOCKED = """
+import sys
+for name in ("tilelang", "tvm"):
+    sys.modules[name] = None  # any compile in this process would fail
+from kvbuffer.cli.main import main
+main(sys.argv[1:])
+"""
+
+
+def generate(tmp_path, blocked: bool) -> subprocess.CompletedProcess:
+    env = dict(os.environ, KVBUFFER_CACHE_DIR=str(tmp_path))
+    for name in ("KVBUFFER_JIT", "KVBUFFER_BUILD_KERNELS"):
+        env.pop(name, None)
+    head = [sys.executable, "-c", BLOCKED] if blocked else [sys.executable, "-m", "kvbuffer.cli.main"]
+    res = subprocess.run(head + GENERATE, env=env, capture_output=True, text=True, timeout=550)
+    assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-4000:]
+    return res
+
+
+def test_generate_builds_the_demo_kernels_once_then_loads_them(tmp_path):
+    first = generate(tmp_path, blocked=False)
+    building = [line for line in first.stderr.splitlines() if line.startswith("kvbuffer: building the")]
+    assert len(building) == 1 and "untuned defaults" in building[0] and "kvbuffer tune" in building[0], first.stderr
+    assert "] gdn_buffered_step C=16: built" in first.stderr and "] conv1d_step: built" in first.stderr
+    assert "linear layers on kernels" in first.stderr, first.stderr
+    assert "note:" not in first.stderr and "INFO" not in first.stderr, first.stderr
+    assert (tmp_path / "manifest.json").exists()
+
+    second = generate(tmp_path, blocked=True)
+    assert "building" not in second.stderr and "note:" not in second.stderr, second.stderr
+    assert "linear layers on kernels" in second.stderr, second.stderr
+    assert second.stdout == first.stdout  # greedy, same kernels: the same text
