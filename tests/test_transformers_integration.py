@@ -271,11 +271,56 @@ def test_readme_example_gives_the_same_tokens(capsys):
 
 
 def test_transformers_without_the_linear_attention_cache_api_is_refused(monkeypatch):
+    """A Cache with neither spelling of the linear-attention states (5.24's accessor methods, 5.17's
+    has_previous_state and layer attributes) is refused before any layer is touched."""
     from transformers.cache_utils import Cache
 
-    monkeypatch.delattr(Cache, "get_conv_state")
-    with pytest.raises(ImportError, match="get_conv_state"):
+    monkeypatch.delattr(Cache, "get_conv_state", raising=False)  # absent in 5.17
+    monkeypatch.delattr(Cache, "has_previous_state")
+    with pytest.raises(ImportError, match="get_conv_state.*has_previous_state"):
         kvb.enable(tiny_model("qwen3_5_text", torch.float32))
+
+
+@pytest.mark.parametrize("model_type", ["qwen3_5_text", "nemotron_h"])
+def test_both_cache_access_families_read_the_same_states(model_type):
+    """On a stock cache after decoding, the layer attributes (5.17's way) give the very tensors the
+    accessor methods (5.24's) give, wherever the installed release has them; the installed cache
+    is served by one of the two."""
+    from kvbuffer.integrations.transformers_cache import ACCESSOR_METHODS, LAYER_ATTRIBUTES, access_for
+
+    model = tiny_model(model_type, torch.float32)
+    ids, mask = left_padded([C], seed=10)
+    cache = model.generate(ids, attention_mask=mask, max_new_tokens=2, do_sample=False, pad_token_id=0,
+                           return_dict_in_generate=True).past_key_values
+    assert access_for(cache) in (ACCESSOR_METHODS, LAYER_ATTRIBUTES)
+    families = [a for a in (ACCESSOR_METHODS, LAYER_ATTRIBUTES) if a.fits(cache)]
+    for m in model.modules():
+        if type(m).__name__.endswith(("GatedDeltaNet", "Mamba2Mixer")):
+            i = m.layer_idx
+            for access in families:
+                assert access.conv_state(cache, i) is cache.layers[i].conv_states[0]
+                assert access.recurrent_state(cache, i) is cache.layers[i].recurrent_states[0]
+                assert access.is_recording_past(cache, i) is False
+
+
+def test_benchmark_config_is_the_preset_with_fewer_layers():
+    """The transformers benchmark's model is kvbuffer.presets' Qwen3.5-9B (no second copy of its
+    shapes), cut to the first layers, and transformers builds it (on the meta device: no memory)."""
+    from kvbuffer import presets
+    from kvbuffer.integrations.benchmark import build_model, model_config
+
+    preset = presets.get("qwen3.5-9b").hf_config()
+    full = model_config()
+    assert {k: v for k, v in full.items() if k not in ("num_hidden_layers", "pad_token_id")} == \
+        {k: v for k, v in preset.items() if k != "model_type"}
+    assert full["num_hidden_layers"] == 32
+    model = build_model(6, device="meta")
+    assert model.config.layer_types == preset["layer_types"][:6] and model.config.num_hidden_layers == 6
+    gdn = model.model.layers[0].linear_attn
+    assert (gdn.num_k_heads, gdn.num_v_heads, gdn.head_k_dim, gdn.head_v_dim) == (16, 32, 128, 128)
+    for bad in (0, 33, 2.0):
+        with pytest.raises(ValueError, match="layers"):
+            model_config(bad)
 
 
 def test_a_new_chunk_size_between_generations_of_one_cache():

@@ -2,8 +2,8 @@
 
     python -m kvbuffer.integrations.benchmark [--batches 1 16 64] [--new-tokens 64] [--out FILE.json]
 
-Random bf16 weights in Qwen3.5-9B's shapes (docs: NOTES' model table; 24 GDN + 8 attention layers,
-16/32 linear heads of 128 x 128), built on the GPU. For each batch size, in one process: stock
+Random bf16 weights in Qwen3.5-9B's shapes (kvbuffer.presets' "qwen3.5-9b": 24 GDN + 8 attention
+layers, 16/32 linear heads of 128 x 128), built on the GPU. For each batch size, in one process: stock
 transformers (FLA's kernels when installed, as users run it), then the same model after
 `kvbuffer.integrations.transformers.enable` (the compiled buffered step; artifacts from
 `kvbuffer tune --model qwen3.5-9b`, or `KVBUFFER_JIT=1`). Each figure is the median of `--repeats`
@@ -23,22 +23,34 @@ import time
 
 import torch
 
-QWEN35_9B = dict(hidden_size=4096, num_hidden_layers=32, num_attention_heads=16, num_key_value_heads=4, head_dim=256,
-                 linear_num_key_heads=16, linear_num_value_heads=32, linear_key_head_dim=128, linear_value_head_dim=128,
-                 linear_conv_kernel_dim=4, intermediate_size=12288, vocab_size=248320, full_attention_interval=4,
-                 partial_rotary_factor=0.25, eos_token_id=None, bos_token_id=None, pad_token_id=0)
+from .. import presets
+
+PRESET = "qwen3.5-9b"
 
 
-def build_model(layers: int):
-    """The random-weight model, bf16, on CUDA (initialised there: a 9B CPU init takes minutes)."""
+def model_config(layers: int | None = None) -> dict:
+    """`Qwen3_5TextConfig` keyword arguments: the preset's shapes, its first `layers` decoder layers
+    (every fourth stays full attention; all of them when None), and the pad token `generate` uses."""
+    config = presets.get(PRESET).hf_config()
+    config.pop("model_type")  # the config class says it
+    available = len(config["layer_types"])
+    if layers is not None:
+        if isinstance(layers, bool) or not isinstance(layers, int) or not 1 <= layers <= available:
+            raise ValueError(f"layers must be an int in 1..{available} ({PRESET}), got {layers!r}")
+        config["layer_types"] = config["layer_types"][:layers]
+    return {**config, "num_hidden_layers": len(config["layer_types"]), "pad_token_id": 0}
+
+
+def build_model(layers: int | None = None, device: str = "cuda"):
+    """The random-weight model, bf16, on `device` (CUDA: initialised there, a 9B CPU init takes minutes)."""
     from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
 
-    config = Qwen3_5TextConfig(**{**QWEN35_9B, "num_hidden_layers": layers})
+    config = Qwen3_5TextConfig(**model_config(layers))
     torch.manual_seed(0)
     default = torch.get_default_dtype()
     torch.set_default_dtype(torch.bfloat16)
     try:
-        with torch.device("cuda"):
+        with torch.device(device):
             model = Qwen3_5ForCausalLM(config)
     finally:
         torch.set_default_dtype(default)
@@ -65,14 +77,14 @@ def measure(model, ids: torch.Tensor, new_tokens: int, repeats: int) -> dict:
             "seconds": t_full, "tokens": tokens[0]}
 
 
-def run(batches, new_tokens: int, prompt_len: int, repeats: int, chunk_size: int, layers: int) -> list[dict]:
+def run(batches, new_tokens: int, prompt_len: int, repeats: int, chunk_size: int, layers: int | None) -> list[dict]:
     import kvbuffer.integrations.transformers as kvb
 
     model = build_model(layers)
     rows = []
     for B in batches:
         g = torch.Generator(device="cuda").manual_seed(B)
-        ids = torch.randint(1, QWEN35_9B["vocab_size"], (B, prompt_len), device="cuda", generator=g)
+        ids = torch.randint(1, model.config.vocab_size, (B, prompt_len), device="cuda", generator=g)
         stock = measure(model, ids, new_tokens, repeats)
         kvb.enable(model, chunk_size=chunk_size)
         try:
@@ -106,8 +118,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--prompt", type=int, default=64, help="prompt tokens per row")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--chunk-size", type=int, default=16)
-    p.add_argument("--layers", type=int, default=QWEN35_9B["num_hidden_layers"],
-                   help="decoder layers (every 4th full attention); fewer for a quick check")
+    p.add_argument("--layers", type=int, default=None,
+                   help=f"decoder layers, the first of {PRESET}'s (every 4th full attention); fewer for a quick check")
     p.add_argument("--out", help="write the results as JSON here")
     a = p.parse_args(argv)
     if not torch.cuda.is_available():

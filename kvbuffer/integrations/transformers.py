@@ -7,7 +7,8 @@
 
 Supported: `Qwen3_5ForCausalLM`, `Qwen3_5ForConditionalGeneration`, `Qwen3_5MoeForCausalLM`
 (their Gated DeltaNet layers), `Qwen3NextForCausalLM` (its own GDN class) and `NemotronHForCausalLM`
-(Mamba-2 mixers); tested with transformers 5.24 (docs/integrations.md on other versions).
+(Mamba-2 mixers); tested with transformers 5.17 and 5.24, whose caches expose the linear-attention
+states differently (transformers_cache reads either; docs/integrations.md on versions).
 
 Each linear-attention layer's forward is replaced on that instance by kvbuffer's (see
 transformers_layers), which is what transformers' `kernelize` does for a layer named in a kernel
@@ -32,29 +33,23 @@ import torch
 
 import kvbuffer  # noqa: F401  (registers torch.ops.kvbuffer.*)
 
+from .transformers_cache import access_for
 from .transformers_layers import CHUNK_ATTRIBUTE, BufferedGatedDeltaNet, BufferedMamba2Mixer
 from .transformers_layers import fold_cache as fold
 
 __all__ = ["enable", "disable", "fold", "enabled_layers"]
 
-CACHE_API = ("get_conv_state", "get_recurrent_state", "is_recording_past")  # what the buffered forwards call
-
 
 def _layer_classes() -> dict[type, type]:
     """transformers' linear-attention layer classes -> kvbuffer's forward for them.
 
-    The forwards are written against the per-layer linear-attention cache (`cache.get_conv_state`,
-    `get_recurrent_state`, `is_recording_past`); releases before it kept `cache_params.conv_states[i]`
-    and bound the kernels to each layer, which these forwards do not speak.
+    The forwards read the layered cache's linear-attention states (transformers_cache); a release
+    whose `Cache` has neither of the spellings it knows (those before the layered cache kept
+    per-model `cache_params.conv_states[i]`) is refused here with an ImportError, not decoded wrongly.
     """
-    import transformers
     from transformers.cache_utils import Cache
 
-    missing = [name for name in CACHE_API if not hasattr(Cache, name)]
-    if missing:
-        raise ImportError(f"kvbuffer.integrations.transformers needs transformers' per-layer linear-attention cache "
-                          f"(Cache.{', Cache.'.join(missing)} are missing; tested with 5.24); "
-                          f"transformers {transformers.__version__} is installed")
+    access_for(Cache)
     from transformers.models.nemotron_h.modeling_nemotron_h import NemotronHMamba2Mixer
     from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5GatedDeltaNet
     from transformers.models.qwen3_5_moe.modeling_qwen3_5_moe import Qwen3_5MoeGatedDeltaNet

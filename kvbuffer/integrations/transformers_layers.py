@@ -23,6 +23,7 @@ from dataclasses import dataclass
 import torch
 
 from ..kernels.launch import engine_rows
+from .transformers_cache import CacheAccess, access_for, cache_keyword
 
 CACHE_ATTRIBUTE = "kvbuffer_buffers"  # where the buffers live on a transformers cache object
 CHUNK_ATTRIBUTE = "kvbuffer_chunk_size"  # set on each enabled layer by enable()
@@ -94,11 +95,11 @@ def fold_cache(cache) -> None:
     buffers_of(cache).clear()
 
 
-def _decode_buffers(layer, cache, chunk_size: int, make) -> LayerBuffers:
+def _decode_buffers(layer, cache, access: CacheAccess, chunk_size: int, make) -> LayerBuffers:
     """This layer's buffers in `cache` for a decode step: the kept ones, or `make(state)` when there
     are none yet, the cache's state tensor was replaced, or `enable` changed the chunk size."""
     idx = layer.layer_idx
-    source = cache.get_recurrent_state(idx, state_idx=0)
+    source = access.recurrent_state(cache, idx)
     rec = buffers_of(cache).get(idx)
     if rec is not None and rec.source is not source and rec.pending:
         raise ValueError(f"past_key_values: layer {idx}'s recurrent state was replaced (beam search's "
@@ -119,24 +120,30 @@ def _stock(layer, name: str):
     return getattr(inspect.getmodule(type(layer)), name)
 
 
-def _is_decode(layer, hidden_states, cache) -> bool:
-    idx = layer.layer_idx
-    return (cache is not None and hidden_states.shape[1] == 1 and not cache.is_recording_past(idx)
-            and cache.get_conv_state(idx, state_idx=0) is not None
-            and cache.get_recurrent_state(idx, state_idx=0) is not None)
+def _decode_access(layer, hidden_states, cache) -> CacheAccess | None:
+    """How to read `cache` when this call is a decode step (one token, a cache with states, not
+    recording past states); None when it is not."""
+    if cache is None or hidden_states.shape[1] != 1:
+        return None
+    access, idx = access_for(cache), layer.layer_idx
+    if (access.is_recording_past(cache, idx) or access.conv_state(cache, idx) is None
+            or access.recurrent_state(cache, idx) is None):
+        return None
+    return access
 
 
 def _stock_forward(layer, hidden_states, cache, attention_mask, kwargs):
     if cache is not None:
         rec = buffers_of(cache).pop(layer.layer_idx, None)
-        if rec is not None and cache.get_recurrent_state(layer.layer_idx, state_idx=0) is rec.source:
+        if rec is not None and access_for(cache).recurrent_state(cache, layer.layer_idx) is rec.source:
             rec.fold()
-    return type(layer).forward(layer, hidden_states, cache=cache, attention_mask=attention_mask, **kwargs)
+    cls = type(layer)
+    return cls.forward(layer, hidden_states, attention_mask=attention_mask, **{cache_keyword(cls): cache}, **kwargs)
 
 
-def _conv_step(layer, mixed, cache):
+def _conv_step(layer, mixed, cache, access: CacheAccess):
     """The layer's short conv for one token, (B, 1, D) -> (B, 1, D), advancing the cache's conv state."""
-    conv_state = cache.get_conv_state(layer.layer_idx, state_idx=0)
+    conv_state = access.conv_state(cache, layer.layer_idx)
     out = _stock(layer, "causal_conv1d_update")(mixed.transpose(1, 2), conv_state, layer.conv1d.weight.squeeze(1),
                                                 layer.conv1d.bias, layer.activation)
     return out.transpose(1, 2)
@@ -147,11 +154,13 @@ def _fp32(p: torch.Tensor) -> torch.Tensor:
     return p if p.dtype in (torch.float32, torch.float64) else p.float()
 
 
-def _buffered_step(layer, cache, op: str, args: list, heads: tuple, transposed: bool = False) -> torch.Tensor:
+def _buffered_step(layer, cache, access: CacheAccess, op: str, args: list, heads: tuple,
+                   transposed: bool = False) -> torch.Tensor:
     """One decode step of the custom op named `op` (a `*_buffered_step`) on this layer's buffers in `cache`, flush fused
     at C; `args` are the op's leading (per-token and layer) arguments, `heads` (Hk, K, Hv, V)."""
     C = getattr(layer, CHUNK_ATTRIBUTE)
-    rec = _decode_buffers(layer, cache, C, lambda source: _new_buffers(source, *heads, args[0].dtype, C, transposed))
+    rec = _decode_buffers(layer, cache, access, C,
+                          lambda source: _new_buffers(source, *heads, args[0].dtype, C, transposed))
     # the slots and fills are built here, so CUDA launches skip the checks that read the device back
     out = engine_rows(op, *args, rec.state, rec.slots, rec.buf_k, rec.buf_v, rec.buf_g, rec.slots, rec.lengths, C)
     rec.advance(C)
@@ -162,16 +171,18 @@ class BufferedGatedDeltaNet:
     """Qwen3.5 / Qwen3.5-MoE / Qwen3-Next Gated DeltaNet with a buffered decode step."""
 
     def forward(self, hidden_states, cache=None, attention_mask=None, cache_params=None, **kwargs):
-        cache = cache if cache is not None else cache_params  # transformers < 5.2x names it cache_params
-        if not _is_decode(self, hidden_states, cache):
+        cache = cache if cache is not None else cache_params  # transformers 5.17 names it cache_params
+        access = _decode_access(self, hidden_states, cache)
+        if access is None:
             return _stock_forward(self, hidden_states, cache, attention_mask, kwargs)
         hidden_states = _stock(self, "apply_mask_to_padding_states")(hidden_states, attention_mask)
         B = hidden_states.shape[0]
         mixed, z, b, a = _gdn_projections(self, hidden_states)
-        q, k, v = torch.split(_conv_step(self, mixed, cache)[:, 0], [self.key_dim, self.key_dim, self.value_dim], -1)
+        conv = _conv_step(self, mixed, cache, access)[:, 0]
+        q, k, v = torch.split(conv, [self.key_dim, self.key_dim, self.value_dim], -1)
         heads = lambda t, d: t.reshape(B, -1, d).contiguous()  # noqa: E731
         q, k, v = heads(q, self.head_k_dim), heads(k, self.head_k_dim), heads(v, self.head_v_dim)
-        o = _buffered_step(self, cache, "gdn_buffered_step", [
+        o = _buffered_step(self, cache, access, "gdn_buffered_step", [
             q, k, v, a.reshape(B, -1).contiguous(), b.reshape(B, -1).contiguous(), _fp32(self.A_log),
             _fp32(self.dt_bias)], (self.num_k_heads, self.head_k_dim, self.num_v_heads, self.head_v_dim))
         o = self.norm(o.reshape(-1, self.head_v_dim), z.reshape(-1, self.head_v_dim))
@@ -194,19 +205,20 @@ class BufferedMamba2Mixer:
 
     def forward(self, hidden_states, cache=None, attention_mask=None, cache_params=None, **kwargs):
         cache = cache if cache is not None else cache_params
-        if not _is_decode(self, hidden_states, cache):
+        access = _decode_access(self, hidden_states, cache)
+        if access is None:
             return _stock_forward(self, hidden_states, cache, attention_mask, kwargs)
         mask = _stock(self, "apply_mask_to_padding_states")
         dtype, Bt = hidden_states.dtype, hidden_states.shape[0]
         gate, xBC, dt = self.in_proj(mask(hidden_states, attention_mask)).split(
             [self.intermediate_size, self.conv_dim, self.num_heads], dim=-1)
-        xBC = mask(_conv_step(self, xBC, cache), attention_mask)[:, 0]
+        xBC = mask(_conv_step(self, xBC, cache, access), attention_mask)[:, 0]
         GN = self.n_groups * self.ssm_state_size
         x, Bm, Cm = torch.split(xBC, [self.intermediate_size, GN, GN], dim=-1)
         x = x.reshape(Bt, self.num_heads, self.head_dim).contiguous()
         Bm = Bm.reshape(Bt, self.n_groups, self.ssm_state_size).contiguous()
         Cm = Cm.reshape(Bt, self.n_groups, self.ssm_state_size).contiguous()
-        y = _buffered_step(self, cache, "mamba2_buffered_step", [
+        y = _buffered_step(self, cache, access, "mamba2_buffered_step", [
             x, dt[:, 0].contiguous(), _fp32(self.A_log), _fp32(self.dt_bias), Bm, Cm, _fp32(self.D)],
             (self.n_groups, self.ssm_state_size, self.num_heads, self.head_dim), transposed=True)
         y = self.norm(y.reshape(Bt, 1, -1), gate)

@@ -4,7 +4,8 @@ The same tiny random models as the CPU test, with head dims the kernels take (mu
 bf16 on the GPU; kernels are JIT-compiled (kvbuffer.ops.allow_jit()). Buffer entries are bf16 while
 stock transformers keeps each step's state in fp32, so greedy tokens may part at a near tie: the
 test requires identical tokens up to the first step whose stock top-1 / top-2 logit gap is small,
-and the kvbuffer choice there must be one of the near-tied tokens.
+and the kvbuffer choice there must be one of the near-tied tokens. Written for any supported
+transformers release (5.17 and 5.24: kvbuffer.integrations.transformers_cache reads either cache).
 """
 
 from __future__ import annotations
@@ -73,3 +74,14 @@ def test_bf16_greedy_matches_up_to_near_ties(model_type, lengths):
         top = logits0[row, step]
         gap = float(top.max() - top[tok1[row, step]])
         assert gap < NEAR_TIE, f"row {row} parts at step {step} where the stock margin is {gap:.3f}, not a near tie"
+
+
+def test_benchmark_runs_on_the_preset_model():
+    """`kvbuffer bench transformers` builds presets' Qwen3.5-9B (its first 4 layers here, to keep the
+    test short) and times stock and enabled `generate` on the installed transformers release."""
+    from kvbuffer.integrations.benchmark import run
+
+    rows = run([1, 2], new_tokens=C + 2, prompt_len=C, repeats=1, chunk_size=C, layers=4)
+    assert [r["batch"] for r in rows] == [1, 2]
+    for r in rows:
+        assert r["stock"]["decode_tok_s"] > 0 and r["kvbuffer"]["decode_tok_s"] > 0
