@@ -13,7 +13,7 @@ import torch
 from kvbuffer import kernels, ops
 from kvbuffer.kernels import launch, lookup
 from kvbuffer.reference import conv as ref
-from .gdn_cases import bits_equal as _bits
+from tests.support.gdn_cases import bits_equal as _bits
 
 pytestmark = pytest.mark.gpu
 
@@ -123,8 +123,8 @@ PROMPTS = [[5, 17, 3, 44, 9, 61, 2, 30, 11, 7, 12, 90, 4, 21, 33, 8, 70, 1, 15],
 
 
 def _generate(kind, compiled_conv: bool, monkeypatch, **extra):
-    from scripted_drafter import ScriptedDrafter
-    from tiny_models import tiny_model
+    from tests.support.scripted_drafter import ScriptedDrafter
+    from tests.support.tiny_models import tiny_model
 
     from kvbuffer import LLM
     from kvbuffer.runtime.backend import KernelBackend
@@ -146,9 +146,9 @@ def test_engine_compiled_conv_equals_reference_conv(kind, monkeypatch):
     """kernels=True with the compiled conv vs kernels=True with the reference conv (all else equal, CUDA
     graphs on): identical greedy tokens, plain and speculative (verify + accept), logits within bf16
     rounding; the conv kernels were really used. Then kernels=True vs kernels=False on CUDA."""
-    from tiny_models import tiny_model
+    from tests.support.tiny_models import tiny_model
 
-    from gpu.test_ops_and_engine import compare_greedy
+    from tests.gpu.test_ops_and_engine import compare_greedy
     from kvbuffer import LLM
 
     lookup.clear_kernels("conv1d")

@@ -2,7 +2,7 @@
 empty artifact cache builds the demo's kernels once (one line saying so, one progress line per
 kernel) and runs on them; a second run loads them from the cache and compiles nothing (TileLang is
 blocked in that process, so a compile could not happen) and runs on them too. The CPU side of the
-same flow, with a faked GPU and build, is tests/test_first_use.py."""
+same flow, with a faked GPU and build, is tests/kernels/test_first_use.py."""
 
 import os
 import subprocess

@@ -24,7 +24,7 @@ from kvbuffer.kernels import (
     gdn_verify,
 )
 
-from .gdn_cases import bits_equal, front64, pools, record, rel_err, tokens
+from tests.support.gdn_cases import bits_equal, front64, pools, record, rel_err, tokens
 
 pytestmark = [pytest.mark.gpu, pytest.mark.tilelang]
 

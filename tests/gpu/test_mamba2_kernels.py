@@ -27,7 +27,7 @@ from kvbuffer.kernels import (
 from kvbuffer.reference import core as core_ref
 from kvbuffer.reference import mamba2 as ref
 
-from .gdn_cases import bits_equal, pools, record, rel_err
+from tests.support.gdn_cases import bits_equal, pools, record, rel_err
 
 pytestmark = [pytest.mark.gpu, pytest.mark.tilelang]
 

@@ -2,7 +2,7 @@
 in a fresh process without TileLang, and the engine on the kernels vs the CPU fp32 reference.
 
 Kernels come from JIT (kvbuffer.ops.allow_jit()) except in the artifact test. Tiny models are built
-without transformers (tests/tiny_models.py): head dims 32, chunk size 8, so the engine's buffers
+without transformers (tests/support/tiny_models.py): head dims 32, chunk size 8, so the engine's buffers
 hold 8 + 1 entries.
 """
 
@@ -224,7 +224,7 @@ def test_engine_on_kernels_vs_cpu_reference(kind):
     the whole model, not only the kernels; 0.2 measured for bf16 on CPU) and greedy tokens identical
     for 24 tokens except at near ties. Tighter: the same bf16 model on CUDA with the reference ops
     (fp32 buffers) vs the kernels (bf16 entries, TF32 products): logits within 0.06."""
-    from tiny_models import tiny_model
+    from tests.support.tiny_models import tiny_model
 
     from kvbuffer import LLM
 
@@ -246,7 +246,7 @@ def test_engine_on_kernels_vs_cpu_reference(kind):
 def test_decode_forward_never_reads_the_device_back(kind, mode):
     """What CUDA-graph capture needs: the engine's decode forward (padded rows, kernels unchecked)
     makes no synchronising call; torch raises at the first one, naming it."""
-    from tiny_models import tiny_model
+    from tests.support.tiny_models import tiny_model
 
     from kvbuffer import LLM
 
@@ -269,7 +269,7 @@ def test_engine_decode_in_cuda_graphs_equals_eager(kind, mode):
     """The decode step captured in CUDA graphs (3 requests padded to 4 rows, context bucketed) vs the
     same engine run eagerly: logits within 0.06 (other batch sizes may pick other GEMM algorithms),
     greedy tokens identical except at near ties; the graphs were really captured and replayed."""
-    from tiny_models import tiny_model
+    from tests.support.tiny_models import tiny_model
 
     from kvbuffer import LLM
 
@@ -309,7 +309,7 @@ def test_speculative_greedy_equals_plain_on_kernels(mode, T, pattern):
     """bf16 on the compiled kernels: drafts that are all right, partly right or all wrong, verified
     in one pass (kvbuffer: through the buffer, flushes of buffers that passed C included; recurrent:
     one state per fed token), give exactly plain decoding's greedy tokens. The n-gram drafter too."""
-    from scripted_drafter import ScriptedDrafter
+    from tests.support.scripted_drafter import ScriptedDrafter
 
     from kvbuffer import LLM
 
@@ -341,8 +341,8 @@ def test_speculative_greedy_equals_plain_on_kernels_every_family(kind, mode, T, 
     logits differ by bf16 rounding (up to 0.086 on the CPU reference ops in bf16 for these models,
     3.6e-6 in fp32, where the CPU tests demand identical tokens), and a random tiny model has near
     ties: logits within 0.15 and a differing token only at a top-2 margin under 0.3."""
-    from scripted_drafter import ScriptedDrafter
-    from tiny_models import tiny_model
+    from tests.support.scripted_drafter import ScriptedDrafter
+    from tests.support.tiny_models import tiny_model
 
     from kvbuffer import LLM
 
@@ -378,9 +378,9 @@ def test_engine_runs_from_artifacts_alone(tmp_path):
 import sys
 for name in ("tilelang", "tvm"):
     sys.modules[name] = None
-sys.path.insert(0, {str(ROOT / "tests")!r})
+sys.path.insert(0, {str(ROOT)!r})
 import torch
-from tiny_models import tiny_model
+from tests.support.tiny_models import tiny_model
 from kvbuffer import LLM
 from kvbuffer.kernels import lookup
 prompts = [[5, 17, 3, 44, 9, 61, 2, 30, 11, 7, 12, 90, 4, 21], [8, 1, 33], [60, 2, 2, 19, 40]]

@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from hf_models import make_hf_model
-from test_transformers_integration import C, NEW, PROMPTS, left_padded, qwen_model
+from tests.support.hf_models import make_hf_model
+from tests.integrations.test_transformers_integration import C, NEW, PROMPTS, left_padded, qwen_model
 
 import kvbuffer.integrations.transformers as kvb
 from kvbuffer import ops

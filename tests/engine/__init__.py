@@ -1,0 +1,1 @@
+"""The engine: admission, scheduling, options, speculative decoding, decode graphs, the plan."""

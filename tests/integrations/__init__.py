@@ -1,0 +1,1 @@
+"""The transformers integration: kvbuffer as a cache behind `model.generate`."""

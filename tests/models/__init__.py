@@ -1,0 +1,1 @@
+"""The model loaders, checked token for token against transformers, and bad checkpoints."""

@@ -1,0 +1,1 @@
+"""`kvbuffer serve`: the OpenAI-compatible server, its engine loop and its benchmark."""
