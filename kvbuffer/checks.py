@@ -90,13 +90,13 @@ def check_param(name: str, t: object, size: int, device: torch.device) -> torch.
 
 
 def check_heads(state: object, name: str, t: object) -> tuple[tuple[int, ...], int, torch.device]:
-    """The state pool (num_slots, H, K, V) and a per-token tensor (..., H, V) named `name`: returns
-    (its leading dims, H, the pool's device), which the per-head gates are checked against."""
+    """The state pool (num_slots, H, K, V) and a per-token tensor (..., H, V) named `name` (v, or
+    Mamba-2's x): returns (its leading dims, H, the pool's device) for the per-head gates."""
     check_tensor("state", state, (None, None, None, None), (torch.float32, torch.float64))
     check_tensor(name, t, dtypes=FLOAT_DTYPES)
-    if t.dim() < 2:
-        raise ShapeError(f"{name} must be (..., heads, head dim), got shape {tuple(t.shape)}")
-    return tuple(t.shape[:-2]), state.shape[1], state.device
+    lead, (_, H, _, V) = tuple(t.shape[:-2]), state.shape
+    check_tensor(name, t, lead + (H, V), device=state.device)
+    return lead, H, state.device
 
 
 def check_same_device(tensors: dict) -> None:

@@ -71,9 +71,10 @@ def _conv_reference(x, conv_state, slots, weight, bias, kind, silu):
     act = "silu" if silu else None
     if kind == "verify":
         return ref_conv.conv_verify(x, conv_state, slots, weight, bias, act)
-    if x.shape[1] == 1:
-        return ref_conv.conv_step(x[:, 0], conv_state, slots, weight, bias, act)[:, None]
-    return ref_conv.prefill_rows(x, conv_state, slots, weight, bias, act)
+    if not isinstance(x, torch.Tensor) or x.dim() != 3:
+        return ref_conv.conv_step(x, conv_state, slots, weight, bias, act)  # (rejects x)
+    steps = [ref_conv.conv_step(x[:, t], conv_state, slots, weight, bias, act) for t in range(x.shape[1])]
+    return torch.stack(steps, 1) if steps else x.new_empty(x.shape)  # advancing by T = T steps
 
 
 REFERENCE = {
@@ -99,7 +100,8 @@ def cloned(call: dict) -> dict:
 
 def snapshot(call: dict) -> dict:
     """Copies of the pools a call may write, to compare bit for bit after a rejected call."""
-    return {k: call[k].clone() for k in POOLS if isinstance(call.get(k), torch.Tensor) and call[k].device.type != "meta"}
+    real = lambda t: isinstance(t, torch.Tensor) and t.device.type != "meta"  # noqa: E731
+    return {k: call[k].clone() for k in POOLS if real(call.get(k))}
 
 
 def unchanged(before: dict, call: dict) -> bool:

@@ -42,7 +42,7 @@ from ..reference import core as ref_core
 from ..reference import gdn as ref_gdn
 from ..reference import mamba2 as ref_mamba2
 from . import launch
-from .keys import check_conv_mode
+from .keys import CONV_UPDATE_KINDS
 
 
 # ----------------------------------------------------------------------------------------------
@@ -73,7 +73,7 @@ def gdn_buffered_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: torc
                       buf_k: torch.Tensor, buf_v: torch.Tensor, buf_g: torch.Tensor, buffer_slots: torch.Tensor,
                       lengths: torch.Tensor, flush_at: int) -> torch.Tensor:
     """reference.gdn.buffered_step(flush_at): q, k (B, Hk, K), v (B, Hv, V), a, b (B, Hv) -> o (B, Hv, V)."""
-    u = lambda t: t.unsqueeze(1)  # noqa: E731
+    u = lambda t: None if t is None else t.unsqueeze(1)  # noqa: E731  (None: the reference names it)
     return _gdn_buffered_cpu(u(q), u(k), u(v), u(a), u(b), A_log, dt_bias, state, state_slots, buf_k, buf_v, buf_g,
                              buffer_slots, lengths, flush_at)[:, 0]
 
@@ -165,8 +165,8 @@ def _meta_checks(name: str, args: dict) -> None:
             ref_gdn.check_gates(state, args["v"], args["a"], args["b"], args["A_log"], args["dt_bias"])
             q, k, v, g = args["q"], args["k"], args["v"], args["a"]
         else:
-            ref_mamba2.check_gates(state, args["x"], args["dt"], args["A_log"], args["dt_bias"], args["D"],
-                                   args.get("z"))
+            ref_mamba2.check_gates(state, args["x"], args["dt"], args["A_log"], args["dt_bias"], args["B"],
+                                   args["C"], args["D"], args.get("z"))
             q, k, v, g = args["C"], args["B"], args["x"], args["dt"]
         buffers = None if name.endswith("recurrent_step") else (args["buf_k"], args["buf_v"], args["buf_g"])
         ref_core.check_shapes(q, k, v, g, None, state, buffers, with_time=name.endswith("verify"))
@@ -182,7 +182,8 @@ def _conv_meta_checks(name: str, args: dict) -> None:
     if name == "conv1d_accept":
         ref_conv.check_accept_shapes(conv_state, slots, args["accepted"], args["width"])
         return
-    check_conv_mode(args["kind"])
+    if args["kind"] not in CONV_UPDATE_KINDS:  # (check_conv_mode names the launchers' `mode`)
+        raise ValueError(f"kind must be one of {tuple(CONV_UPDATE_KINDS)} (the conv mode), got {args['kind']!r}")
     x = args["x"]
     _, W, span = ref_conv.check_shapes(x, conv_state, args["weight"], args["bias"], with_time=True)
     check_tensor("slots", slots, (x.shape[0],), INDEX_DTYPES)

@@ -177,7 +177,7 @@ def prefill_rows(x, conv_state, slots, weight, bias=None, activation="silu"):
     rows = slots.clamp(min=0).long()
     window = torch.cat([conv_state[rows, :, : W - 1].to(x.dtype), x.transpose(1, 2)], dim=-1)
     out = _apply(window, weight, bias, activation, x.shape[1])
-    _put(conv_state[:, :, : W - 1], rows, window[:, :, -(W - 1):], real)
+    _put(conv_state[:, :, : W - 1], rows, window[:, :, window.shape[-1] - (W - 1):], real)  # (W = 1: none)
     return _zero_padding(out, real)
 
 

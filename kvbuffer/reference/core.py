@@ -279,7 +279,7 @@ def flush(state, state_slots, buf_k, buf_v, buf_g, buffer_slots, lengths):
     caller then resets those rows' lengths to 0 (BufferPool.reset).
     """
     n_slots, cap = check_flush_shapes(state, buf_k, buf_v, buf_g)
-    B = buffer_slots.shape[0] if isinstance(buffer_slots, torch.Tensor) else -1
+    B = buffer_slots.shape[0] if isinstance(buffer_slots, torch.Tensor) and buffer_slots.dim() else -1
     _check_rows(state, state_slots, buffer_slots, lengths, B, n_slots)
     check_capacity(lengths, buffer_slots >= 0, 0, cap)
     active = (buffer_slots >= 0) & (lengths > 0)
