@@ -288,7 +288,7 @@ class ArtifactCache(ArtifactStore):
 
     def _reset(self) -> int:
         """Replace an invalid manifest by an empty one (call with the lock held)."""
-        for sub in ("artifacts", "tunings"):
+        for sub in ("artifacts", "tunings", MANIFEST):
             _remove(self.root / sub)
         self._write_manifest(empty_manifest())
         return 0

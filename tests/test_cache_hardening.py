@@ -148,6 +148,17 @@ def test_a_bad_manifest_is_one_clear_error_and_clear_repairs_it(root, text, monk
     assert sentinel_intact(root)
 
 
+def test_a_manifest_that_is_a_directory_is_repaired_by_clear(root):
+    cache = ArtifactCache(root)
+    put(cache, make_key())
+    (root / "manifest.json").unlink()
+    (root / "manifest.json").mkdir()
+    with pytest.raises(ArtifactError, match="unreadable cache manifest"):
+        cache.manifest()
+    cache.clear()
+    assert cache.manifest() == empty_manifest() and sentinel_intact(root)
+
+
 def test_a_cache_dir_that_is_a_file_is_an_artifact_error(root, monkeypatch):
     root.write_text("not a directory")
     cache = ArtifactCache(root)
