@@ -105,5 +105,6 @@ def snapshot(call: dict) -> dict:
 
 
 def unchanged(before: dict, call: dict) -> bool:
-    raw = lambda t: t.contiguous().view(-1).view(torch.uint8)  # noqa: E731  (bits: NaN equals NaN)
+    # the bits, in a fresh dense copy (NaN equals NaN; a size-1 axis may carry any stride)
+    raw = lambda t: torch.empty(t.shape, dtype=t.dtype).copy_(t).view(-1).view(torch.uint8)  # noqa: E731
     return all(torch.equal(raw(before[k]), raw(call[k])) for k in before)
