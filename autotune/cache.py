@@ -6,6 +6,13 @@ published a valid artifact under the same key (flashinfer's double check), and o
 the staging directory into place with os.replace and rewrites manifest.json (temp file + fsync +
 os.replace). Readers never need the lock: every file they read appears by an atomic rename.
 A corrupt artifact found under a key is moved aside and replaced, never reused.
+
+`clear` takes the same lock, so it never runs between a tune's publish steps; a tuning record is
+published only if every artifact it names is still in the manifest (a clear between two of a
+tune's artifacts makes that tune fail instead of leaving a record that points at nothing). A
+staging directory whose owner process is gone (a killed tune), or older than STALE_STAGING_S, is
+removed by `clear`; one a live writer is still building in is kept. Every path removed is one
+kvbuffer.artifacts resolved inside the cache root; a symlink is unlinked, never followed.
 """
 
 from __future__ import annotations
@@ -24,11 +31,33 @@ from pathlib import Path
 from typing import Callable, Iterator, Mapping
 
 from kvbuffer.artifacts import (
-    FORMAT, LIBRARY, MANIFEST, META, STATUSES, ArtifactKey, ArtifactStore, runtime_versions, sha256_file,
+    FORMAT, LIBRARY, MANIFEST, META, STATUSES, ArtifactKey, ArtifactStore, empty_manifest, runtime_versions,
+    sha256_file,
 )
 from kvbuffer.errors import ArtifactError
 
 from .policy import merge_records
+
+STALE_STAGING_S = 24 * 3600  # a build takes seconds to minutes; a staging dir this old is abandoned
+_STAGING_OWNER = re.compile(r".+\.(\d+)\.[0-9a-f]{8}")  # <name>.<pid>.<random>, as _staging names it
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except (PermissionError, OverflowError, ValueError):
+        return pid > 0  # another user's live process (or a number no process has)
+    return True
+
+
+def _remove(path: Path) -> None:
+    """Delete a file, a symlink (the link itself) or a directory tree that does not follow links."""
+    if path.is_symlink() or path.is_file():
+        path.unlink(missing_ok=True)
+    elif path.is_dir():
+        shutil.rmtree(path, ignore_errors=True)
 
 
 @lru_cache(maxsize=None)
@@ -65,17 +94,30 @@ class ArtifactCache(ArtifactStore):
 
     @contextlib.contextmanager
     def lock(self) -> Iterator[None]:
-        self.root.mkdir(parents=True, exist_ok=True)
-        with open(self.root / ".lock", "a") as f:
+        """The cache's exclusive writer lock (tune's publish steps and clear)."""
+        try:
+            self.root.mkdir(parents=True, exist_ok=True)
+            f = open(self.root / ".lock", "a")
+        except OSError as e:
+            raise self._unwritable(e) from None
+        with f:
             fcntl.flock(f.fileno(), fcntl.LOCK_EX)
             try:
                 yield
             finally:
                 fcntl.flock(f.fileno(), fcntl.LOCK_UN)
 
+    def _unwritable(self, e: OSError) -> ArtifactError:
+        return ArtifactError(f"cannot write the kernel cache at {self.root}: {e.strerror} "
+                             f"({e.filename or self.root}); pass --cache-dir or set KVBUFFER_CACHE_DIR to a "
+                             "writable directory")
+
     def _staging(self, name: str) -> Path:
         path = self.root / "staging" / f"{name}.{os.getpid()}.{uuid.uuid4().hex[:8]}"
-        path.mkdir(parents=True)
+        try:
+            path.mkdir(parents=True)
+        except OSError as e:
+            raise self._unwritable(e) from None
         return path
 
     def _is_valid(self, name: str) -> bool:
@@ -89,7 +131,13 @@ class ArtifactCache(ArtifactStore):
         """Read-modify-write of manifest.json; call with the lock held."""
         manifest = self.manifest()
         edit(manifest)
-        _write_json(self.root / MANIFEST, manifest)
+        self._write_manifest(manifest)
+
+    def _write_manifest(self, manifest: dict) -> None:
+        try:
+            _write_json(self.root / MANIFEST, manifest)
+        except OSError as e:
+            raise self._unwritable(e) from None
 
     def _move_aside(self, path: Path) -> None:
         if path.exists():
@@ -138,6 +186,7 @@ class ArtifactCache(ArtifactStore):
         if status not in STATUSES:
             raise ValueError(f"status must be one of {STATUSES}, got {status!r}")
         with self.lock():
+            self.status(name)  # an ArtifactError if there is no such artifact
             self._update_manifest(lambda m: m["artifacts"][name].__setitem__("status", status))
 
     # -- tuning records
@@ -151,6 +200,7 @@ class ArtifactCache(ArtifactStore):
             with self.lock():
                 old = self.tuning(name) if self._tuning_ok(name) else None
                 merged, self.notes = merge_records(old, record)
+                self._check_winners_published(name, merged)
                 _write_json(path, merged)
                 entry = {"status": merged["status"], "gpu": gpu, "shape": dict(shape), "versions": dict(versions),
                          "files": {f"tunings/{name}.json": sha256_file(path)}}
@@ -161,6 +211,16 @@ class ArtifactCache(ArtifactStore):
         finally:
             shutil.rmtree(stage, ignore_errors=True)
         return name
+
+    def _check_winners_published(self, name: str, record: Mapping) -> None:
+        """Every artifact a record names must be in the manifest now (with the lock held): a `cache
+        clear` that ran while this tune compiled removed what the record would point at."""
+        artifacts = self.manifest()["artifacts"]
+        gone = sorted({w["artifact"] for w in record["winners"]} - set(artifacts))
+        if gone:
+            raise ArtifactError(f"tuning record {name} not published: {len(gone)} of its artifacts "
+                                f"({gone[0]}, ...) are no longer in {self.root} (was `kvbuffer cache clear` "
+                                "run during this tune?); run the tune again")
 
     def _tuning_ok(self, name: str) -> bool:
         try:
@@ -174,7 +234,7 @@ class ArtifactCache(ArtifactStore):
         """One row per artifact and tuning record, with whether its files verify."""
         manifest, rows = self.manifest(), []
         for name, e in sorted(manifest["artifacts"].items()):
-            size = sum((self.root / rel).stat().st_size for rel in e["files"] if (self.root / rel).exists())
+            size = sum(self._size(rel) for rel in e["files"])
             rows.append({"type": "artifact", "name": name, "status": e["status"], "gpu": e.get("gpu"),
                          "arch": e.get("arch"), "kernel": e.get("kernel"), "bytes": size,
                          "ok": self._is_valid(name)})
@@ -183,9 +243,18 @@ class ArtifactCache(ArtifactStore):
                          "arch": None, "kernel": None, "bytes": None, "ok": self._tuning_ok(name)})
         return rows
 
-    def clear(self, gpu: str | None = None) -> int:
-        """Remove every artifact and tuning record (or only those of one GPU); returns how many."""
+    def _size(self, rel: str) -> int:
+        try:
+            return self.inside(rel, "size").stat().st_size
+        except (ArtifactError, OSError):
+            return 0
+
+    def clear(self, gpu: str | None = None, stale_after: float = STALE_STAGING_S) -> int:
+        """Remove every artifact and tuning record (or only those of one GPU) and abandoned staging
+        directories; returns how many entries. An invalid manifest is replaced by an empty one (with
+        everything under artifacts/ and tunings/: nothing it names can be trusted)."""
         with self.lock():
+            self._clean_staging(stale_after)
             try:
                 manifest = self.manifest()
             except ArtifactError:
@@ -196,23 +265,32 @@ class ArtifactCache(ArtifactStore):
             gone += [("tunings", n) for n, e in manifest["tunings"].items() if gpu in (None, e.get("gpu"))]
             for section, name in gone:
                 del manifest[section][name]
-            _write_json(self.root / MANIFEST, manifest)
-            for section, name in gone:
-                path = self.artifact_dir(name) if section == "artifacts" else self.tuning_path(name)
-                if path.is_dir():
-                    shutil.rmtree(path, ignore_errors=True)
-                elif path.exists():
-                    path.unlink()
-            if gpu is None:
-                shutil.rmtree(self.root / "staging", ignore_errors=True)
+            self._write_manifest(manifest)
+            for section, name in gone:  # names are checked by the manifest: one component under root
+                _remove(self.artifact_dir(name) if section == "artifacts" else self.tuning_path(name))
         return len(gone)
 
+    def _clean_staging(self, stale_after: float) -> None:
+        """Remove staging dirs whose writer is gone or that are older than `stale_after` seconds."""
+        staging = self.root / "staging"
+        if staging.is_symlink() or not staging.is_dir():
+            _remove(staging)
+            return
+        now = time.time()
+        for path in staging.iterdir():
+            owner = _STAGING_OWNER.fullmatch(path.name)
+            try:
+                age = now - path.lstat().st_mtime
+            except OSError:
+                continue
+            if owner is None or not _pid_alive(int(owner.group(1))) or age > stale_after:
+                _remove(path)
 
     def _reset(self) -> int:
-        """Remove everything under an unreadable manifest (call with the lock held)."""
-        for sub in ("artifacts", "tunings", "staging"):
-            shutil.rmtree(self.root / sub, ignore_errors=True)
-        (self.root / MANIFEST).unlink(missing_ok=True)
+        """Replace an invalid manifest by an empty one (call with the lock held)."""
+        for sub in ("artifacts", "tunings", MANIFEST):
+            _remove(self.root / sub)
+        self._write_manifest(empty_manifest())
         return 0
 
 

@@ -34,7 +34,7 @@ import re
 import struct
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 from .errors import ArtifactError
 
@@ -102,6 +102,18 @@ def slug(mapping: Mapping[str, Any]) -> str:
 
 def safe_name(name: str) -> str:
     return re.sub(r"[^A-Za-z0-9_.-]+", "-", name).strip("-")
+
+
+_ENTRY_NAME = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9_.-]*")
+
+
+def check_entry_name(name: object, where: str) -> str:
+    """An artifact or tuning record name as `safe_name` makes them: one path component, no leading
+    dot (so never '..'). Names come from files a cache copied from another machine may have altered."""
+    if not isinstance(name, str) or not _ENTRY_NAME.fullmatch(name):
+        raise ArtifactError(f"{where}: {name!r} is not an entry name (letters, digits, '_', '.', '-'; "
+                            "no leading dot); the cache is corrupt: clear it with `kvbuffer cache clear`")
+    return name
 
 
 @dataclass(frozen=True)
@@ -315,24 +327,36 @@ class ArtifactStore:
 
     # -- manifest
     def manifest(self) -> dict:
+        if self.root.exists() and not self.root.is_dir():
+            raise ArtifactError(f"the kernel cache {self.root} is not a directory; pass --cache-dir or set "
+                                "KVBUFFER_CACHE_DIR to a directory")
         path = self.root / MANIFEST
         if not path.exists():
-            return {"format": FORMAT, "artifacts": {}, "tunings": {}}
+            return empty_manifest()
+        return _read_checked_json(path, "cache manifest", manifest_problem, self.repair_hint)
+
+    @property
+    def repair_hint(self) -> str:
+        return f"clear it with `kvbuffer cache clear --yes --cache-dir {self.root}` and rebuild"
+
+    def inside(self, rel: str, where: str) -> Path:
+        """root / rel, refused unless it resolves inside the cache root (symlinks and '..' included):
+        a copied cache must never make kvbuffer read or delete anything else."""
+        path = self.root / str(rel)
         try:
-            data = json.loads(path.read_text())
-        except (OSError, ValueError) as e:
-            raise ArtifactError(f"unreadable cache manifest {path}: {e}; clear it with "
-                                f"`kvbuffer cache clear --cache-dir {self.root}` and rebuild") from None
-        if data.get("format") != FORMAT:
-            raise ArtifactError(f"cache manifest {path} has format {data.get('format')}, this kvbuffer "
-                                f"reads format {FORMAT}; clear it with `kvbuffer cache clear` and rebuild")
-        return data
+            inside = path.resolve().is_relative_to(self.root.resolve())
+        except (OSError, RuntimeError):
+            inside = False
+        if not isinstance(rel, str) or Path(rel).is_absolute() or not inside:
+            raise ArtifactError(f"{where}: {rel!r} points outside the cache root {self.root}; the cache is "
+                                f"corrupt: {self.repair_hint}")
+        return path
 
     def artifact_dir(self, name: str) -> Path:
-        return self.root / "artifacts" / name
+        return self.root / "artifacts" / check_entry_name(name, "artifact name")
 
     def tuning_path(self, name: str) -> Path:
-        return self.root / "tunings" / f"{name}.json"
+        return self.root / "tunings" / f"{check_entry_name(name, 'tuning record name')}.json"
 
     # -- verification
     def _check_files(self, section: str, name: str, hint: str) -> dict:
@@ -341,10 +365,13 @@ class ArtifactStore:
         if entry is None:
             raise ArtifactError(f"no {section[:-1]} {name!r} in {self.root / MANIFEST}; {hint}")
         for rel, digest in entry["files"].items():
-            path = self.root / rel
+            path = self.inside(rel, f"{section[:-1]} {name}")
             if not path.is_file():
                 raise ArtifactError(f"{section[:-1]} {name}: {path} is missing; {hint}")
-            actual = sha256_file(path)
+            try:
+                actual = sha256_file(path)
+            except OSError as e:
+                raise ArtifactError(f"{section[:-1]} {name}: cannot read {path} ({e.strerror}); {hint}") from None
             if actual != digest:
                 raise ArtifactError(f"{section[:-1]} {name}: checksum mismatch for {path} (manifest "
                                     f"{digest[:12]}, file {actual[:12]}): truncated or altered; {hint}")
@@ -353,8 +380,14 @@ class ArtifactStore:
     def verify(self, name: str) -> dict:
         """Checksums against the manifest, then the meta's key against the directory name; returns meta."""
         entry = self._check_files("artifacts", name, rebuild_hint(root=self.root))
-        meta = json.loads((self.artifact_dir(name) / META).read_text())
-        key = ArtifactKey.from_json(meta["key"])
+        path = self.artifact_dir(name) / META
+        try:
+            meta = json.loads(path.read_text())
+            key = ArtifactKey.from_json(meta["key"])
+            meta["files"].get(LIBRARY), meta["function"]
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+            raise ArtifactError(f"artifact {name}: unreadable {path} ({type(e).__name__}: {e}); "
+                                f"{rebuild_hint(root=self.root)}") from None
         hint = rebuild_hint(key.gpu, key.shape, self.root)
         if key.name != name:
             raise ArtifactError(f"artifact {name}: its meta.json describes {key.name}; {hint}")
@@ -364,7 +397,10 @@ class ArtifactStore:
         return meta
 
     def status(self, name: str) -> str:
-        return self.manifest()["artifacts"][name]["status"]
+        entry = self.manifest()["artifacts"].get(name)
+        if entry is None:
+            raise ArtifactError(f"no artifact {name!r} in {self.root / MANIFEST}")
+        return entry["status"]
 
     # -- compatibility
     def check_compatible(self, key: ArtifactKey, *, arch: str | None, gpu: str | None = None) -> None:
@@ -392,10 +428,14 @@ class ArtifactStore:
                                 f"{rebuild_hint(key.gpu, key.shape, self.root)}")
 
     # -- loading
-    def load(self, name: str, *, arch: str | None = "local", gpu: str | None = None) -> Artifact:
-        """Verify and load one artifact. arch='local' checks against the local GPU (none: not checked)."""
+    def load(self, name: str, *, arch: str | None = "local", gpu: str | None = None,
+             expect: tuple | None = None) -> Artifact:
+        """Verify and load one artifact. arch='local' checks against the local GPU (none: not checked).
+        expect: (kernel, shape, chunk size, drafts) the caller looked it up for (check_artifact_matches)."""
         meta = self.verify(name)
         key = ArtifactKey.from_json(meta["key"])
+        if expect is not None:
+            check_artifact_matches(key, *expect)
         if arch == "local":
             arch, gpu = _local_arch()
         self.check_compatible(key, arch=arch, gpu=gpu)
@@ -406,8 +446,12 @@ class ArtifactStore:
 
     # -- tunings
     def tuning(self, name: str) -> dict:
-        self._check_files("tunings", name, rebuild_hint(root=self.root))
-        return json.loads(self.tuning_path(name).read_text())
+        """A tuning record, after its checksum and its structure (kvbuffer.tuning.record_problem)."""
+        from .tuning import record_problem
+
+        hint = rebuild_hint(root=self.root)
+        self._check_files("tunings", name, hint)
+        return _read_checked_json(self.tuning_path(name), "tuning record", record_problem, hint)
 
     def find_tuning(self, gpu: str, arch: str, shape: Mapping) -> dict:
         """The tuning record for this GPU and head shape under this process's versions."""
@@ -425,6 +469,63 @@ class ArtifactStore:
             raise ArtifactError(f"kernels for {gpu} {slug(shape)} exist for {found}, not for this "
                                 f"process's {runtime_versions()}; {hint}")
         raise ArtifactError(f"no kernels built for {gpu} ({arch}) {slug(shape)} in {self.root}; {hint}")
+
+
+def _read_checked_json(path: Path, what: str, problem_of: Callable[[object], str | None], hint: str):
+    """JSON from a cache file, or one ArtifactError naming the file, what is wrong, and the fix."""
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        raise ArtifactError(f"unreadable {what} {path}: {e}; {hint}") from None
+    problem = problem_of(data)
+    if problem:
+        raise ArtifactError(f"{what} {path} {problem}; {hint}")
+    return data
+
+
+def empty_manifest() -> dict:
+    return {"format": FORMAT, "artifacts": {}, "tunings": {}}
+
+
+def manifest_problem(data: object) -> str | None:
+    """What makes `data` not a manifest of this format (None: it is one). Every name and field the
+    readers and `cache clear` use is checked here once, so they can index without guarding."""
+    if not isinstance(data, dict):
+        return f"is a JSON {type(data).__name__}, not an object"
+    if data.get("format") != FORMAT:
+        return f"has format {data.get('format')!r}, this kvbuffer reads format {FORMAT}"
+    for section in ("artifacts", "tunings"):
+        entries = data.get(section)
+        if not isinstance(entries, dict):
+            return f"has no {section!r} object"
+        for name, entry in entries.items():
+            try:
+                check_entry_name(name, section)
+            except ArtifactError:
+                return f"names {section[:-1]} {name!r}, which is not a plain entry name"
+            if not isinstance(entry, dict) or entry.get("status") not in STATUSES:
+                return f"{section[:-1]} {name}: needs a 'status' in {STATUSES}"
+            files = entry.get("files")
+            if not isinstance(files, dict) or not all(isinstance(k, str) and isinstance(v, str)
+                                                      for k, v in files.items()):
+                return f"{section[:-1]} {name}: needs 'files' mapping paths to sha256 digests"
+            if section == "tunings" and not (isinstance(entry.get("shape"), dict)
+                                             and isinstance(entry.get("versions"), dict)):
+                return f"tuning record {name}: needs 'shape' and 'versions' objects"
+    return None
+
+
+def check_artifact_matches(key: ArtifactKey, kernel: str, shape: Mapping, chunk_size: int, drafts: int) -> None:
+    """A tuning record names artifacts by name only: the artifact's own key (template, shape, chunk
+    size, buffer layout) must be what the lookup asked for, or an edited record could run one
+    kernel's arguments through another kernel."""
+    want = {"kernel": kernel, "shape": dict(shape), "drafts": drafts}
+    have = {"kernel": key.kernel, "shape": dict(key.shape), "drafts": key.drafts}
+    if have != want or key.chunk_size not in (chunk_size, 0):
+        raise ArtifactError(f"artifact {key.name} is a {key.kernel} kernel for {slug(key.shape)}, chunk size "
+                            f"{key.chunk_size}, {key.drafts} drafts; the tuning record names it for {kernel} "
+                            f"{slug(shape)}, chunk size {chunk_size}, {drafts} drafts: the record is corrupt; "
+                            f"{rebuild_hint(key.gpu, shape)}")
 
 
 def _local_arch() -> tuple[str | None, str | None]:

@@ -81,3 +81,68 @@ def same_dtype(pairs: Sequence[tuple[str, torch.Tensor]]) -> torch.dtype:
     if first.dtype not in FLOAT_DTYPES:
         raise DTypeError(f"{first_name} must be a floating tensor, got {first.dtype}")
     return first.dtype
+
+
+def check_param(name: str, t: object, size: int, device: torch.device) -> torch.Tensor:
+    """A per-head layer parameter (A_log, dt_bias, D) or per-channel bias: exactly (size,). A (1,)
+    tensor would broadcast silently to every head, so it is refused like any other size."""
+    return check_tensor(name, t, (size,), FLOAT_DTYPES, device)
+
+
+def check_heads(state: object, name: str, t: object) -> tuple[tuple[int, ...], int, torch.device]:
+    """The state pool (num_slots, H, K, V) and a per-token tensor (..., H, V) named `name` (v, or
+    Mamba-2's x): returns (its leading dims, H, the pool's device) for the per-head gates."""
+    check_tensor("state", state, (None, None, None, None), (torch.float32, torch.float64))
+    check_tensor(name, t, dtypes=FLOAT_DTYPES)
+    lead, (_, H, _, V) = tuple(t.shape[:-2]), state.shape
+    check_tensor(name, t, lead + (H, V), device=state.device)
+    return lead, H, state.device
+
+
+def check_same_device(tensors: dict) -> None:
+    """Every tensor argument of one op on one device (None entries skipped). A `meta` tensor among
+    real ones would route the call to the shape-only fake, which returns uninitialised memory."""
+    named = [(n, t) for n, t in tensors.items() if isinstance(t, torch.Tensor)]
+    if not named:
+        return
+    first_name, first = named[0]
+    for name, t in named[1:]:
+        if t.device != first.device:
+            raise DeviceError(f"{name} is on {t.device}, but {first_name} is on {first.device}; every tensor of "
+                              "the call must be on one device")
+
+
+def check_no_overlap(name: str, t: torch.Tensor) -> None:
+    """A pool tensor the op writes must not alias itself: an expanded (stride-0) or overlapping view
+    would make the writes of different slots land on the same memory. Metadata only."""
+    reach = 0  # the furthest element offset the smaller-stride axes reach
+    for stride, size in sorted((abs(st), sz) for st, sz in zip(t.stride(), t.shape) if sz > 1):
+        if stride <= reach:
+            raise ShapeError(f"{name} has overlapping memory (strides {tuple(t.stride())} for shape "
+                             f"{tuple(t.shape)}; an expanded view?): pass a tensor that owns each element, "
+                             "e.g. .clone()")
+        reach += stride * (size - 1)
+
+
+def check_disjoint(tensors: dict) -> None:
+    """Pool tensors an op writes must each own their memory and not share any with another
+    (e.g. buf_k and buf_v two views of one tensor): one write would clobber the other.
+    Metadata only (storage identity and offsets), so fake tensors are checked too."""
+    seen = []
+    for name, t in tensors.items():
+        if not isinstance(t, torch.Tensor):
+            continue
+        check_no_overlap(name, t)
+        span = _byte_span(t)
+        for other, o, o_span in seen:
+            if torch._C._is_alias_of(t, o) and span[0] < o_span[1] and o_span[0] < span[1]:
+                raise ShapeError(f"{name} and {other} share memory; each pool tensor must be its own allocation")
+        seen.append((name, t, span))
+
+
+def _byte_span(t: torch.Tensor) -> tuple[int, int]:
+    """[first, last + 1) bytes of t within its storage."""
+    start = t.storage_offset() * t.element_size()
+    if not t.numel():
+        return start, start
+    return start, start + t.element_size() * (1 + sum(s * (n - 1) for s, n in zip(t.stride(), t.shape)))

@@ -12,7 +12,8 @@ import bisect
 from dataclasses import dataclass
 from typing import Mapping
 
-from .artifacts import safe_name, sha256_json, slug
+from .artifacts import check_entry_name, safe_name, sha256_json, slug
+from .errors import ArtifactError
 
 TUNING_FORMAT = 1
 SHAPE_DTYPES = ("bfloat16", "float16", "float32")
@@ -89,6 +90,33 @@ def tuning_key(gpu: str, arch: str, shape: Mapping, versions: Mapping) -> dict:
 def tuning_name(gpu: str, arch: str, shape: Mapping, versions: Mapping) -> str:
     key = tuning_key(gpu, arch, shape, versions)
     return safe_name(f"{gpu}_{arch}_{slug(shape)}") + "-" + sha256_json(key)[:16]
+
+
+def record_problem(record: object) -> str | None:
+    """What makes `record` not a tuning record `select` can read (None: it is one). Records come from
+    a cache that may have been copied or edited; every winner must name an artifact by a plain name."""
+    if not isinstance(record, dict):
+        return f"is a JSON {type(record).__name__}, not an object"
+    policy = record.get("chunk_policy")
+    if not isinstance(policy, dict) or not isinstance(policy.get("buckets"), dict):
+        return "has no 'chunk_policy' with 'buckets'"
+    try:
+        ChunkPolicy.from_json(policy)
+    except (KeyError, TypeError, ValueError) as e:
+        return f"has an invalid chunk_policy ({e})"
+    winners = record.get("winners")
+    if not isinstance(winners, list):
+        return "has no 'winners' list"
+    fields = {"kernel": str, "batch_bucket": int, "chunk_size": int, "artifact": str}
+    for i, w in enumerate(winners):
+        if not isinstance(w, dict) or not all(isinstance(w.get(f), t) for f, t in fields.items()) \
+                or not isinstance(w.get("drafts", 0), int):
+            return f"winner {i}: needs {', '.join(fields)} (and an int 'drafts')"
+        try:
+            check_entry_name(w["artifact"], f"winner {i}")
+        except ArtifactError as e:
+            return str(e).split(";")[0]
+    return None
 
 
 def select(record: Mapping, kernel: str, batch: int, chunk_size: int | None = None,

@@ -114,14 +114,14 @@ def _load_artifact(key: KernelKey, shape: dict, template: str, batch: int) -> Co
     missing = None
     for chunk, drafts in key.layouts():
         try:
-            name, _ = select(record, template, batch, chunk, drafts)
+            name, chunk = select(record, template, batch, chunk, drafts)
             break
         except KeyError as e:
             missing = missing or e.args[0]
     else:
         raise ArtifactError(f"{missing} ({template}); {hint}")
     if name not in _LOADED:
-        artifact = store.load(name, arch=gpu.arch, gpu=gpu.name)
+        artifact = store.load(name, arch=gpu.arch, gpu=gpu.name, expect=(template, shape, chunk, drafts))
         log.info("kvbuffer.kernels: %s from artifact %s", template, name)
         _LOADED[name] = CompiledOp(artifact.fn, key.compiled_kind(), key.launch_params(artifact.key.tunables))
     return _LOADED[name]

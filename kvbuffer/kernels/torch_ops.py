@@ -21,23 +21,28 @@ conv1d_accept keeps the first accepted[b] drafts of each row.
 CPU: the pure-torch reference (with its checks). CUDA: kvbuffer.kernels.launch, which looks the
 compiled kernel up (kvbuffer.kernels.lookup: artifact, else JIT when allowed, else ArtifactError)
 and runs the validating launcher; during CUDA-graph capture the launch is direct. Every op has a
-fake (meta) implementation for torch.compile and export. The op names and schemas are a public
+fake (meta) implementation for torch.compile and export. The checks that read no tensor data
+(one device for every tensor, shapes, dtypes, parameter sizes, pools that alias) run in the fakes
+and before every CUDA launch too, so a `meta` tensor among real ones is a DeviceError, never the
+fake's uninitialised output. The op names and schemas are a public
 interface: integrations build on them.
 """
 
 from __future__ import annotations
 
+import inspect
 from typing import Optional
 
 import torch
 
-from ..errors import ShapeError
+from ..checks import INDEX_DTYPES, check_same_device, check_slots, check_tensor, check_unique
+from ..errors import BufferOverflowError
 from ..reference import conv as ref_conv
 from ..reference import core as ref_core
 from ..reference import gdn as ref_gdn
 from ..reference import mamba2 as ref_mamba2
 from . import launch
-from .keys import check_conv_mode
+from .keys import CONV_UPDATE_KINDS
 
 
 # ----------------------------------------------------------------------------------------------
@@ -68,7 +73,7 @@ def gdn_buffered_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: torc
                       buf_k: torch.Tensor, buf_v: torch.Tensor, buf_g: torch.Tensor, buffer_slots: torch.Tensor,
                       lengths: torch.Tensor, flush_at: int) -> torch.Tensor:
     """reference.gdn.buffered_step(flush_at): q, k (B, Hk, K), v (B, Hv, V), a, b (B, Hv) -> o (B, Hv, V)."""
-    u = lambda t: t.unsqueeze(1)  # noqa: E731
+    u = lambda t: None if t is None else t.unsqueeze(1)  # noqa: E731  (None: the reference names it)
     return _gdn_buffered_cpu(u(q), u(k), u(v), u(a), u(b), A_log, dt_bias, state, state_slots, buf_k, buf_v, buf_g,
                              buffer_slots, lengths, flush_at)[:, 0]
 
@@ -138,49 +143,62 @@ def mamba2_flush(state: torch.Tensor, state_slots: torch.Tensor, buf_k: torch.Te
 
 
 # ----------------------------------------------------------------------------------------------
-# fake (meta) implementations: output shapes only, for torch.compile and export
+# the checks that read no tensor data: run by the fakes and before every CUDA launch
 
 
-@gdn_recurrent_step.register_fake
-def _(q, k, v, a, b, A_log, dt_bias, state, state_slots):
-    return torch.empty_like(v)
+def _meta_checks(name: str, args: dict) -> None:
+    """Devices, shapes, dtypes, parameter sizes and pool aliasing of one call of op `name`.
+
+    A fake (meta) implementation cannot read slots or fills, but it must still refuse what the
+    real op refuses: a `meta` slots tensor among CPU ones routes the call here, and returning
+    empty memory for it would be a silently wrong result.
+    """
+    check_same_device(args)
+    if name.startswith("conv1d"):
+        return _conv_meta_checks(name, args)
+    state = args["state"]
+    if name.endswith("flush"):
+        ref_core.check_flush_shapes(state, args["buf_k"], args["buf_v"], args["buf_g"])
+        batch = args["buffer_slots"]
+    else:
+        if name.startswith("gdn"):
+            ref_gdn.check_gates(state, args["v"], args["a"], args["b"], args["A_log"], args["dt_bias"])
+            q, k, v, g = args["q"], args["k"], args["v"], args["a"]
+        else:
+            ref_mamba2.check_gates(state, args["x"], args["dt"], args["A_log"], args["dt_bias"], args["B"],
+                                   args["C"], args["D"], args.get("z"))
+            q, k, v, g = args["C"], args["B"], args["x"], args["dt"]
+        buffers = None if name.endswith("recurrent_step") else (args["buf_k"], args["buf_v"], args["buf_g"])
+        ref_core.check_shapes(q, k, v, g, None, state, buffers, with_time=name.endswith("verify"))
+        batch = q
+    check_tensor("state_slots", args["state_slots"], (batch.shape[0],), INDEX_DTYPES)
+    for rows in ("buffer_slots", "lengths"):
+        if rows in args:
+            check_tensor(rows, args[rows], (batch.shape[0],), INDEX_DTYPES)
 
 
-@gdn_buffered_step.register_fake
-def _(q, k, v, a, b, A_log, dt_bias, state, state_slots, buf_k, buf_v, buf_g, buffer_slots, lengths, flush_at):
-    return torch.empty_like(v)
+def _conv_meta_checks(name: str, args: dict) -> None:
+    conv_state, slots = args["conv_state"], args["slots"]
+    if name == "conv1d_accept":
+        ref_conv.check_accept_shapes(conv_state, slots, args["accepted"], args["width"])
+        return
+    if args["kind"] not in CONV_UPDATE_KINDS:  # (check_conv_mode names the launchers' `mode`)
+        raise ValueError(f"kind must be one of {tuple(CONV_UPDATE_KINDS)} (the conv mode), got {args['kind']!r}")
+    x = args["x"]
+    _, W, span = ref_conv.check_shapes(x, conv_state, args["weight"], args["bias"], with_time=True)
+    check_tensor("slots", slots, (x.shape[0],), INDEX_DTYPES)
+    if args["kind"] == "verify" and W - 1 + x.shape[1] > span:
+        raise BufferOverflowError(f"{x.shape[1]} drafts do not fit the conv state's {span - (W - 1)} pending "
+                                  "positions")
 
 
-@gdn_verify.register_fake
-def _(q, k, v, a, b, A_log, dt_bias, state, state_slots, buf_k, buf_v, buf_g, buffer_slots, lengths, flush_at=0):
-    return torch.empty_like(v)
-
-
-@mamba2_recurrent_step.register_fake
-def _(x, dt, A_log, dt_bias, B, C, D, state, state_slots, z=None):
-    return torch.empty_like(x)
-
-
-@mamba2_buffered_step.register_fake
-def _(x, dt, A_log, dt_bias, B, C, D, state, state_slots, buf_k, buf_v, buf_g, buffer_slots, lengths, flush_at,
-      z=None):
-    return torch.empty_like(x)
-
-
-@mamba2_verify.register_fake
-def _(x, dt, A_log, dt_bias, B, C, D, state, state_slots, buf_k, buf_v, buf_g, buffer_slots, lengths, flush_at=0,
-      z=None):
-    return torch.empty_like(x)
-
-
-@gdn_flush.register_fake
-def _(state, state_slots, buf_k, buf_v, buf_g, buffer_slots, lengths):
-    return None
-
-
-@mamba2_flush.register_fake
-def _(state, state_slots, buf_k, buf_v, buf_g, buffer_slots, lengths):
-    return None
+def _fake(name: str, output: str | None):
+    """The fake of op `name`: the metadata checks, then an empty tensor shaped like `output`."""
+    def fake(*args, **kwargs):
+        bound = _bind(name, args, kwargs)
+        _meta_checks(name, bound)
+        return None if output is None else torch.empty_like(bound[output])
+    return fake
 
 
 @torch.library.custom_op("kvbuffer::conv1d_update", mutates_args=("conv_state",), device_types="cpu")
@@ -190,13 +208,12 @@ def conv1d_update(x: torch.Tensor, conv_state: torch.Tensor, slots: torch.Tensor
 
     kind: "advance" or "verify" (the mode; torch's auto-functionalization reserves the name `mode`).
     """
-    mode = kind
-    check_conv_mode(mode)
-    _, _, W, span = ref_conv._check(x, conv_state, slots, weight, with_time=True)
+    _conv_meta_checks("conv1d_update", dict(x=x, conv_state=conv_state, slots=slots, weight=weight, bias=bias,
+                                            kind=kind))
+    check_slots("slots", slots, x.shape[0], conv_state.shape[0], conv_state.device)
+    check_unique("slots", slots)
     act = "silu" if silu else None
-    if mode == "verify":
-        if W - 1 + x.shape[1] > span:
-            raise ShapeError(f"{x.shape[1]} drafts do not fit the conv state's {span - (W - 1)} pending positions")
+    if kind == "verify":
         out = ref_conv.verify_rows(x, conv_state, slots, weight, bias, act)
     elif x.shape[1] == 1:
         out = ref_conv.step_rows(x[:, 0], conv_state, slots, weight, bias, act)[:, None]
@@ -205,20 +222,10 @@ def conv1d_update(x: torch.Tensor, conv_state: torch.Tensor, slots: torch.Tensor
     return out.contiguous()  # the fake's layout
 
 
-@conv1d_update.register_fake
-def _(x, conv_state, slots, weight, bias=None, kind="advance", silu=True):
-    return torch.empty_like(x)
-
-
 @torch.library.custom_op("kvbuffer::conv1d_accept", mutates_args=("conv_state",), device_types="cpu")
 def conv1d_accept(conv_state: torch.Tensor, slots: torch.Tensor, accepted: torch.Tensor, width: int) -> None:
     """reference.conv.conv_accept: each real row keeps its first accepted[b] pending drafts."""
     ref_conv.conv_accept(conv_state, slots, accepted, width)
-
-
-@conv1d_accept.register_fake
-def _(conv_state, slots, accepted, width):
-    return None
 
 
 # ----------------------------------------------------------------------------------------------
@@ -231,6 +238,29 @@ _BY_NAME = {
     "conv1d_update": conv1d_update, "conv1d_accept": conv1d_accept,
 }
 OPS = tuple(_BY_NAME)
+_OUTPUTS = {name: ("x" if name.startswith("mamba2") else "v") for name in OPS}
+_OUTPUTS.update(gdn_flush=None, mamba2_flush=None, conv1d_update="x", conv1d_accept=None)
+_PARAMS = {name: tuple(inspect.signature(op._init_fn).parameters.values()) for name, op in _BY_NAME.items()}
+
+
+def _bind(name: str, args: tuple, kwargs: dict) -> dict:
+    """The call's arguments by name, defaults included (a zip over the schema: cheap per call)."""
+    bound = {p.name: p.default for p in _PARAMS[name][len(args):]}
+    bound.update(zip((p.name for p in _PARAMS[name]), args))
+    bound.update(kwargs)
+    return bound
+
+
+def _checked_launch(name: str):
+    """The CUDA implementation of op `name`: the metadata checks (no device reads), then the launch."""
+    launch_fn = launch.CUDA_LAUNCHES[name]
+
+    def cuda_impl(*args, **kwargs):
+        _meta_checks(name, _bind(name, args, kwargs))
+        return launch_fn(*args, **kwargs)
+    return cuda_impl
+
 
 for _name, _op in _BY_NAME.items():
-    _op.register_kernel("cuda")(launch.CUDA_LAUNCHES[_name])
+    _op.register_fake(_fake(_name, _OUTPUTS[_name]))
+    _op.register_kernel("cuda")(_checked_launch(_name))

@@ -38,6 +38,7 @@ from ..checks import (
     FLOAT_DTYPES,
     INDEX_DTYPES,
     check_capacity,
+    check_disjoint,
     check_slots,
     check_tensor,
     check_unique,
@@ -91,6 +92,8 @@ def _check_tokens(q, k, v, g, beta, state, *, with_time: bool):
     B = q.shape[0]
     T = q.shape[1] if with_time else 1
     Hk = q.shape[lead]
+    if with_time and T == 0:
+        raise ShapeError(f"q must hold at least one token per row: got shape {tuple(q.shape)} (T = 0)")
     head = [B, T] if with_time else [B]
     check_tensor("k", k, head + [Hk, K], FLOAT_DTYPES, dev)
     check_tensor("v", v, head + [Hv, V], FLOAT_DTYPES, dev)
@@ -99,6 +102,7 @@ def _check_tokens(q, k, v, g, beta, state, *, with_time: bool):
         check_tensor("beta", beta, head + [Hv], FLOAT_DTYPES, dev)
     if Hk == 0 or Hv % Hk:
         raise ShapeError(f"value heads ({Hv}) must be a multiple of key heads ({Hk})")
+    check_disjoint({"state": state})
     return B, T, Hk, Hv, K, V
 
 
@@ -109,7 +113,24 @@ def _check_buffer(buf_k, buf_v, buf_g, state, Hk, Hv, K, V):
     n_slots, cap = buf_k.shape[:2]
     check_tensor("buf_v", buf_v, (n_slots, cap, Hv, V), (buf_k.dtype,), dev)
     check_tensor("buf_g", buf_g, (n_slots, cap, Hv), (torch.float32, torch.float64), dev)
+    check_disjoint({"state": state, "buf_k": buf_k, "buf_v": buf_v, "buf_g": buf_g})
     return n_slots, cap
+
+
+def check_shapes(q, k, v, g, beta, state, buffers=None, *, with_time: bool) -> None:
+    """The metadata-only part of the checks (shapes, dtypes, devices, pool aliasing): what a fake
+    (meta) implementation can check, since slot values and fills cannot be read there."""
+    _, _, Hk, Hv, K, V = _check_tokens(q, k, v, g, beta, state, with_time=with_time)
+    if buffers is not None:
+        _check_buffer(*buffers, state, Hk, Hv, K, V)
+
+
+def check_flush_shapes(state, buf_k, buf_v, buf_g) -> int:
+    """flush's metadata-only checks (see check_shapes); returns the number of buffer slots."""
+    check_tensor("state", state, (None, None, None, None), (torch.float32, torch.float64))
+    _, Hv, K, V = state.shape
+    check_tensor("buf_k", buf_k, (None, None, None, K), FLOAT_DTYPES, state.device)
+    return _check_buffer(buf_k, buf_v, buf_g, state, buf_k.shape[2], Hv, K, V)
 
 
 def _check_rows(state, state_slots, buffer_slots, lengths, B, n_buffer_slots):
@@ -288,12 +309,8 @@ def flush(state, state_slots, buf_k, buf_v, buf_g, buffer_slots, lengths):
     entries but the null state slot is an error: the caller allocates (zeroed) state first. The
     caller then resets those rows' lengths to 0 (BufferPool.reset).
     """
-    check_tensor("state", state, (None, None, None, None), (torch.float32, torch.float64))
-    _, Hv, K, V = state.shape
-    check_tensor("buf_k", buf_k, (None, None, None, K), FLOAT_DTYPES, state.device)
-    Hk = buf_k.shape[2]
-    n_slots, cap = _check_buffer(buf_k, buf_v, buf_g, state, Hk, Hv, K, V)
-    B = buffer_slots.shape[0] if isinstance(buffer_slots, torch.Tensor) else -1
+    n_slots, cap = check_flush_shapes(state, buf_k, buf_v, buf_g)
+    B = buffer_slots.shape[0] if isinstance(buffer_slots, torch.Tensor) and buffer_slots.dim() else -1
     _check_rows(state, state_slots, buffer_slots, lengths, B, n_slots)
     check_capacity(lengths, buffer_slots >= 0, 0, cap)
     active = (buffer_slots >= 0) & (lengths > 0)
@@ -301,7 +318,7 @@ def flush(state, state_slots, buf_k, buf_v, buf_g, buffer_slots, lengths):
         raise SlotError("flush of a row with buffered entries but no state slot: allocate a state first")
     if not bool(active.any()):
         return
-    dt = state.dtype
+    dt, Hv = state.dtype, state.shape[1]
     keys, vals, logd, filled = _read_buffer(buf_k, buf_v, buf_g, buffer_slots, lengths, Hv, dt)
     G_last = _last_log_decay(logd, lengths)  # (B, Hv)
     w = _masked_weights(G_last[:, None, :], logd, filled[..., None])  # (B, cap, Hv)
