@@ -9,7 +9,7 @@ import torch
 
 from kvbuffer.errors import DeviceError, ShapeError
 from kvbuffer.kernels import lookup
-from op_calls import OPS, call_op, snapshot, unchanged, valid_call
+from tests.support.op_calls import OPS, call_op, snapshot, unchanged, valid_call
 
 pytestmark = pytest.mark.gpu
 

@@ -12,7 +12,7 @@ from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 from kvbuffer.errors import KVBufferError
-from op_calls import OPS, POOLS, call_op, call_reference, cloned, snapshot, unchanged, valid_call
+from tests.support.op_calls import OPS, POOLS, call_op, call_reference, cloned, snapshot, unchanged, valid_call
 
 BOUNDED = settings(max_examples=1200, deadline=None, derandomize=True, database=None,
                    suppress_health_check=[HealthCheck.too_slow])

@@ -22,8 +22,8 @@ from kvbuffer.cli.main import main
 from kvbuffer.errors import ArtifactError
 from kvbuffer.kernels.keys import GDNDims, KernelKey
 from kvbuffer.tuning import tuning_name
-from test_artifacts import SHAPE, make_key, put
-from test_cache_hardening import record_for, winner
+from tests.kernels.test_artifacts import SHAPE, make_key, put
+from tests.kernels.test_cache_hardening import record_for, winner
 
 BOUNDED = settings(max_examples=200, deadline=None, derandomize=True, database=None,
                    suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from kvbuffer.errors import BufferOverflowError, DeviceError, ShapeError
-from op_calls import OPS, call_op, call_reference, cloned, snapshot, unchanged, valid_call
+from tests.support.op_calls import OPS, call_op, call_reference, cloned, snapshot, unchanged, valid_call
 
 
 def make(name: str, seed: int = 0, **want) -> dict:

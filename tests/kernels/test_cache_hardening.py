@@ -17,7 +17,7 @@ from kvbuffer.cli.main import main
 from kvbuffer.errors import ArtifactError
 from kvbuffer.tuning import ChunkPolicy
 
-from test_artifacts import SHAPE, make_key, put
+from tests.kernels.test_artifacts import SHAPE, make_key, put
 
 BAD_MANIFESTS = {
     "not-json": "{not json",
