@@ -264,18 +264,25 @@ def _family_templates(f: _Family) -> list[Template]:
     def recurrent(shape, chunk_size, *, target, **t):
         return _compile(f.recurrent(**f.dims(shape), in_dtype=shape["dtype"], **t), target)
 
+    flush_defaults = builder_defaults(f.flush, ("BV", "threads"))
+    recurrent_defaults = builder_defaults(f.recurrent, ("BV", "threads"))
     chunks = [variant(f"prefill_chunk{T}", T, True, folding, min_chunk=T) for T in PREFILL_CHUNKS]
     return chunks + [
         variant("buffered_step", 1, True, folding),
         variant("verify", None, False, _buffered_reference(f.reference_module, f.front, f.first_pool, flush=False),
              min_drafts=1),
-        Template(f"{f.name}_flush", f.name, flush, f.tiles.get_flush_configs,
-                 builder_defaults(f.flush, ("BV", "threads")), _flush_inputs, _flush_reference, _run, src,
-                 layouts=True),
-        Template(f"{f.name}_recurrent", f.name, recurrent, f.tiles.get_recurrent_configs,
-                 builder_defaults(f.recurrent, ("BV", "threads")), f.recurrent_inputs, f.recurrent_reference, _run,
-                 src, uses_chunk=False),
+        Template(f"{f.name}_flush", f.name, flush, f.tiles.get_flush_configs, flush_defaults, _flush_inputs,
+                 _flush_reference, _run, src, layouts=True, fitted=_value_tile_fitted(flush_defaults)),
+        Template(f"{f.name}_recurrent", f.name, recurrent, f.tiles.get_recurrent_configs, recurrent_defaults,
+                 f.recurrent_inputs, f.recurrent_reference, _run, src, uses_chunk=False,
+                 fitted=_value_tile_fitted(recurrent_defaults)),
     ]
+
+
+def _value_tile_fitted(defaults: Mapping) -> Callable[[Mapping], dict]:
+    """Defaults whose value tile BV is narrowed to the head's V (a tiny model's V = 16 < BV = 32),
+    as the JIT's tunables are (kvbuffer.kernels.lookup.jit_tunables)."""
+    return lambda shape: {**defaults, "BV": min(defaults["BV"], shape["V"])}
 
 
 def gdn_templates() -> list[Template]:

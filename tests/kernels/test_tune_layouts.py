@@ -258,3 +258,15 @@ def test_a_measured_record_without_a_policy_kernel_is_tuned():
     assert conv["status"] == "tuned"  # no kernel of it decides C, so its untuned policy does not matter
     gdn, _ = merge_records(None, _record([("gdn_buffered_step", 16, 0, 3.0)]))
     assert gdn["status"] == "untuned"  # measured winners, but the chunk size was not chosen by measurement
+
+
+@pytest.mark.parametrize("family", ["gdn", "mamba2"])
+def test_untuned_defaults_fit_small_value_heads(family):
+    """A tiny model's value heads (V = 16) are narrower than the templates' measured-best value tile:
+    every template's untuned defaults (what `tune --build-only` and the first-use build compile) narrow
+    BV to V, as the JIT's tunables do."""
+    from kvbuffer.autotune.registry import gdn_templates, mamba2_templates
+
+    shape = {"family": family, "Hk": 2, "Hv": 4, "K": 16, "V": 16, "dtype": "bfloat16"}
+    for tpl in gdn_templates() if family == "gdn" else mamba2_templates():
+        assert tpl.defaults_for(shape)["BV"] <= 16, tpl.name
