@@ -72,10 +72,11 @@ def _recurrent_verify(inputs: LinearInputs, batch, caches, layer):
     scratch = caches.states.layer(layer)[batch.state_slots.clamp(min=0).long()].clone()
     rows = torch.where(real, torch.arange(batch.num_rows, dtype=torch.int32, device=scratch.device),
                        torch.full_like(batch.slots, -1))
+    slots = batch.slots.clamp(min=0).long()
     outs = []
-    for i in range(batch.num_tokens):
+    for i in range(batch.num_tokens):  # put_rows: padding rows write nothing, with no host sync (CUDA graphs)
         outs.append(batch.backend.recurrent_step(per_token(inputs, _token(i)), scratch, rows))
-        caches.draft_states[layer][batch.slots[real].long(), i] = scratch[real]
+        put_rows(caches.draft_states[layer], (slots, torch.full_like(slots, i)), scratch, real)
     return torch.stack(outs, 1)
 
 
