@@ -14,6 +14,7 @@ import torch
 from ..runtime.backend import REFERENCE, Backend
 from ..runtime.batch import ForwardBatch
 from ..runtime.caches import CacheSpec, ModelCaches
+from .compiled import COMPILED_PHASES, compile_forward
 from .graphs import PREFILL_GRAPH_TOKENS, StepGraphs, StepInputs, row_bucket, split_view, step_columns
 from .request import Request
 
@@ -25,16 +26,17 @@ class ModelRunner:
     ForwardBatch; the runner's own flushes and conv accepts go through it too. cuda_graphs: capture
     the decode, verify and short prefill forwards (CUDA with the compiled kernels, or no linear
     layers: the reference ops read the device back, which a capture forbids); a forward whose
-    capture fails runs eagerly from then on, logged once. compile: a callable that wraps the model
-    forward (kvbuffer.engine.compiled), applied to every forward, graphed or not."""
+    capture fails runs eagerly from then on, logged once. compile: run the decode and verify forwards
+    compiled (kvbuffer.engine.compiled), graphed or not; a compile that fails during a capture
+    (padding rows only: nothing written) falls back to the uncompiled forward, logged once."""
 
     def __init__(self, model, spec: CacheSpec, *, mode: str, device, dtype, buffer_dtype=None,
-                 backend: Backend = REFERENCE, cuda_graphs: bool = False, compile=None):
+                 backend: Backend = REFERENCE, cuda_graphs: bool = False, compile: bool = False):
         self.model, self.spec, self.mode = model, spec, mode
         self.device, self.backend = device, backend
         self.caches = ModelCaches(spec, device=device, dtype=dtype, buffer_dtype=buffer_dtype)
         self.has_linear = spec.num_linear_layers > 0
-        self._model_forward = compile(model) if compile is not None else model
+        self.compiled = compile_forward(model) if compile else None
         self.inputs = StepInputs(spec.max_requests, torch.device(device))
         self.use_graphs(cuda_graphs)
 
@@ -96,7 +98,8 @@ class ModelRunner:
         return self._forward(*self._view_batch(phase, tokens, view, context_len, fill), **self._hidden(want_hidden))
 
     def _forward(self, ids, batch: ForwardBatch, **kw):
-        return self._model_forward(ids, batch, self.caches, **kw)
+        fn = self.compiled if self.compiled is not None and batch.phase in COMPILED_PHASES else self.model
+        return fn(ids, batch, self.caches, **kw)
 
     def _replayed(self, graphs: StepGraphs | None, columns, context_len: int, *extra):
         """The forward's outputs from its CUDA graph, or None: no graphs, or a capture that failed
@@ -107,8 +110,13 @@ class ModelRunner:
             return graphs.run(columns, context_len, *extra)
         except RuntimeError as e:
             cause = e.__context__ or e  # the error inside the capture, not capture_end's follow-up
+            if self.compiled is not None:  # the warm-up and the capture saw padding rows only: retry uncompiled
+                log.warning("kvbuffer: the compiled forward failed during a CUDA graph capture, running the "
+                            "forwards uncompiled from now on: %s", _first_line(cause))
+                self.compiled = None
+                return self._replayed(graphs, columns, context_len, *extra)
             log.warning("kvbuffer: CUDA graph capture of a %d-token forward failed, running it eagerly from now "
-                        "on: %s", graphs.inputs.tokens, str(cause).splitlines()[0] if str(cause) else repr(cause))
+                        "on: %s", graphs.inputs.tokens, _first_line(cause))
             graphs.enabled = False
             return None
 
@@ -248,3 +256,7 @@ class ModelRunner:
                                slots, fills)
         for r in reqs:
             buffers.reset(r.slot)
+
+
+def _first_line(e: BaseException) -> str:
+    return str(e).splitlines()[0] if str(e) else repr(e)
