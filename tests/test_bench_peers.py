@@ -104,3 +104,18 @@ def test_peers_backend_refuses_the_buffered_scheme():
 
         z = torch.zeros(1, 1, 1)
         PeersBackend().recurrent_step(GDNInputs(z, z, z, z[0], z[0], z[0, 0], z[0, 0]), z, torch.zeros(1))
+
+
+@pytest.mark.parametrize("found", ["standins", "missing"])
+def test_e2e_peers_rows(monkeypatch, capsys, found):
+    """bench decode with mode "peers": rows on the stand-ins; with the package missing, one line and no rows."""
+    from kvbuffer.bench import e2e
+
+    peers = {"gdn": fla_standin, "mamba2": ssu_standin} if found == "standins" else {"gdn": None, "mamba2": None}
+    monkeypatch.setattr(e2e, "load_peers", lambda: peers)
+    model = e2e.random_model("tiny-qwen", "cpu", torch.float32)
+    rows = e2e.bench_decode(model, batches=(3,), modes=("recurrent", "peers"), prompt_len=12, new_tokens=4,
+                            chunk_size=6, device="cpu")
+    assert [r["mode"] for r in rows] == (["recurrent", "peers"] if found == "standins" else ["recurrent"])
+    if found == "missing":
+        assert "peers: rows skipped (FLA (fla-core) is not installed)" in capsys.readouterr().out
