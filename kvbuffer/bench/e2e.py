@@ -72,6 +72,7 @@ def random_prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int]
 def release(device) -> None:
     """Hand a freed engine's memory back before the next one is built (the caller has `del`ed it)."""
     gc.collect()
+    torch._dynamo.reset()  # the next engine's compiled forward starts afresh (its pools differ in size)
     if torch.device(device).type == "cuda":
         torch.cuda.empty_cache()
 

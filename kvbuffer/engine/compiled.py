@@ -6,7 +6,9 @@ and their residual adds, the q/k/v split and its copies, gates, rotary, MoE rout
 them into a few kernels; kvbuffer's kernels stay graph nodes as the `torch.ops.kvbuffer.*` custom
 ops (their fakes trace them; kvbuffer.kernels.launch.engine_rows calls the op while compiling). The
 compiled forward runs inside kvbuffer's own CUDA graphs (StepGraphs), so Inductor's own graphs are
-off (mode "default"), and its shapes are dynamic: one compilation serves every row and context bucket.
+off (mode "default"). Dynamo keeps its compilations per model class (the forward's code): engines
+built one after another in one process add to that cache (torch._dynamo.reset() between them, as
+kvbuffer.bench.e2e does, starts afresh).
 Prefill stays uncompiled: a chunk's buffer fill is a host value its chunk plan depends on, so every
 fill would compile anew, for launches a long chunk does not wait on.
 """
@@ -34,14 +36,15 @@ def use_compile(option, device: torch.device, cuda_graphs: bool) -> bool:
     return option
 
 
-# Inductor's auto_functionalized_v2 with dynamic shapes, for a custom op that mutates views of one
-# pool (every layer's state, buffers), returned wrong outputs and mutations in torch 2.13 (CPU; the
-# first version does not: tests/test_engine_graphs.py checks it).
-_INDUCTOR_OPTIONS = {"enable_auto_functionalized_v2": False}
+def compile_forward(model: torch.nn.Module, caches):
+    """The model's forward compiled by Inductor (graph breaks allowed: a path that cannot be traced
+    runs eagerly between compiled parts).
 
-
-def compile_forward(model: torch.nn.Module):
-    """The model's forward compiled by Inductor with dynamic shapes (graph breaks allowed: a path
-    that cannot be traced runs eagerly between compiled parts)."""
+    Shapes are static at first and turn dynamic where they change (rows, the attention window), so
+    a few compilations serve every bucket. The caches' tensors are marked static: their sizes never
+    change within an engine, and with dynamic pool sizes Inductor (torch 2.13) got the mutations of
+    the custom ops on views of one pool wrong (tests/test_engine_graphs.py)."""
+    for t in caches.tensors().values():
+        torch._dynamo.mark_static(t)
     log.info("kvbuffer: the decode and verify forwards are compiled (torch.compile, Inductor)")
-    return torch.compile(model, dynamic=True, options=dict(_INDUCTOR_OPTIONS))
+    return torch.compile(model)

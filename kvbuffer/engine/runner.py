@@ -36,7 +36,7 @@ class ModelRunner:
         self.device, self.backend = device, backend
         self.caches = ModelCaches(spec, device=device, dtype=dtype, buffer_dtype=buffer_dtype)
         self.has_linear = spec.num_linear_layers > 0
-        self.compiled = compile_forward(model) if compile else None
+        self.compiled = compile_forward(model, self.caches) if compile else None
         self.inputs = StepInputs(spec.max_requests, torch.device(device))
         self.use_graphs(cuda_graphs)
 
