@@ -85,8 +85,9 @@ def attention(q, k, v, batch: ForwardBatch, caches: ModelCaches, layer: int, sca
 
     New keys and values are written at positions cached .. cached+T-1 of the row's slot; for a
     verify, the engine keeps the accepted prefix by advancing `cached` (rejected ones are overwritten).
-    The windows are read before the write, with the new tokens put into them (_window_with): read
-    after it, a compiled forward keeps a whole copy of the layer's cache to read from.
+    Under torch.compile the windows are read before the write, with the new tokens put into them
+    (_window): read after it, the compiled forward keeps a whole copy of the layer's cache to read
+    from. Eagerly they are read after it, which saves the two scatters.
     The window is batch.context_len positions (known on the host, so nothing is read back); query
     heads are grouped per KV head in the matmuls instead of repeating the keys. Each row's window
     is gathered once, straight into the (B, Hkv, L, D) layout both matmuls read as they are (an
@@ -100,11 +101,16 @@ def attention(q, k, v, batch: ForwardBatch, caches: ModelCaches, layer: int, sca
     L = batch.context_len if batch.context_len is not None else int(pos.max()) + 1
     Hkv = kc.shape[2]
     G = H // Hkv
-    keys = _window_with(kc, rows, L, pos, k).to(q.dtype)  # (B, Hkv, L, D)
-    vals = _window_with(vc, rows, L, pos, v).to(q.dtype)
     rows_t = rows[:, None].expand(B, T)
-    put_slot_rows(kc, rows_t, pos, k, real)
-    put_slot_rows(vc, rows_t, pos, v, real)
+    compiling = torch.compiler.is_compiling()  # then the windows are read first (see the docstring)
+    if not compiling:
+        put_slot_rows(kc, rows_t, pos, k, real)
+        put_slot_rows(vc, rows_t, pos, v, real)
+    keys = _window(kc, rows, L, pos, k if compiling else None).to(q.dtype)  # (B, Hkv, L, D)
+    vals = _window(vc, rows, L, pos, v if compiling else None).to(q.dtype)
+    if compiling:
+        put_slot_rows(kc, rows_t, pos, k, real)
+        put_slot_rows(vc, rows_t, pos, v, real)
     qg = q.reshape(B, T, Hkv, G, D).permute(0, 2, 3, 1, 4).reshape(B, Hkv, G * T, D)  # rows (g, t)
     scores = torch.matmul(qg, keys.transpose(2, 3)) * scaling  # (B, Hkv, G*T, L)
     ahead = torch.arange(L, device=q.device)[None, None, :] > pos[:, :, None]  # (B, T, L): not visible
@@ -128,11 +134,13 @@ def _put_slot_rows_fake(dst, rows, pos, values, real) -> None:
     return None
 
 
-def _window_with(cache, rows, L: int, pos, new):
+def _window(cache, rows, L: int, pos, new=None):
     """Each row's first L cache positions (B, Hkv, L, D), gathered once straight into the layout the
-    matmuls read, with the new tokens new (B, T, Hkv, D) at positions pos (B, T), in the cache's dtype
-    (what a read after the write would give)."""
+    matmuls read; with `new` (B, T, Hkv, D), read before the write, those tokens put in at positions
+    pos (B, T) in the cache's dtype: what a read after the write gives."""
     window = torch.index_select(cache[:, :L].transpose(1, 2), 0, rows)
+    if new is None:
+        return window
     B, T, Hkv, D = new.shape
     at = pos[:, None, :, None].expand(B, Hkv, T, D)
     return window.scatter(2, at, new.to(cache.dtype).transpose(1, 2))
