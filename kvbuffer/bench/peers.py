@@ -76,8 +76,9 @@ class PeersBackend(KernelBackend):
     @staticmethod
     @torch.compiler.disable  # the peers' Triton wrappers run as they do in the servers: not traced
     def _gdn(update, inputs, state, rows):
-        q, k, v, a, b, A_log, dt_bias = inputs
-        o, final = update(q[:, None], k[:, None], v[:, None], g=a[:, None], beta=b[:, None],
+        q, k, v, a, b = (t[:, None].contiguous() for t in inputs[:5])  # its kernel assumes dense (B, T, H, D)
+        A_log, dt_bias = inputs.A_log, inputs.dt_bias
+        o, final = update(q, k, v, g=a, beta=b,
                           initial_state=state.index_select(0, rows), output_final_state=True,
                           use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True, A_log=A_log.float(),
                           dt_bias=dt_bias.float(), use_beta_sigmoid_in_kernel=True)
