@@ -90,3 +90,21 @@ def test_compiled_step_matches_uncompiled(kind, mode):
     spec = _llm(kind, mode, graphs=True, compile=True, T=3)
     compare_greedy(_run(spec, refs), unfused, tol=0.15)
     assert llm.runner.compiled is not None and spec.runner.compiled is not None, "compile fell back"
+
+
+@pytest.mark.parametrize("kind", ["qwen3_5", "nemotron_h"])
+def test_peers_backend_on_their_kernels_matches_recurrent(kind):
+    """kvbuffer.bench.peers on FLA's / mamba_ssm's real kernels (CUDA graphs on, speculative too) vs
+    kvbuffer's recurrent mode: logits within bf16 rounding, greedy tokens equal except near ties."""
+    from gpu.test_ops_and_engine import compare_greedy
+    from kvbuffer.bench.peers import PeersBackend, load_peers, reserve_pad_slot
+
+    found = load_peers()
+    if found["gdn" if kind == "qwen3_5" else "mamba2"] is None:
+        pytest.skip("the peer package for this family is not installed")
+    own = _run(_llm(kind, "recurrent", graphs=True))
+    refs = [(p, o.token_ids) for p, o in zip(PROMPTS, own)]
+    for T in (0, 3):
+        llm = _llm(kind, "recurrent", graphs=True, T=T, max_states=reserve_pad_slot(4))
+        llm.backend = llm.runner.backend = PeersBackend(found["gdn"], found["mamba2"])
+        compare_greedy(_run(llm, refs if T else None), own, tol=0.15)
