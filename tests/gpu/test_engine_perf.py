@@ -83,6 +83,7 @@ def test_compiled_step_matches_uncompiled(kind, mode):
     the compiled forward really ran (it was not dropped after a failed capture)."""
     from gpu.test_ops_and_engine import compare_greedy
 
+    torch._dynamo.reset()  # this test's compilations start afresh (Dynamo's per-code cache is bounded)
     unfused = _run(_llm(kind, mode, graphs=True, compile=False))
     refs = [(p, o.token_ids) for p, o in zip(PROMPTS, unfused)]
     llm = _llm(kind, mode, graphs=True, compile=True)
