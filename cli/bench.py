@@ -93,12 +93,17 @@ def _engine_options(f):
     options = [
         click.option("--preset", default="qwen3.5-9b", show_default=True,
                      help="Model preset (kvbuffer.presets): random weights in its shapes."),
-        click.option("--modes", default="kvbuffer,recurrent", show_default=True, help="Engine modes to compare."),
+        click.option("--modes", default="kvbuffer,recurrent", show_default=True,
+                     help="Engine modes to compare: kvbuffer, recurrent, peers (the recurrent scheme on the "
+                          "servers' kernels: FLA, mamba_ssm)."),
         click.option("--prompt-len", default=128, show_default=True, type=click.IntRange(min=1)),
         click.option("--new-tokens", default=32, show_default=True, type=click.IntRange(min=2)),
         click.option("--chunk-size", default=16, show_default=True, type=click.IntRange(min=1)),
         click.option("--kernels", default="auto", show_default=True, type=click.Choice(["auto", "true", "false"])),
         click.option("--cuda-graphs", default="auto", show_default=True, type=click.Choice(["auto", "true", "false"])),
+        click.option("--compile", "compile_", default="auto", show_default=True,
+                     type=click.Choice(["auto", "true", "false"]),
+                     help="Decode and verify forwards under torch.compile (auto: on CUDA with CUDA graphs)."),
         _out_option,
     ]
     for option in reversed(options):
@@ -110,7 +115,7 @@ def _flag(text: str):
     return {"auto": "auto", "true": True, "false": False}[text]
 
 
-def _engine_run(what, preset, modes, kernels, cuda_graphs, out, **options):
+def _engine_run(what, preset, modes, kernels, cuda_graphs, compile_, out, **options):
     need_cuda()
     from kvbuffer import presets
     from kvbuffer.bench import e2e
@@ -120,7 +125,7 @@ def _engine_run(what, preset, modes, kernels, cuda_graphs, out, **options):
     except ValueError as e:
         raise click.BadParameter(str(e), param_hint="--preset") from None
     e2e.run(what, preset=preset, out_dir=out, modes=tuple(modes.split(",")), kernels=_flag(kernels),
-            cuda_graphs=_flag(cuda_graphs), **options)
+            cuda_graphs=_flag(cuda_graphs), compile=_flag(compile_), **options)
 
 
 def _profile_option(f):
@@ -133,10 +138,11 @@ def _profile_option(f):
 @_engine_options
 @click.option("--batches", default="1,16,64,256", show_default=True, help="Batch sizes.")
 @_profile_option
-def decode(preset, modes, prompt_len, new_tokens, chunk_size, kernels, cuda_graphs, out, batches, profile_batch):
+def decode(preset, modes, prompt_len, new_tokens, chunk_size, kernels, cuda_graphs, compile_, out, batches,
+           profile_batch):
     """Decode throughput and step latency, kvbuffer vs the recurrent scheme, random-weight model."""
-    _engine_run("decode", preset, modes, kernels, cuda_graphs, out, prompt_len=prompt_len, new_tokens=new_tokens,
-                chunk_size=chunk_size, batches=_ints(batches), profile_batch=profile_batch)
+    _engine_run("decode", preset, modes, kernels, cuda_graphs, compile_, out, prompt_len=prompt_len,
+                new_tokens=new_tokens, chunk_size=chunk_size, batches=_ints(batches), profile_batch=profile_batch)
 
 
 @bench.command("spec")
@@ -153,11 +159,11 @@ def decode(preset, modes, prompt_len, new_tokens, chunk_size, kernels, cuda_grap
 @click.option("--max-requests", default=1024, show_default=True, type=click.IntRange(min=1),
               help="Cap on the requests admitted (capacity setting).")
 @_profile_option
-def spec(preset, modes, prompt_len, new_tokens, chunk_size, kernels, cuda_graphs, out, settings, batches, alphas,
-         draft_tokens, memory_budget, max_requests, profile_batch):
+def spec(preset, modes, prompt_len, new_tokens, chunk_size, kernels, cuda_graphs, compile_, out, settings, batches,
+         alphas, draft_tokens, memory_budget, max_requests, profile_batch):
     """Speculative decoding with a drafter of chosen acceptance: equal batch and under a memory budget."""
-    _engine_run("spec", preset, modes, kernels, cuda_graphs, out, prompt_len=prompt_len, new_tokens=new_tokens,
-                chunk_size=chunk_size, settings=tuple(settings), batches=_ints(batches), alphas=_floats(alphas),
+    _engine_run("spec", preset, modes, kernels, cuda_graphs, compile_, out, prompt_len=prompt_len,
+                new_tokens=new_tokens, chunk_size=chunk_size, settings=tuple(settings), batches=_ints(batches), alphas=_floats(alphas),
                 drafts=draft_tokens, budget_bytes=int(memory_budget * 2**30), max_requests=max_requests,
                 profile_batch=profile_batch)
 

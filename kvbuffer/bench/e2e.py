@@ -19,8 +19,11 @@ steps at that batch are profiled (decode steps; for spec also the verify steps o
 wall vs device-busy time, kernel launches and device time by class (GEMM, state kernels,
 attention, everything else) per step.
 
-The recurrent scheme on the peers' kernels (FLA, mamba_ssm) is not a row here: the engine runs
-either mode on kvbuffer's own kernels.
+Mode "peers" (kvbuffer.bench.peers) is the recurrent scheme on the kernels today's servers call
+(FLA's fused recurrent GDN update, mamba_ssm's selective_state_update; speculative decoding keeps one
+state per fed token): the baseline vLLM and SGLang users have. Where the family's package is
+missing, its rows are skipped with one line. `compile` is LLM(compile=...): compare "auto" (on CUDA
+with graphs) against False for the fused step's effect.
 """
 
 from __future__ import annotations
@@ -36,8 +39,10 @@ from .. import LLM, presets
 from ..models.loader import build_model
 from ..plan import geometry_of, request_spec
 from .drafter import ReferenceDrafter, expected_accepted
+from .peers import PeersBackend, load_peers, reserve_pad_slot
 
-MODES = ("kvbuffer", "recurrent")
+MODES = ("kvbuffer", "recurrent")  # the default rows; "peers" is the third mode
+PEERS = "peers"
 ALPHAS = (0.0, 0.5, 0.7, 0.9)
 REFERENCE_BATCH = 256  # the greedy reference runs in batches of at most this many requests
 
@@ -67,6 +72,7 @@ def random_prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int]
 def release(device) -> None:
     """Hand a freed engine's memory back before the next one is built (the caller has `del`ed it)."""
     gc.collect()
+    torch._dynamo.reset()  # the next engine's compiled forward starts afresh (its pools differ in size)
     if torch.device(device).type == "cuda":
         torch.cuda.empty_cache()
 
@@ -163,10 +169,39 @@ def format_profile(tag: str, prof: dict) -> str:
 
 # -- decode ----------------------------------------------------------------------------------------
 
-def _engine(model, *, device, mode, batch, max_len, chunk_size, kernels, cuda_graphs, drafts=0):
+def _scheme(mode: str) -> str:
+    """The engine mode (and planner scheme) a benchmark mode runs: peers is the recurrent scheme."""
+    return "recurrent" if mode == PEERS else mode
+
+
+def _family(model) -> str:
+    return "gdn" if geometry_of(model).linear_shape.delta_rule else "mamba2"
+
+
+def peers_missing(model) -> str | None:
+    """Why the peers rows cannot run for this model (None: they can)."""
+    if geometry_of(model).linear_shape is None:
+        return "the model has no linear-attention layers"
+    if load_peers()[_family(model)] is None:
+        return {"gdn": "FLA (fla-core)", "mamba2": "mamba_ssm"}[_family(model)] + " is not installed"
+    return None
+
+
+def _engine(model, *, device, mode, batch, max_len, chunk_size, kernels, cuda_graphs, compile="auto", drafts=0):
     spec = {"method": "ngram", "num_draft_tokens": drafts} if drafts else None
-    return LLM(model, device=device, mode=mode, chunk_size=chunk_size, max_batch=batch, max_len=max_len,
-               kernels=kernels, cuda_graphs=cuda_graphs, speculative=spec)
+    states = reserve_pad_slot(batch) if mode == PEERS else None
+    llm = LLM(model, device=device, mode=_scheme(mode), chunk_size=chunk_size, max_batch=batch, max_len=max_len,
+              max_states=states, kernels=kernels, cuda_graphs=cuda_graphs, compile=compile, speculative=spec)
+    if mode == PEERS:
+        llm.backend = llm.runner.backend = PeersBackend(**{f"{f}_update": fn for f, fn in load_peers().items()})
+    return llm
+
+
+def _skipped(mode, model) -> bool:
+    why = peers_missing(model) if mode == PEERS else None
+    if why:
+        print(f"{mode}: rows skipped ({why})", flush=True)
+    return bool(why)
 
 
 def _decode_row(llm, prompts, *, device, new_tokens) -> dict:
@@ -178,17 +213,20 @@ def _decode_row(llm, prompts, *, device, new_tokens) -> dict:
     med = statistics.median(secs)
     return dict(decode_tokens_per_s=len(prompts) / med, step_ms=1e3 * med,
                 step_ms_mean=1e3 * sum(secs) / len(secs), steps=len(secs), peak_batch=st.peak_batch,
-                kernels=bool(llm.kernels), cuda_graphs=bool(llm.cuda_graphs and llm.runner.graphs.enabled))
+                kernels=bool(llm.kernels), cuda_graphs=bool(llm.cuda_graphs and llm.runner.graphs.enabled),
+                compiled=llm.runner.compiled is not None)
 
 
 def bench_decode(model, *, batches, modes=MODES, prompt_len=128, new_tokens=32, chunk_size=16, device="cuda",
-                 kernels="auto", cuda_graphs="auto", profile_batch=0, on_row=lambda rows: None) -> list[dict]:
+                 kernels="auto", cuda_graphs="auto", compile="auto", profile_batch=0,
+                 on_row=lambda rows: None) -> list[dict]:
     rows = []
+    modes = [m for m in modes if not _skipped(m, model)]
     for B in batches:
         prompts = random_prompts(B, prompt_len, model.config.vocab_size, seed=B)
         for mode in modes:
             llm = _engine(model, device=device, mode=mode, batch=B, max_len=prompt_len + new_tokens + 8,
-                          chunk_size=chunk_size, kernels=kernels, cuda_graphs=cuda_graphs)
+                          chunk_size=chunk_size, kernels=kernels, cuda_graphs=cuda_graphs, compile=compile)
             row = dict(batch=B, mode=mode, **_decode_row(llm, prompts, device=device, new_tokens=new_tokens))
             print(f"decode B={B:4d} {mode:9s} {row['decode_tokens_per_s']:10.1f} tok/s {row['step_ms']:8.2f} ms/step",
                   flush=True)
@@ -204,13 +242,14 @@ def bench_decode(model, *, batches, modes=MODES, prompt_len=128, new_tokens=32, 
 
 # -- speculative -----------------------------------------------------------------------------------
 
-def greedy_references(model, prompts, *, tokens, device, chunk_size, kernels, cuda_graphs) -> dict:
+def greedy_references(model, prompts, *, tokens, device, chunk_size, kernels, cuda_graphs,
+                      compile="auto") -> dict:
     """Each prompt's greedy continuation of `tokens` tokens (plain kvbuffer decoding, in batches)."""
     refs = {}
     for start in range(0, len(prompts), REFERENCE_BATCH):
         part = prompts[start:start + REFERENCE_BATCH]
         llm = _engine(model, device=device, mode="kvbuffer", batch=len(part), max_len=len(part[0]) + tokens + 8,
-                      chunk_size=chunk_size, kernels=kernels, cuda_graphs=cuda_graphs)
+                      chunk_size=chunk_size, kernels=kernels, cuda_graphs=cuda_graphs, compile=compile)
         for p, out in zip(part, llm.generate(part, max_new_tokens=tokens, stop_token_ids=[])):
             refs[tuple(p)] = out.token_ids
         del llm
@@ -220,7 +259,8 @@ def greedy_references(model, prompts, *, tokens, device, chunk_size, kernels, cu
 
 def admitted_requests(model, *, mode, budget_bytes, context, drafts, chunk_size) -> int:
     """How many requests the planner admits for `mode` in `budget_bytes` of per-request caches."""
-    spec = request_spec(geometry_of(model), scheme=mode, context=context, draft_tokens=drafts, chunk_size=chunk_size)
+    spec = request_spec(geometry_of(model), scheme=_scheme(mode), context=context, draft_tokens=drafts,
+                        chunk_size=chunk_size)
     return int(budget_bytes // sum(spec.nbytes(next(model.parameters()).dtype).values()))
 
 
@@ -247,13 +287,14 @@ def _spec_row(llm, prompts, refs, *, alpha, drafts, device, new_tokens, vocab, p
 
 def bench_spec(model, *, settings=("equal", "capacity"), batches=(1, 16, 64, 256), alphas=ALPHAS, drafts=4,
                budget_bytes=40 * 2**30, max_requests=1024, modes=MODES, prompt_len=128, new_tokens=32,
-               chunk_size=16, device="cuda", kernels="auto", cuda_graphs="auto", profile_batch=0,
+               chunk_size=16, device="cuda", kernels="auto", cuda_graphs="auto", compile="auto", profile_batch=0,
                on_row=lambda rows: None) -> list[dict]:
     """Speculative rows (per setting, batch, alpha and mode) and a plain-decoding row per (batch, mode).
 
     At `profile_batch`, the last alpha's verify steps and the plain decode steps are profiled."""
     vocab = model.config.vocab_size
     context = prompt_len + new_tokens
+    modes = [m for m in modes if not _skipped(m, model)]
     plan = {}  # (setting, mode) -> [(batch, planned)]
     if "equal" in settings:
         for mode in modes:
@@ -266,7 +307,7 @@ def bench_spec(model, *, settings=("equal", "capacity"), batches=(1, 16, 64, 256
     largest = max(B for runs in plan.values() for B, _ in runs)
     prompts = random_prompts(largest, prompt_len, vocab, seed=drafts)
     refs = greedy_references(model, prompts, tokens=new_tokens + drafts + 2, device=device, chunk_size=chunk_size,
-                             kernels=kernels, cuda_graphs=cuda_graphs)
+                             kernels=kernels, cuda_graphs=cuda_graphs, compile=compile)
     rows = []
     for (setting, mode), runs in plan.items():
         for B, planned in runs:
@@ -275,7 +316,7 @@ def bench_spec(model, *, settings=("equal", "capacity"), batches=(1, 16, 64, 256
                 continue
             mine = prompts[:B]
             common = dict(device=device, mode=mode, batch=B, chunk_size=chunk_size, kernels=kernels,
-                          cuda_graphs=cuda_graphs)
+                          cuda_graphs=cuda_graphs, compile=compile)
             before = _allocated(device)
             llm = _engine(model, max_len=context + drafts + 1, drafts=drafts, **common)  # the planner's max_len
             cache_gib = (_allocated(device) - before) / 2**30  # what the pools really took

@@ -1,14 +1,16 @@
-"""Decode-step inputs in one transfer, and CUDA graphs of the decode forward.
+"""Step inputs in one transfer, and CUDA graphs of the decode, verify and prefill forwards.
 
 A decode step of a 32-layer model launches about a thousand small kernels. Run eagerly, the host
 needs longer to launch them than the GPU needs to run them until the batch is large, so the engine
-captures the forward once per (batch bucket, context bucket) and replays it: one launch per step.
+captures each forward once per bucket and replays it: one launch per step. A speculative verify
+(the last token plus T drafts per row) and a short prefill chunk are the same kind of forward with
+T tokens per row, so they are captured the same way, keyed by their token count too.
 
-What makes the forward capturable: the per-row integers arrive in one device tensor (`StepInputs`),
+What makes a forward capturable: the per-row integers arrive in one device tensor (`StepInputs`),
 the attention window is a host-known bucket (ForwardBatch.context_len), padding rows carry slot -1
 (the kernels skip them; kvbuffer.rows.put_rows makes the torch scatters ignore them), and the
 kernel launches skip their data-dependent checks (the engine built the slots and lengths itself,
-and a capture forbids reading the device back). Logits of one replay are valid until the next replay.
+and a capture forbids reading the device back). Outputs of one replay are valid until the next replay.
 """
 
 from __future__ import annotations
@@ -19,8 +21,10 @@ import torch
 
 log = logging.getLogger("kvbuffer")
 
-FIELDS = ("ids", "positions", "slots", "state_slots", "lengths", "cached")
-_PADDING = (0, 0, -1, -1, 0, 0)  # a padding row: slot -1 everywhere, nothing read or written
+ROW_FIELDS = ("positions", "slots", "state_slots", "lengths", "cached")  # one integer per row each
+_ROW_PADDING = (0, -1, -1, 0, 0)  # a padding row: slot -1 everywhere, nothing read or written
+FIELDS = ("ids",) + ROW_FIELDS  # the decode step's columns (one token per row)
+PREFILL_GRAPH_TOKENS = 256  # prefill chunks of more tokens run eagerly: their launches are not what they wait on
 
 
 def row_bucket(n: int, limit: int) -> int:
@@ -38,26 +42,49 @@ def context_bucket(n: int, limit: int) -> int:
     return min(-(-n // 256) * 256, limit)
 
 
-class StepInputs:
-    """The FIELDS of every row of one forward, staged on the host and copied to the device at once."""
+def step_columns(ids: list[list[int]], positions, slots, state_slots, lengths, cached) -> list[list[int]]:
+    """The columns StepInputs uploads for rows of T tokens each: T id columns (token t of every row),
+    then one column per ROW_FIELDS (positions: each row's first new position)."""
+    T = len(ids[0])
+    return [[row[t] for row in ids] for t in range(T)] + [list(positions), list(slots), list(state_slots),
+                                                          list(lengths), list(cached)]
 
-    def __init__(self, max_rows: int, device: torch.device):
+
+def split_view(view: torch.Tensor, tokens: int):
+    """StepInputs' device view -> (ids (B, T), positions (B, T), slots, state_slots, lengths, cached (B,))."""
+    ids = view[:tokens].t()
+    first, slots, state_slots, lengths, cached = view[tokens:]
+    positions = first[:, None] + torch.arange(tokens, device=view.device)[None, :]
+    return ids, positions, slots, state_slots, lengths, cached
+
+
+class StepInputs:
+    """The columns of every row of one forward of `tokens` tokens per row, staged on the host and
+    copied to the device at once."""
+
+    def __init__(self, max_rows: int, device: torch.device, tokens: int = 1):
+        if tokens < 1:
+            raise ValueError(f"tokens must be >= 1, got {tokens}")
         pin = device.type == "cuda"
-        self.max_rows = max_rows
-        self.host = torch.zeros(len(FIELDS), max_rows, dtype=torch.long, pin_memory=pin)
-        self.device = torch.zeros(len(FIELDS), max_rows, dtype=torch.long, device=device)
+        self.max_rows, self.tokens = max_rows, tokens
+        self.padding = (0,) * tokens + _ROW_PADDING
+        self.host = torch.zeros(len(self.padding), max_rows, dtype=torch.long, pin_memory=pin)
+        self.device = torch.zeros(len(self.padding), max_rows, dtype=torch.long, device=device)
         self._copied = torch.cuda.Event() if pin else None
 
     def upload(self, columns: list[list[int]], rows: int) -> torch.Tensor:
-        """columns: one list per field, n <= rows entries each; rows - n padding rows follow.
-        Returns the device view (len(FIELDS), rows); stable across calls with the same `rows`."""
+        """columns: step_columns' lists, n <= rows entries each; rows - n padding rows follow.
+        Returns the device view (tokens + len(ROW_FIELDS), rows); stable across calls with the same `rows`."""
         n = len(columns[0])
+        if len(columns) != len(self.padding):
+            raise ValueError(f"columns: expected {len(self.padding)} lists ({self.tokens} token(s) per row), "
+                             f"got {len(columns)}")
         if not n <= rows <= self.max_rows:
             raise ValueError(f"{n} rows padded to {rows} do not fit {self.max_rows}")
         if self._copied is not None:
             self._copied.synchronize()  # the previous copy has read the staging buffer
         self.host[:, :n] = torch.tensor(columns, dtype=torch.long)
-        for f, pad in enumerate(_PADDING):
+        for f, pad in enumerate(self.padding):
             self.host[f, n:rows] = pad
         self.device[:, :rows].copy_(self.host[:, :rows], non_blocking=True)
         if self._copied is not None:
@@ -65,47 +92,55 @@ class StepInputs:
         return self.device[:, :rows]
 
 
-class DecodeGraphs:
-    """Captured decode forwards keyed by (rows, context) buckets; `forward(inputs, context_len)`
-    must be the eager forward on StepInputs' device view, returning logits (rows, vocab).
+def _rows(out, n: int):
+    return tuple(o[:n] for o in out) if isinstance(out, tuple) else out[:n]
+
+
+class StepGraphs:
+    """Captured forwards keyed by (rows bucket, context bucket, *extra) for one token count;
+    `forward(view, context_len, *extra)` must be the eager forward on StepInputs' device view,
+    returning the rows' outputs (a tensor or a tuple of tensors, rows first). `extra`: host values
+    the forward depends on beyond the inputs (a prefill's buffer fill, whether hidden states are wanted).
 
     capture=False runs the same padded, bucketed forward eagerly: what a replay computes, checkable
-    on a machine without CUDA.
+    on a machine without CUDA. `enabled` turns False when a capture fails (the caller then runs eagerly).
     """
 
-    def __init__(self, forward, inputs: StepInputs, max_len: int, capture: bool = True):
+    def __init__(self, forward, inputs: StepInputs, max_len: int, capture: bool = True, pool=None):
         self.forward, self.inputs, self.max_len, self.capture = forward, inputs, max_len, capture
-        self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
-        self.pool = torch.cuda.graph_pool_handle() if capture else None
+        self.graphs: dict[tuple, tuple[torch.cuda.CUDAGraph, object]] = {}
+        self.pool = pool if pool is not None or not capture else torch.cuda.graph_pool_handle()
         self.enabled = True
 
-    def run(self, columns: list[list[int]], context_len: int) -> torch.Tensor:
+    def run(self, columns: list[list[int]], context_len: int, *extra):
         n = len(columns[0])
-        key = (row_bucket(n, self.inputs.max_rows), context_bucket(context_len, self.max_len))
-        view = self.inputs.upload(columns, key[0])
+        rows, window = row_bucket(n, self.inputs.max_rows), context_bucket(context_len, self.max_len)
+        view = self.inputs.upload(columns, rows)
         if not self.capture:
-            return self.forward(view, key[1])[:n]
+            return _rows(self.forward(view, window, *extra), n)
+        key = (rows, window, *extra)
         if key not in self.graphs:
-            self.graphs[key] = self._capture(view, key[1])
-        graph, logits = self.graphs[key]
+            self.graphs[key] = self._capture(view, window, extra)
+        graph, out = self.graphs[key]
         graph.replay()
-        return logits[:n]
+        return _rows(out, n)
 
-    def _capture(self, view: torch.Tensor, context_len: int):
+    def _capture(self, view: torch.Tensor, context_len: int, extra: tuple):
         """Warm up on a side stream (lazy initialisation must not land in the graph), then capture.
         The warm-up runs for real, so it sees padding rows only, which read and write nothing; the
         step's own inputs are put back for the replay that follows."""
         saved = view.clone()
-        for f, pad in enumerate(_PADDING):
+        for f, pad in enumerate(self.inputs.padding):
             view[f].fill_(pad)
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
-            self.forward(view, context_len)
+            self.forward(view, context_len, *extra)
         torch.cuda.current_stream().wait_stream(side)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.pool):
-            logits = self.forward(view, context_len)
+            out = self.forward(view, context_len, *extra)
         view.copy_(saved)
-        log.info("kvbuffer: captured a decode graph for %d rows, context %d", view.shape[1], context_len)
-        return graph, logits
+        log.info("kvbuffer: captured a graph for %d rows x %d tokens, context %d %s", view.shape[1],
+                 self.inputs.tokens, context_len, extra)
+        return graph, out

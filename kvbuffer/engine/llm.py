@@ -23,6 +23,7 @@ from ..runtime.backend import kernel_dtype, resolve_backend
 from ..runtime.batch import MODES
 from ..runtime.caches import CacheSpec
 from .request import Request
+from .compiled import use_compile
 from .runner import ModelRunner
 from .sampling import SamplingParams, sample_rows, sample_token, token_logprob
 from .scheduler import Scheduler
@@ -142,12 +143,15 @@ class LLM:
         `self.kernels_reason` why).
         cuda_graphs: capture the decode step in CUDA graphs (True, False or "auto": on CUDA when the
         linear layers run on the compiled kernels or the model has none).
+        compile: run the decode and verify forwards under torch.compile (kvbuffer.engine.compiled):
+        True, False or "auto" (on CUDA with CUDA graphs).
     """
 
     def __init__(self, model, *, device=None, dtype=None, mode: str = "kvbuffer", chunk_size: int | None = None,
                  max_batch: int = 16, max_states: int | None = None, max_len: int = 2048,
                  max_prefill_tokens: int = 1024, tokenizer=None, speculative: dict | None = None,
-                 memory_budget: int | None = None, kernels: bool | str = "auto", cuda_graphs: bool | str = "auto"):
+                 memory_budget: int | None = None, kernels: bool | str = "auto", cuda_graphs: bool | str = "auto",
+                 compile: bool | str = "auto"):
         check_llm_args(model, device=device, dtype=dtype, chunk_size=chunk_size, max_batch=max_batch, max_states=max_states, max_len=max_len, max_prefill_tokens=max_prefill_tokens, speculative=speculative, memory_budget=memory_budget, kernels=kernels, cuda_graphs=cuda_graphs)  # noqa: E501
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
@@ -187,8 +191,10 @@ class LLM:
         self.kernels = self.backend.kernels
         buffer_dtype = kernel_dtype(self.dtype) if self.kernels else None
         self.cuda_graphs = self._use_graphs(cuda_graphs, spec)
+        self.compiled = use_compile(compile, self.device, self.cuda_graphs)
         self.runner = ModelRunner(model, spec, mode=mode, device=self.device, dtype=self.dtype,
-                                  buffer_dtype=buffer_dtype, backend=self.backend, cuda_graphs=self.cuda_graphs)
+                                  buffer_dtype=buffer_dtype, backend=self.backend, cuda_graphs=self.cuda_graphs,
+                                  compile=self.compiled)
         if self.speculative is not None and self.speculative.method == "mtp":
             self.drafter = MTPDrafter(model, max_requests=spec.max_requests, max_len=max_len, max_drafts=fed,
                                       device=self.device, dtype=self.dtype)

@@ -6,6 +6,7 @@ advance (or reset where a flush folded the buffer into the state), and KV length
 
 from __future__ import annotations
 
+import functools
 import logging
 
 import torch
@@ -13,7 +14,8 @@ import torch
 from ..runtime.backend import REFERENCE, Backend
 from ..runtime.batch import ForwardBatch
 from ..runtime.caches import CacheSpec, ModelCaches
-from .graphs import DecodeGraphs, StepInputs
+from .compiled import COMPILED_PHASES, compile_forward
+from .graphs import PREFILL_GRAPH_TOKENS, StepGraphs, StepInputs, row_bucket, split_view, step_columns
 from .request import Request
 
 log = logging.getLogger("kvbuffer")
@@ -22,17 +24,42 @@ log = logging.getLogger("kvbuffer")
 class ModelRunner:
     """backend: what every forward's layers call (kvbuffer.runtime.backend), carried on each
     ForwardBatch; the runner's own flushes and conv accepts go through it too. cuda_graphs: capture
-    the decode forward (CUDA with the compiled kernels, or no linear layers: the reference ops read
-    the device back, which a capture forbids)."""
+    the decode, verify and short prefill forwards (CUDA with the compiled kernels, or no linear
+    layers: the reference ops read the device back, which a capture forbids); a forward whose
+    capture fails runs eagerly from then on, logged once. compile: run the decode and verify forwards
+    compiled (kvbuffer.engine.compiled), graphed or not; a compile that fails during a capture
+    (padding rows only: nothing written) falls back to the uncompiled forward, logged once."""
 
     def __init__(self, model, spec: CacheSpec, *, mode: str, device, dtype, buffer_dtype=None,
-                 backend: Backend = REFERENCE, cuda_graphs: bool = False):
+                 backend: Backend = REFERENCE, cuda_graphs: bool = False, compile: bool = False):
         self.model, self.spec, self.mode = model, spec, mode
         self.device, self.backend = device, backend
         self.caches = ModelCaches(spec, device=device, dtype=dtype, buffer_dtype=buffer_dtype)
         self.has_linear = spec.num_linear_layers > 0
+        self.compiled = compile_forward(model, self.caches) if compile else None
         self.inputs = StepInputs(spec.max_requests, torch.device(device))
-        self.graphs = DecodeGraphs(self._decode_forward, self.inputs, spec.max_len) if cuda_graphs else None
+        self.use_graphs(cuda_graphs)
+
+    def use_graphs(self, on: bool, capture: bool = True) -> None:
+        """Run the forwards through StepGraphs (on) or plainly. capture=False runs the same padded,
+        bucketed forwards eagerly: what a replay computes, checkable on a machine without CUDA."""
+        self.cuda_graphs, self._capture = on, capture
+        self._pool = torch.cuda.graph_pool_handle() if on and capture else None  # one memory pool for every graph
+        self.graphs = self._graphs(self._decode_forward, self.inputs) if on else None
+        self._multi: dict[tuple[str, int], tuple[StepInputs, StepGraphs | None]] = {}  # (phase, T) -> inputs, graphs
+
+    def _graphs(self, forward, inputs: StepInputs) -> StepGraphs:
+        return StepGraphs(forward, inputs, self.spec.max_len, capture=self._capture, pool=self._pool)
+
+    def _inputs_for(self, phase: str, tokens: int) -> tuple[StepInputs, StepGraphs | None]:
+        """The staging buffer and graphs of `phase` forwards with `tokens` tokens per row (made on first use)."""
+        key = (phase, tokens)
+        if key not in self._multi:
+            inputs = StepInputs(self.spec.max_requests, torch.device(self.device), tokens)
+            graphs = self._graphs(functools.partial(self._view_forward, phase, tokens), inputs) \
+                if self.cuda_graphs else None
+            self._multi[key] = inputs, graphs
+        return self._multi[key]
 
     # slots -----------------------------------------------------------------------------------
     def admit(self, req: Request) -> None:
@@ -53,31 +80,49 @@ class ModelRunner:
                 self._fill(req) + adding >= self.spec.chunk_size:
             req.state_slot = self.caches.allocate_state()
 
-    def _batch(self, phase, reqs, positions) -> ForwardBatch:
-        i32 = dict(dtype=torch.int32, device=self.device)
-        return ForwardBatch(
-            phase=phase, mode=self.mode, positions=positions, backend=self.backend,
-            slots=torch.tensor([r.slot for r in reqs], **i32),
-            state_slots=torch.tensor([r.state_slot for r in reqs], **i32),
-            lengths=torch.tensor([self._fill(r) for r in reqs], **i32),
-            cached=torch.tensor([r.cached for r in reqs], **i32),
-            flush_at=self.spec.chunk_size,
-            context_len=max(r.cached for r in reqs) + positions.shape[1],
-        )
-
-    def _decode_batch(self, view: torch.Tensor, context_len: int) -> ForwardBatch:
-        """The decode ForwardBatch over StepInputs' device view (FIELDS order)."""
-        ids, positions, slots, state_slots, lengths, cached = view
+    def _view_batch(self, phase: str, tokens: int, view: torch.Tensor, context_len: int, fill: int = 0):
+        """(ids (B, T), the ForwardBatch) over StepInputs' device view (step_columns' order)."""
+        ids, positions, slots, state_slots, lengths, cached = split_view(view, tokens)
         i32 = torch.int32
-        return ForwardBatch(phase="decode", mode=self.mode, backend=self.backend, positions=positions[:, None],
-                            slots=slots.to(i32), state_slots=state_slots.to(i32), lengths=lengths.to(i32),
-                            cached=cached.to(i32), flush_at=self.spec.chunk_size, context_len=context_len)
+        batch = ForwardBatch(phase=phase, mode=self.mode, backend=self.backend, positions=positions,
+                             slots=slots.to(i32), state_slots=state_slots.to(i32), lengths=lengths.to(i32),
+                             cached=cached.to(i32), flush_at=self.spec.chunk_size, context_len=context_len)
+        batch.common_fill = fill
+        return ids, batch
 
     def _decode_forward(self, view: torch.Tensor, context_len: int) -> torch.Tensor:
-        return self._forward(view[0][:, None], self._decode_batch(view, context_len))[:, 0]
+        return self._forward(*self._view_batch("decode", 1, view, context_len))[:, 0]
+
+    def _view_forward(self, phase: str, tokens: int, view, context_len: int, fill: int = 0, want_hidden=False):
+        """A verify or prefill forward over StepInputs' device view: logits (B, T, vocab) [, hidden]."""
+        return self._forward(*self._view_batch(phase, tokens, view, context_len, fill), **self._hidden(want_hidden))
 
     def _forward(self, ids, batch: ForwardBatch, **kw):
-        return self.model(ids, batch, self.caches, **kw)
+        fn = self.compiled if self.compiled is not None and batch.phase in COMPILED_PHASES else self.model
+        return fn(ids, batch, self.caches, **kw)
+
+    def _replayed(self, graphs: StepGraphs | None, columns, context_len: int, *extra):
+        """The forward's outputs from its CUDA graph, or None: no graphs, or a capture that failed
+        (it leaves the caches untouched; that forward runs eagerly from then on, logged once)."""
+        if graphs is None or not graphs.enabled:
+            return None
+        try:
+            return graphs.run(columns, context_len, *extra)
+        except RuntimeError as e:
+            cause = e.__context__ or e  # the error inside the capture, not capture_end's follow-up
+            if self.compiled is not None:  # the warm-up and the capture saw padding rows only: retry uncompiled
+                log.warning("kvbuffer: the compiled forward failed during a CUDA graph capture, running the "
+                            "forwards uncompiled from now on: %s", _first_line(cause))
+                self.compiled = None
+                return self._replayed(graphs, columns, context_len, *extra)
+            log.warning("kvbuffer: CUDA graph capture of a %d-token forward failed, running it eagerly from now "
+                        "on: %s", graphs.inputs.tokens, _first_line(cause))
+            graphs.enabled = False
+            return None
+
+    def _columns(self, reqs: list[Request], ids: list[list[int]]) -> list[list[int]]:
+        return step_columns(ids, [r.cached for r in reqs], [r.slot for r in reqs], [r.state_slot for r in reqs],
+                            [self._fill(r) for r in reqs], [r.cached for r in reqs])
 
     def _advance(self, req: Request, count: int) -> None:
         """After a forward that kept `count` tokens: buffer fill and KV length move on."""
@@ -111,12 +156,16 @@ class ModelRunner:
                 raise ValueError(f"request {r.rid}: context of {r.cached + T} tokens exceeds "
                                  f"max_len={self.spec.max_len}")
             self._ensure_state(r, T)
-        ids = torch.tensor([r.pending[:T] for r in rows], dtype=torch.long, device=self.device)
-        positions = torch.tensor([list(range(r.cached, r.cached + T)) for r in rows], dtype=torch.long,
-                                 device=self.device)
-        batch = self._batch("prefill", rows, positions)
-        batch.common_fill = fill
-        out = self._forward(ids, batch, **self._hidden(want_hidden))
+        columns = self._columns(rows, [r.pending[:T] for r in rows])
+        context_len = max(r.cached for r in rows) + T
+        inputs, graphs = self._inputs_for("prefill", T)
+        if row_bucket(len(rows), inputs.max_rows) * T > PREFILL_GRAPH_TOKENS:
+            graphs = None  # a long chunk waits on its GEMMs, not on its launches
+        out = self._replayed(graphs, columns, context_len, fill, want_hidden)
+        if out is not None:  # graph outputs live until the next replay; the caller keeps these longer
+            out = tuple(o.clone() for o in out) if want_hidden else out[:, -1:].clone()
+        else:
+            out = self._view_forward("prefill", T, inputs.upload(columns, len(rows)), context_len, fill, want_hidden)
         logits, hidden = out if want_hidden else (out, None)
         for r in rows:
             self._advance(r, T)
@@ -134,18 +183,9 @@ class ModelRunner:
             if r.cached + 1 > self.spec.max_len:
                 raise ValueError(f"request {r.rid}: context exceeds max_len={self.spec.max_len}")
             self._ensure_state(r, 1)
-        columns = [[r.context[r.cached] for r in reqs], [r.cached for r in reqs], [r.slot for r in reqs],
-                   [r.state_slot for r in reqs], [self._fill(r) for r in reqs], [r.cached for r in reqs]]
+        columns = self._columns(reqs, [[r.context[r.cached]] for r in reqs])
         context_len = max(r.cached for r in reqs) + 1
-        logits = None
-        if self.graphs is not None and self.graphs.enabled:
-            try:
-                logits = self.graphs.run(columns, context_len)
-            except RuntimeError as e:  # a capture that failed leaves the caches untouched
-                cause = e.__context__ or e  # the error inside the capture, not capture_end's follow-up
-                log.warning("kvbuffer: CUDA graph capture failed, decoding eagerly from now on: %s",
-                            str(cause).splitlines()[0] if str(cause) else repr(cause))
-                self.graphs.enabled = False
+        logits = self._replayed(self.graphs, columns, context_len)
         if logits is None:
             logits = self._decode_forward(self.inputs.upload(columns, len(reqs)), context_len)
         for r in reqs:
@@ -165,11 +205,13 @@ class ModelRunner:
         for r in reqs:
             if r.cached + T1 > self.spec.max_len:
                 raise ValueError(f"request {r.rid}: context exceeds max_len={self.spec.max_len}")
-        ids = torch.tensor([[r.context[r.cached]] + d for r, d in zip(reqs, drafts)], dtype=torch.long,
-                           device=self.device)
-        positions = torch.tensor([[r.cached + i for i in range(T1)] for r in reqs], dtype=torch.long,
-                                 device=self.device)
-        return self._forward(ids, self._batch("verify", reqs, positions), **self._hidden(want_hidden))
+        columns = self._columns(reqs, [[r.context[r.cached]] + d for r, d in zip(reqs, drafts)])
+        context_len = max(r.cached for r in reqs) + T1
+        inputs, graphs = self._inputs_for("verify", T1)
+        out = self._replayed(graphs, columns, context_len, 0, want_hidden)
+        if out is None:
+            out = self._view_forward("verify", T1, inputs.upload(columns, len(reqs)), context_len, 0, want_hidden)
+        return out
 
     @torch.inference_mode()
     def commit(self, reqs: list[Request], kept: list[int]) -> None:
@@ -214,3 +256,7 @@ class ModelRunner:
                                slots, fills)
         for r in reqs:
             buffers.reset(r.slot)
+
+
+def _first_line(e: BaseException) -> str:
+    return str(e).splitlines()[0] if str(e) else repr(e)

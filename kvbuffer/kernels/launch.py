@@ -184,7 +184,8 @@ CUDA_LAUNCHES = {
 def engine_rows(name: str, *args):
     """torch.ops.kvbuffer.<name>(*args) for rows whose slots and fills the caller built and checked
     itself: on CUDA the launch skips the checks that read the device back; elsewhere the op runs
-    (its CPU implementation is the reference)."""
-    if args[0].is_cuda:
+    (its CPU implementation is the reference). Under torch.compile the op itself, a graph node (its
+    CUDA implementation launches directly inside a CUDA-graph capture, which is where kvbuffer runs it)."""
+    if args[0].is_cuda and not torch.compiler.is_compiling():
         return CUDA_LAUNCHES[name](*args, checked=False)
     return getattr(torch.ops.kvbuffer, name)(*args)

@@ -33,9 +33,10 @@ def derived(module: nn.Module, name: str, source: torch.Tensor, make) -> torch.T
     """make(source), kept on `module` until `source` changes (an in-place write, a cast or a move):
     parameters a step needs in another form (fp32, 1 + w) then cost no launch per step. The kept
     entry holds `source`'s storage, so a new tensor at the same address is another storage only
-    if its version differs. Not kept where autograd records (a kept tensor would cut the graph)."""
-    if torch.is_grad_enabled() and source.requires_grad:
-        return make(source)
+    if its version differs. Not kept where autograd records (a kept tensor would cut the graph), nor
+    under torch.compile."""
+    if (torch.is_grad_enabled() and source.requires_grad) or torch.compiler.is_compiling():
+        return make(source)  # compiled: fused into its consumer, no launch of its own (and no data_ptr guard)
     hit = module.__dict__.get(name)
     if hit is None or hit[0].data_ptr() != source.data_ptr() or hit[1] != source._version \
             or hit[0].dtype != source.dtype or hit[0].shape != source.shape:

@@ -177,7 +177,12 @@ class KernelBackend(ReferenceBackend):
     def _conv_kernel_loads(self, key: KernelKey, batch: int) -> bool:
         """Whether the conv kernel for `key` is there (an artifact, or JIT-compiled now); logs once per
         key if not: without it the conv runs on the reference (the linear mixers keep their kernels).
-        `kvbuffer tune --model ...` builds the conv's artifacts."""
+        `kvbuffer tune --model ...` builds the conv's artifacts. Under torch.compile no lookup runs
+        (its file reads would break the graph and send the whole forward back to eager): a key not
+        known to be missing is taken to load, and if it does not, the op raises ArtifactError at the
+        CUDA-graph warm-up, where the engine drops the compiled forward."""
+        if torch.compiler.is_compiling():
+            return key not in self.conv_on_reference
         if key in self.conv_on_reference and not lookup.jit_allowed():
             return False
         try:

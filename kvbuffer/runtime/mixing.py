@@ -72,10 +72,11 @@ def _recurrent_verify(inputs: LinearInputs, batch, caches, layer):
     scratch = caches.states.layer(layer)[batch.state_slots.clamp(min=0).long()].clone()
     rows = torch.where(real, torch.arange(batch.num_rows, dtype=torch.int32, device=scratch.device),
                        torch.full_like(batch.slots, -1))
+    slots = batch.slots.clamp(min=0).long()
     outs = []
-    for i in range(batch.num_tokens):
+    for i in range(batch.num_tokens):  # padding rows write nothing, with no host sync (CUDA graphs)
         outs.append(batch.backend.recurrent_step(per_token(inputs, _token(i)), scratch, rows))
-        caches.draft_states[layer][batch.slots[real].long(), i] = scratch[real]
+        put_slot_rows(caches.draft_states[layer], slots, torch.full_like(slots, i), scratch, real)
     return torch.stack(outs, 1)
 
 
@@ -84,6 +85,9 @@ def attention(q, k, v, batch: ForwardBatch, caches: ModelCaches, layer: int, sca
 
     New keys and values are written at positions cached .. cached+T-1 of the row's slot; for a
     verify, the engine keeps the accepted prefix by advancing `cached` (rejected ones are overwritten).
+    Under torch.compile the windows are read before the write, with the new tokens put into them
+    (_window): read after it, the compiled forward keeps a whole copy of the layer's cache to read
+    from. Eagerly they are read after it, which saves the two scatters.
     The window is batch.context_len positions (known on the host, so nothing is read back); query
     heads are grouped per KV head in the matmuls instead of repeating the keys. Each row's window
     is gathered once, straight into the (B, Hkv, L, D) layout both matmuls read as they are (an
@@ -94,14 +98,19 @@ def attention(q, k, v, batch: ForwardBatch, caches: ModelCaches, layer: int, sca
     real = batch.slots >= 0
     rows = batch.slots.clamp(min=0).long()
     pos = batch.cached.long()[:, None] + torch.arange(T, device=q.device)[None, :]  # (B, T)
-    at = (rows[:, None].expand(B, T), pos)
-    put_rows(kc, at, k, real)
-    put_rows(vc, at, v, real)
     L = batch.context_len if batch.context_len is not None else int(pos.max()) + 1
     Hkv = kc.shape[2]
     G = H // Hkv
-    keys = torch.index_select(kc[:, :L].transpose(1, 2), 0, rows).to(q.dtype)  # (B, Hkv, L, D)
-    vals = torch.index_select(vc[:, :L].transpose(1, 2), 0, rows).to(q.dtype)
+    rows_t = rows[:, None].expand(B, T)
+    compiling = torch.compiler.is_compiling()  # then the windows are read first (see the docstring)
+    if not compiling:
+        put_slot_rows(kc, rows_t, pos, k, real)
+        put_slot_rows(vc, rows_t, pos, v, real)
+    keys = _window(kc, rows, L, pos, k if compiling else None).to(q.dtype)  # (B, Hkv, L, D)
+    vals = _window(vc, rows, L, pos, v if compiling else None).to(q.dtype)
+    if compiling:
+        put_slot_rows(kc, rows_t, pos, k, real)
+        put_slot_rows(vc, rows_t, pos, v, real)
     qg = q.reshape(B, T, Hkv, G, D).permute(0, 2, 3, 1, 4).reshape(B, Hkv, G * T, D)  # rows (g, t)
     scores = torch.matmul(qg, keys.transpose(2, 3)) * scaling  # (B, Hkv, G*T, L)
     ahead = torch.arange(L, device=q.device)[None, None, :] > pos[:, :, None]  # (B, T, L): not visible
@@ -109,3 +118,29 @@ def attention(q, k, v, batch: ForwardBatch, caches: ModelCaches, layer: int, sca
     probs = F.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
     out = torch.matmul(probs, vals).reshape(B, Hkv, G, T, D).permute(0, 3, 1, 2, 4).reshape(B, T, H, D)
     return torch.where(real[:, None, None, None], out, torch.zeros((), dtype=out.dtype, device=out.device))
+
+
+@torch.library.custom_op("kvbuffer::put_slot_rows", mutates_args=("dst",))
+def put_slot_rows(dst: torch.Tensor, rows: torch.Tensor, pos: torch.Tensor, values: torch.Tensor,
+                  real: torch.Tensor) -> None:
+    """dst[rows, pos] = values for the real rows: put_rows as one opaque op. Traced as aten ops
+    into a pool (a layer's KV cache, its draft states), torch.compile computed the write into a copy
+    of the whole pool and copied it back, every step."""
+    put_rows(dst, (rows, pos), values, real)
+
+
+@put_slot_rows.register_fake
+def _put_slot_rows_fake(dst, rows, pos, values, real) -> None:
+    return None
+
+
+def _window(cache, rows, L: int, pos, new=None):
+    """Each row's first L cache positions (B, Hkv, L, D), gathered once straight into the layout the
+    matmuls read; with `new` (B, T, Hkv, D), read before the write, those tokens put in at positions
+    pos (B, T) in the cache's dtype: what a read after the write gives."""
+    window = torch.index_select(cache[:, :L].transpose(1, 2), 0, rows)
+    if new is None:
+        return window
+    B, T, Hkv, D = new.shape
+    at = pos[:, None, :, None].expand(B, Hkv, T, D)
+    return window.scatter(2, at, new.to(cache.dtype).transpose(1, 2))

@@ -1,13 +1,13 @@
 """The decode step as CUDA graphs replay it: padded to a row bucket, attention window fixed to a
 context bucket, inputs in one transfer, scatters that ignore padding rows. Checked eagerly on CPU
-(DecodeGraphs(capture=False)); tests/gpu/test_ops_and_engine.py captures it for real."""
+(StepGraphs(capture=False)); tests/gpu/test_ops_and_engine.py captures it for real."""
 
 import pytest
 import torch
 
 from tests.support.hf_models import make_hf_model
 from kvbuffer import LLM
-from kvbuffer.engine.graphs import DecodeGraphs, context_bucket, row_bucket
+from kvbuffer.engine.graphs import StepGraphs, context_bucket, row_bucket
 from kvbuffer.rows import put_rows
 
 
@@ -55,7 +55,7 @@ def test_padded_bucketed_decode_equals_plain(ckpts, kind, mode):
     plain = LLM(str(ckpts[kind]), **kw).generate(prompts, max_new_tokens=12, return_logits=True)
     llm = LLM(str(ckpts[kind]), **kw)
     r = llm.runner
-    r.graphs = DecodeGraphs(r._decode_forward, r.inputs, r.spec.max_len, capture=False)
+    r.graphs = StepGraphs(r._decode_forward, r.inputs, r.spec.max_len, capture=False)
     padded = llm.generate(prompts, max_new_tokens=12, return_logits=True)
     for a, b in zip(plain, padded):
         assert a.token_ids == b.token_ids

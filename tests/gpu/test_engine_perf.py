@@ -1,0 +1,111 @@
+"""The engine's fast paths on CUDA: verify and prefill forwards captured as CUDA graphs (bit-identical
+to the same padded, bucketed forwards run eagerly), speculative greedy output unchanged by them.
+CPU counterparts: tests/test_engine_graphs.py."""
+
+import pytest
+import torch
+
+from kvbuffer import ops
+
+pytestmark = pytest.mark.gpu
+
+C = 8
+PROMPTS = [[3, 1, 4, 1, 5, 9, 2, 6], [7], [2, 7, 1, 8, 2, 8, 1, 8, 2, 8, 4, 5, 9]]
+
+
+@pytest.fixture(autouse=True, scope="module")
+def jit():
+    ops.allow_jit(True)
+    yield
+    ops.allow_jit(None)
+
+
+def _llm(kind, mode, *, graphs, capture=True, T=0, **kw):
+    from tiny_models import tiny_model
+
+    from kvbuffer import LLM
+
+    spec = {"method": "ngram", "num_draft_tokens": T} if T else None
+    llm = LLM(tiny_model(kind), device="cuda", dtype=torch.bfloat16, mode=mode, chunk_size=C, max_batch=4,
+              max_len=96, kernels=True, cuda_graphs=False, speculative=spec, max_prefill_tokens=8, **kw)
+    if graphs:
+        llm.runner.use_graphs(True, capture=capture)
+    return llm
+
+
+def _run(llm, refs=None):
+    from scripted_drafter import ScriptedDrafter
+
+    if refs is not None:
+        llm.drafter = ScriptedDrafter(refs, "some", llm.vocab_size, strict=False)
+    return llm.generate(PROMPTS, max_new_tokens=20, return_logits=True, stop_token_ids=[])
+
+
+@pytest.mark.parametrize("mode", ["kvbuffer", "recurrent"])
+@pytest.mark.parametrize("kind", ["qwen3_5", "nemotron_h"])
+def test_graphed_verify_and_prefill_bit_identical_to_eager(kind, mode):
+    """Speculative decoding (3 drafts, some accepted; prefill in chunks of 8 tokens) with every
+    forward captured vs the same padded, bucketed forwards run eagerly: identical tokens, logits
+    bit for bit; verify and prefill graphs were really captured."""
+    plain = _run(_llm(kind, mode, graphs=False))
+    refs = [(p, o.token_ids) for p, o in zip(PROMPTS, plain)]
+    eager = _run(_llm(kind, mode, graphs=True, capture=False, T=3), refs)
+    llm = _llm(kind, mode, graphs=True, T=3)
+    got = _run(llm, refs)
+    phases = {phase for (phase, _), (_, g) in llm.runner._multi.items() if g.enabled and g.graphs}
+    assert phases == {"prefill", "verify"}, f"graphs captured only for {phases}"
+    for a, b in zip(got, eager):
+        assert a.token_ids == b.token_ids
+        for la, lb in zip(a.logits, b.logits):
+            torch.testing.assert_close(la, lb, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("mode", ["kvbuffer", "recurrent"])
+@pytest.mark.parametrize("kind", ["qwen3_5", "nemotron_h"])
+def test_graphed_speculative_greedy_equals_plain(kind, mode):
+    """Greedy output of graphed speculative decoding equals plain (graphed) decoding's, up to bf16
+    near ties (verify runs other GEMM shapes; tolerance as in tests/gpu/test_conv1d_kernels.py)."""
+    from gpu.test_ops_and_engine import compare_greedy
+
+    plain = _run(_llm(kind, mode, graphs=True))
+    refs = [(p, o.token_ids) for p, o in zip(PROMPTS, plain)]
+    llm = _llm(kind, mode, graphs=True, T=4)
+    compare_greedy(_run(llm, refs), plain, tol=0.15)
+    assert llm.acceptance["acceptance_rate"] > 0
+
+
+@pytest.mark.parametrize("mode", ["kvbuffer", "recurrent"])
+@pytest.mark.parametrize("kind", ["qwen3_5", "nemotron_h"])
+def test_compiled_step_matches_uncompiled(kind, mode):
+    """The fused step (decode and verify compiled by Inductor, inside kvbuffer's CUDA graphs) vs the
+    unfused one (graphs on, no compile): logits within bf16 rounding (Inductor fuses in fp32 what
+    eager rounds to bf16 between ops), greedy tokens equal except at near ties, plain and speculative;
+    the compiled forward really ran (it was not dropped after a failed capture)."""
+    from gpu.test_ops_and_engine import compare_greedy
+
+    torch._dynamo.reset()  # this test's compilations start afresh (Dynamo's per-code cache is bounded)
+    unfused = _run(_llm(kind, mode, graphs=True, compile=False))
+    refs = [(p, o.token_ids) for p, o in zip(PROMPTS, unfused)]
+    llm = _llm(kind, mode, graphs=True, compile=True)
+    compare_greedy(_run(llm), unfused, tol=0.15)
+    spec = _llm(kind, mode, graphs=True, compile=True, T=3)
+    compare_greedy(_run(spec, refs), unfused, tol=0.15)
+    assert llm.runner.compiled is not None and spec.runner.compiled is not None, "compile fell back"
+
+
+@pytest.mark.parametrize("kind", ["qwen3_5", "nemotron_h"])
+def test_peers_backend_on_their_kernels_matches_recurrent(kind):
+    """kvbuffer.bench.peers on FLA's / mamba_ssm's real kernels (CUDA graphs on, speculative too) vs
+    kvbuffer's recurrent mode: logits within bf16 rounding, greedy tokens equal except near ties."""
+    from gpu.test_ops_and_engine import compare_greedy
+    from kvbuffer.bench.peers import PeersBackend, load_peers, reserve_pad_slot
+
+    found = load_peers()
+    if found["gdn" if kind == "qwen3_5" else "mamba2"] is None:
+        pytest.skip("the peer package for this family is not installed")
+    own = _run(_llm(kind, "recurrent", graphs=True))
+    refs = [(p, o.token_ids) for p, o in zip(PROMPTS, own)]
+    for T in (0, 3):
+        llm = _llm(kind, "recurrent", graphs=True, T=T, max_states=reserve_pad_slot(4))
+        llm.backend = llm.runner.backend = PeersBackend(found["gdn"], found["mamba2"])
+        compare_greedy(_run(llm, refs if T else None), own, tol=0.15)
