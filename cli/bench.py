@@ -101,7 +101,7 @@ def _engine_options(f):
         click.option("--chunk-size", default=16, show_default=True, type=click.IntRange(min=1)),
         click.option("--kernels", default="auto", show_default=True, type=click.Choice(["auto", "true", "false"])),
         click.option("--cuda-graphs", default="auto", show_default=True, type=click.Choice(["auto", "true", "false"])),
-        click.option("--compile", "compile_", default="auto", show_default=True,
+        click.option("--compile", "compile_", default="false", show_default=True,
                      type=click.Choice(["auto", "true", "false"]),
                      help="Decode and verify forwards under torch.compile (auto: on CUDA with CUDA graphs)."),
         _out_option,

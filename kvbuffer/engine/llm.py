@@ -144,14 +144,15 @@ class LLM:
         cuda_graphs: capture the decode step in CUDA graphs (True, False or "auto": on CUDA when the
         linear layers run on the compiled kernels or the model has none).
         compile: run the decode and verify forwards under torch.compile (kvbuffer.engine.compiled):
-        True, False or "auto" (on CUDA with CUDA graphs).
+        False (the default: compiling a large model adds minutes to start-up), True, or "auto" (on
+        CUDA with CUDA graphs).
     """
 
     def __init__(self, model, *, device=None, dtype=None, mode: str = "kvbuffer", chunk_size: int | None = None,
                  max_batch: int = 16, max_states: int | None = None, max_len: int = 2048,
                  max_prefill_tokens: int = 1024, tokenizer=None, speculative: dict | None = None,
                  memory_budget: int | None = None, kernels: bool | str = "auto", cuda_graphs: bool | str = "auto",
-                 compile: bool | str = "auto"):
+                 compile: bool | str = False):
         check_llm_args(model, device=device, dtype=dtype, chunk_size=chunk_size, max_batch=max_batch, max_states=max_states, max_len=max_len, max_prefill_tokens=max_prefill_tokens, speculative=speculative, memory_budget=memory_budget, kernels=kernels, cuda_graphs=cuda_graphs)  # noqa: E501
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {mode!r}")

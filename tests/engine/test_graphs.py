@@ -8,8 +8,8 @@ import torch
 
 from kvbuffer import LLM
 from kvbuffer.engine.graphs import StepInputs, split_view, step_columns
-from scripted_drafter import ScriptedDrafter
-from test_decode_graphs import ckpts  # noqa: F401  (the tiny checkpoints fixture)
+from tests.support.scripted_drafter import ScriptedDrafter
+from tests.engine.test_decode_graphs import ckpts  # noqa: F401  (the tiny checkpoints fixture)
 
 C, NEW = 4, 14
 PROMPTS = [[(7 * i + j) % 90 + 1 for j in range(n)] for i, n in enumerate((1, 3, 6, 5, 17))]

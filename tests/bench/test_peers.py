@@ -14,7 +14,7 @@ import torch.nn.functional as F
 
 from kvbuffer import LLM
 from kvbuffer.bench.peers import PeersBackend, reserve_pad_slot
-from scripted_drafter import ScriptedDrafter
+from tests.support.scripted_drafter import ScriptedDrafter
 
 PROMPTS = [[3, 1, 4, 1, 5, 9, 2, 6], [7], [2, 7, 1, 8, 2, 8, 1, 8, 2, 8, 4, 5, 9]]
 
