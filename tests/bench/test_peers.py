@@ -69,7 +69,7 @@ def _counted(family, fn):
 
 
 def _run(kind, peers, T=0, refs=None):
-    from tiny_models import tiny_model
+    from tests.support.tiny_models import tiny_model
 
     spec = {"method": "ngram", "num_draft_tokens": T} if T else None
     llm = LLM(tiny_model(kind), device="cpu", mode="recurrent", chunk_size=4, max_batch=4,

@@ -73,7 +73,7 @@ def test_compiled_decode_equals_eager(kind):
     """The decode forward under torch.compile (Inductor, the state ops as custom-op graph nodes as on
     CUDA: KernelBackend, whose ops run the reference on CPU) vs eager: tokens equal, logits within
     fp32 rounding. One Inductor compilation per family (about a minute on two cores)."""
-    from tiny_models import tiny_model
+    from tests.support.tiny_models import tiny_model
 
     from kvbuffer.runtime.backend import KernelBackend
 

@@ -1,6 +1,6 @@
 """The engine's fast paths on CUDA: verify and prefill forwards captured as CUDA graphs (bit-identical
 to the same padded, bucketed forwards run eagerly), speculative greedy output unchanged by them.
-CPU counterparts: tests/test_engine_graphs.py."""
+CPU counterparts: tests/engine/test_graphs.py."""
 
 import pytest
 import torch
@@ -21,7 +21,7 @@ def jit():
 
 
 def _llm(kind, mode, *, graphs, capture=True, T=0, **kw):
-    from tiny_models import tiny_model
+    from tests.support.tiny_models import tiny_model
 
     from kvbuffer import LLM
 
@@ -34,7 +34,7 @@ def _llm(kind, mode, *, graphs, capture=True, T=0, **kw):
 
 
 def _run(llm, refs=None):
-    from scripted_drafter import ScriptedDrafter
+    from tests.support.scripted_drafter import ScriptedDrafter
 
     if refs is not None:
         llm.drafter = ScriptedDrafter(refs, "some", llm.vocab_size, strict=False)
