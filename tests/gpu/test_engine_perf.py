@@ -65,7 +65,7 @@ def test_graphed_verify_and_prefill_bit_identical_to_eager(kind, mode):
 def test_graphed_speculative_greedy_equals_plain(kind, mode):
     """Greedy output of graphed speculative decoding equals plain (graphed) decoding's, up to bf16
     near ties (verify runs other GEMM shapes; tolerance as in tests/gpu/test_conv1d_kernels.py)."""
-    from gpu.test_ops_and_engine import compare_greedy
+    from tests.gpu.test_ops_and_engine import compare_greedy
 
     plain = _run(_llm(kind, mode, graphs=True))
     refs = [(p, o.token_ids) for p, o in zip(PROMPTS, plain)]
@@ -81,7 +81,7 @@ def test_compiled_step_matches_uncompiled(kind, mode):
     unfused one (graphs on, no compile): logits within bf16 rounding (Inductor fuses in fp32 what
     eager rounds to bf16 between ops), greedy tokens equal except at near ties, plain and speculative;
     the compiled forward really ran (it was not dropped after a failed capture)."""
-    from gpu.test_ops_and_engine import compare_greedy
+    from tests.gpu.test_ops_and_engine import compare_greedy
 
     torch._dynamo.reset()  # this test's compilations start afresh (Dynamo's per-code cache is bounded)
     unfused = _run(_llm(kind, mode, graphs=True, compile=False))
@@ -97,7 +97,7 @@ def test_compiled_step_matches_uncompiled(kind, mode):
 def test_peers_backend_on_their_kernels_matches_recurrent(kind):
     """kvbuffer.bench.peers on FLA's / mamba_ssm's real kernels (CUDA graphs on, speculative too) vs
     kvbuffer's recurrent mode: logits within bf16 rounding, greedy tokens equal except near ties."""
-    from gpu.test_ops_and_engine import compare_greedy
+    from tests.gpu.test_ops_and_engine import compare_greedy
     from kvbuffer.bench.peers import PeersBackend, load_peers, reserve_pad_slot
 
     found = load_peers()
