@@ -43,7 +43,7 @@ def compile_forward(model: torch.nn.Module, caches):
     Shapes are static at first and turn dynamic where they change (rows, the attention window), so
     a few compilations serve every bucket. The caches' tensors are marked static: their sizes never
     change within an engine, and with dynamic pool sizes Inductor (torch 2.13) got the mutations of
-    the custom ops on views of one pool wrong (tests/test_engine_graphs.py)."""
+    the custom ops on views of one pool wrong (tests/engine/test_graphs.py)."""
     for t in caches.tensors().values():
         torch._dynamo.mark_static(t)
     log.info("kvbuffer: the decode and verify forwards are compiled (torch.compile, Inductor)")

@@ -4,7 +4,7 @@ Conv pool layout per layer: `conv_state` (num_slots, D, W - 1 + max_drafts). Pos
 hold the last W-1 accepted inputs (oldest first); positions [W-1, W-1+T) hold the inputs of the T
 drafts being verified. Verify reads the history and writes the drafts there; accept(m) shifts the
 first m drafts into the history; rejected drafts are simply overwritten later. (transformers keeps
-the last W inputs instead, the oldest unused; see kvbuffer.hf_interop for the mapping.)
+the last W inputs instead, the oldest unused; see kvbuffer.engine.hf_interop for the mapping.)
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """The ops' metadata checks on CUDA: they run before the kernel lookup and launch, so a bad call
 is a typed error naming the argument (nothing compiled or launched) and every pool is unchanged.
-CPU twin: tests/test_ops_hardening.py."""
+CPU twin: tests/kernels/test_ops_hardening.py."""
 
 import random
 
