@@ -41,7 +41,8 @@ class ServerProcess:
                 if httpx.get(self.url + "/health", timeout=1).status_code == 200:
                     return
             except httpx.TransportError:
-                time.sleep(0.2)
+                pass
+            time.sleep(0.2)  # also after an answer other than 200: poll, do not spin
         self.kill()
         raise RuntimeError(f"kvbuffer serve did not answer within {timeout:g} s:\n{self.output()}")
 
