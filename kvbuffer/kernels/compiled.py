@@ -15,7 +15,7 @@ from typing import Any, Callable
 import torch
 
 from ..checks import check_capacity, check_slots, check_tensor, check_unique
-from ..errors import ShapeError, SlotError
+from ..errors import DeviceError, ShapeError, SlotError
 from ..gpus import local_target
 
 ACT_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
@@ -44,6 +44,12 @@ def build_template(kind: str, template: str, params: dict, module: str = "gdn", 
     mod = importlib.import_module(f"kvbuffer.tiles.{module}")
     prim = getattr(mod, template)(**params)
     return CompiledOp(tiles_package().compile_template(prim, target), kind, dict(params, **(aliases or {})))
+
+
+def check_on_cuda(name: str, dev: torch.device) -> None:
+    """The launchers' first device check: a compiled kernel cannot read a CPU (or meta) tensor."""
+    if dev.type != "cuda":
+        raise DeviceError(f"the compiled kernels run on CUDA tensors; {name} is on {dev}")
 
 
 def check_contiguous(name: str, t: torch.Tensor) -> None:

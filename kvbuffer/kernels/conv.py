@@ -12,7 +12,7 @@ import torch
 
 from ..checks import check_slots, check_tensor, check_unique
 from ..errors import ShapeError
-from .compiled import ACT_DTYPES, CompiledOp, build_template, check_contiguous, expect_kind
+from .compiled import ACT_DTYPES, CompiledOp, build_template, check_contiguous, check_on_cuda, expect_kind
 from .keys import CONV_UPDATE_KINDS, check_conv_mode
 
 
@@ -57,8 +57,7 @@ def conv1d_update(op: CompiledOp, x, conv_state, slots, weight, bias=None, out=N
     dev = x.device if isinstance(x, torch.Tensor) else None
     act = ACT_DTYPES[p["dtype"]]
     check_tensor("x", x, (None, p["T"] or None, p["D"]), (act,), dev)  # T = 0: built for any token count
-    if dev.type != "cuda":
-        raise ShapeError(f"the compiled kernels run on CUDA tensors; x is on {dev}")
+    check_on_cuda("x", dev)
     B = x.shape[0]
     _check_pool(op, conv_state, slots, B, dev, checked)
     wd = ACT_DTYPES[p["w_dtype"]]
@@ -91,8 +90,7 @@ def conv1d_accept(op: CompiledOp, conv_state, slots, accepted, *, checked: bool 
     if not isinstance(slots, torch.Tensor):
         raise TypeError(f"slots must be a torch.Tensor, got {type(slots).__name__}")
     B, dev = slots.shape[0], slots.device
-    if dev.type != "cuda":
-        raise ShapeError(f"the compiled kernels run on CUDA tensors; slots is on {dev}")
+    check_on_cuda("slots", dev)
     _check_pool(op, conv_state, slots, B, dev, checked)
     check_tensor("accepted", accepted, (B,), (torch.int32,), dev)
     check_contiguous("accepted", accepted)

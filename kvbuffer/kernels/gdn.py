@@ -13,7 +13,7 @@ import torch
 from ..checks import check_capacity, check_tensor
 from ..errors import ShapeError, SlotError
 from .compiled import (ACT_DTYPES, CompiledOp, build_template, check_buffer, check_contiguous, check_fill_rules,
-                       check_state, expect_kind, out_tensor, prefill_chunks)
+                       check_on_cuda, check_state, expect_kind, out_tensor, prefill_chunks)
 
 
 def build_gdn_recurrent(Hk: int, Hv: int, K: int = 128, V: int = 128, **tunables) -> CompiledOp:
@@ -38,8 +38,7 @@ def _check_tokens(op: CompiledOp, q, k, v, a, b, A_log, dt_bias, lead: tuple) ->
     act = ACT_DTYPES[p.get("in_dtype", "bfloat16")]
     dev = q.device if isinstance(q, torch.Tensor) else None
     check_tensor("q", q, lead + (p["Hk"], p["K"]), (act,), dev)
-    if dev.type != "cuda":
-        raise ShapeError(f"the compiled kernels run on CUDA tensors; q is on {dev}")
+    check_on_cuda("q", dev)
     check_tensor("k", k, lead + (p["Hk"], p["K"]), (act,), dev)
     check_tensor("v", v, lead + (p["Hv"], p["V"]), (act,), dev)
     check_tensor("a", a, lead + (p["Hv"],), (act,), dev)

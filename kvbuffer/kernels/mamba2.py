@@ -13,7 +13,7 @@ import torch
 from ..checks import check_tensor
 from ..errors import ShapeError
 from .compiled import (ACT_DTYPES, CompiledOp, build_template, check_buffer, check_contiguous, check_fill_rules,
-                       check_state, expect_kind, out_tensor, prefill_chunks)
+                       check_on_cuda, check_state, expect_kind, out_tensor, prefill_chunks)
 
 
 def _aliases(G, H, N, P) -> dict:
@@ -48,8 +48,7 @@ def _check_tokens(op: CompiledOp, x, dt, A_log, dt_bias, Bm, Cm, D, z, lead: tup
     act = ACT_DTYPES[p.get("in_dtype", "bfloat16")]
     check_tensor("x", x, lead + (p["H"], p["P"]), (act,))
     dev = x.device
-    if dev.type != "cuda":
-        raise ShapeError(f"the compiled kernels run on CUDA tensors; x is on {dev}")
+    check_on_cuda("x", dev)
     check_tensor("dt", dt, lead + (p["H"],), (act,), dev)
     check_tensor("B", Bm, lead + (p["G"], p["N"]), (act,), dev)
     check_tensor("C", Cm, lead + (p["G"], p["N"]), (act,), dev)
