@@ -10,19 +10,7 @@ import click
 
 from kvbuffer.bench import KERNEL_BATCHES
 
-
-def _ints(text: str) -> tuple[int, ...]:
-    try:
-        return tuple(int(x) for x in text.split(",") if x.strip())
-    except ValueError:
-        raise click.BadParameter(f"expected comma-separated integers, got {text!r}") from None
-
-
-def _floats(text: str) -> tuple[float, ...]:
-    try:
-        return tuple(float(x) for x in text.split(",") if x.strip())
-    except ValueError:
-        raise click.BadParameter(f"expected comma-separated numbers, got {text!r}") from None
+from .values import numbers, positive_ints
 
 
 def _out_option(f):
@@ -75,7 +63,8 @@ def _kernel_command(family: str, peer: str):
         cfg = json.loads(open(configs).read()) if configs else None
         chosen = tuple(s for s in shapes.split(",") if s) if shapes else module.SHAPES
         stem = "_".join((family,) + chosen)  # runs of other shapes on the same day keep their own files
-        result = module.run(shapes=chosen, batches=_ints(batches), C=C, cap=cap, configs=cfg, launches=launches,
+        sizes = positive_ints(batches, "--batches")
+        result = module.run(shapes=chosen, batches=sizes, C=C, cap=cap, configs=cfg, launches=launches,
                             replays=replays, on_row=lambda r: results.write(r, results.result_path(out, stem, r)))
         text = kernels.table(result)
         click.echo(text)
@@ -142,7 +131,8 @@ def decode(preset, modes, prompt_len, new_tokens, chunk_size, kernels, cuda_grap
            profile_batch):
     """Decode throughput and step latency, kvbuffer vs the recurrent scheme, random-weight model."""
     _engine_run("decode", preset, modes, kernels, cuda_graphs, compile_, out, prompt_len=prompt_len,
-                new_tokens=new_tokens, chunk_size=chunk_size, batches=_ints(batches), profile_batch=profile_batch)
+                new_tokens=new_tokens, chunk_size=chunk_size, batches=positive_ints(batches, "--batches"),
+                profile_batch=profile_batch)
 
 
 @bench.command("spec")
@@ -163,9 +153,9 @@ def spec(preset, modes, prompt_len, new_tokens, chunk_size, kernels, cuda_graphs
          alphas, draft_tokens, memory_budget, max_requests, profile_batch):
     """Speculative decoding with a drafter of chosen acceptance: equal batch and under a memory budget."""
     _engine_run("spec", preset, modes, kernels, cuda_graphs, compile_, out, prompt_len=prompt_len,
-                new_tokens=new_tokens, chunk_size=chunk_size, settings=tuple(settings), batches=_ints(batches), alphas=_floats(alphas),
-                drafts=draft_tokens, budget_bytes=int(memory_budget * 2**30), max_requests=max_requests,
-                profile_batch=profile_batch)
+                new_tokens=new_tokens, chunk_size=chunk_size, settings=tuple(settings),
+                batches=positive_ints(batches, "--batches"), alphas=numbers(alphas, "--alphas"), drafts=draft_tokens,
+                budget_bytes=int(memory_budget * 2**30), max_requests=max_requests, profile_batch=profile_batch)
 
 
 @bench.command("transformers", add_help_option=False,

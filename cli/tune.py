@@ -6,18 +6,15 @@ import sys
 
 import click
 
+from .values import positive_ints
+
 DEFAULT_CHUNKS = "8,16,32"
 DEFAULT_BUCKETS = "1,16,64,256,1024"
 
 
 def _ints(text: str, option: str) -> tuple[int, ...]:
-    try:
-        values = tuple(sorted({int(x) for x in text.split(",") if x.strip()}))
-    except ValueError:
-        raise click.BadParameter(f"expected comma-separated integers, got {text!r}", param_hint=option) from None
-    if not values or values[0] < 1:
-        raise click.BadParameter(f"expected positive integers, got {text!r}", param_hint=option)
-    return values
+    """The distinct values of a comma-separated option, ascending."""
+    return tuple(sorted(set(positive_ints(text, option))))
 
 
 def _table(rows: list[tuple]) -> None:

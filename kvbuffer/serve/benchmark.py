@@ -22,6 +22,8 @@ from pathlib import Path
 
 import click
 
+from ..cli.values import positive_ints
+
 PROMPT_VOCAB = 256
 
 
@@ -139,16 +141,6 @@ def _table(rows: list[Summary]) -> str:
     return "\n".join(lines)
 
 
-def _ints(text: str) -> list[int]:
-    try:
-        values = [int(x) for x in text.split(",") if x.strip()]
-    except ValueError:
-        values = []
-    if not values or min(values) < 1:
-        raise click.BadParameter(f"expected positive integers separated by commas, got {text!r}")
-    return values
-
-
 @click.command("serve")
 @click.option("--url", default=None, help="Measure a running server instead of starting one per mode.")
 @click.option("--model", "model_dir", default=None, help="Checkpoint directory for the servers it starts "
@@ -180,7 +172,7 @@ def bench_serve(url, model_dir, preset, modes, concurrency_list, request_rate, n
     """Serving benchmark: throughput, TTFT and TPOT (median, p99) per mode and concurrency."""
     from .launch import ServerProcess
 
-    levels = _ints(concurrency_list)
+    levels = positive_ints(concurrency_list, "--concurrency")
     mode_list = [m.strip() for m in modes.split(",") if m.strip()]
     bad = [m for m in mode_list if m not in ("kvbuffer", "recurrent")]
     if bad or not mode_list:

@@ -28,3 +28,14 @@ def test_without_cuda_one_line_and_exit_1(args):
     assert res.exit_code == 1
     lines = res.output.strip().splitlines()
     assert len(lines) == 1 and "needs a CUDA GPU" in lines[0]
+
+
+@pytest.mark.parametrize("args, option", [(["decode", "--batches", "0"], "--batches"),
+                                          (["spec", "--batches", "16,-1"], "--batches"),
+                                          (["spec", "--alphas", "half"], "--alphas"),
+                                          (["serve", "--concurrency", "0"], "--concurrency")],
+                         ids=["decode-zero-batch", "spec-negative-batch", "spec-bad-alpha", "serve-zero-concurrency"])
+def test_a_bad_list_value_is_a_usage_error_naming_the_option(args, option):
+    res = CliRunner().invoke(main, ["bench", *args])
+    assert res.exit_code == 2, res.output
+    assert option in res.output
