@@ -1,5 +1,4 @@
-"""`model.generate` tokens/s of a Qwen3.5-9B-shaped transformers model: stock vs
-`kvbuffer.integrations.transformers.enable`.
+"""`model.generate` tokens/s of a Qwen3.5-9B-shaped transformers model: stock vs kvbuffer-enabled.
 
     python -m kvbuffer.integrations.benchmark [--batches 1 16 64] [--new-tokens 64] [--out FILE.json]
 
