@@ -104,10 +104,11 @@ class AsyncEngine:
                 yield out
                 if finished:
                     return
-        finally:
-            if not finished:
-                self._send(("abort", key))
-            self._unreserve()
+        finally:  # the room is given back once the engine holds nothing of the request any more
+            if finished:
+                self._unreserve()  # the engine freed its slots before delivering the last output
+            else:
+                self._send(("abort", key))  # the engine thread frees the slots, then gives the room back
 
     def _send(self, command) -> None:
         self._commands.put(command)
@@ -151,11 +152,12 @@ class AsyncEngine:
                     continue
                 self._streams[key] = stream
                 self._by_rid[stream.rid] = key
-            else:
+            else:  # abort: also sent for requests the engine never took or already ended
                 stream = self._streams.pop(command[1], None)
                 if stream is not None:
                     self._by_rid.pop(stream.rid, None)
                     self.llm.abort(stream.rid)
+                self._unreserve()
 
     def _deliver(self, out: StepOutput) -> None:
         key = self._by_rid.get(out.rid)
