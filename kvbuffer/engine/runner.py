@@ -22,7 +22,7 @@ log = logging.getLogger("kvbuffer")
 
 
 class ModelRunner:
-    """backend: what every forward's layers call (kvbuffer.runtime.backend), carried on each
+    """backend: what every forward's layers call (kvbuffer.runtime.backend), passed along on each
     ForwardBatch; the runner's own flushes and conv accepts go through it too. cuda_graphs: capture
     the decode, verify and short prefill forwards (CUDA with the compiled kernels, or no linear
     layers: the reference ops read the device back, which a capture forbids); a forward whose
