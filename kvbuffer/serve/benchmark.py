@@ -101,7 +101,10 @@ async def run_load(url: str, model: str, requests, *, concurrency: int, request_
 
     gate = asyncio.Semaphore(concurrency)
     rng = random.Random(seed)
-    limits = httpx.Limits(max_connections=concurrency + 8, max_keepalive_connections=concurrency + 8)
+    # A connection per request, as vLLM's benchmark opens one: a kept-alive connection that idled past
+    # the server's keep-alive timeout can be closed by the server just as the client reuses it, and that
+    # request fails with a ReadError that says nothing about the server under test.
+    limits = httpx.Limits(max_connections=concurrency + 8, max_keepalive_connections=0)
     async with httpx.AsyncClient(timeout=httpx.Timeout(None, connect=30), limits=limits) as client:
         await _one(client, url, model, requests[0][0][:8], 4)  # warm-up
 
