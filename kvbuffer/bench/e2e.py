@@ -205,7 +205,7 @@ def peers_missing(model) -> str | None:
     if geometry_of(model).linear_shape is None:
         return "the model has no linear-attention layers"
     if load_peers()[_family(model)] is None:
-        return {"gdn": "FLA (fla-core)", "mamba2": "mamba_ssm"}[_family(model)] + " is not installed"
+        return {"gdn": "FLA (fla-core)", "mamba2": "mamba_ssm"}[_family(model)] + " could not be imported"
     return None
 
 

@@ -120,4 +120,4 @@ def test_e2e_peers_rows(monkeypatch, capsys, found):
                             chunk_size=6, device="cpu")
     assert [r["mode"] for r in rows] == (["recurrent", "peers"] if found == "standins" else ["recurrent"])
     if found == "missing":
-        assert "peers: rows skipped (FLA (fla-core) is not installed)" in capsys.readouterr().out
+        assert "peers: rows skipped (FLA (fla-core) could not be imported)" in capsys.readouterr().out
