@@ -9,6 +9,7 @@ from pathlib import Path
 
 import click
 
+from .engine_options import compile_option
 from .presets import resolve_model
 
 
@@ -56,8 +57,9 @@ def _engine_check(name: str):
 @click.option("--dtype", type=click.Choice(["float32", "bfloat16", "float16"]), default=None)
 @click.option("--cuda-graphs/--no-cuda-graphs", default=True, show_default=True,
               help="Replay decode steps as CUDA graphs (on CUDA with the compiled kernels).")
+@compile_option
 def generate(model, prompts, prompts_file, max_new_tokens, temperature, top_k, top_p, seed, mode, chunk_size,
-             speculative, draft_tokens, max_len, device, dtype, cuda_graphs):
+             speculative, draft_tokens, max_len, device, dtype, cuda_graphs, compile_):
     """Generate text. Streams the output when there is a single prompt."""
     import torch
 
@@ -74,7 +76,7 @@ def generate(model, prompts, prompts_file, max_new_tokens, temperature, top_k, t
     llm = LLM(str(path), device=device, dtype=getattr(torch, dtype) if dtype else None, mode=mode,
               chunk_size=chunk_size, max_batch=max(1, min(len(texts), 64)), max_len=max_len,
               speculative={"method": speculative, "num_draft_tokens": draft_tokens} if speculative else None,
-              cuda_graphs="auto" if cuda_graphs else False)
+              cuda_graphs="auto" if cuda_graphs else False, compile=compile_)
     if llm.tokenizer is None:
         raise click.UsageError(f"{path} has no tokenizer files, so text prompts cannot be encoded")
     stream = len(texts) == 1

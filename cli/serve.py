@@ -6,6 +6,7 @@ import logging
 
 import click
 
+from .engine_options import compile_option
 from .presets import resolve_model
 
 
@@ -34,10 +35,12 @@ from .presets import resolve_model
 @click.option("--device", default=None, help="cpu, cuda, cuda:1 ... (default: cuda when available).")
 @click.option("--dtype", type=click.Choice(["float32", "bfloat16", "float16"]), default=None)
 @click.option("--cuda-graphs/--no-cuda-graphs", default=True, show_default=True)
+@compile_option
 @click.option("--log-level", type=click.Choice(["debug", "info", "warning", "error"]), default="info",
               show_default=True)
 def serve(model, preset, host, port, served_model_name, mode, chunk_size, max_batch, max_states, max_len,
-          max_prefill_tokens, max_waiting, speculative, draft_tokens, device, dtype, cuda_graphs, log_level):
+          max_prefill_tokens, max_waiting, speculative, draft_tokens, device, dtype, cuda_graphs, compile_,
+          log_level):
     """Serve a model over HTTP with OpenAI's completions and chat completions API.
 
     SIGTERM (or Ctrl-C) stops taking requests, lets those in flight finish, then exits.
@@ -66,7 +69,7 @@ def serve(model, preset, host, port, served_model_name, mode, chunk_size, max_ba
     llm = LLM(source if preset else str(source), device=device, dtype=torch_dtype, mode=mode, chunk_size=chunk_size,
               max_batch=max_batch, max_states=max_states, max_len=max_len, max_prefill_tokens=max_prefill_tokens,
               speculative={"method": speculative, "num_draft_tokens": draft_tokens} if speculative else None,
-              cuda_graphs="auto" if cuda_graphs else False)
+              cuda_graphs="auto" if cuda_graphs else False, compile=compile_)
     metrics = ServerMetrics()
     app = build_app(AsyncEngine(llm, max_waiting=max_waiting, metrics=metrics), name, metrics)
     click.echo(f"kvbuffer serve: {name} (mode={mode}, device={llm.device}, max_batch={max_batch}, "

@@ -77,3 +77,12 @@ def test_generate_cli_speculative_matches_plain():
     assert plain.exit_code == 0 and spec.exit_code == 0, spec.output
     assert spec.output.split("[")[0] == plain.output.split("[")[0]
     assert "ngram drafts accepted" in spec.output
+
+
+def test_generate_cli_compiled_matches_plain():
+    """--compile runs the forwards under torch.compile; greedy text is the uncompiled one's."""
+    args = ["generate", "--prompt", "def ", "--max-new-tokens", "12", "--device", "cpu", "--dtype", "float32"]
+    plain = CliRunner().invoke(main, args)
+    compiled = CliRunner().invoke(main, args + ["--compile"])
+    assert plain.exit_code == 0 and compiled.exit_code == 0, compiled.output
+    assert compiled.stdout == plain.stdout
