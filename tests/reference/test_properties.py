@@ -71,6 +71,12 @@ class Batch:
                                        *self.bufs, self._mask(self.bslots, live), self.lengths)
             self.lengths = self.lengths + live.to(torch.int32)
 
+    @classmethod
+    def draw(cls, data, fam, B: int, C: int, cap: int) -> "Batch":
+        """A Batch whose rows' fills are drawn below C, on a drawn seed."""
+        n_fill = data.draw(st.lists(st.integers(0, C - 1), min_size=B, max_size=B))
+        return cls(fam, B, cap, data.draw(st.integers(0, 2**16)), n_fill)
+
     @staticmethod
     def _mask(slots, live):
         return torch.where(live, slots, -1).to(torch.int32)
@@ -130,8 +136,7 @@ def test_verify_then_accept_equals_verify_of_accepted_only():
         C = data.draw(st.integers(1, 6))
         T = data.draw(st.integers(1, MAX_DRAFTS))
         m = data.draw(st.integers(0, T))
-        n_fill = data.draw(st.lists(st.integers(0, C - 1), min_size=B, max_size=B))
-        base = Batch(fam, B, C + MAX_DRAFTS, data.draw(st.integers(0, 2**16)), n_fill)
+        base = Batch.draw(data, fam, B, C, cap=C + MAX_DRAFTS)
         drafts = base.tokens(T)
         after = base.tokens()
 
@@ -173,8 +178,7 @@ def test_verify_writes_no_state():
         B = data.draw(st.integers(1, 5))
         C = data.draw(st.integers(1, 6))
         T = data.draw(st.integers(1, MAX_DRAFTS))
-        n_fill = data.draw(st.lists(st.integers(0, C - 1), min_size=B, max_size=B))
-        x = Batch(fam, B, C + MAX_DRAFTS, data.draw(st.integers(0, 2**16)), n_fill)
+        x = Batch.draw(data, fam, B, C, cap=C + MAX_DRAFTS)
         state, bufs, lengths = x.state.clone(), tuple(t.clone() for t in x.bufs), x.lengths.clone()
         fam.ops.verify(*x.args(x.tokens(T)), *x.rows())
         assert torch.equal(x.state, state), "verify wrote the state pool"
@@ -203,8 +207,7 @@ def test_flush_then_step_equals_step_then_flush():
     def check(fam, data):
         B = data.draw(st.integers(1, 5))
         C = data.draw(st.integers(2, 8))
-        n_fill = data.draw(st.lists(st.integers(0, C - 1), min_size=B, max_size=B))
-        base = Batch(fam, B, C + 1, data.draw(st.integers(0, 2**16)), n_fill)
+        base = Batch.draw(data, fam, B, C, cap=C + 1)
         tok = base.tokens()
         a, b = base.clone(), base.clone()
         fam.ops.flush(*a.rows())
@@ -282,8 +285,7 @@ def _padding_case(fam, op, data, check_zero_output):
     n_pad = data.draw(st.integers(1, 3))
     C = data.draw(st.integers(1, 5))
     T = data.draw(st.integers(1, MAX_DRAFTS)) if op == "verify" else None
-    n_fill = data.draw(st.lists(st.integers(0, C - 1), min_size=B, max_size=B))
-    base = Batch(fam, B, C + MAX_DRAFTS, data.draw(st.integers(0, 2**16)), n_fill)
+    base = Batch.draw(data, fam, B, C, cap=C + MAX_DRAFTS)
     total = B + n_pad
     real = _interleave(B, n_pad, data.draw(st.integers(0, 2**16)))
     tok = base.tokens(T) if T else base.tokens()
