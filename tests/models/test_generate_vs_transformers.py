@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from tests.support.hf_models import hf_greedy, make_hf_model
+from tests.support.hf_models import hf_greedy, saved_hf_model
 from kvbuffer import LLM
 
 C = 6  # buffer chunk: prompt lengths straddle it
@@ -13,9 +13,7 @@ NEW_TOKENS = 64
 
 @pytest.fixture(scope="module", params=["qwen3_5_text", "qwen3_5_moe_text", "qwen3_next"])
 def checkpoint(request, tmp_path_factory):
-    hf = make_hf_model(request.param)
-    path = tmp_path_factory.mktemp(request.param)
-    hf.save_pretrained(path)
+    hf, path = saved_hf_model(request.param, tmp_path_factory)
     return request.param, hf, path, {}
 
 

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from tests.support.hf_models import hf_greedy, make_hf_model
+from tests.support.hf_models import hf_greedy, saved_hf_model
 from kvbuffer import LLM
 from kvbuffer.engine.hf_interop import generate_from_hf, prefill_to_hf
 
@@ -12,10 +12,7 @@ C = 6
 
 @pytest.fixture(scope="module")
 def qwen(tmp_path_factory):
-    hf = make_hf_model("qwen3_5_text")
-    path = tmp_path_factory.mktemp("qwen_interop")
-    hf.save_pretrained(path)
-    return hf, path
+    return saved_hf_model("qwen3_5_text", tmp_path_factory)
 
 
 @pytest.mark.parametrize("prompt_len", [C - 2, 2 * C + 3], ids=["short-context", "with-state"])

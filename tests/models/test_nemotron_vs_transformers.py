@@ -9,7 +9,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from tests.support.hf_models import hf_greedy, make_hf_model
+from tests.support.hf_models import hf_greedy, make_hf_model, saved_hf_model
 from kvbuffer import LLM
 from kvbuffer.models.loader import CheckpointError, build_model, load_checkpoint, read_config
 
@@ -20,9 +20,7 @@ NEW_TOKENS = 64
 
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
-    hf = make_hf_model("nemotron_h")
-    path = tmp_path_factory.mktemp("nemotron_h")
-    hf.save_pretrained(path)
+    hf, path = saved_hf_model("nemotron_h", tmp_path_factory)
     return hf, path, {}  # memo: transformers' reference per prompt, shared by both modes and all batches
 
 

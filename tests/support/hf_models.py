@@ -68,6 +68,14 @@ def make_hf_model(model_type: str, seed: int = 0, **overrides):
     return model.eval()
 
 
+def saved_hf_model(model_type: str, tmp_path_factory):
+    """make_hf_model's model and the checkpoint directory it was saved to (a pytest tmp folder)."""
+    hf = make_hf_model(model_type)
+    path = tmp_path_factory.mktemp(model_type)
+    hf.save_pretrained(path)
+    return hf, path
+
+
 def _randomize(model):
     """Default init leaves norms at identity and A_log/dt_bias tame; perturb everything a little."""
     g = torch.Generator().manual_seed(1234)
