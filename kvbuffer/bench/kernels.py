@@ -252,6 +252,16 @@ def gate(family, kernels: Mapping, heads: Mapping, peer, *, C: int, cap: int, B:
     return errors
 
 
+def untuned_configs(heads: Mapping) -> dict:
+    """Each timed kernel's tunables when --configs names none: what the runtime's JIT gives it untuned
+    (a verify is a buffered kernel of T tokens)."""
+    from ..kernels.lookup import untuned_tunables
+
+    fam, K, V = heads["family"], heads["K"], heads["V"]
+    return {"recurrent": untuned_tunables(fam, "recurrent", K, V), "buffered": untuned_tunables(fam, "buffered", K, V),
+            "verify": untuned_tunables(fam, "buffered", K, V)}
+
+
 def run(family, *, shapes, batches=KERNEL_BATCHES, C: int = 16, cap: int = 24, configs: Mapping | None = None,
         launches: int = timing.DEFAULT_LAUNCHES, replays: int = timing.DEFAULT_REPLAYS,
         on_row: Callable[[dict], None] = lambda result: None) -> dict:
@@ -266,7 +276,7 @@ def run(family, *, shapes, batches=KERNEL_BATCHES, C: int = 16, cap: int = 24, c
         heads = heads_of(shape)
         if heads["family"] != family.NAME:
             raise ValueError(f"shapes: {shape!r} is a {heads['family']} model, not {family.NAME}")
-        cfg = dict((configs or {}).get(shape) or {})
+        cfg = untuned_configs(heads) | dict((configs or {}).get(shape) or {})
         kernels = family.build(heads, C=C, cap=cap, configs=cfg)
         result["configs"][shape] = cfg
         result["gate"][shape] = errors = gate(family, kernels, heads, peer, C=C, cap=cap)

@@ -127,17 +127,23 @@ def _load_artifact(key: KernelKey, shape: dict, template: str, batch: int) -> Co
     return _LOADED[name]
 
 
-def jit_tunables(key: KernelKey) -> dict:
-    """The tunables a JIT-compiled linear kernel gets when nothing was tuned.
+def untuned_tunables(family: str, op: str, K: int, V: int) -> dict:
+    """The tunables a linear kernel gets when nothing was tuned (the JIT, and the kernel benchmarks
+    without --configs).
 
     Buffered kernels: the template's measured best, narrowed for small head dims
     (tiles.<family>.default_buffered_tunables). The recurrent step and the flush: BV = 32 (at most V).
     """
-    K, V = key.dims.record_fields()["K"], key.dims.record_fields()["V"]
-    if key.op == "buffered":
-        tiles = importlib.import_module(f"kvbuffer.tiles.{key.family}")
+    if op == "buffered":
+        tiles = importlib.import_module(f"kvbuffer.tiles.{family}")
         return tiles.default_buffered_tunables(K, V)
     return {"BV": min(32, V), "threads": 128}
+
+
+def jit_tunables(key: KernelKey) -> dict:
+    """untuned_tunables for the kernel `key` names."""
+    dims = key.dims.record_fields()
+    return untuned_tunables(key.family, key.op, dims["K"], dims["V"])
 
 
 def jit(key: KernelKey) -> CompiledOp:
