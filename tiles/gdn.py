@@ -11,7 +11,7 @@ the recurrent step takes a token axis of 1.
 
 from ..reference.core import LOG_DECAY_FLOOR
 from .linear_decode import _tl, check_shape as _check_shape, pow2 as _pow2  # noqa: F401
-from .simt_parts import fitted_tunables, row_stager, simt_layout, state_macros
+from .simt_parts import exp_of_f64, fitted_tunables, mma_layout, mma_products, row_stager, simt_layout, state_macros
 from .linear_decode import (  # noqa: F401  (the tunables lists are part of this module's API)
     L2NORM_EPS,
     SOFTPLUS_THRESHOLD,
@@ -54,8 +54,14 @@ def default_buffered_tunables(K: int = 128, V: int = 128) -> dict:
     return fitted_tunables(K, V, BUFFERED_BEST)
 
 
+# (BV, blocks) of the tensor-core layout (threads = BV, a warp per 32 columns; tiles.simt_parts.mma_layout):
+# the S0 products of a verify run as TF32 MMAs instead of T x 2 x 128 FMAs per thread
+TENSOR_CORE_CONFIGS = ((128, 3), (128, 0), (64, 6), (64, 4), (64, 0), (32, 0))
+
+
 def get_buffered_configs() -> list[dict]:
-    """Tunables of `gdn_buffered` (K = 128): a thread holds K * BV / threads state values (16..128)."""
+    """Tunables of `gdn_buffered` (K = 128): a thread holds K * BV / threads state values (16..128); then the
+    tensor-core layout's."""
     out = []
     for bv, th, blocks in _BUFFERED_CONFIGS:
         try:
@@ -63,11 +69,13 @@ def get_buffered_configs() -> list[dict]:
         except ValueError:
             continue
         out.append({"BV": bv, "threads": th, **({"blocks": blocks} if blocks else {})})
+    for bv, blocks in TENSOR_CORE_CONFIGS:
+        out.append({"BV": bv, "threads": bv, **({"blocks": blocks} if blocks else {}), "tensor_cores": 1})
     return out
 
 
 def gdn_buffered(Hk: int, Hv: int, K: int = 128, V: int = 128, *, cap: int = 16, T_new: int = 1,
-                 flush_at: int = 0, BV: int = 64, threads: int = 128, blocks: int = 0,
+                 flush_at: int = 0, BV: int = 64, threads: int = 128, blocks: int = 0, tensor_cores: int = 0,
                  in_dtype: str = "bfloat16", buf_dtype: str = "bfloat16"):
     """T_new tokens after each row's n buffered entries: one read of S0, no state write.
 
@@ -85,8 +93,8 @@ def gdn_buffered(Hk: int, Hv: int, K: int = 128, V: int = 128, *, cap: int = 16,
          registers, first used in phase 3b: phases 1-3a run while it streams in.
       1. Gram: lane = one vector of [new k, new q, buffer keys], warp = a K slice, dotted with every new
          k and q (partial sums per warp, no reductions); thread t: G_t = G_{n-1} + g_0 + .. + g_t (fp64).
-      2. Scalars, one task per thread, in fp64: norms, decay weights exp(G_t - G_i) (k_i . k^_t), the
-         T x T system, exp(G_t) / |k_t|, the flush weights.
+      2. Scalars, one task per thread (packed by n): norms, decay weights exp(G_t - G_i) (k_i . k^_t), the
+         T x T system, exp(G_t) / |k_t|, the flush weights; exp of fp64 log-decay differences by simt_parts.exp_of_f64, 1/sqrt in fp32.
       3. (a) one thread per value column: the buffer's history sums; the new keys and G are written.
          (b) every thread: S0^T k and S0^T q of the *raw* k, q (normalised by the phase-2 scalars),
          serial FMAs over its rows; the row groups of a warp are summed by shuffles, the warps in
@@ -94,6 +102,9 @@ def gdn_buffered(Hk: int, Hv: int, K: int = 128, V: int = 128, *, cap: int = 16,
       4. One thread per value column: forward substitution, outputs, the new deltas.
     Verifying T drafts costs T times the per-thread FMAs, not more barriers. `blocks` > 0 caps the
     registers (__launch_bounds__ min blocks per SM) so more S0 bytes are in flight per SM.
+    `tensor_cores` = 1 runs phase 3b as TF32 MMAs at fp32 accuracy (simt_parts.mma_products; T_new <= 8):
+    a warp holds all K rows of its 32 columns (threads == BV), so the per-warp partial sums and the
+    shuffles go away and a verify's 2 T products per column cost 2-3 MMAs per 8 x 8 block of S0.
 
     Args: q, k, v, a, b, A_log, dt_bias, state, state_slots, buf_k, buf_v, buf_g, buffer_slots,
     lengths, o (module docstring; token axis T present).
@@ -103,7 +114,9 @@ def gdn_buffered(Hk: int, Hv: int, K: int = 128, V: int = 128, *, cap: int = 16,
         raise ValueError(f"T_new={T_new} must be in [1, cap={cap}]")
     if flush_at and not T_new <= flush_at <= cap:
         raise ValueError(f"flush_at={flush_at} must be in [T_new={T_new}, cap={cap}] (or 0)")
-    CG, KG, KR, NW = simt_layout(K, BV, threads)
+    if tensor_cores and 2 * T_new > 16:
+        raise ValueError(f"tensor_cores: the S0 products take at most 16 query rows (T_new <= 8), got T_new={T_new}")
+    CG, KG, KR, NW = (mma_layout if tensor_cores else simt_layout)(K, BV, threads)
     T = _tl()
     B = T.dynamic("batch")
     NS = T.dynamic("num_state_slots")
@@ -118,6 +131,9 @@ def gdn_buffered(Hk: int, Hv: int, K: int = 128, V: int = 128, *, cap: int = 16,
     stage = row_stager(T, NT)
     load_state, s0_products, fused_flush = state_macros(T, KR=KR, CG=CG, C=C, tokens=Tn, queries=T2,
                                                         key_row0=T2)
+    tc_products = (mma_products(T, KR=KR, queries=T2, x_rows=T2 + cap, split_x=in_dtype == "float32")
+                   if tensor_cores else None)
+    PW = 1 if tensor_cores else NW  # partial sums of S0^T [k, q] per column (one per warp on CUDA cores)
     XR = T2 + cap            # X rows: new k (0..Tn-1), new q (Tn..2Tn-1), buffer keys (2Tn + i)
     NR = Tn + cap            # rows of the Gram (2Tn + n <= Tn + cap)
     KP = K + 4               # padded row: float4 reads of 32 different rows hit distinct banks
@@ -163,7 +179,7 @@ def gdn_buffered(Hk: int, Hv: int, K: int = 128, V: int = 128, *, cap: int = 16,
             Gd = T.alloc_shared((Tn,), f64)          # G_t = G_{n-1} + g_0 + ... + g_t
             betas = T.alloc_shared((Tn,), f32)
             Pd = T.alloc_shared((NW, NR, T2), f32)   # Gram partial sums per warp
-            Ps = T.alloc_shared((NW, T2, BV), f32)   # S0^T [k, q] partial sums per warp
+            Ps = T.alloc_shared((PW, T2, BV + (1 if tensor_cores else 0)), f32)  # S0^T [k, q] partials per warp
             W = T.alloc_shared((2, Tn, cap), f32)    # exp(G_t - G_i) (k_i . k^_t), (k_i . q^_t)
             Am = T.alloc_shared((Tn, Tn), f32)       # beta_t exp(G_t - G_s) (k^_s . k^_t), s < t
             Bm = T.alloc_shared((Tn, Tn), f32)       # exp(G_t - G_s) (k^_s . q^_t), s <= t
@@ -173,7 +189,10 @@ def gdn_buffered(Hk: int, Hv: int, K: int = 128, V: int = 128, *, cap: int = 16,
             FW = T.alloc_shared((cap,), f32)         # flush weights exp(G_C - G_e)
 
             Sr = T.alloc_local((KR * 4,), f32)
-            acc = T.alloc_local((T2 * 4,), f32)
+            acc = T.alloc_local((16 if tensor_cores else T2 * 4,), f32)
+            fa = T.alloc_local((8,), f32)            # tensor cores: A and B fragments, TF32 bit masks
+            fb = T.alloc_local((8,), f32)
+            bits = T.alloc_local((8,), "uint32")
             gacc = T.alloc_local((max(T2, 4),), f32)
             dacc = T.alloc_local((4,), f64)
             xv = T.alloc_local((4,), f32)
@@ -187,10 +206,10 @@ def gdn_buffered(Hk: int, Hv: int, K: int = 128, V: int = 128, *, cap: int = 16,
 
             hk = hv // r
             v0 = bv * BV
-            cg = tx % CG
-            rg = tx // CG
             lane = tx % 32
             w = tx // 32
+            cg = w * 8 + lane // 4 if tensor_cores else tx % CG  # this thread's S0: columns 4 cg .. 4 cg + 3,
+            rg = lane % 4 if tensor_cores else tx // CG          # rows rg KR .. rg KR + KR - 1
             sslot = state_slots[bb]
             bslot = buffer_slots[bb]
             n = lengths[bb]
@@ -243,25 +262,26 @@ def gdn_buffered(Hk: int, Hv: int, K: int = 128, V: int = 128, *, cap: int = 16,
                     Gd[tx] = dacc[1]
                 T.sync_threads()
 
-                # ---- phase 2: scalars, one task per thread (norms and decays in fp64)
+                # ---- phase 2: scalars, one task per thread, packed by the row's n (the first 2 Tn n tasks are
+                # the history weights of entries i < n, so most threads run one task). Decays exp(G_t - G_i):
+                # in fp64 arithmetic without fp64 transcendentals (simt_parts.exp_of_f64), norms in fp32
+                na = 2 * Tn * n
                 for it in T.unroll(IT_TASK):
                     idx = it * NT + tx
-                    if idx < NA:
-                        ti = idx % cap
-                        tt = (idx // cap) % Tn
-                        kind = idx // (cap * Tn)
-                        if ti < n:
-                            gacc[0] = 0.0
-                            gacc[1] = 0.0
-                            for ww in T.unroll(NW):
-                                gacc[0] = gacc[0] + Pd[ww, T2 + ti, kind * Tn + tt]
-                                gacc[1] = gacc[1] + Pd[ww, kind * Tn + tt, kind * Tn + tt]
-                            W[kind, tt, ti] = T.cast(
-                                T.exp(Gd[tt] - T.cast(Gb[ti], f64)) / T.sqrt(T.cast(gacc[1], f64) + L2NORM_EPS)
-                                * T.if_then_else(kind == 0, T.cast(1.0, f64), T.cast(q_scale, f64)), f32) * gacc[0]
-                    elif idx < NA + NBt:
-                        tt = (idx - NA) // Tn
-                        ts = (idx - NA) % Tn
+                    if idx < na:
+                        ti = idx % n
+                        tt = (idx // n) % Tn
+                        kind = idx // (n * Tn)
+                        gacc[0] = 0.0
+                        gacc[1] = 0.0
+                        for ww in T.unroll(NW):
+                            gacc[0] = gacc[0] + Pd[ww, T2 + ti, kind * Tn + tt]
+                            gacc[1] = gacc[1] + Pd[ww, kind * Tn + tt, kind * Tn + tt]
+                        W[kind, tt, ti] = exp_of_f64(T, Gd[tt] - T.cast(Gb[ti], f64)) * T.rsqrt(
+                            gacc[1] + L2NORM_EPS) * T.if_then_else(kind == 0, T.float32(1.0), T.float32(q_scale)) * gacc[0]
+                    elif idx < na + NBt:
+                        tt = (idx - na) // Tn
+                        ts = (idx - na) % Tn
                         if ts <= tt:
                             for cc in T.unroll(4):
                                 gacc[cc] = 0.0
@@ -270,31 +290,28 @@ def gdn_buffered(Hk: int, Hv: int, K: int = 128, V: int = 128, *, cap: int = 16,
                                 gacc[1] = gacc[1] + Pd[ww, ts, Tn + tt]       # k_s . q_t
                                 gacc[2] = gacc[2] + Pd[ww, ts, ts]            # |k_s|^2
                                 gacc[3] = gacc[3] + Pd[ww, tt, tt]            # |k_t|^2
-                            dacc[2] = T.exp(Gd[tt] - Gd[ts]) / T.sqrt(T.cast(gacc[2], f64) + L2NORM_EPS)
-                            Am[tt, ts] = T.cast(betas[tt] * dacc[2] / T.sqrt(T.cast(gacc[3], f64) + L2NORM_EPS),
-                                                f32) * gacc[0]
+                            gacc[2] = exp_of_f64(T, Gd[tt] - Gd[ts]) * T.rsqrt(gacc[2] + L2NORM_EPS)
+                            Am[tt, ts] = betas[tt] * gacc[2] * T.rsqrt(gacc[3] + L2NORM_EPS) * gacc[0]
                             gacc[3] = 0.0
                             for ww in T.unroll(NW):
                                 gacc[3] = gacc[3] + Pd[ww, Tn + tt, Tn + tt]  # |q_t|^2
-                            Bm[tt, ts] = T.cast(dacc[2] / T.sqrt(T.cast(gacc[3], f64) + L2NORM_EPS) * q_scale,
-                                                f32) * gacc[1]
-                    elif idx < NA + NBt + NC:
-                        tt = idx - NA - NBt
+                            Bm[tt, ts] = gacc[2] * T.rsqrt(gacc[3] + L2NORM_EPS) * q_scale * gacc[1]
+                    elif idx < na + NBt + NC:
+                        tt = idx - na - NBt
                         gacc[0] = 0.0
                         gacc[1] = 0.0
                         for ww in T.unroll(NW):
                             gacc[0] = gacc[0] + Pd[ww, tt, tt]
                             gacc[1] = gacc[1] + Pd[ww, Tn + tt, Tn + tt]
-                        dacc[2] = 1.0 / T.sqrt(T.cast(gacc[0], f64) + L2NORM_EPS)
-                        rks[tt] = T.cast(dacc[2], f32)
-                        ck[tt] = T.cast(T.exp(Gd[tt]) * dacc[2], f32)
-                        cq[tt] = T.cast(T.exp(Gd[tt]) / T.sqrt(T.cast(gacc[1], f64) + L2NORM_EPS) * q_scale, f32)
-                    elif idx < NTASK:
-                        te = idx - NA - NBt - NC
+                        gacc[2] = exp_of_f64(T, Gd[tt])
+                        rks[tt] = T.rsqrt(gacc[0] + L2NORM_EPS)
+                        ck[tt] = gacc[2] * rks[tt]
+                        cq[tt] = gacc[2] * T.rsqrt(gacc[1] + L2NORM_EPS) * q_scale
+                    elif idx < na + NBt + NC + C:
+                        te = idx - na - NBt - NC
                         if n + Tn == C:
-                            FW[te] = T.cast(T.exp(Gd[Tn - 1] - T.if_then_else(
-                                te < n, T.cast(Gb[T.min(te, cap - 1)], f64), Gd[T.max(T.min(te - n, Tn - 1), 0)])),
-                                f32)
+                            FW[te] = exp_of_f64(T, Gd[Tn - 1] - T.if_then_else(
+                                te < n, T.cast(Gb[T.min(te, cap - 1)], f64), Gd[T.max(T.min(te - n, Tn - 1), 0)]))
                 T.sync_threads()
 
                 # ---- phase 3a: one thread per value column: the buffer's history (no S0 needed yet)
@@ -324,14 +341,17 @@ def gdn_buffered(Hk: int, Hv: int, K: int = 128, V: int = 128, *, cap: int = 16,
                                 X[T2 + n + idx // K, idx % K] = T.cast(
                                     T.cast(X[idx // K, idx % K] * rks[idx // K], buf_dtype), f32)
                 # ---- phase 3b: S0^T [k_raw, q_raw] over this thread's rows (normalised later by ck, cq)
-                s0_products(acc, Sr, X, xv, Ps, rg, cg, w, lane)
+                if tensor_cores:
+                    tc_products(acc, Sr, X, Ps, rg, w, lane, fa, fb, bits)
+                else:
+                    s0_products(acc, Sr, X, xv, Ps, rg, cg, w, lane)
 
                 # ---- phase 4: one thread per value column: forward substitution, outputs, new deltas
                 if tx < BV:
                     for t in T.unroll(Tn):
                         acc[t] = 0.0
                         acc[Tn + t] = 0.0
-                        for ww in T.unroll(NW):
+                        for ww in T.unroll(PW):
                             acc[t] = acc[t] + Ps[ww, t, tx]
                             acc[Tn + t] = acc[Tn + t] + Ps[ww, Tn + t, tx]
                     for t in T.unroll(Tn):

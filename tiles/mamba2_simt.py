@@ -8,12 +8,12 @@ sees the buffer entries i < n and the new entries s <= t through one weight row 
 
 Same ABI as the generic template (linear_decode.py module docstring, Mamba-2 rows): x, dt, A_log,
 dt_bias, Bm, Cm, D, z, state (NS, H, N, P) fp32 key-major, state_slots, buf_k, buf_v, buf_g,
-buffer_slots, lengths, y. All arithmetic is fp32 FMA (scalars in fp64); no tensor cores, no TF32.
+buffer_slots, lengths, y. All arithmetic is fp32 FMA (gates and log decays in fp64); no tensor cores, no TF32.
 """
 
 from ..reference.core import LOG_DECAY_FLOOR
 from .linear_decode import SOFTPLUS_THRESHOLD, _tl, check_shape
-from .simt_parts import row_stager, simt_layout, state_macros
+from .simt_parts import exp_of_f64, row_stager, simt_layout, state_macros
 
 
 # (BV, threads, blocks) for N = 128, P = 64; blocks > 0 caps registers (__launch_bounds__ min blocks/SM) so
@@ -58,7 +58,7 @@ def mamba2_buffered_simt(G: int, H: int, N: int = 128, P: int = 64, *, cap: int 
          loads into registers, first used in phase 3b.
       1. Gram C_t . k_e: lane = key row, warp = N slice (partials per warp); thread t: G_t (fp64).
       2. Scalars, one task per thread: W[t, e] = exp(G_t - G_e) (k_e . C_t) for e <= n + t, exp(G_t),
-         the flush weights exp(G_C - G_e).
+         the flush weights exp(G_C - G_e) (simt_parts.exp_of_f64: no fp64 transcendentals).
       3. (a) one thread per value column: sum_e W[t, e] v_e (buffer, then the new values dt_s x_s);
          the new keys and G are written. (b) every thread: S0^T C_t over its rows; row groups of a
          warp summed by shuffles, warps in shared memory.
@@ -206,7 +206,8 @@ def mamba2_buffered_simt(G: int, H: int, N: int = 128, P: int = 64, *, cap: int 
                     Gd[tx] = dacc[2]
                 T.sync_threads()
 
-                # ---- phase 2: scalars, one task per thread (decays in fp64)
+                # ---- phase 2: scalars, one task per thread; decays exp(G_t - G_e) in fp64 arithmetic without
+                # fp64 transcendentals (simt_parts.exp_of_f64)
                 for it in T.unroll(IT_TASK):
                     idx = it * NT + tx
                     if idx < NA:
@@ -216,17 +217,16 @@ def mamba2_buffered_simt(G: int, H: int, N: int = 128, P: int = 64, *, cap: int 
                             gacc[0] = 0.0
                             for ww in T.unroll(NW):
                                 gacc[0] = gacc[0] + Pd[ww, te, tt]
-                            W[tt, te] = T.cast(T.exp(Gd[tt] - T.if_then_else(
+                            W[tt, te] = exp_of_f64(T, Gd[tt] - T.if_then_else(
                                 te < n, T.cast(Gb[T.min(te, cap - 1)], f64),
-                                Gd[T.max(T.min(te - n, Tn - 1), 0)])), f32) * gacc[0]
+                                Gd[T.max(T.min(te - n, Tn - 1), 0)])) * gacc[0]
                     elif idx < NA + NE:
-                        Es[idx - NA] = T.cast(T.exp(Gd[idx - NA]), f32)
+                        Es[idx - NA] = exp_of_f64(T, Gd[idx - NA])
                     elif idx < NTASK:
                         te = idx - NA - NE
                         if n + Tn == C:
-                            FW[te] = T.cast(T.exp(Gd[Tn - 1] - T.if_then_else(
-                                te < n, T.cast(Gb[T.min(te, cap - 1)], f64), Gd[T.max(T.min(te - n, Tn - 1), 0)])),
-                                f32)
+                            FW[te] = exp_of_f64(T, Gd[Tn - 1] - T.if_then_else(
+                                te < n, T.cast(Gb[T.min(te, cap - 1)], f64), Gd[T.max(T.min(te - n, Tn - 1), 0)]))
                 T.sync_threads()
 
                 # ---- phase 3a: one thread per value column: the history over the buffer and new entries

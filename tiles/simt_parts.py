@@ -23,6 +23,21 @@ def simt_layout(K: int, BV: int, threads: int) -> tuple[int, int, int, int]:
     return CG, KG, K // KG, NW
 
 
+def mma_layout(K: int, BV: int, threads: int) -> tuple[int, int, int, int]:
+    """(CG, KG, KR, NW) of the tensor-core layout: one warp per 32 columns and every row of them, so
+    threads == BV; lane l holds the 4 columns 4 (8 w + l // 4) .. +3 and the KR = K / 4 rows of row group
+    l % 4, the pattern of an m16n8k8 B fragment (mma_products)."""
+    if BV % 32 or not 32 <= BV <= 128 or threads != BV:
+        raise ValueError(f"the tensor-core layout needs BV in (32, 64, 128) and threads == BV, got BV={BV}, "
+                         f"threads={threads}")
+    if K % 8 or K // 4 > 64:
+        raise ValueError(f"the tensor-core layout needs K a multiple of 8 and at most 256, got K={K}")
+    NW = threads // 32
+    if K % (4 * NW):
+        raise ValueError(f"K={K} must split into 4-element chunks over {NW} warps")
+    return BV // 4, 4, K // 4, NW
+
+
 def fitted_tunables(K: int, V: int, best: dict) -> dict:
     """`best` (measured at the models' head dims) when a K x V head admits it; otherwise the largest BV
     that divides V, with 2 * BV threads and no register cap (blocks = 0; the small-head shape the GPU tests run)."""
@@ -34,6 +49,20 @@ def fitted_tunables(K: int, V: int, best: dict) -> dict:
         pass
     bv = next(b for b in (64, 32, 16) if V % b == 0)
     return {k: v for k, v in best.items() if k == "variant"} | {"BV": bv, "threads": min(128, 2 * bv), "blocks": 0}
+
+
+LOG2E = 1.4426950408889634
+
+
+def exp_of_f64(T, d):
+    """exp(d) as fp32 for an fp64 log-decay difference d, without fp64 transcendentals.
+
+    d (G_t - G_i) sums many steps, so rounding it to fp32 first would cost |d| 2^-24 of relative error.
+    Split d log2(e) = m + f in fp64 (m an integer, |f| <= 1/2): 2^m is exact in fp32 and exp2 of the
+    small f keeps fp32 accuracy (a few ulp). A TileLang expression (no statements)."""
+    t = d * LOG2E
+    m = T.floor(t + 0.5)
+    return T.exp2(T.cast(t - m, "float32")) * T.exp2(T.cast(m, "float32"))
 
 
 def rows_per_vector(KR: int) -> int:
@@ -136,3 +165,70 @@ def state_macros(T, *, KR: int, CG: int, C: int, tokens: int, queries: int, key_
                 state[sslot, hv, rg * KR + rr, v0 + cg * 4 + c] = Sr[rr * 4 + c]
 
     return load_state, s0_products, fused_flush
+
+
+TF32_HI_MASK = 0xFFFFE000  # an fp32 with its low 13 mantissa bits cleared is exactly a TF32 value
+
+
+def mma_products(T, *, KR: int, queries: int, x_rows: int, split_x: bool):
+    """A TileLang macro, the tensor-core S0^T X[q] of mma_layout: products(acc, Sr, X, Ps, rg, w, lane, fa,
+    fb, bits) writes S0^T X[q] for q < queries straight to Ps[0, q, column] (a warp holds every row of its
+    columns, so nothing is summed across warps) and ends with a block barrier.
+
+    m16n8k8 TF32 MMAs per (k-step, n-tile): A = X's first 16 rows (rows past `queries` are junk and
+    land only in output rows that are dropped), B = the thread's S0 registers. The k order is free as
+    long as A and B agree, so k-step s takes rows rg KR + 2s and rg KR + 2s + 1 of lane l's row group
+    rg = l % 4, and n-tile j the columns 4 (8 w + c) + j, c = 0..7: no data moves between threads.
+    fp32 accuracy (3xTF32): S0 = hi + lo, hi its TF32 part (low 13 mantissa bits cleared) and lo the
+    rest as TF32, two MMAs; bf16 or fp16 activations are exact in TF32, fp32 ones (`split_x`) are split
+    too and a third MMA adds lo(X) hi(S0). fa: 8 floats (A's hi, then lo), fb: 8, bits: 8 uint32.
+    Ps rows are padded to BV + 1 so the D fragments' stores hit 32 different banks.
+    """
+    f32, u32 = "float32", "uint32"
+    assert queries <= 16, "one m16 tile of query rows"
+    last = x_rows - 1
+    mask = T.uint32(TF32_HI_MASK)
+
+    @T.macro
+    def products(acc, Sr, X, Ps, rg, w, lane, fa, fb, bits):
+        m = lane // 4
+        for i in T.unroll(16):
+            acc[i] = 0.0
+        for s in T.unroll(KR // 2):
+            row = rg * KR + 2 * s
+            fa[0] = X[m, row]
+            fa[2] = X[m, row + 1]
+            fa[1] = X[T.min(m + 8, last), row]
+            fa[3] = X[T.min(m + 8, last), row + 1]
+            if split_x:
+                for i in T.unroll(4):
+                    bits[0] = T.reinterpret(fa[i], u32) & mask
+                    bits[1] = T.reinterpret(fa[i] - T.reinterpret(bits[0], f32), u32) & mask
+                    fa[i] = T.reinterpret(bits[0], f32)
+                    fa[4 + i] = T.reinterpret(bits[1], f32)
+            # hi(S0) for the four n-tiles, then lo(S0): four independent accumulators between dependent MMAs
+            for j in T.unroll(4):
+                for e in T.unroll(2):
+                    bits[2 * j + e] = T.reinterpret(Sr[(2 * s + e) * 4 + j], u32) & mask
+                    fb[2 * j + e] = T.reinterpret(bits[2 * j + e], f32)
+                T.ptx_mma(f32, "m16n8k8", "row", "col", "tf32", "tf32", f32, fa.data, 0, fb.data, 2 * j,
+                          acc.data, j * 4, T.bool(False))
+            if split_x:
+                for j in T.unroll(4):
+                    T.ptx_mma(f32, "m16n8k8", "row", "col", "tf32", "tf32", f32, fa.data, 4, fb.data, 2 * j,
+                              acc.data, j * 4, T.bool(False))
+            for j in T.unroll(4):
+                for e in T.unroll(2):
+                    bits[2 * j + e] = T.reinterpret(Sr[(2 * s + e) * 4 + j] - fb[2 * j + e], u32) & mask
+                    fb[2 * j + e] = T.reinterpret(bits[2 * j + e], f32)
+                T.ptx_mma(f32, "m16n8k8", "row", "col", "tf32", "tf32", f32, fa.data, 0, fb.data, 2 * j,
+                          acc.data, j * 4, T.bool(False))
+        # D fragment: rows m and m + 8, columns 2 (l % 4) and 2 (l % 4) + 1 of each n-tile
+        for j in T.unroll(4):
+            for h in T.unroll(2):
+                if m + 8 * h < queries:
+                    for e in T.unroll(2):
+                        Ps[0, m + 8 * h, 32 * w + 4 * (2 * (lane % 4) + e) + j] = acc[j * 4 + 2 * h + e]
+        T.sync_threads()
+
+    return products

@@ -33,6 +33,14 @@ CASES = {  # name: (kernel params, fill, B, null state row, padding row)
                                           15, 3, None, 2),
     "small_batch_verify5_BV16_128": (dict(Hk=2, Hv=4, cap=21, T_new=5, flush_at=0, BV=16, threads=128), 11, 3, 1, 2),
     "small_batch_verify2_BV8": (dict(Hk=2, Hv=4, cap=17, T_new=2, flush_at=16, BV=8, threads=64), 14, 3, None, 2),
+    # S0 products on tensor cores (tiles.simt_parts.mma_products): a warp per 32 columns; the flush reuses the
+    # same registers; with 13 X rows the MMA's A rows past them are clamped
+    "tensor_cores_verify5_BV32": (dict(Hk=2, Hv=4, cap=21, T_new=5, flush_at=0, BV=32, threads=32, tensor_cores=1),
+                                  11, 3, 1, 2),
+    "tensor_cores_step_fused_flush_BV64": (dict(Hk=2, Hv=4, cap=17, T_new=1, flush_at=16, BV=64, threads=64,
+                                                tensor_cores=1), 15, 3, None, 2),
+    "tensor_cores_prefill2_small_heads": (dict(Hk=1, Hv=2, K=32, V=32, cap=9, T_new=2, flush_at=8, BV=32, threads=32,
+                                               tensor_cores=1), 6, 3, None, 2),
 }
 # gate inputs a at the extremes (row, token): +inf, and 3e38 on consecutive tokens; the rows' buffers also hold
 # an earlier step at the clamp (G drops by 128 mid-buffer)
@@ -40,6 +48,7 @@ EXTREME = {"inf": float("inf"), "huge": 3e38}
 EXTREME_CASES = {
     "extreme_verify4": ("verify4_shuffles_BV32", {(0, 1): "inf", (1, 1): "huge", (1, 2): "huge", (1, 3): "huge"}),
     "extreme_step_fused_flush": ("step_fused_flush_BV64", {(0, 0): "inf", (1, 0): "huge"}),
+    "extreme_tensor_cores_verify5": ("tensor_cores_verify5_BV32", {(0, 1): "inf", (1, 2): "huge", (1, 3): "huge"}),
 }
 
 
@@ -104,3 +113,38 @@ def test_simt_template_emulated(case, tmp_path):
     if flushed:
         touched[ss[bs >= 0].long()] = True
     assert _bits(state[~touched], before[0][~touched])
+
+
+@pytest.mark.parametrize("tensor_cores,in_dtype", [(0, "bfloat16"), (1, "bfloat16"), (1, "float32")])
+def test_s0_products_keep_fp32_accuracy(tensor_cores, in_dtype, tmp_path):
+    """With fp32 buffer entries the new deltas (beta (v - S0^T k ...)) are stored unrounded, so their error
+    against fp64 is the S0 products' own: the tensor-core split (3xTF32) must match fp32 FMAs, where
+    plain TF32 would leave ~1e-3. With fp32 activations too, the output shows it as well."""
+    from kvbuffer.tiles import compile_template
+    from kvbuffer.tiles.gdn import gdn_buffered
+
+    Hk, Hv, T, cap, fill, B = 1, 2, 5, 16, 6, 2
+    K = V = 64
+    params = dict(Hk=Hk, Hv=Hv, K=K, V=V, cap=cap, T_new=T, flush_at=0, BV=32, threads=32,
+                  tensor_cores=tensor_cores, in_dtype=in_dtype, buf_dtype="float32")
+    emu = Emulated(compile_template(gdn_buffered(**params), get_gpu("h200").target).get_kernel_source(), str(tmp_path))
+    g = torch.Generator().manual_seed(7)
+    dt = getattr(torch, in_dtype)
+    r = lambda *s: torch.randn(*s, generator=g)  # noqa: E731
+    q, k, v, a, b = (t.to(dt) for t in (r(B, T, Hk, K), r(B, T, Hk, K), r(B, T, Hv, V), r(B, T, Hv), r(B, T, Hv)))
+    A_log = torch.log(1 + 15 * torch.rand(Hv, generator=g))
+    dt_bias = torch.log(torch.expm1(0.001 + 0.1 * torch.rand(Hv, generator=g)))
+    state = r(B, Hv, K, V)
+    bk = torch.nn.functional.normalize(r(B, cap, Hk, K), dim=-1)
+    bv, bg = 0.5 * r(B, cap, Hv, V), torch.cumsum(-(0.02 + 0.5 * torch.rand(B, cap, Hv, generator=g)), dim=1)
+    slots, ln = torch.arange(B, dtype=torch.int32), torch.full((B,), fill, dtype=torch.int32)
+    rk, rv, rg = (t.double() for t in (bk, bv, bg))
+    want = ref.verify(*gdn_front(q, k, a, b, A_log, dt_bias, dtype=torch.float64)[:2], v.double(),
+                      *gdn_front(q, k, a, b, A_log, dt_bias, dtype=torch.float64)[2:], state.double(), slots.long(),
+                      rk, rv, rg, slots.long(), ln.long())
+    o = torch.full_like(v, float("nan"))
+    emu((V // 32, Hv, B), 32, q=q, k=k, v=v, a=a, b=b, A_log=A_log, dt_bias=dt_bias, state=state, state_slots=slots,
+        buf_k=bk, buf_v=bv, buf_g=bg, buffer_slots=slots, lengths=ln, o=o, batch=B, num_buffer_slots=B,
+        num_state_slots=B)
+    assert _rel(bv[:, fill:fill + T], rv[:, fill:fill + T]) < 2e-6
+    assert _rel(o, want) < (2e-6 if in_dtype == "float32" else 1e-2)

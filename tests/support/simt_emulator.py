@@ -2,7 +2,8 @@
 
 Covers the subset the thread-level GDN template (tiles/gdn.py `gdn_buffered`) emits: threadIdx /
 blockIdx, dynamic shared memory, __syncthreads, __shfl_xor_sync, float4 / uint4 vector moves, bf16
-conversions and the __f*_rn intrinsics (tiles/conv1d.py; plain IEEE float ops here). Shared memory
+conversions, the __f*_rn intrinsics (tiles/conv1d.py; plain IEEE float ops here) and TileLang's
+tl::mma_sync for m16n8k8 TF32 (the tensor-core S0 products, tiles/simt_parts.py `mma_products`). Shared memory
 starts NaN-poisoned, so reading a value no thread wrote shows in the outputs.
 Blocks run one after another; rsqrtf is exact here (the GPU's is within 2 ulp).
 """
@@ -70,6 +71,32 @@ static inline float rsqrtf(float x) { return 1.0f / std::sqrt(x); }
 static inline float __fmul_rn(float a, float b) { return a * b; }
 static inline float __fadd_rn(float a, float b) { return a + b; }
 static inline float __fdiv_rn(float a, float b) { return a / b; }
+// mma.sync m16n8k8 with TF32 A and B and fp32 C/D (PTX fragment layouts; the low 13 mantissa bits of
+// A and B are ignored as the tensor cores do), a warp-collective like the shuffle above
+namespace tl {
+enum class DataType { kTensorFloat32, kFloat32 };
+struct MmaLane { float a[4], b[2], c[4]; };
+MmaLane g_mma[32][32];
+static inline float tf32_bits(unsigned u) { u &= 0xffffe000u; float f; std::memcpy(&f, &u, 4); return f; }
+template <DataType TA, DataType TB, DataType TC, int M, int N, int K, bool transA, bool transB>
+static inline void mma_sync(float* c, const unsigned* a, const unsigned* b) {
+  static_assert(M == 16 && N == 8 && K == 8 && TA == DataType::kTensorFloat32, "only m16n8k8 TF32 is emulated");
+  int t = threadIdx.x, wp = t / 32, l = t % 32;
+  MmaLane& me = g_mma[wp][l];
+  for (int i = 0; i < 4; ++i) { me.a[i] = tf32_bits(a[i]); me.c[i] = c[i]; }
+  for (int i = 0; i < 2; ++i) me.b[i] = tf32_bits(b[i]);
+  g_warpbar[wp]->arrive_and_wait();
+  auto A = [&](int m, int k) { return g_mma[wp][4 * (m % 8) + k % 4].a[(m >= 8) + 2 * (k >= 4)]; };
+  auto B = [&](int k, int n) { return g_mma[wp][4 * n + k % 4].b[k >= 4]; };
+  for (int i = 0; i < 4; ++i) {
+    int m = l / 4 + 8 * (i / 2), n = 2 * (l % 4) + i % 2;
+    double sum = 0;
+    for (int k = 0; k < 8; ++k) sum += double(A(m, k)) * double(B(k, n));
+    c[i] = float(double(g_mma[wp][l].c[i]) + sum);
+  }
+  g_warpbar[wp]->arrive_and_wait();
+}
+}  // namespace tl
 """
 
 LAUNCH = r"""
