@@ -257,7 +257,7 @@ def _family_templates(f: _Family) -> list[Template]:
     folding = _buffered_reference(f.reference_module, f.front, f.first_pool, flush=True)
 
     def variant(name, T, fused, reference, **extra):
-        return Template(f"{f.name}_{name}", f.name, buffered(T, fused), f.configs, defaults,
+        return Template(f"{f.name}_{name}", f.name, buffered(T, fused), _offered(f.configs, T), defaults,
                         _buffered_inputs(f.tokens, f.offset, T), reference, _run, src, fitted=fitted,
                         layouts=True, **extra)
 
@@ -277,6 +277,15 @@ def _family_templates(f: _Family) -> list[Template]:
                  f.recurrent_inputs, f.recurrent_reference, _run, src, uses_chunk=False,
                  fitted=_value_tile_fitted(recurrent_defaults)),
     ]
+
+
+def _offered(configs: Callable[[], list], T: int | None) -> Callable[[], list]:
+    """The configs tuned for a kernel of T tokens (None: a verify): all of them, except that the decode
+    step (T = 1) is not offered the tensor-core S0 products, which only pay for wide verifies (on the
+    H200 the step ran 1.4x slower with them; docs/kernels.md)."""
+    if T != 1:
+        return configs
+    return lambda: [c for c in configs() if not c.get("tensor_cores")]
 
 
 def _value_tile_fitted(defaults: Mapping) -> Callable[[Mapping], dict]:

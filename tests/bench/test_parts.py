@@ -67,6 +67,21 @@ def test_alpha_drafter_acceptance_and_exact_output(tiny, alpha, rate):
     assert not llm.drafter.diverged
 
 
+@pytest.mark.parametrize("preset", ["qwen3.5-9b", "nemotron-3-nano"])
+def test_untuned_kernels_get_the_runtimes_tunables(preset):
+    """Without --configs the kernel benchmarks time what the JIT would build, not the template's signature
+    defaults (for GDN those were BV 64 without a register cap: 1.5x slower at B = 1024)."""
+    import importlib
+
+    from kvbuffer.kernels.lookup import untuned_tunables
+
+    heads = kernels.heads_of(preset)
+    tiles = importlib.import_module(f"kvbuffer.tiles.{heads['family']}")
+    cfg = kernels.untuned_configs(heads)
+    assert cfg["buffered"] == cfg["verify"] == tiles.BUFFERED_BEST
+    assert cfg["recurrent"] == untuned_tunables(heads["family"], "recurrent", heads["K"], heads["V"])
+
+
 def test_alpha_drafter_rejects_bad_arguments():
     with pytest.raises(ValueError, match="alpha"):
         ReferenceDrafter({}, 1.5, 10)

@@ -126,3 +126,28 @@ def test_configs_are_listed():
     assert {c["variant"] for c in m2} == set(mamba2.VARIANTS)
     params = inspect.signature(mamba2.mamba2_buffered).parameters
     assert {k: params[k].default for k in m2[0]} == m2[0]
+
+
+def test_tensor_core_configs_are_offered_to_verifies_only():
+    """GDN's tensor-core configs are valid mma layouts; the tuner offers them to verifies and prefill chunks
+    (the first one third, within `--max-configs 3`) and never to the decode step."""
+    from kvbuffer.autotune import registry
+    from kvbuffer.tiles import gdn
+    from kvbuffer.tiles.simt_parts import mma_layout
+
+    tc = [c for c in gdn.get_buffered_configs() if c.get("tensor_cores")]
+    assert len(tc) == len(gdn.TENSOR_CORE_CONFIGS)
+    for c in tc:
+        assert mma_layout(128, c["BV"], c["threads"])[2] == 32  # a thread holds 32 rows of 4 columns
+    offered = {t.name: t.configs() for t in registry.gdn_templates()}
+    assert not any(c.get("tensor_cores") for c in offered["gdn_buffered_step"])
+    assert offered["gdn_verify"][2] == tc[0] and offered["gdn_prefill_chunk8"] == gdn.get_buffered_configs()
+
+
+@pytest.mark.parametrize("bad", [dict(BV=64, threads=128), dict(BV=16, threads=16), dict(BV=128, threads=128, T_new=9)])
+def test_tensor_cores_reject_layouts_they_cannot_run(bad):
+    from kvbuffer.tiles.gdn import gdn_buffered
+
+    params = dict(Hk=16, Hv=32, cap=24, T_new=5, tensor_cores=1) | bad
+    with pytest.raises(ValueError, match="tensor"):
+        gdn_buffered(**params)
