@@ -50,7 +50,8 @@ def _kernel_command(family: str, peer: str):
     @click.option("--replays", default=20, show_default=True, type=click.IntRange(min=1),
                   help="Graph replays; the median is reported.")
     @click.option("--configs", type=click.Path(exists=True, dir_okay=False),
-                  help="JSON {preset: {recurrent|buffered|verify: tunables}}; default: each kernel's defaults.")
+                  help="JSON {preset: {recurrent|buffered|verify: tunables}} (verify follows buffered unless given); "
+                       "default: the tunables the runtime gives untuned kernels.")
     @_out_option
     def command(shapes, batches, C, cap, launches, replays, configs, out):
         import importlib

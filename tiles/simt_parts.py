@@ -27,7 +27,7 @@ def mma_layout(K: int, BV: int, threads: int) -> tuple[int, int, int, int]:
     """(CG, KG, KR, NW) of the tensor-core layout: one warp per 32 columns and every row of them, so
     threads == BV; lane l holds the 4 columns 4 (8 w + l // 4) .. +3 and the KR = K / 4 rows of row group
     l % 4, the pattern of an m16n8k8 B fragment (mma_products)."""
-    if BV % 32 or not 32 <= BV <= 128 or threads != BV:
+    if BV not in (32, 64, 128) or threads != BV:
         raise ValueError(f"the tensor-core layout needs BV in (32, 64, 128) and threads == BV, got BV={BV}, "
                          f"threads={threads}")
     if K % 8 or K // 4 > 64:
@@ -55,12 +55,13 @@ LOG2E = 1.4426950408889634
 
 
 def exp_of_f64(T, d):
-    """exp(d) as fp32 for an fp64 log-decay difference d, without fp64 transcendentals.
+    """exp(d) as fp32 for an fp64 log-decay difference d <= 0, without fp64 transcendentals.
 
     d (G_t - G_i) sums many steps, so rounding it to fp32 first would cost |d| 2^-24 of relative error.
     Split d log2(e) = m + f in fp64 (m an integer, |f| <= 1/2): 2^m is exact in fp32 and exp2 of the
-    small f keeps fp32 accuracy (a few ulp). A TileLang expression (no statements)."""
-    t = d * LOG2E
+    small f keeps fp32 accuracy (a few ulp). d log2(e) is floored at -256 (exp is 0 in fp32 well
+    before), so d = -inf gives 0, not inf - inf. A TileLang expression (no statements)."""
+    t = T.max(d * LOG2E, -256.0)
     m = T.floor(t + 0.5)
     return T.exp2(T.cast(t - m, "float32")) * T.exp2(T.cast(m, "float32"))
 
@@ -170,13 +171,13 @@ def state_macros(T, *, KR: int, CG: int, C: int, tokens: int, queries: int, key_
 TF32_HI_MASK = 0xFFFFE000  # an fp32 with its low 13 mantissa bits cleared is exactly a TF32 value
 
 
-def mma_products(T, *, KR: int, queries: int, x_rows: int, split_x: bool):
+def mma_products(T, *, KR: int, queries: int, split_x: bool):
     """A TileLang macro, the tensor-core S0^T X[q] of mma_layout: products(acc, Sr, X, Ps, rg, w, lane, fa,
     fb, bits) writes S0^T X[q] for q < queries straight to Ps[0, q, column] (a warp holds every row of its
     columns, so nothing is summed across warps) and ends with a block barrier.
 
-    m16n8k8 TF32 MMAs per (k-step, n-tile): A = X's first 16 rows (rows past `queries` are junk and
-    land only in output rows that are dropped), B = the thread's S0 registers. The k order is free as
+    m16n8k8 TF32 MMAs per (k-step, n-tile): A = X's first `queries` rows (A rows past them repeat the
+    last one; their output rows are dropped), B = the thread's S0 registers. The k order is free as
     long as A and B agree, so k-step s takes rows rg KR + 2s and rg KR + 2s + 1 of lane l's row group
     rg = l % 4, and n-tile j the columns 4 (8 w + c) + j, c = 0..7: no data moves between threads.
     fp32 accuracy (3xTF32): S0 = hi + lo, hi its TF32 part (low 13 mantissa bits cleared) and lo the
@@ -186,7 +187,7 @@ def mma_products(T, *, KR: int, queries: int, x_rows: int, split_x: bool):
     """
     f32, u32 = "float32", "uint32"
     assert queries <= 16, "one m16 tile of query rows"
-    last = x_rows - 1
+    last = queries - 1  # A rows past the queries read the last one: X's later rows may be written meanwhile
     mask = T.uint32(TF32_HI_MASK)
 
     @T.macro
@@ -196,8 +197,8 @@ def mma_products(T, *, KR: int, queries: int, x_rows: int, split_x: bool):
             acc[i] = 0.0
         for s in T.unroll(KR // 2):
             row = rg * KR + 2 * s
-            fa[0] = X[m, row]
-            fa[2] = X[m, row + 1]
+            fa[0] = X[T.min(m, last), row]
+            fa[2] = X[T.min(m, last), row + 1]
             fa[1] = X[T.min(m + 8, last), row]
             fa[3] = X[T.min(m + 8, last), row + 1]
             if split_x:

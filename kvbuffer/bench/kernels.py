@@ -252,14 +252,18 @@ def gate(family, kernels: Mapping, heads: Mapping, peer, *, C: int, cap: int, B:
     return errors
 
 
-def untuned_configs(heads: Mapping) -> dict:
-    """Each timed kernel's tunables when --configs names none: what the runtime's JIT gives it untuned
-    (a verify is a buffered kernel of T tokens)."""
+def kernel_configs(heads: Mapping, given: Mapping | None = None) -> dict:
+    """Each timed kernel's tunables: `given` (one shape's --configs entry; a verify, being a buffered
+    kernel of T tokens, follows "buffered" unless named) over what the runtime's JIT gives untuned."""
     from ..kernels.lookup import untuned_tunables
 
     fam, K, V = heads["family"], heads["K"], heads["V"]
-    return {"recurrent": untuned_tunables(fam, "recurrent", K, V), "buffered": untuned_tunables(fam, "buffered", K, V),
-            "verify": untuned_tunables(fam, "buffered", K, V)}
+    given = dict(given or {})
+    if "buffered" in given:
+        given.setdefault("verify", given["buffered"])
+    untuned = {op: untuned_tunables(fam, "recurrent" if op == "recurrent" else "buffered", K, V)
+               for op in ("recurrent", "buffered", "verify")}
+    return untuned | given
 
 
 def run(family, *, shapes, batches=KERNEL_BATCHES, C: int = 16, cap: int = 24, configs: Mapping | None = None,
@@ -276,7 +280,7 @@ def run(family, *, shapes, batches=KERNEL_BATCHES, C: int = 16, cap: int = 24, c
         heads = heads_of(shape)
         if heads["family"] != family.NAME:
             raise ValueError(f"shapes: {shape!r} is a {heads['family']} model, not {family.NAME}")
-        cfg = untuned_configs(heads) | dict((configs or {}).get(shape) or {})
+        cfg = kernel_configs(heads, (configs or {}).get(shape))
         kernels = family.build(heads, C=C, cap=cap, configs=cfg)
         result["configs"][shape] = cfg
         result["gate"][shape] = errors = gate(family, kernels, heads, peer, C=C, cap=cap)

@@ -77,9 +77,13 @@ def test_untuned_kernels_get_the_runtimes_tunables(preset):
 
     heads = kernels.heads_of(preset)
     tiles = importlib.import_module(f"kvbuffer.tiles.{heads['family']}")
-    cfg = kernels.untuned_configs(heads)
+    cfg = kernels.kernel_configs(heads)
     assert cfg["buffered"] == cfg["verify"] == tiles.BUFFERED_BEST
     assert cfg["recurrent"] == untuned_tunables(heads["family"], "recurrent", heads["K"], heads["V"])
+    # --configs: a verify follows the given step unless named itself
+    step = {"BV": 32, "threads": 64}
+    assert kernels.kernel_configs(heads, {"buffered": step})["verify"] == step
+    assert kernels.kernel_configs(heads, {"buffered": step, "verify": {"BV": 64}})["verify"] == {"BV": 64}
 
 
 def test_alpha_drafter_rejects_bad_arguments():

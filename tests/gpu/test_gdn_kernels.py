@@ -24,7 +24,8 @@ from kvbuffer.kernels import (
     gdn_verify,
 )
 
-from tests.support.gdn_cases import bits_equal, front64, pools, record, rel_err, tokens
+from tests.support.gdn_cases import (FP32_CASE, bits_equal, fp32_accuracy_case, front64, pools, record, rel_err,
+                                     tokens)
 
 pytestmark = [pytest.mark.gpu, pytest.mark.tilelang]
 
@@ -218,14 +219,15 @@ def test_verify_accept_then_step(m, products):
     q, k, v, a, b, A_log, dt_bias = tokens(B, T + 1, Hk, Hv, gen=g)
     rs, rk, rv, rg = state.double(), _clean(bk), _clean(bv), _clean(bg)
     d = lambda t: t[:, :T].contiguous()  # noqa: E731
-    gdn_verify(buffered_op(Hk, Hv, T, 0, **PRODUCTS[products]), d(q), d(k), d(v), d(a), d(b), A_log, dt_bias, state, ss, bk, bv, bg, bs, ln)
+    gdn_verify(buffered_op(Hk, Hv, T, 0, **PRODUCTS[products]), d(q), d(k), d(v), d(a), d(b), A_log, dt_bias,
+               state, ss, bk, bv, bg, bs, ln)
     q64, k64, g64, beta64 = front64(q, k, a, b, A_log, dt_bias)
     ref.verify(q64[:, :T], k64[:, :T], v[:, :T].double(), g64[:, :T], beta64[:, :T], rs, ss, rk, rv, rg, bs, ln)
     ln2 = ln + m
     out = torch.full_like(v[:, T], float("nan"))
     e = lambda t: t[:, T].contiguous()  # noqa: E731
-    gdn_buffered_step(buffered_op(Hk, Hv, 1, C, **PRODUCTS[products]), e(q), e(k), e(v), e(a), e(b), A_log, dt_bias, state, ss,
-                      bk, bv, bg, bs, ln2, out=out)
+    gdn_buffered_step(buffered_op(Hk, Hv, 1, C, **PRODUCTS[products]), e(q), e(k), e(v), e(a), e(b), A_log, dt_bias,
+                      state, ss, bk, bv, bg, bs, ln2, out=out)
     o64 = ref.buffered_step(q64[:, T], k64[:, T], v[:, T].double(), g64[:, T], beta64[:, T], rs, ss,
                             rk, rv, rg, bs, ln2, flush_at=C)
     eo = rel_err(out, o64)
@@ -339,3 +341,20 @@ def test_extreme_gates_in_drafts(products):
     eo = rel_err(out, o64)
     record(f"extreme/verify/{products}/o", eo)
     assert eo < OUT_TOL
+
+
+@pytest.mark.parametrize("tensor_cores,in_dtype", [(0, "bfloat16"), (1, "bfloat16"), (1, "float32")])
+def test_s0_products_keep_fp32_accuracy_on_the_device(tensor_cores, in_dtype):
+    """The CPU emulator's fp32-accuracy case on the GPU's tensor cores, whose accumulation order the emulator
+    does not model: the new deltas (stored as fp32) within 5e-6 of fp64, where one TF32 product leaves ~7e-5."""
+    params = {k: v for k, v in FP32_CASE.items() if k not in ("Hk", "Hv", "K", "V")}
+    op = build_gdn_buffered(FP32_CASE["Hk"], FP32_CASE["Hv"], FP32_CASE["K"], FP32_CASE["V"], **params,
+                            tensor_cores=tensor_cores, in_dtype=in_dtype, buf_dtype="float32")
+    args, want, deltas = fp32_accuracy_case(in_dtype, device="cuda")
+    fill, T = int(args["lengths"][0]), FP32_CASE["T_new"]
+    op.fn(*args.values())
+    ed = rel_err(args["buf_v"][:, fill:fill + T], deltas.cuda())
+    record(f"fp32_accuracy/tc{tensor_cores}/{in_dtype}/deltas", ed)
+    assert ed < 5e-6
+    if in_dtype == "float32":
+        assert rel_err(args["o"], want.cuda()) < 5e-6

@@ -22,6 +22,7 @@ from kvbuffer.gpus import get_gpu  # noqa: E402  (the generated CUDA these tests
 from kvbuffer.reference.gating import gdn_front  # noqa: E402
 
 from tests.support.simt_emulator import Emulated  # noqa: E402
+from tests.support.gdn_cases import FP32_CASE, fp32_accuracy_case  # noqa: E402
 from tests.support.gdn_cases import bits_equal as _bits, rel_err as _rel  # noqa: E402  (shared with the GPU tests)
 
 CASES = {  # name: (kernel params, fill, B, null state row, padding row)
@@ -39,6 +40,8 @@ CASES = {  # name: (kernel params, fill, B, null state row, padding row)
                                   11, 3, 1, 2),
     "tensor_cores_step_fused_flush_BV64": (dict(Hk=2, Hv=4, cap=17, T_new=1, flush_at=16, BV=64, threads=64,
                                                 tensor_cores=1), 15, 3, None, 2),
+    "tensor_cores_verify3_empty_buffers": (dict(Hk=2, Hv=4, cap=21, T_new=3, flush_at=0, BV=64, threads=64,
+                                                tensor_cores=1), 0, 3, 1, 2),
     "tensor_cores_prefill2_small_heads": (dict(Hk=1, Hv=2, K=32, V=32, cap=9, T_new=2, flush_at=8, BV=32, threads=32,
                                                tensor_cores=1), 6, 3, None, 2),
 }
@@ -119,32 +122,16 @@ def test_simt_template_emulated(case, tmp_path):
 def test_s0_products_keep_fp32_accuracy(tensor_cores, in_dtype, tmp_path):
     """With fp32 buffer entries the new deltas (beta (v - S0^T k ...)) are stored unrounded, so their error
     against fp64 is the S0 products' own: the tensor-core split (3xTF32) must match fp32 FMAs, where
-    plain TF32 would leave ~1e-3. With fp32 activations too, the output shows it as well."""
+    one TF32 product leaves ~7e-5. With fp32 activations too, the output shows it as well.
+    (tests/gpu/test_gdn_kernels.py runs the same case on the device.)"""
     from kvbuffer.tiles import compile_template
     from kvbuffer.tiles.gdn import gdn_buffered
 
-    Hk, Hv, T, cap, fill, B = 1, 2, 5, 16, 6, 2
-    K = V = 64
-    params = dict(Hk=Hk, Hv=Hv, K=K, V=V, cap=cap, T_new=T, flush_at=0, BV=32, threads=32,
-                  tensor_cores=tensor_cores, in_dtype=in_dtype, buf_dtype="float32")
+    params = dict(FP32_CASE, tensor_cores=tensor_cores, in_dtype=in_dtype, buf_dtype="float32")
     emu = Emulated(compile_template(gdn_buffered(**params), get_gpu("h200").target).get_kernel_source(), str(tmp_path))
-    g = torch.Generator().manual_seed(7)
-    dt = getattr(torch, in_dtype)
-    r = lambda *s: torch.randn(*s, generator=g)  # noqa: E731
-    q, k, v, a, b = (t.to(dt) for t in (r(B, T, Hk, K), r(B, T, Hk, K), r(B, T, Hv, V), r(B, T, Hv), r(B, T, Hv)))
-    A_log = torch.log(1 + 15 * torch.rand(Hv, generator=g))
-    dt_bias = torch.log(torch.expm1(0.001 + 0.1 * torch.rand(Hv, generator=g)))
-    state = r(B, Hv, K, V)
-    bk = torch.nn.functional.normalize(r(B, cap, Hk, K), dim=-1)
-    bv, bg = 0.5 * r(B, cap, Hv, V), torch.cumsum(-(0.02 + 0.5 * torch.rand(B, cap, Hv, generator=g)), dim=1)
-    slots, ln = torch.arange(B, dtype=torch.int32), torch.full((B,), fill, dtype=torch.int32)
-    rk, rv, rg = (t.double() for t in (bk, bv, bg))
-    want = ref.verify(*gdn_front(q, k, a, b, A_log, dt_bias, dtype=torch.float64)[:2], v.double(),
-                      *gdn_front(q, k, a, b, A_log, dt_bias, dtype=torch.float64)[2:], state.double(), slots.long(),
-                      rk, rv, rg, slots.long(), ln.long())
-    o = torch.full_like(v, float("nan"))
-    emu((V // 32, Hv, B), 32, q=q, k=k, v=v, a=a, b=b, A_log=A_log, dt_bias=dt_bias, state=state, state_slots=slots,
-        buf_k=bk, buf_v=bv, buf_g=bg, buffer_slots=slots, lengths=ln, o=o, batch=B, num_buffer_slots=B,
-        num_state_slots=B)
-    assert _rel(bv[:, fill:fill + T], rv[:, fill:fill + T]) < 2e-6
-    assert _rel(o, want) < (2e-6 if in_dtype == "float32" else 1e-2)
+    args, want, deltas = fp32_accuracy_case(in_dtype)
+    B, fill = args["q"].shape[0], int(args["lengths"][0])
+    emu((FP32_CASE["V"] // FP32_CASE["BV"], FP32_CASE["Hv"], B), FP32_CASE["threads"], **args, batch=B,
+        num_buffer_slots=B, num_state_slots=B)
+    assert _rel(args["buf_v"][:, fill:fill + FP32_CASE["T_new"]], deltas) < 2e-6
+    assert _rel(args["o"], want) < (2e-6 if in_dtype == "float32" else 1e-2)

@@ -130,7 +130,7 @@ def test_configs_are_listed():
 
 def test_tensor_core_configs_are_offered_to_verifies_only():
     """GDN's tensor-core configs are valid mma layouts; the tuner offers them to verifies and prefill chunks
-    (the first one third, within `--max-configs 3`) and never to the decode step."""
+    (the first one fourth, within `--max-configs 4`, after the small-batch tile) and never to the decode step."""
     from kvbuffer.autotune import registry
     from kvbuffer.tiles import gdn
     from kvbuffer.tiles.simt_parts import mma_layout
@@ -141,7 +141,8 @@ def test_tensor_core_configs_are_offered_to_verifies_only():
         assert mma_layout(128, c["BV"], c["threads"])[2] == 32  # a thread holds 32 rows of 4 columns
     offered = {t.name: t.configs() for t in registry.gdn_templates()}
     assert not any(c.get("tensor_cores") for c in offered["gdn_buffered_step"])
-    assert offered["gdn_verify"][2] == tc[0] and offered["gdn_prefill_chunk8"] == gdn.get_buffered_configs()
+    assert offered["gdn_verify"][3] == tc[0] and offered["gdn_prefill_chunk8"] == gdn.get_buffered_configs()
+    assert offered["gdn_verify"][2] == dict(zip(("BV", "threads"), gdn.SMALL_BATCH_CONFIGS[0][:2]))
 
 
 @pytest.mark.parametrize("bad", [dict(BV=64, threads=128), dict(BV=16, threads=16), dict(BV=128, threads=128, T_new=9)])

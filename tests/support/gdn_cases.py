@@ -76,3 +76,33 @@ def bits_equal(x: torch.Tensor, y: torch.Tensor) -> bool:
     """Bit-exact equality, NaN payloads included."""
     idt = {2: torch.int16, 4: torch.int32, 8: torch.int64}[x.element_size()]
     return x.dtype == y.dtype and torch.equal(x.view(idt), y.view(idt))
+
+
+FP32_CASE = dict(Hk=1, Hv=2, K=64, V=64, cap=16, T_new=5, flush_at=0, BV=32, threads=32)  # fill 6, B = 2
+
+
+def fp32_accuracy_case(in_dtype: str, device="cpu") -> tuple[dict, torch.Tensor, torch.Tensor]:
+    """A verify of FP32_CASE with fp32 buffer entries, so the new deltas are stored unrounded and their
+    error against fp64 is the S0 products' own: (the kernel's named arguments, the fp64 output, the
+    fp64 new deltas (B, T, Hv, V)). Activations in `in_dtype`."""
+    from kvbuffer.reference import core as ref
+
+    c = FP32_CASE
+    Hk, Hv, K, V, T, cap, fill, B = c["Hk"], c["Hv"], c["K"], c["V"], c["T_new"], c["cap"], 6, 2
+    g = torch.Generator().manual_seed(7)
+    dt = getattr(torch, in_dtype)
+    r = lambda *s: torch.randn(*s, generator=g)  # noqa: E731
+    q, k, v, a, b = (t.to(dt) for t in (r(B, T, Hk, K), r(B, T, Hk, K), r(B, T, Hv, V), r(B, T, Hv), r(B, T, Hv)))
+    A_log = torch.log(1 + 15 * torch.rand(Hv, generator=g))
+    dt_bias = torch.log(torch.expm1(0.001 + 0.1 * torch.rand(Hv, generator=g)))
+    state = r(B, Hv, K, V)
+    bk = torch.nn.functional.normalize(r(B, cap, Hk, K), dim=-1)
+    bv, bg = 0.5 * r(B, cap, Hv, V), torch.cumsum(-(0.02 + 0.5 * torch.rand(B, cap, Hv, generator=g)), dim=1)
+    slots, ln = torch.arange(B, dtype=torch.int32), torch.full((B,), fill, dtype=torch.int32)
+    rv = bv.double()
+    q64, k64, g64, beta64 = gdn_front(q, k, a, b, A_log, dt_bias, dtype=torch.float64)
+    want = ref.verify(q64, k64, v.double(), g64, beta64, state.double(), slots.long(), bk.double(), rv,
+                      bg.double(), slots.long(), ln.long())
+    args = dict(q=q, k=k, v=v, a=a, b=b, A_log=A_log, dt_bias=dt_bias, state=state, state_slots=slots, buf_k=bk,
+                buf_v=bv, buf_g=bg, buffer_slots=slots, lengths=ln, o=torch.full_like(v, float("nan")))
+    return {n: t.to(device) for n, t in args.items()}, want, rv[:, fill:fill + T]
