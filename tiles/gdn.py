@@ -11,7 +11,8 @@ the recurrent step takes a token axis of 1.
 
 from ..reference.core import LOG_DECAY_FLOOR
 from .linear_decode import _tl, check_shape as _check_shape, pow2 as _pow2  # noqa: F401
-from .simt_parts import exp_of_f64, fitted_tunables, mma_layout, mma_products, row_stager, simt_layout, state_macros
+from .simt_parts import (exp_of_f64, fitted_tunables, flush_weight, mma_layout, mma_products, row_stager,
+                          simt_layout, state_macros)
 from .linear_decode import (  # noqa: F401  (the tunables lists are part of this module's API)
     L2NORM_EPS,
     SOFTPLUS_THRESHOLD,
@@ -196,7 +197,8 @@ def gdn_buffered(Hk: int, Hv: int, K: int = 128, V: int = 128, *, cap: int = 16,
             fb = T.alloc_local((8,), f32)
             bits = T.alloc_local((8,), "uint32")
             gacc = T.alloc_local((max(T2, 4),), f32)
-            dacc = T.alloc_local((4,), f64)
+            dacc = T.alloc_local((2,), f64)
+            task = T.alloc_local((1,), "int32")       # phase 2: history-weight task // n
             xv = T.alloc_local((4,), f32)
             yv = T.alloc_local((4,), f32)
             tb = T.alloc_local((8,), in_dtype)
@@ -272,9 +274,10 @@ def gdn_buffered(Hk: int, Hv: int, K: int = 128, V: int = 128, *, cap: int = 16,
                 for it in T.unroll(IT_TASK):
                     idx = it * NT + tx
                     if idx < na:
-                        ti = idx % n
-                        tt = (idx // n) % Tn
-                        kind = idx // (n * Tn)
+                        task[0] = T.truncdiv(idx, n)  # the one division by the runtime n (both >= 0)
+                        ti = idx - task[0] * n
+                        tt = task[0] % Tn
+                        kind = task[0] // Tn
                         gacc[0] = 0.0
                         gacc[1] = 0.0
                         for ww in T.unroll(NW):
@@ -313,8 +316,7 @@ def gdn_buffered(Hk: int, Hv: int, K: int = 128, V: int = 128, *, cap: int = 16,
                     elif idx < na + NBt + NC + C:
                         te = idx - na - NBt - NC
                         if n + Tn == C:
-                            FW[te] = exp_of_f64(T, Gd[Tn - 1] - T.if_then_else(
-                                te < n, T.cast(Gb[T.min(te, cap - 1)], f64), Gd[T.max(T.min(te - n, Tn - 1), 0)]))
+                            FW[te] = flush_weight(T, Gd, Gb, te, n, Tn, cap)
                 T.sync_threads()
 
                 # ---- phase 3a: one thread per value column: the buffer's history (no S0 needed yet)

@@ -13,7 +13,7 @@ buffer_slots, lengths, y. All arithmetic is fp32 FMA (gates and log decays in fp
 
 from ..reference.core import LOG_DECAY_FLOOR
 from .linear_decode import SOFTPLUS_THRESHOLD, _tl, check_shape
-from .simt_parts import exp_of_f64, row_stager, simt_layout, state_macros
+from .simt_parts import exp_of_f64, flush_weight, row_stager, simt_layout, state_macros
 
 
 # (BV, threads, blocks) for N = 128, P = 64; blocks > 0 caps registers (__launch_bounds__ min blocks/SM) so
@@ -225,8 +225,7 @@ def mamba2_buffered_simt(G: int, H: int, N: int = 128, P: int = 64, *, cap: int 
                     elif idx < NTASK:
                         te = idx - NA - NE
                         if n + Tn == C:
-                            FW[te] = exp_of_f64(T, Gd[Tn - 1] - T.if_then_else(
-                                te < n, T.cast(Gb[T.min(te, cap - 1)], f64), Gd[T.max(T.min(te - n, Tn - 1), 0)]))
+                            FW[te] = flush_weight(T, Gd, Gb, te, n, Tn, cap)
                 T.sync_threads()
 
                 # ---- phase 3a: one thread per value column: the history over the buffer and new entries

@@ -66,6 +66,13 @@ def exp_of_f64(T, d):
     return T.exp2(T.cast(t - m, "float32")) * T.exp2(T.cast(m, "float32"))
 
 
+def flush_weight(T, Gd, Gb, te, n, tokens: int, cap: int):
+    """exp(G_C - G_e) for entry te of a buffer that reaches C in this launch: e < n are the stored entries
+    (G in Gb, fp32), the rest the launch's new tokens (G in Gd, fp64); G_C is the last new token's."""
+    return exp_of_f64(T, Gd[tokens - 1] - T.if_then_else(
+        te < n, T.cast(Gb[T.min(te, cap - 1)], "float64"), Gd[T.max(T.min(te - n, tokens - 1), 0)]))
+
+
 def rows_per_vector(KR: int) -> int:
     """Rows a thread reads from shared memory in one vector load."""
     return 4 if KR % 4 == 0 else (2 if KR % 2 == 0 else 1)
