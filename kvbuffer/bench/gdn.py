@@ -47,15 +47,15 @@ def act_bytes(heads: Mapping, T: int) -> float:
 
 
 def build(heads: Mapping, *, C: int, cap: int, configs: Mapping) -> dict:
-    """Compile our kernels; `configs` may give tunables for "recurrent", "buffered" and "verify"."""
+    """Compile our kernels with `configs`' tunables for "recurrent", "buffered" and "verify"
+    (kernels.kernel_configs)."""
     from ..kernels import build_gdn_buffered, build_gdn_recurrent
 
     Hk, Hv, K, V = heads["Hk"], heads["Hv"], heads["K"], heads["V"]
-    verify = configs.get("verify", configs.get("buffered", {}))
-    out = {"recurrent": build_gdn_recurrent(Hk, Hv, K, V, **configs.get("recurrent", {})),
-           "buffered": build_gdn_buffered(Hk, Hv, K, V, cap=cap, T_new=1, flush_at=C, **configs.get("buffered", {}))}
+    out = {"recurrent": build_gdn_recurrent(Hk, Hv, K, V, **configs["recurrent"]),
+           "buffered": build_gdn_buffered(Hk, Hv, K, V, cap=cap, T_new=1, flush_at=C, **configs["buffered"])}
     for T in common.VERIFY_TOKENS:
-        out[f"verify{T}"] = build_gdn_buffered(Hk, Hv, K, V, cap=cap, T_new=T, flush_at=0, **verify)
+        out[f"verify{T}"] = build_gdn_buffered(Hk, Hv, K, V, cap=cap, T_new=T, flush_at=0, **configs["verify"])
     return out
 
 

@@ -259,11 +259,8 @@ def kernel_configs(heads: Mapping, given: Mapping | None = None) -> dict:
 
     fam, K, V = heads["family"], heads["K"], heads["V"]
     given = dict(given or {})
-    if "buffered" in given:
-        given.setdefault("verify", given["buffered"])
-    untuned = {op: untuned_tunables(fam, "recurrent" if op == "recurrent" else "buffered", K, V)
-               for op in ("recurrent", "buffered", "verify")}
-    return untuned | given
+    step = given.get("buffered", untuned_tunables(fam, "buffered", K, V))
+    return {"recurrent": untuned_tunables(fam, "recurrent", K, V), "buffered": step, "verify": step} | given
 
 
 def run(family, *, shapes, batches=KERNEL_BATCHES, C: int = 16, cap: int = 24, configs: Mapping | None = None,

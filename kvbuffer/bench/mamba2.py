@@ -57,16 +57,17 @@ def act_bytes(heads: Mapping, T: int) -> float:
 
 
 def build(heads: Mapping, *, C: int, cap: int, configs: Mapping) -> dict:
-    """Compile our kernels; `configs` may give tunables for "recurrent", "buffered" and "verify"."""
+    """Compile our kernels with `configs`' tunables for "recurrent", "buffered" and "verify"
+    (kernels.kernel_configs)."""
     from ..kernels import build_mamba2_buffered, build_mamba2_recurrent
 
     G, H, N, P = _dims(heads)
-    step = configs.get("buffered", {})
-    verify = configs.get("verify", step)
-    out = {"recurrent": build_mamba2_recurrent(G, H, N, P, has_z=True, **configs.get("recurrent", {})),
-           "buffered": build_mamba2_buffered(G, H, N, P, cap=cap, T_new=1, flush_at=C, has_z=True, **step)}
+    out = {"recurrent": build_mamba2_recurrent(G, H, N, P, has_z=True, **configs["recurrent"]),
+           "buffered": build_mamba2_buffered(G, H, N, P, cap=cap, T_new=1, flush_at=C, has_z=True,
+                                             **configs["buffered"])}
     for T in common.VERIFY_TOKENS:
-        out[f"verify{T}"] = build_mamba2_buffered(G, H, N, P, cap=cap, T_new=T, flush_at=0, has_z=True, **verify)
+        out[f"verify{T}"] = build_mamba2_buffered(G, H, N, P, cap=cap, T_new=T, flush_at=0, has_z=True,
+                                                  **configs["verify"])
     return out
 
 
