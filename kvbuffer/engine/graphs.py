@@ -60,7 +60,12 @@ def split_view(view: torch.Tensor, tokens: int):
 
 class StepInputs:
     """The columns of every row of one forward of `tokens` tokens per row, staged on the host and
-    copied to the device at once."""
+    copied to the device at once.
+
+    A decode step's inputs (tokens = 1) can also take a row's token from the previous step's
+    greedy pick while it is still on the device (`upload(feed=...)`, `pick_greedy`): the engine
+    launches step n + 1 before it reads step n's tokens back (kvbuffer.engine.overlap).
+    """
 
     def __init__(self, max_rows: int, device: torch.device, tokens: int = 1):
         if tokens < 1:
@@ -68,12 +73,18 @@ class StepInputs:
         pin = device.type == "cuda"
         self.max_rows, self.tokens = max_rows, tokens
         self.padding = (0,) * tokens + _ROW_PADDING
-        self.host = torch.zeros(len(self.padding), max_rows, dtype=torch.long, pin_memory=pin)
-        self.device = torch.zeros(len(self.padding), max_rows, dtype=torch.long, device=device)
+        fields = len(self.padding) + 1  # the last row: where a decode row's token comes from (feed)
+        self.host = torch.zeros(fields, max_rows, dtype=torch.long, pin_memory=pin)
+        self.device = torch.zeros(fields, max_rows, dtype=torch.long, device=device)
         self._copied = torch.cuda.Event() if pin else None
+        self.picked = torch.zeros(max_rows, dtype=torch.long, device=device)  # the last greedy picks
+        self._picked_host = [torch.zeros(max_rows, dtype=torch.long, pin_memory=pin) for _ in range(2)]
+        self._picks = 0
 
-    def upload(self, columns: list[list[int]], rows: int) -> torch.Tensor:
+    def upload(self, columns: list[list[int]], rows: int, feed: list[int] | None = None) -> torch.Tensor:
         """columns: step_columns' lists, n <= rows entries each; rows - n padding rows follow.
+        feed (decode only): per row, the index of the pick of the last `pick_greedy` that is its token
+        (its id column then only holds a placeholder), or -1 for the id in `columns`.
         Returns the device view (tokens + len(ROW_FIELDS), rows); stable across calls with the same `rows`."""
         n = len(columns[0])
         if len(columns) != len(self.padding):
@@ -81,15 +92,52 @@ class StepInputs:
                              f"got {len(columns)}")
         if not n <= rows <= self.max_rows:
             raise ValueError(f"{n} rows padded to {rows} do not fit {self.max_rows}")
+        if feed is not None and (self.tokens != 1 or len(feed) != n):
+            raise ValueError(f"feed: one index per row of a one-token forward, got {len(feed)} for {n} rows "
+                             f"of {self.tokens} token(s)")
         if self._copied is not None:
             self._copied.synchronize()  # the previous copy has read the staging buffer
-        self.host[:, :n] = torch.tensor(columns, dtype=torch.long)
+        self.host[:-1, :n] = torch.tensor(columns, dtype=torch.long)
         for f, pad in enumerate(self.padding):
             self.host[f, n:rows] = pad
-        self.device[:, :rows].copy_(self.host[:, :rows], non_blocking=True)
+        if feed is not None:
+            self.host[-1, :n] = torch.tensor(feed, dtype=torch.long)
+            self.host[-1, n:rows] = -1
+        copied = len(self.padding) + (feed is not None)
+        self.device[:copied, :rows].copy_(self.host[:copied, :rows], non_blocking=True)
         if self._copied is not None:
             self._copied.record()
-        return self.device[:, :rows]
+        view = self.device[:-1, :rows]
+        if feed is not None:
+            source = self.device[-1, :rows]
+            view[0].copy_(torch.where(source >= 0, self.picked[source.clamp(min=0)], view[0]))
+        return view
+
+    def pick_greedy(self, logits: torch.Tensor) -> "PendingTokens":
+        """argmax of each row of logits (n, vocab) into `picked`, for the next upload's feed, and on
+        its way to the host; nothing waits for it here."""
+        n = logits.shape[0]
+        torch.argmax(logits, dim=-1, out=self.picked[:n])
+        host = self._picked_host[self._picks % 2][:n]  # two: the host may still read the last one
+        self._picks += 1
+        host.copy_(self.picked[:n], non_blocking=True)
+        done = None
+        if self._copied is not None:
+            done = torch.cuda.Event()
+            done.record()
+        return PendingTokens(host, done)
+
+
+class PendingTokens:
+    """Greedy picks on their way to the host; tolist() waits for them (and only for them)."""
+
+    def __init__(self, host: torch.Tensor, done):
+        self.host, self.done = host, done
+
+    def tolist(self) -> list[int]:
+        if self.done is not None:
+            self.done.synchronize()
+        return self.host.tolist()
 
 
 def _rows(out, n: int):
@@ -112,10 +160,11 @@ class StepGraphs:
         self.pool = pool if pool is not None or not capture else torch.cuda.graph_pool_handle()
         self.enabled = True
 
-    def run(self, columns: list[list[int]], context_len: int, *extra):
+    def run(self, columns: list[list[int]], context_len: int, *extra, feed: list[int] | None = None):
+        """feed: StepInputs.upload's (a decode row's token from the last greedy pick)."""
         n = len(columns[0])
         rows, window = row_bucket(n, self.inputs.max_rows), context_bucket(context_len, self.max_len)
-        view = self.inputs.upload(columns, rows)
+        view = self.inputs.upload(columns, rows, feed)
         if not self.capture:
             return _rows(self.forward(view, window, *extra), n)
         key = (rows, window, *extra)

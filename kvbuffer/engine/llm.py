@@ -29,6 +29,7 @@ from .sampling import SamplingParams, sample_rows, sample_token, token_logprob
 from .scheduler import Scheduler
 from .drafters import MTPDrafter, NgramDrafter
 from .options import check_generate_args, check_llm_args
+from .overlap import InflightStep, overlappable, plan_feed, use_overlap
 from .speculative import SpeculativeConfig, accept_drafts
 
 log = logging.getLogger(__name__)
@@ -146,13 +147,16 @@ class LLM:
         compile: run the decode and verify forwards under torch.compile (kvbuffer.engine.compiled):
         False (the default: compiling a large model adds minutes to start-up), True, or "auto" (on
         CUDA with CUDA graphs).
+        overlap: queue each greedy decode step before reading the last one's tokens back, so the
+        host's work hides behind the GPU's (kvbuffer.engine.overlap; the outputs are the same, a
+        step()'s tokens arrive one step later): True, False or "auto" (on CUDA).
     """
 
     def __init__(self, model, *, device=None, dtype=None, mode: str = "kvbuffer", chunk_size: int | None = None,
                  max_batch: int = 16, max_states: int | None = None, max_len: int = 2048,
                  max_prefill_tokens: int = 1024, tokenizer=None, speculative: dict | None = None,
                  memory_budget: int | None = None, kernels: bool | str = "auto", cuda_graphs: bool | str = "auto",
-                 compile: bool | str = False):
+                 compile: bool | str = False, overlap: bool | str = "auto"):
         check_llm_args(model, device=device, dtype=dtype, chunk_size=chunk_size, max_batch=max_batch, max_states=max_states, max_len=max_len, max_prefill_tokens=max_prefill_tokens, speculative=speculative, memory_budget=memory_budget, kernels=kernels, cuda_graphs=cuda_graphs)  # noqa: E501
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
@@ -193,6 +197,8 @@ class LLM:
         buffer_dtype = kernel_dtype(self.dtype) if self.kernels else None
         self.cuda_graphs = self._use_graphs(cuda_graphs, spec)
         self.compiled = use_compile(compile, self.device, self.cuda_graphs)
+        self.overlap = use_overlap(overlap, self.device)
+        self._inflight: InflightStep | None = None  # the overlapped decode step whose tokens are unread
         self.runner = ModelRunner(model, spec, mode=mode, device=self.device, dtype=self.dtype,
                                   buffer_dtype=buffer_dtype, backend=self.backend, cuda_graphs=self.cuda_graphs,
                                   compile=self.compiled)
@@ -253,6 +259,7 @@ class LLM:
         finally:  # an error (or a callback's) must not leave requests in the engine
             for rid in rids:
                 self.abort(rid)
+            self._inflight = None  # tokens of requests that ended (or were aborted) already
             self._stats = None
         reqs = [self._done.pop(rid) for rid in rids]
         stats.generated_tokens = sum(len(r.output) for r in reqs)
@@ -330,7 +337,7 @@ class LLM:
             self._retire_finished(finished)  # before decoding, so their slots serve the others at once
             fed = self.speculative.num_draft_tokens + 1 if self.speculative is not None else 1
             running = sched.runnable(self._free_states(), fed, self._wants_state)
-            if running:
+            if running or self._inflight is not None:
                 self._decode_step(running, events)
         except BaseException:  # a failed step must not leak slots: what it admitted goes back
             for req in admitted:
@@ -386,24 +393,46 @@ class LLM:
 
     def _decode_step(self, running, events):
         stats = self._stats
-        t0, before = time.perf_counter(), sum(len(r.output) for r in running)
+        t0, before = time.perf_counter(), len(events)
         if self.speculative is not None:
             self._speculative_step(running, events)
+        elif self.overlap and all(overlappable(r) for r in running):
+            self._overlapped_step(running, events)
         else:
-            logits = self.runner.decode(running)
-            tokens = sample_rows(logits, [r.params for r in running], [self._gens[r.rid] for r in running])
-            for req, row, token in zip(running, logits, tokens):
-                self._emit(req, token, row, events)
+            self._settle(events)
+            running = [r for r in running if r.finish_reason is None]
+            if running:
+                logits = self.runner.decode(running)
+                tokens = sample_rows(logits, [r.params for r in running], [self._gens[r.rid] for r in running])
+                for req, row, token in zip(running, logits, tokens):
+                    self._emit(req, token, row, events)
         if stats is None:
             return
-        took = time.perf_counter() - t0  # sampling synchronised the device
-        emitted = sum(len(r.output) for r in running) - before
+        took = time.perf_counter() - t0  # reading the tokens back synchronised the device
+        emitted = len(events) - before
         stats.decode_seconds += took
         stats.decode_steps += 1
         stats.decode_tokens += emitted
         stats.step_seconds.append(took)
         stats.step_tokens.append(emitted)
         stats.peak_batch = max(stats.peak_batch, len(running))
+
+    def _overlapped_step(self, running, events):
+        """Queue this step (greedy picks left on the device), then emit the step in flight's tokens
+        while the GPU runs it (kvbuffer.engine.overlap)."""
+        rows, feed = plan_feed(running, self._inflight, self.runner.spec.max_len)
+        queued = InflightStep(rows, self.runner.pick_greedy(self.runner.decode(rows, feed))) if rows else None
+        self._settle(events)
+        self._inflight = queued
+
+    def _settle(self, events) -> None:
+        """Emit the tokens of the step in flight, if any (a request that ended meanwhile drops its own)."""
+        step, self._inflight = self._inflight, None
+        if step is None:
+            return
+        for req, token in zip(step.rows, step.tokens.tolist()):
+            if req.finish_reason is None:
+                self._emit(req, token, None, events)
 
     def _prefill(self, reqs, events):
         """Feed the newly admitted requests' prompts, many requests per forward, then sample each

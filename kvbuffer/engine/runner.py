@@ -15,7 +15,7 @@ from ..runtime.backend import REFERENCE, Backend
 from ..runtime.batch import ForwardBatch
 from ..runtime.caches import CacheSpec, ModelCaches
 from .compiled import COMPILED_PHASES, compile_forward
-from .graphs import PREFILL_GRAPH_TOKENS, StepGraphs, StepInputs, row_bucket, split_view, step_columns
+from .graphs import PREFILL_GRAPH_TOKENS, PendingTokens, StepGraphs, StepInputs, row_bucket, split_view, step_columns
 from .request import Request
 
 log = logging.getLogger("kvbuffer")
@@ -101,20 +101,20 @@ class ModelRunner:
         fn = self.compiled if self.compiled is not None and batch.phase in COMPILED_PHASES else self.model
         return fn(ids, batch, self.caches, **kw)
 
-    def _replayed(self, graphs: StepGraphs | None, columns, context_len: int, *extra):
+    def _replayed(self, graphs: StepGraphs | None, columns, context_len: int, *extra, feed=None):
         """The forward's outputs from its CUDA graph, or None: no graphs, or a capture that failed
         (it leaves the caches untouched; that forward runs eagerly from then on, logged once)."""
         if graphs is None or not graphs.enabled:
             return None
         try:
-            return graphs.run(columns, context_len, *extra)
+            return graphs.run(columns, context_len, *extra, feed=feed)
         except RuntimeError as e:
             cause = e.__context__ or e  # the error inside the capture, not capture_end's follow-up
             if self.compiled is not None:  # the warm-up and the capture saw padding rows only: retry uncompiled
                 log.warning("kvbuffer: the compiled forward failed during a CUDA graph capture, running the "
                             "forwards uncompiled from now on: %s", _first_line(cause))
                 self.compiled = None
-                return self._replayed(graphs, columns, context_len, *extra)
+                return self._replayed(graphs, columns, context_len, *extra, feed=feed)
             log.warning("kvbuffer: CUDA graph capture of a %d-token forward failed, running it eagerly from now "
                         "on: %s", graphs.inputs.tokens, _first_line(cause))
             graphs.enabled = False
@@ -177,20 +177,31 @@ class ModelRunner:
         return {"return_hidden": True} if want else {}
 
     @torch.inference_mode()
-    def decode(self, reqs: list[Request]) -> torch.Tensor:
-        """One token for each request (its last sampled one): logits (B, vocab)."""
+    def decode(self, reqs: list[Request], feed: list[int] | None = None) -> torch.Tensor:
+        """One token for each request (its last sampled one): logits (B, vocab).
+
+        feed: per request, -1 or the index of its token among the last `pick_greedy`'s picks, which
+        the host has not read yet (its context does not hold that token).
+        """
         for r in reqs:
             if r.cached + 1 > self.spec.max_len:
                 raise ValueError(f"request {r.rid}: context exceeds max_len={self.spec.max_len}")
             self._ensure_state(r, 1)
-        columns = self._columns(reqs, [[r.context[r.cached]] for r in reqs])
+        fed = feed or [-1] * len(reqs)
+        columns = self._columns(reqs, [[r.context[r.cached] if f < 0 else 0] for r, f in zip(reqs, fed)])
         context_len = max(r.cached for r in reqs) + 1
-        logits = self._replayed(self.graphs, columns, context_len)
+        logits = self._replayed(self.graphs, columns, context_len, feed=feed)
         if logits is None:
-            logits = self._decode_forward(self.inputs.upload(columns, len(reqs)), context_len)
+            logits = self._decode_forward(self.inputs.upload(columns, len(reqs), feed), context_len)
         for r in reqs:
             self._advance(r, 1)
         return logits
+
+    @torch.inference_mode()
+    def pick_greedy(self, logits: torch.Tensor) -> PendingTokens:
+        """The decode step's greedy tokens, left on the device for the next decode's feed and copied
+        to the host without waiting."""
+        return self.inputs.pick_greedy(logits)
 
     @torch.inference_mode()
     def verify(self, reqs: list[Request], drafts: list[list[int]], want_hidden: bool = False):

@@ -109,3 +109,21 @@ def test_peers_backend_on_their_kernels_matches_recurrent(kind):
         llm = _llm(kind, "recurrent", graphs=True, T=T, max_states=reserve_pad_slot(4))
         llm.backend = llm.runner.backend = PeersBackend(found["gdn"], found["mamba2"])
         compare_greedy(_run(llm, refs if T else None), own, tol=0.15)
+
+
+@pytest.mark.parametrize("mode", ["kvbuffer", "recurrent"])
+@pytest.mark.parametrize("kind", ["qwen3_5", "nemotron_h"])
+def test_overlapped_steps_equal_synchronous_ones(kind, mode):
+    """Greedy decode steps queued before the last one's tokens are read (kvbuffer.engine.overlap),
+    captured graphs replayed with tokens fed on the device: the same tokens as synchronous steps,
+    bit for bit (same graphs, same kernels), with more prompts than slots and a stop token."""
+    prompts = PROMPTS + [[5, 5, 1], [9, 8, 7, 6, 5, 4, 3, 2, 1, 0, 1, 2], [1, 1]]
+    sync = _llm(kind, mode, graphs=True, overlap=False).generate(prompts, max_new_tokens=24, stop_token_ids=[])
+    stop = sync[0].token_ids[5]
+    for stops in ([], [stop]):
+        want = _llm(kind, mode, graphs=True, overlap=False).generate(prompts, max_new_tokens=24, stop_token_ids=stops)
+        llm = _llm(kind, mode, graphs=True, overlap=True)
+        got = llm.generate(prompts, max_new_tokens=24, stop_token_ids=stops)
+        assert [(o.token_ids, o.finish_reason) for o in got] == [(o.token_ids, o.finish_reason) for o in want]
+        assert llm.runner.graphs.graphs, "no decode graph was captured"
+        assert llm.runner.caches.requests.num_free == llm.runner.spec.max_requests
