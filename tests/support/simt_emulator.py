@@ -65,6 +65,8 @@ struct alignas(8) uint2 { uint x, y; };
 struct alignas(16) uint4 { uint x, y, z, w; };
 static inline float4 make_float4(float a, float b, float c, float d) { return {a, b, c, d}; }
 static inline uint4 make_uint4(uint a, uint b, uint c, uint d) { return {a, b, c, d}; }
+static inline uint2 make_uint2(uint a, uint b) { return {a, b}; }
+static inline float2 make_float2(float a, float b) { return {a, b}; }
 static inline float2 __bfloat1622float2(__nv_bfloat162 v) { return {float(v.x), float(v.y)}; }
 static inline uint __pack_nv_bfloat162(bfloat16_t a, bfloat16_t b) { return uint(a.bits) | (uint(b.bits) << 16); }
 static inline float rsqrtf(float x) { return 1.0f / std::sqrt(x); }
@@ -100,7 +102,7 @@ static inline void mma_sync(float* c, const unsigned* a, const unsigned* b) {
 """
 
 LAUNCH = r"""
-extern "C" void launch(void** ptrs, int* ints, int gx, int gy, int gz, int nt) {
+extern "C" void launch(void** ptrs, int* ints, float* floats, int gx, int gy, int gz, int nt) {
   std::vector<uchar> smem(262144);
   for (int bz = 0; bz < gz; ++bz) for (int by = 0; by < gy; ++by) for (int bx = 0; bx < gx; ++bx) {
     blockIdx = {bx, by, bz};
@@ -127,8 +129,10 @@ class Emulated:
         params = [p.strip() for p in sig.group(2).split(",")]
         self.names = [p.split()[-1].lstrip("*") for p in params]
         self.pointer = ["*" in p for p in params]
-        args = [f"({p.rsplit(' ', 1)[0].replace('__restrict__', '').strip()})ptrs[{i}]" if ptr else f"ints[{i}]"
-                for i, (p, ptr) in enumerate(zip(params, self.pointer))]
+        self.real = [not ptr and p.split()[0] == "float" for p, ptr in zip(params, self.pointer)]  # float scalars
+        args = [f"({p.rsplit(' ', 1)[0].replace('__restrict__', '').strip()})ptrs[{i}]" if ptr
+                else f"floats[{i}]" if real else f"ints[{i}]"
+                for i, (p, ptr, real) in enumerate(zip(params, self.pointer, self.real))]
         code = PRELUDE + body.replace('extern "C" ', "") + LAUNCH.replace("KERNEL_CALL", f"{sig.group(1)}({', '.join(args)})")
         workdir = workdir or tempfile.gettempdir()
         so = os.path.join(workdir, f"kvb_emu_{hashlib.sha1(code.encode()).hexdigest()[:16]}.so")
@@ -144,12 +148,14 @@ class Emulated:
 
     def __call__(self, grid: tuple, threads: int, **args) -> None:
         n = len(self.names)
-        ptrs, ints = (ctypes.c_void_p * n)(), (ctypes.c_int * n)()
-        for i, (name, ptr) in enumerate(zip(self.names, self.pointer)):
+        ptrs, ints, floats = (ctypes.c_void_p * n)(), (ctypes.c_int * n)(), (ctypes.c_float * n)()
+        for i, (name, ptr, real) in enumerate(zip(self.names, self.pointer, self.real)):
             a = args[name]
             if ptr:
                 assert a.is_contiguous() and a.device.type == "cpu", name
                 ptrs[i] = a.data_ptr()
+            elif real:
+                floats[i] = float(a)
             else:
                 ints[i] = int(a)
-        self.lib.launch(ptrs, ints, *grid, threads)
+        self.lib.launch(ptrs, ints, floats, *grid, threads)

@@ -1,0 +1,264 @@
+"""Decode attention of each row's new tokens over its KV cache, read in place (GQA, causal).
+
+Thread-level templates for kvbuffer.reference.attention's semantics (the runtime's torch path,
+kvbuffer.runtime.mixing.attention, reads the same cache through a gathered window):
+
+- `attention_decode`: grid (S splits, Hkv x NQB query blocks, B). A block holds QB query rows of one
+  KV head (row r = t * G + g: token t, query head hk * G + g) and reads split s of the row's visible
+  positions, warp by warp: a warp takes U consecutive positions at a time, every lane E = D / 32
+  contiguous elements of each K and V row (one vector load each: 16 bytes for D = 256 in bf16), so a
+  warp reads every row it touches once, coalesced, and nothing is staged. Scores are the lanes'
+  partial dot products summed by a butterfly of shuffles (every lane ends with the full score), in the
+  log2 domain (q is pre-multiplied by scale * log2 e); the running max, sum and fp32 accumulator of
+  each query row live in registers (online softmax). The block's warps are merged through shared
+  memory; with S = 1 the block writes the normalised output, else its partials (accumulator, max,
+  sum) to the workspace for `attention_combine`.
+- `attention_combine`: one thread per output element merges the S partials (flash-decoding).
+
+Causality: token t of row b sees positions 0 .. cached[b] + t; its T new keys and values are already
+in the cache. A split covers ceil(n / S) of the row's n = cached[b] + T positions. Positions past a
+row's visible range are clamped to a valid one before the load and weighted 0, so no load is out of
+bounds and no lane branches. Padding rows (slot -1) read nothing and get a zero output.
+
+Tensor ABI (contiguous; `act` = the activations' dtype, `kv` = the cache's):
+    attention_decode:  q (B, T, H, D) act, k_cache, v_cache (NS, max_len, Hkv, D) kv, slots (B,) int32,
+                       cached (B,) int32, part (WB, S, T*H, D) fp32, stats (WB, S, T*H, 2) fp32,
+                       out (B, T, H, D) act, scale (float scalar)
+                       S = 1: out is written, part / stats unread (pass WB = 1); S > 1: part / stats
+                       (WB = B) are written, out is not.
+    attention_combine: part, stats (B, S, T*H, D / 2), slots (B,) int32, out (B, T, H, D) act
+Batch B, pool size NS, cache length max_len and the split count S are dynamic.
+"""
+
+# no `from __future__ import annotations`: TileLang evaluates the T.Tensor annotations
+
+import math
+
+DTYPES = ("bfloat16", "float16", "float32")
+F32 = "float32"
+LOG2E = 1.4426950408889634
+MAX_TOKENS = 8           # new tokens per row: the decode step (1) up to a verify of 7 drafts
+REGISTER_BUDGET = 64     # fp32 registers a lane spends on its query rows (and as many on their accumulators)
+NEG = -1.0e30            # the running max before any position (finite: exp2(NEG - NEG) = 1, weighted by 0)
+
+
+def _tl():
+    import tilelang.language as T  # noqa: N812  (TileLang's own convention)
+
+    return T
+
+
+def query_block(G: int, T_len: int, D: int) -> int:
+    """Query rows per block: the largest divisor of G * T_len whose rows and accumulators fit the
+    register budget (D / 32 elements of each per lane)."""
+    Q, E = G * T_len, D // 32
+    cap = max(1, min(16, REGISTER_BUDGET // E))
+    return max(d for d in range(1, min(Q, cap) + 1) if Q % d == 0)
+
+
+def check_attention(H: int, Hkv: int, D: int, T_len: int = 1, dtype: str = "bfloat16", kv_dtype: str = "bfloat16",
+                    threads: int = 128, unroll: int = 4) -> None:
+    """Raise ValueError for parameters the templates do not build."""
+    if Hkv < 1 or H < Hkv or H % Hkv:
+        raise ValueError(f"query heads H={H} must be a positive multiple of the KV heads Hkv={Hkv}")
+    if D not in (32, 64, 128, 256):
+        raise ValueError(f"head dim D must be 32, 64, 128 or 256 (D / 32 elements a lane), got {D}")
+    if not 1 <= T_len <= MAX_TOKENS:
+        raise ValueError(f"T={T_len} new tokens per row: the kernel takes 1 .. {MAX_TOKENS}")
+    for name, dt in (("dtype", dtype), ("kv_dtype", kv_dtype)):
+        if dt not in DTYPES:
+            raise ValueError(f"{name} must be one of {DTYPES}, got {dt!r}")
+    if threads % 32 or not 32 <= threads <= 512:
+        raise ValueError(f"threads must be a multiple of 32 in [32, 512], got {threads}")
+    if unroll not in (1, 2, 4, 8):
+        raise ValueError(f"unroll must be 1, 2, 4 or 8 positions a warp step, got {unroll}")
+
+
+def get_configs() -> list[dict]:
+    return [{"threads": t, "unroll": u} for t in (128, 256) for u in (4, 2, 8)]
+
+
+def attention_decode(H: int, Hkv: int, D: int, T_len: int = 1, *, dtype: str = "bfloat16",
+                     kv_dtype: str = "bfloat16", threads: int = 128, unroll: int = 4):
+    """Attention of T_len new tokens per row over its cache (see the module docstring)."""
+    check_attention(H, Hkv, D, T_len, dtype, kv_dtype, threads, unroll)
+    T = _tl()
+    B = T.dynamic("batch")
+    NS = T.dynamic("num_slots")
+    ML = T.dynamic("max_len")
+    S = T.dynamic("splits")
+    WB = T.dynamic("work_rows")
+    G = H // Hkv
+    Tn, E, U, NW = T_len, D // 32, unroll, threads // 32
+    QB = query_block(G, Tn, D)
+    NQB = G * Tn // QB
+    TH = Tn * H
+    EPI = math.ceil(QB * D / threads)  # epilogue elements per thread
+
+    @T.macro
+    def warp_sum(x):
+        for k in T.unroll(5):
+            x[0] = x[0] + T.shfl_xor(x[0], 16 >> k)
+
+    @T.prim_func
+    def attention_decode_kernel(
+        q: T.Tensor((B, Tn, H, D), dtype),
+        k_cache: T.Tensor((NS, ML, Hkv, D), kv_dtype),
+        v_cache: T.Tensor((NS, ML, Hkv, D), kv_dtype),
+        slots: T.Tensor((B,), "int32"),
+        cached: T.Tensor((B,), "int32"),
+        part: T.Tensor((WB, S, TH, D), F32),
+        stats: T.Tensor((WB, S, TH, 2), F32),
+        out: T.Tensor((B, Tn, H, D), dtype),
+        scale: T.float32,
+    ):
+        with T.Kernel(S, Hkv * NQB, B, threads=threads) as (bs, bh, bb):
+            tx = T.get_thread_binding()
+            Ms = T.alloc_shared((NW, QB), F32)
+            Ls = T.alloc_shared((NW, QB), F32)
+            As = T.alloc_shared((NW, QB, D), F32)
+            qr = T.alloc_local((QB * E,), F32)
+            acc = T.alloc_local((QB * E,), F32)
+            m = T.alloc_local((QB,), F32)
+            lsum = T.alloc_local((QB,), F32)
+            kr = T.alloc_local((U * E,), kv_dtype)
+            vr = T.alloc_local((U * E,), kv_dtype)
+            sc = T.alloc_local((U * QB,), F32)
+            red = T.alloc_local((1,), F32)
+            mx = T.alloc_local((1,), F32)
+            qb8 = T.alloc_local((E,), dtype)
+            iv = T.alloc_local((4,), "int32")  # n, chunk, start, end: computed once (each is an index expression)
+            w = tx // 32
+            lane = tx % 32
+            hk = bh // NQB
+            r0 = (bh % NQB) * QB
+            slot = slots[bb]
+            if slot >= 0:
+                iv[0] = cached[bb] + Tn
+                iv[1] = (iv[0] + S - 1) // S
+                iv[2] = bs * iv[1]
+                iv[3] = T.min(iv[0], iv[2] + iv[1])
+                n, chunk, start, end = iv[0], iv[1], iv[2], iv[3]
+                for r in T.unroll(QB):
+                    t = (r0 + r) // G
+                    for e in T.vectorized(E):
+                        qb8[e] = q[bb, t, hk * G + (r0 + r) % G, lane * E + e]
+                    for e in T.unroll(E):
+                        qr[r * E + e] = T.cast(qb8[e], F32) * scale * LOG2E
+                        acc[r * E + e] = 0.0
+                    m[r] = NEG
+                    lsum[r] = 0.0
+                for it in T.serial(T.ceildiv(chunk, NW * U)):
+                    p0 = start + (it * NW + w) * U
+                    for u in T.unroll(U):
+                        pc = T.min(p0 + u, n - 1)  # a valid position; weighted 0 past the split
+                        for e in T.vectorized(E):
+                            kr[u * E + e] = k_cache[slot, pc, hk, lane * E + e]
+                        for e in T.vectorized(E):
+                            vr[u * E + e] = v_cache[slot, pc, hk, lane * E + e]
+                    for u in T.unroll(U):
+                        for r in T.unroll(QB):
+                            red[0] = 0.0
+                            for e in T.unroll(E):
+                                red[0] = red[0] + qr[r * E + e] * T.cast(kr[u * E + e], F32)
+                            warp_sum(red)
+                            # visible: inside the split and not after this query's token
+                            sc[u * QB + r] = T.if_then_else(
+                                (p0 + u < end) & (p0 + u <= n - Tn + (r0 + r) // G), red[0], NEG)
+                    for r in T.unroll(QB):
+                        mx[0] = m[r]
+                        for u in T.unroll(U):
+                            mx[0] = T.max(mx[0], sc[u * QB + r])
+                        red[0] = T.exp2(m[r] - mx[0])
+                        m[r] = mx[0]
+                        lsum[r] = lsum[r] * red[0]
+                        for e in T.unroll(E):
+                            acc[r * E + e] = acc[r * E + e] * red[0]
+                        for u in T.unroll(U):
+                            # a masked score (NEG) weighs 0 unless nothing was visible yet (then m is NEG
+                            # too and the accumulator, 0 times v, stays 0 until a visible position rescales it)
+                            sc[u * QB + r] = T.if_then_else(sc[u * QB + r] > NEG, T.exp2(sc[u * QB + r] - mx[0]), 0.0)
+                            lsum[r] = lsum[r] + sc[u * QB + r]
+                            for e in T.unroll(E):
+                                acc[r * E + e] = acc[r * E + e] + sc[u * QB + r] * T.cast(vr[u * E + e], F32)
+                for r in T.unroll(QB):
+                    for e in T.vectorized(E):
+                        As[w, r, lane * E + e] = acc[r * E + e]
+                if lane == 0:
+                    for r in T.unroll(QB):
+                        Ms[w, r] = m[r]
+                        Ls[w, r] = lsum[r]
+            T.sync_threads()
+            for i in T.unroll(EPI):
+                idx = i * threads + tx
+                if idx < QB * D:
+                    r = idx // D
+                    d = idx % D
+                    t = (r0 + r) // G
+                    h = hk * G + (r0 + r) % G
+                    if slot >= 0:
+                        mx[0] = NEG
+                        for ww in T.unroll(NW):
+                            mx[0] = T.max(mx[0], Ms[ww, r])
+                        red[0] = 0.0
+                        lsum[0] = 0.0
+                        for ww in T.unroll(NW):
+                            lsum[0] = lsum[0] + Ls[ww, r] * T.exp2(Ms[ww, r] - mx[0])
+                            red[0] = red[0] + As[ww, r, d] * T.exp2(Ms[ww, r] - mx[0])
+                        if S == 1:
+                            out[bb, t, h, d] = T.cast(red[0] / lsum[0], dtype)
+                        else:
+                            part[bb, bs, t * H + h, d] = red[0]
+                            if d == 0:
+                                stats[bb, bs, t * H + h, 0] = mx[0]
+                                stats[bb, bs, t * H + h, 1] = lsum[0]
+                    elif S == 1:
+                        out[bb, t, h, d] = T.cast(0.0, dtype)
+
+    return attention_decode_kernel
+
+
+def attention_combine(H: int, D: int, T_len: int = 1, *, dtype: str = "bfloat16", threads: int = 128):
+    """out = the S splits' partials merged: sum_s 2^(M_s - M) A_s / sum_s 2^(M_s - M) L_s (zeros for padding)."""
+    if T_len < 1 or T_len > MAX_TOKENS or H < 1 or D < 1:
+        raise ValueError(f"need H >= 1, D >= 1 and 1 <= T <= {MAX_TOKENS}, got H={H}, D={D}, T={T_len}")
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype must be one of {DTYPES}, got {dtype!r}")
+    if threads % 32 or not 32 <= threads <= 1024:
+        raise ValueError(f"threads must be a multiple of 32 in [32, 1024], got {threads}")
+    T = _tl()
+    B = T.dynamic("batch")
+    S = T.dynamic("splits")
+    Tn = T_len
+    TH = Tn * H
+
+    @T.prim_func
+    def attention_combine_kernel(
+        part: T.Tensor((B, S, TH, D), F32),
+        stats: T.Tensor((B, S, TH, 2), F32),
+        slots: T.Tensor((B,), "int32"),
+        out: T.Tensor((B, Tn, H, D), dtype),
+    ):
+        with T.Kernel(T.ceildiv(TH * D, threads), B, threads=threads) as (bx, bb):
+            tx = T.get_thread_binding()
+            mx = T.alloc_local((1,), F32)
+            num = T.alloc_local((1,), F32)
+            den = T.alloc_local((1,), F32)
+            idx = bx * threads + tx
+            rr = idx // D
+            d = idx % D
+            if idx < TH * D:
+                if slots[bb] >= 0:
+                    mx[0] = NEG
+                    for s in T.serial(S):
+                        mx[0] = T.max(mx[0], stats[bb, s, rr, 0])
+                    num[0] = 0.0
+                    den[0] = 0.0
+                    for s in T.serial(S):
+                        num[0] = num[0] + part[bb, s, rr, d] * T.exp2(stats[bb, s, rr, 0] - mx[0])
+                        den[0] = den[0] + stats[bb, s, rr, 1] * T.exp2(stats[bb, s, rr, 0] - mx[0])
+                    out[bb, rr // H, rr % H, d] = T.cast(num[0] / den[0], dtype)
+                else:
+                    out[bb, rr // H, rr % H, d] = T.cast(0.0, dtype)
+
+    return attention_combine_kernel
