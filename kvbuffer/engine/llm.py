@@ -84,6 +84,7 @@ class GenerationStats:
     peak_batch: int = 0  # most requests decoded together
     step_seconds: list[float] = field(default_factory=list, repr=False)  # each decode step's wall time
     step_tokens: list[int] = field(default_factory=list, repr=False)  # and the tokens it emitted
+    step_rows: list[int] = field(default_factory=list, repr=False)  # and the requests it fed
 
     @property
     def tokens_per_second(self) -> float:
@@ -405,7 +406,7 @@ class LLM:
                 logits = self.runner.decode(running)
                 tokens = sample_rows(logits, [r.params for r in running], [self._gens[r.rid] for r in running])
                 for req, row, token in zip(running, logits, tokens):
-                    self._emit(req, token, row, events)
+                    self._emit(req, token, row if req.wants_logits else None, events)
         if stats is None:
             return
         took = time.perf_counter() - t0  # reading the tokens back synchronised the device
@@ -415,6 +416,7 @@ class LLM:
         stats.decode_tokens += emitted
         stats.step_seconds.append(took)
         stats.step_tokens.append(emitted)
+        stats.step_rows.append(len(running))
         stats.peak_batch = max(stats.peak_batch, len(running))
 
     def _overlapped_step(self, running, events):
@@ -476,7 +478,7 @@ class LLM:
             following.append(ds[:m] + [nxt])
             for i, token in enumerate(ds[:m] + [nxt]):
                 if req.finish_reason is None:
-                    self._emit(req, token, row[i], events)
+                    self._emit(req, token, row[i] if req.wants_logits else None, events)
             self.spec_stats["accepted"] += m
             self.spec_stats["emitted"] += m + 1
         self.spec_stats["request_steps"] += len(running)
@@ -492,6 +494,7 @@ class LLM:
                 "tokens_per_step": st["emitted"] / st["request_steps"] if st["request_steps"] else 0.0}
 
     def _emit(self, req, token, logits, events):
+        """Append a sampled token; `logits` (its row) is read only when req.wants_logits, else may be None."""
         req.output.append(token)
         if req.keep_logits:
             req.logits.append(logits.detach().float().cpu())

@@ -33,7 +33,7 @@ class InflightStep:
 def overlappable(req: Request) -> bool:
     """Whether the device alone can pick this request's next token: greedy, and neither logits nor
     log-probabilities kept on the host."""
-    return req.params.temperature == 0.0 and not req.params.logprobs and not req.keep_logits
+    return req.params.temperature == 0.0 and not req.wants_logits
 
 
 def ends_at_length(req: Request, outputs: int, max_len: int) -> bool:

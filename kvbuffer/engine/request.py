@@ -26,6 +26,11 @@ class Request:
         return self.prompt + self.output
 
     @property
+    def wants_logits(self) -> bool:
+        """Whether emitting a token needs its logits on the host (kept, or for its log-probability)."""
+        return self.keep_logits or self.params.logprobs
+
+    @property
     def pending(self) -> list[int]:
         """Tokens not yet fed to the model: the prompt at first, then the last sampled token."""
         return self.context[self.cached:]

@@ -50,3 +50,13 @@ def test_kernel_classes():
     assert e2e.kernel_class("pytorch_flash::flash_fwd_kernel") == "attention"
     assert e2e.kernel_class("gdn_buffered_kernel") == "state"
     assert e2e.kernel_class("triton_red_fused_add_rms_norm_0") == "other"
+
+
+def test_steady_rate_counts_the_full_batch_steps_only():
+    """A run's last speculative steps feed fewer requests (they end at different steps): the steady
+    rate leaves them out, as it leaves out the first (capturing) step; all_steps_rate keeps them."""
+    from kvbuffer.engine.llm import GenerationStats
+
+    st = GenerationStats(peak_batch=4, step_seconds=[9.0, 1.0, 1.0, 1.0, 1.0], step_tokens=[4, 12, 8, 2, 1],
+                         step_rows=[4, 4, 4, 2, 1])
+    assert e2e.steady_rate(st) == 10.0 and e2e.all_steps_rate(st) == 23 / 4
