@@ -5,7 +5,9 @@ K, V (kvbuffer.pools.LinearLayerShape's generic form; Mamba-2: Hk = n_groups, Hv
 K = ssm_state_size, V = head_dim) and dtype (activations and buffer entries).
 
 The short conv in front of those layers has a shape of its own (family 'conv1d', see conv_shape):
-its channels are q, k, v (GDN) or x, B, C (Mamba-2), 2 * Hk * K + Hv * V in both families.
+its channels are q, k, v (GDN) or x, B, C (Mamba-2), 2 * Hk * K + Hv * V in both families. The
+model's softmax-attention layers have theirs (family 'attention', see config_attention_shape): query
+and KV heads, head dim, and the dtypes of the activations and the KV cache.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import json
 from pathlib import Path
 
 from kvbuffer import presets
+from kvbuffer.kernels.keys import attention_shape
 from kvbuffer.tuning import make_conv_shape, make_shape
 
 DEFAULT_DTYPE = "bfloat16"
@@ -81,3 +84,25 @@ def checkpoint_conv_shape(path: str | Path, shape: dict) -> dict:
     width = text.get("linear_conv_kernel_dim") or text.get("conv_kernel") or text.get("mamba_d_conv")
     bias = text.get("use_conv_bias", text.get("mamba_conv_bias")) if shape["family"] == "mamba2" else None
     return conv_shape(shape, width, None if bias is None else bool(bias))
+
+
+def config_attention_shape(cfg: dict, dtype: str | None = None) -> dict | None:
+    """The attention layers' shape a transformers-style config declares (None: no attention layers).
+    The KV cache holds the activations' dtype (kvbuffer.runtime.caches)."""
+    text = cfg.get("text_config") or cfg
+    heads, kv_heads = text.get("num_attention_heads"), text.get("num_key_value_heads")
+    has_attention = "full_attention" in text.get("layer_types", ()) or "*" in text.get("hybrid_override_pattern", "")
+    if not (has_attention and heads and kv_heads):
+        return None
+    dtype = dtype or text.get("dtype") or text.get("torch_dtype") or cfg.get("torch_dtype") or DEFAULT_DTYPE
+    head_dim = text.get("head_dim") or text["hidden_size"] // heads
+    return attention_shape(heads, kv_heads, head_dim, dtype, dtype)
+
+
+def preset_attention_shape(name: str, dtype: str = DEFAULT_DTYPE) -> dict | None:
+    return config_attention_shape(presets.get(name.lower()).hf_config(), dtype)
+
+
+def checkpoint_attention_shape(path: str | Path, dtype: str | None = None) -> dict | None:
+    path = Path(path)
+    return config_attention_shape(json.loads((path / "config.json" if path.is_dir() else path).read_text()), dtype)

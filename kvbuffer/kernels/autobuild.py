@@ -12,6 +12,10 @@ kernels an engine launches are not in the artifact cache and JIT is off:
   fastest tunables for them.
 - otherwise: nothing is built, and the reason is one line naming the command that builds them.
 
+Decode attention's kernels are built the same way on their first use (`ensure_attention_kernels`,
+called by the kernel Backend when the attention layers first run): the engine's caches do not name
+the query heads, the calls do.
+
 KVBUFFER_BUILD_KERNELS=0 turns the build off (a server that must not compile at start-up).
 
 `nvcc_problem` is also the hint `kvbuffer tune` and `kvbuffer env` give on a machine without nvcc.
@@ -104,6 +108,39 @@ def ensure_kernels(key: KernelKey, conv_dtype: str) -> str | None:
     if problem is not None:
         return f"no compiled kernels for this model on {gpu.name}; {problem}; then `{command}` builds them"
     build(key, conv_dtype, gpu, command)
+    return None
+
+
+def ensure_attention_kernels(key: KernelKey, stream=None) -> str | None:
+    """Build the attention shape of `key` (a decode kernel's) for the local GPU: the decode step and
+    its combine, and for T > 1 the verify pair of T - 1 drafts, untuned. None once built, else one
+    line saying why not and what to run."""
+    from ..gpus import detect_local_gpu
+
+    gpu = detect_local_gpu()
+    if gpu is None:
+        return "no CUDA GPU here to build kernels for"
+    command = tune_command(key, gpu.name)
+    if not enabled():
+        return f"no compiled attention kernels on {gpu.name} ({SWITCH}=0); build them with `{command}`"
+    problem = build_problem()
+    if problem is not None:
+        return f"no compiled attention kernels on {gpu.name}; {problem}; then `{command}` builds them"
+    from ..autotune import tuner
+    from ..autotune.cache import ArtifactCache
+    from ..autotune.progress import KernelProgress
+    from ..autotune.registry import templates
+
+    stream = stream or sys.stderr
+    drafts = key.layouts()[0][1]
+    req = tuner.TuneRequest(gpu, key.record_shapes()[0], (1,), tuner.BATCH_BUCKETS, (0, drafts) if drafts else (0,))
+    tpls = templates("attention")
+    cache = ArtifactCache()
+    total = len(tuner.plan(tpls, req.chunk_sizes, req.draft_tokens))
+    stream.write(f"kvbuffer: building the {total} attention kernels this model needs for the {gpu.name} once, "
+                 f"with untuned defaults, into {cache.root}; `{command}` measures the fastest\n")
+    with KernelProgress(total, stream) as bar:
+        tuner.build_untuned(cache, req, tpls, progress=bar.done, on_start=bar.start)
     return None
 
 

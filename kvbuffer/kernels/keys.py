@@ -1,9 +1,10 @@
 """What one compiled kernel is specialised for (`KernelKey`), and what that key means to the cache.
 
-One key type serves every family: Gated DeltaNet ("gdn"), Mamba-2 ("mamba2") and the short conv
-("conv1d"). Its `op` names the kernel within the family; its `dims` carry the family's own
-dimension names (GDN's Hk, Hv, K, V; Mamba-2's G, H, N, P; the conv's D, W, span). Batch and pool
-sizes are dynamic, so they are not part of a key. From a key follow: the `kvbuffer tune` template
+One key type serves every family: Gated DeltaNet ("gdn"), Mamba-2 ("mamba2"), the short conv
+("conv1d") and decode attention over the KV cache ("attention"). Its `op` names the kernel within
+the family; its `dims` carry the family's own dimension names (GDN's Hk, Hv, K, V; Mamba-2's G, H,
+N, P; the conv's D, W, span; attention's H, Hkv, D). Batch, pool and cache sizes are dynamic, so
+they are not part of a key. From a key follow: the `kvbuffer tune` template
 that builds it, the tuning record shapes it is stored under, the buffer layouts it fits, and the
 command that builds it. PREFILL_CHUNKS, the prompt-chunk lengths the engine feeds the kernels and
 `kvbuffer tune` builds, is written here once.
@@ -22,6 +23,8 @@ PREFILL_CHUNKS = (8, 4, 2)  # multi-token prompt chunks (flush fused at C); a pr
 LINEAR_OPS = ("recurrent", "buffered", "flush")
 CONV_OPS = ("advance", "verify", "accept")
 CONV_UPDATE_KINDS = {"advance": "conv_advance", "verify": "conv_verify"}  # CompiledOp.kind per conv mode
+ATTENTION_OPS = ("decode", "combine")  # the per-split pass over the cache, and the merge of the splits
+ATTENTION_MAX_TOKENS = 8  # new tokens per row the attention kernels take (tiles.attention.MAX_TOKENS)
 DTYPE_NAMES = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}
 
 
@@ -77,19 +80,33 @@ class ConvDims:
     span: int  # pool positions per channel, W - 1 + max drafts
 
 
-Dims = Union[GDNDims, Mamba2Dims, ConvDims]
-_DIMS = {"gdn": GDNDims, "mamba2": Mamba2Dims, "conv1d": ConvDims}
+@dataclass(frozen=True)
+class AttnDims:
+    H: int    # query heads
+    Hkv: int  # key / value heads (H // Hkv query heads share one)
+    D: int    # head dim
+
+
+def attention_shape(H: int, Hkv: int, D: int, dtype: str, kv_dtype: str) -> dict:
+    """The tuning record shape of the attention kernels: heads, activations' and cache's dtypes."""
+    return {"family": "attention", "H": int(H), "Hkv": int(Hkv), "D": int(D), "dtype": dtype, "kv_dtype": kv_dtype}
+
+
+Dims = Union[GDNDims, Mamba2Dims, ConvDims, AttnDims]
+_DIMS = {"gdn": GDNDims, "mamba2": Mamba2Dims, "conv1d": ConvDims, "attention": AttnDims}
+_OPS = {"gdn": LINEAR_OPS, "mamba2": LINEAR_OPS, "conv1d": CONV_OPS, "attention": ATTENTION_OPS}
 
 
 @dataclass(frozen=True)
 class KernelKey:
     """One compiled kernel's specialisation.
 
-    family: "gdn" | "mamba2" | "conv1d". op: "recurrent" | "buffered" | "flush" (linear families),
-    "advance" | "verify" | "accept" (conv1d). in_dtype: activations (conv: x and the pool; "" for a
-    linear flush). buf_dtype: buffer entries ("" for the recurrent step and the conv). w_dtype: the
-    conv's weight and bias ("" otherwise). cap: buffer entries per slot. T: tokens per row (conv
-    advance: 0 = any count). C: flush_at (0: no fused flush).
+    family: "gdn" | "mamba2" | "conv1d" | "attention". op: "recurrent" | "buffered" | "flush" (linear
+    families), "advance" | "verify" | "accept" (conv1d), "decode" | "combine" (attention). in_dtype:
+    activations (conv: x and the pool; attention: q and the output; "" for a linear flush).
+    buf_dtype: buffer entries (attention: the KV cache; "" for the recurrent step and the conv).
+    w_dtype: the conv's weight and bias ("" otherwise). cap: buffer entries per slot. T: tokens per
+    row (conv advance: 0 = any count). C: flush_at (0: no fused flush).
     """
 
     family: str
@@ -111,7 +128,7 @@ class KernelKey:
         if not isinstance(self.dims, _DIMS[self.family]):
             raise TypeError(f"dims of a {self.family} key must be {_DIMS[self.family].__name__}, "
                             f"got {type(self.dims).__name__}")
-        ops = CONV_OPS if self.family == "conv1d" else LINEAR_OPS
+        ops = _OPS[self.family]
         if self.op not in ops:
             raise ValueError(f"op of a {self.family} key must be one of {ops}, got {self.op!r}")
 
@@ -124,6 +141,9 @@ class KernelKey:
     def record_shapes(self) -> list[dict]:
         """The tuning record shapes that can hold this kernel: the conv accept reads no weights, so
         it is found in a record of any weight dtype and bias."""
+        if self.family == "attention":
+            d = self.dims
+            return [attention_shape(d.H, d.Hkv, d.D, self.in_dtype, self.buf_dtype)]
         if self.family != "conv1d":
             return [{"family": self.family, **self.dims.record_fields(), "dtype": self.dtype}]  # make_shape's form
         D, W = self.dims.D, self.dims.W
@@ -138,8 +158,10 @@ class KernelKey:
         The decode step and prefill chunks name C (flush_at), so drafts = cap - C - 1; a verify (no
         flush) is fed drafts + 1 = T tokens, so drafts = T - 1 and C = cap - T; a flush fits every
         split of its capacity (the first one built is used). Conv kernels serve every C: their
-        layout is the drafts their span makes room for.
+        layout is the drafts their span makes room for; attention's, the drafts its T - 1 are.
         """
+        if self.family == "attention":
+            return [(None, self.T - 1)]
         if self.family == "conv1d":
             return [(None, self.dims.span - self.dims.W)]
         if self.op == "recurrent":
@@ -158,7 +180,12 @@ class KernelKey:
         PREFILL_CHUNKS prompt chunks (flush fused at C), the verify of T drafts plus the last token
         and the flush, all without z and with activations and entries of one dtype. conv1d: with
         SiLU, the step, the any-length prompt, the verify of all T drafts + 1 and the accept.
+        attention: the decode step (T = 1) and the verify of T - 1 drafts + 1, each with its combine.
         """
+        if self.family == "attention":
+            if not 1 <= self.T <= ATTENTION_MAX_TOKENS:
+                return None
+            return f"attention_{self.op}" + ("_verify" if self.T > 1 else "")
         if self.family == "conv1d":
             return self._conv_template()
         if self.has_z or (self.op == "buffered" and self.in_dtype != self.buf_dtype) or not self.layouts():
@@ -185,7 +212,7 @@ class KernelKey:
 
     def tune_command(self) -> str:
         """The `kvbuffer tune` command that builds this kernel (`<gpu>` left for the caller)."""
-        if self.family == "conv1d":
+        if self.family in ("conv1d", "attention"):
             drafts = self.layouts()[0][1]
             return "kvbuffer tune --gpu <gpu> --model <model>" + (f" --draft-tokens {drafts}" if drafts > 0 else "")
         layouts = self.layouts()
@@ -200,6 +227,8 @@ class KernelKey:
     # -- what its launcher validates -------------------------------------------------------------
     def compiled_kind(self) -> str:
         """The CompiledOp.kind the launchers expect for this kernel."""
+        if self.family == "attention":
+            return f"attention_{self.op}"
         if self.family != "conv1d":
             return self.op
         return CONV_UPDATE_KINDS.get(self.op, "conv_accept")
@@ -207,6 +236,9 @@ class KernelKey:
     def launch_params(self, tunables: dict) -> dict:
         """The compile-time parameters kvbuffer.kernels' launchers validate against."""
         d = self.dims
+        if self.family == "attention":
+            p = dict(tunables, H=d.H, D=d.D, T_len=self.T, dtype=self.in_dtype, T=self.T)
+            return p if self.op == "combine" else dict(p, Hkv=d.Hkv, kv_dtype=self.buf_dtype)
         if self.family == "conv1d":
             if self.op == "accept":
                 return dict(tunables, D=d.D, W=d.W, span=d.span, dtype=self.in_dtype)

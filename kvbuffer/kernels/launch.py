@@ -2,7 +2,7 @@
 
 Each function here takes the custom op's arguments (kvbuffer.kernels.torch_ops registers them as
 the ops' CUDA implementations) plus `checked`: True runs the validating launcher of
-kvbuffer.kernels.gdn / .mamba2 / .conv first; False launches directly, skipping the checks that
+kvbuffer.kernels.gdn / .mamba2 / .conv / .attention first; False launches directly, skipping the checks that
 read the device back (slot ranges, duplicate slots, buffer room, the fill rules), which stall the
 launch queue. Callers that built the slots and lengths themselves (the engine's kernel Backend)
 pass False; shapes, dtypes and contiguity are still checked by the compiled kernels' entry. A
@@ -16,8 +16,9 @@ import functools
 import torch
 
 from ..errors import DTypeError
+from . import attention as attn
 from . import conv, gdn, mamba2
-from .keys import ConvDims, GDNDims, KernelKey, Mamba2Dims, check_conv_mode, dtype_name
+from .keys import AttnDims, ConvDims, GDNDims, KernelKey, Mamba2Dims, check_conv_mode, dtype_name
 from .lookup import kernel_for
 
 
@@ -172,12 +173,39 @@ def conv1d_accept(conv_state, slots, accepted, width, *, checked=True) -> None:
     _on_torch_stream(conv.conv1d_accept, op, conv_state, slots, accepted, checked=checked and not capturing())
 
 
+# ----------------------------------------------------------------------------------------------
+# decode attention over the KV cache
+
+
+def attention_key(op: str, q, k_cache) -> KernelKey:
+    """The kernel an attention_decode call needs: op "decode" (the pass over the cache) or "combine"."""
+    B, T, H, D = q.shape
+    return KernelKey("attention", op, AttnDims(H, k_cache.shape[2], D), dtype_name(q), dtype_name(k_cache), T=T)
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count(device: int) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def attention_decode(q, k_cache, v_cache, slots, cached, scale, context_len=0, *, checked=True):
+    """Attention of q's T new tokens over each row's cache, read in place; context_len (0: the cache's
+    max_len) bounds the rows' positions on the host and sets the split count."""
+    B = q.shape[0]
+    op = kernel_for(attention_key("decode", q, k_cache), B)
+    device = q.device.index if q.device.index is not None else torch.cuda.current_device()
+    splits = attn.splits_for(attn.decode_blocks(op, B), context_len or k_cache.shape[1], _sm_count(device))
+    combine = kernel_for(attention_key("combine", q, k_cache), B) if splits > 1 else None
+    return _on_torch_stream(attn.attention_decode, op, combine, q, k_cache, v_cache, slots, cached, scale,
+                            splits=splits, checked=checked and not capturing())
+
+
 CUDA_LAUNCHES = {
     "gdn_recurrent_step": gdn_recurrent_step, "gdn_buffered_step": gdn_buffered_step, "gdn_verify": gdn_verify,
     "gdn_flush": functools.partial(flush, "gdn"),
     "mamba2_recurrent_step": mamba2_recurrent_step, "mamba2_buffered_step": mamba2_buffered_step,
     "mamba2_verify": mamba2_verify, "mamba2_flush": functools.partial(flush, "mamba2"),
-    "conv1d_update": conv1d_update, "conv1d_accept": conv1d_accept,
+    "conv1d_update": conv1d_update, "conv1d_accept": conv1d_accept, "attention_decode": attention_decode,
 }  # op name -> the CUDA implementation of torch.ops.kvbuffer.<name>
 
 

@@ -1,6 +1,6 @@
 """Find the compiled kernel for a KernelKey: the artifact cache, else a JIT compile, else an error.
 
-One lookup and one in-process cache for every family (GDN, Mamba-2, conv1d):
+One lookup and one in-process cache for every family (GDN, Mamba-2, conv1d, attention):
 
 1. the artifact cache (kvbuffer.artifacts; built by `kvbuffer tune`; nothing is compiled), else
 2. a JIT compile with TileLang for the local GPU (kvbuffer.kernels' `build_*`), only when allowed:
@@ -84,7 +84,8 @@ def _from_artifacts(key: KernelKey, batch: int) -> CompiledOp:
     if template is None:
         raise ArtifactError(f"`kvbuffer tune` builds no {key.op} kernel for {key} (it builds the recurrent step and, for "
                             "buffers of C + T + 1 entries, decode steps, prefill chunks, verifies of T + 1 tokens "
-                            "and flushes; for the conv, the SiLU step, prompt, verify and accept)")
+                            "and flushes; for the conv, the SiLU step, prompt, verify and accept; for attention, "
+                            "1 .. 8 new tokens per row)")
     errors = []
     for shape in key.record_shapes():
         try:
@@ -148,8 +149,13 @@ def jit_tunables(key: KernelKey) -> dict:
 
 def jit(key: KernelKey) -> CompiledOp:
     """Compile the kernel for `key` with TileLang for the local GPU (imports the compile side)."""
-    from . import conv, gdn, mamba2
+    from . import attention, conv, gdn, mamba2
 
+    if key.family == "attention":
+        d = key.dims
+        if key.op == "combine":
+            return attention.build_attention_combine(d.H, d.D, key.T, dtype=key.in_dtype)
+        return attention.build_attention_decode(d.H, d.Hkv, d.D, key.T, dtype=key.in_dtype, kv_dtype=key.buf_dtype)
     if key.family == "conv1d":
         d = key.dims
         if key.op == "accept":

@@ -9,6 +9,7 @@
     torch.ops.kvbuffer.mamba2_buffered_step / mamba2_verify / mamba2_flush   (the same pattern)
     torch.ops.kvbuffer.conv1d_update(x, conv_state, slots, weight, bias=None, kind="advance", silu=True) -> out
     torch.ops.kvbuffer.conv1d_accept(conv_state, slots, accepted, width)
+    torch.ops.kvbuffer.attention_decode(q, k_cache, v_cache, slots, cached, scale, context_len=0) -> out
 
 Semantics, shapes and slot rules are kvbuffer.reference's (gdn / mamba2 / core / conv); `flush_at`
 = C > 0 folds a row whose buffer reaches C entries with these tokens into its state in the same
@@ -16,7 +17,10 @@ call (the caller resets its length), 0 = no fused flush. Declared mutations: `st
 buffer tensors (entries are written at lengths[b] ..; lengths are never changed); `conv_state`.
 conv1d_update's `kind` is the conv mode (torch's auto-functionalization reserves the name `mode`):
 "advance" makes the last W - 1 inputs the history, "verify" stores the T drafts as pending;
-conv1d_accept keeps the first accepted[b] drafts of each row.
+conv1d_accept keeps the first accepted[b] drafts of each row. attention_decode reads the KV cache
+(its T new tokens already written) and mutates nothing; context_len bounds the rows' positions on
+the host (0: the cache's max_len) and only sets how the CUDA kernel splits them
+(kvbuffer.kernels.attention).
 
 CPU: the pure-torch reference (with its checks). CUDA: kvbuffer.kernels.launch, which looks the
 compiled kernel up (kvbuffer.kernels.lookup: artifact, else JIT when allowed, else ArtifactError)
@@ -42,6 +46,7 @@ from ..reference import core as ref_core
 from ..reference import gdn as ref_gdn
 from ..reference import mamba2 as ref_mamba2
 from . import launch
+from .attention import attention_batch_checks, attention_reference
 from .keys import CONV_UPDATE_KINDS
 
 
@@ -154,6 +159,8 @@ def _meta_checks(name: str, args: dict) -> None:
     empty memory for it would be a silently wrong result.
     """
     check_same_device(args)
+    if name == "attention_decode":
+        return attention_batch_checks(args["q"], args["k_cache"], args["v_cache"], args["slots"], args["cached"])
     if name.startswith("conv1d"):
         return _conv_meta_checks(name, args)
     state = args["state"]
@@ -228,6 +235,16 @@ def conv1d_accept(conv_state: torch.Tensor, slots: torch.Tensor, accepted: torch
     ref_conv.conv_accept(conv_state, slots, accepted, width)
 
 
+@torch.library.custom_op("kvbuffer::attention_decode", mutates_args=(), device_types="cpu")
+def attention_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor,
+                     cached: torch.Tensor, scale: float, context_len: int = 0) -> torch.Tensor:
+    """kernels.attention.attention_reference: q (B, T, H, D) over each row's cache positions
+    0 .. cached[b] + t -> (B, T, H, D); slot -1 rows give zeros."""
+    _meta_checks("attention_decode", dict(q=q, k_cache=k_cache, v_cache=v_cache, slots=slots, cached=cached))
+    check_slots("slots", slots, q.shape[0], k_cache.shape[0], k_cache.device)
+    return attention_reference(q, k_cache, v_cache, slots, cached, scale).contiguous()
+
+
 # ----------------------------------------------------------------------------------------------
 # CUDA: the kernel layer's launches (validated; direct under CUDA-graph capture)
 
@@ -235,11 +252,11 @@ _BY_NAME = {
     "gdn_recurrent_step": gdn_recurrent_step, "gdn_buffered_step": gdn_buffered_step, "gdn_verify": gdn_verify,
     "gdn_flush": gdn_flush, "mamba2_recurrent_step": mamba2_recurrent_step,
     "mamba2_buffered_step": mamba2_buffered_step, "mamba2_verify": mamba2_verify, "mamba2_flush": mamba2_flush,
-    "conv1d_update": conv1d_update, "conv1d_accept": conv1d_accept,
+    "conv1d_update": conv1d_update, "conv1d_accept": conv1d_accept, "attention_decode": attention_decode,
 }
 OPS = tuple(_BY_NAME)
 _OUTPUTS = {name: ("x" if name.startswith("mamba2") else "v") for name in OPS}
-_OUTPUTS.update(gdn_flush=None, mamba2_flush=None, conv1d_update="x", conv1d_accept=None)
+_OUTPUTS.update(gdn_flush=None, mamba2_flush=None, conv1d_update="x", conv1d_accept=None, attention_decode="q")
 _PARAMS = {name: tuple(inspect.signature(op._init_fn).parameters.values()) for name, op in _BY_NAME.items()}
 
 

@@ -75,6 +75,9 @@ def test_every_op_is_registered_with_cpu_cuda_and_fake_kernels():
         for key in ("CPU", "CUDA"):
             assert torch._C._dispatch_has_kernel_for_dispatch_key(qual, key), (name, key)
         writes = {a.name for a in packet.default._schema.arguments if a.alias_info and a.alias_info.is_write}
+        if name == "attention_decode":  # reads the KV cache in place, writes nothing
+            assert not writes, name
+            continue
         assert writes == {"conv_state"} if name.startswith("conv1d") else "state" in writes, name
         if "buffered" in name or "verify" in name:
             assert writes == {"state", "buf_k", "buf_v", "buf_g"}, name

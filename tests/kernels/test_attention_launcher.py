@@ -1,0 +1,234 @@
+"""The attention launcher and op on the CPU: typed errors naming the bad argument before anything
+launches (stand-in compiled ops record what would run), the split rule, the keys, the custom op's
+CPU implementation (the reference) and its fake."""
+
+import pytest
+import torch
+
+from kvbuffer.errors import DeviceError, DTypeError, ShapeError, SlotError
+from kvbuffer.kernels import attention as attn
+from kvbuffer.kernels import launch
+from kvbuffer.kernels.compiled import CompiledOp
+from kvbuffer.kernels.keys import AttnDims, KernelKey
+
+B, T, H, HKV, D, NS, ML = 3, 2, 8, 2, 64, 5, 40
+bf16 = torch.bfloat16
+
+
+class Recorder:
+    def __init__(self):
+        self.calls = []
+
+    def __call__(self, *args):
+        self.calls.append(args)
+
+
+def _ops(**over):
+    decode = CompiledOp(Recorder(), "attention_decode", dict(H=H, Hkv=HKV, D=D, T_len=T, T=T, dtype="bfloat16",
+                                                             kv_dtype="bfloat16", threads=128, unroll=4) | over)
+    combine = CompiledOp(Recorder(), "attention_combine", dict(H=H, D=D, T_len=T, T=T, dtype="bfloat16",
+                                                               threads=128))
+    return decode, combine
+
+
+def _args(**over):
+    g = torch.Generator().manual_seed(0)
+    a = dict(q=torch.randn(B, T, H, D, generator=g).to(bf16), k_cache=torch.randn(NS, ML, HKV, D).to(bf16),
+             v_cache=torch.randn(NS, ML, HKV, D).to(bf16), slots=torch.tensor([4, -1, 0], dtype=torch.int32),
+             cached=torch.tensor([10, 0, 38], dtype=torch.int32))
+    a.update(over)
+    return a
+
+
+@pytest.fixture
+def on_cpu(monkeypatch):
+    """Let the launcher take CPU tensors (its only device check), so the other checks run here."""
+    monkeypatch.setattr(attn, "check_on_cuda", lambda name, dev: None)
+
+
+def _call(decode, combine, a, **kw):
+    return attn.attention_decode(decode, combine, a["q"], a["k_cache"], a["v_cache"], a["slots"], a["cached"], 0.125,
+                                 **kw)
+
+
+def test_cpu_tensors_are_a_device_error_naming_q():
+    decode, combine = _ops()
+    with pytest.raises(DeviceError, match="q is on cpu"):
+        _call(decode, combine, _args())
+    assert not decode.fn.calls
+
+
+BAD = [  # (argument, replacement, error, message)
+    ("q", lambda a: a["q"].float(), DTypeError, "q must have dtype"),
+    ("q", lambda a: a["q"][:, :1], ShapeError, r"q must have shape \(\*, 2, 8, 64\)"),
+    ("k_cache", lambda a: a["k_cache"][:, :, :1], ShapeError, "k_cache must have shape"),
+    ("k_cache", lambda a: a["k_cache"].half(), DTypeError, "k_cache must have dtype"),
+    ("v_cache", lambda a: a["v_cache"][:, :20], ShapeError, "v_cache must have shape"),
+    ("k_cache", lambda a: a["k_cache"].transpose(0, 1).contiguous().transpose(0, 1), ShapeError,
+     "k_cache must be contiguous"),
+    ("slots", lambda a: a["slots"].long(), DTypeError, "slots must have dtype"),
+    ("cached", lambda a: a["cached"][:2], ShapeError, "cached must have shape"),
+    ("slots", lambda a: torch.tensor([4, -1, 5], dtype=torch.int32), SlotError, "slots holds slot 5"),
+    ("cached", lambda a: torch.tensor([10, 0, 39], dtype=torch.int32), ShapeError, "max_len=40"),
+    ("cached", lambda a: torch.tensor([-1, 0, 3], dtype=torch.int32), ShapeError, "cached"),
+]
+
+
+@pytest.mark.parametrize("name,spoil,error,match", BAD, ids=[f"{b[0]}-{b[3][:20]}" for b in BAD])
+def test_bad_inputs_raise_before_launch(on_cpu, name, spoil, error, match):
+    decode, combine = _ops()
+    a = _args()
+    a[name] = spoil(a)
+    with pytest.raises(error, match=match):
+        _call(decode, combine, a, splits=3)
+    assert not decode.fn.calls and not combine.fn.calls
+
+
+def test_unchecked_launch_skips_only_the_device_reads(on_cpu):
+    decode, combine = _ops()
+    a = _args(slots=torch.tensor([4, -1, 5], dtype=torch.int32))  # out of range: not looked at
+    _call(decode, combine, a, checked=False)
+    assert len(decode.fn.calls) == 1
+    with pytest.raises(DTypeError):
+        _call(decode, combine, _args(slots=torch.zeros(B, dtype=torch.int64)), checked=False)
+
+
+def test_splits_need_a_matching_combine(on_cpu):
+    decode, combine = _ops()
+    with pytest.raises(TypeError, match="attention_combine"):
+        _call(decode, None, _args(), splits=2)
+    other = CompiledOp(Recorder(), "attention_combine", dict(combine.params, D=128))
+    with pytest.raises(ShapeError, match="combine kernel"):
+        _call(decode, other, _args(), splits=2)
+    with pytest.raises(ValueError, match="splits"):
+        _call(decode, combine, _args(), splits=0)
+    assert not decode.fn.calls
+
+
+def test_launch_arguments_with_and_without_splits(on_cpu):
+    decode, combine = _ops()
+    a = _args()
+    out = _call(decode, combine, a)
+    (args,) = decode.fn.calls
+    assert args[5].shape == (1, 1, T * H, D) and args[6].shape == (1, 1, T * H, 2)  # an unread 1-row stand-in
+    assert args[7] is out and args[8] == 0.125 and not combine.fn.calls
+    out = _call(decode, combine, a, splits=4)
+    args = decode.fn.calls[1]
+    assert args[5].shape == (B, 4, T * H, D) and args[6].shape == (B, 4, T * H, 2)
+    (merge,) = combine.fn.calls
+    assert merge[0] is args[5] and merge[1] is args[6] and merge[3] is out
+
+
+def test_split_rule():
+    assert attn.splits_for(blocks=1024, context=4096, sm_count=132) == 1   # a full grid: one pass
+    assert attn.splits_for(blocks=4, context=4096, sm_count=132) == 66     # B = 1, Hkv = 4: ~2 blocks per SM
+    assert attn.splits_for(blocks=4, context=100, sm_count=132) == 4       # at least 32 positions a split
+    assert attn.splits_for(blocks=64, context=300, sm_count=132) == 5
+    assert attn.splits_for(blocks=4, context=1, sm_count=132) == 1
+
+
+def test_keys_name_their_templates_and_layouts():
+    dims = AttnDims(16, 4, 256)
+    step = KernelKey("attention", "decode", dims, "bfloat16", "bfloat16")
+    verify = KernelKey("attention", "combine", dims, "bfloat16", "bfloat16", T=5)
+    assert step.template() == "attention_decode" and verify.template() == "attention_combine_verify"
+    assert step.layouts() == [(None, 0)] and verify.layouts() == [(None, 4)]
+    assert KernelKey("attention", "decode", dims, "bfloat16", "bfloat16", T=9).template() is None
+    assert step.record_shapes() == [{"family": "attention", "H": 16, "Hkv": 4, "D": 256, "dtype": "bfloat16",
+                                     "kv_dtype": "bfloat16"}]
+    assert step.compiled_kind() == "attention_decode"
+    assert step.launch_params({"threads": 128})["kv_dtype"] == "bfloat16"
+    assert "--draft-tokens 4" in verify.tune_command()
+    with pytest.raises(ValueError, match="op of a attention key"):
+        KernelKey("attention", "advance", dims, "bfloat16")
+    q, kc = torch.zeros(3, 5, 16, 256, dtype=bf16), torch.zeros(2, 9, 4, 256, dtype=torch.float32)
+    assert launch.attention_key("decode", q, kc) == KernelKey("attention", "decode", dims, "bfloat16", "float32", T=5)
+
+
+def test_templates_are_registered_for_tune_and_autobuild():
+    pytest.importorskip("tilelang")
+    from kvbuffer.autotune import models, tuner
+    from kvbuffer.autotune.registry import templates
+
+    names = [t.name for t in templates("attention")]
+    assert names == ["attention_decode", "attention_combine", "attention_decode_verify", "attention_combine_verify"]
+    planned = [tuner.label(*p) for p in tuner.plan(templates("attention"), (1,), (0, 4))]
+    assert planned == ["attention_decode", "attention_combine", "attention_decode_verify drafts=4",
+                       "attention_combine_verify drafts=4"]
+    assert models.preset_attention_shape("qwen3.5-9b") == {"family": "attention", "H": 16, "Hkv": 4, "D": 256,
+                                                          "dtype": "bfloat16", "kv_dtype": "bfloat16"}
+    assert models.preset_attention_shape("nemotron-3-nano")["D"] == 128
+
+
+def test_split_partials_merge_to_the_reference():
+    """The tuner's expected partials (what the decode pass writes per split) merge to the reference."""
+    from kvbuffer.autotune.attention_templates import _combine_reference, split_partials
+
+    a = _args(slots=torch.tensor([4, 1, 0], dtype=torch.int32))
+    q = a["q"].double()
+    part, stats = split_partials(q, a["k_cache"], a["v_cache"], a["slots"], a["cached"], 0.125, 3)
+    merged = _combine_reference(None, 0, [part, stats, a["slots"], torch.zeros(B, T, H, D, dtype=torch.float64)])[3]
+    want = attn.attention_reference(q, a["k_cache"].double(), a["v_cache"].double(), a["slots"], a["cached"], 0.125)
+    torch.testing.assert_close(merged, want)
+
+
+# ----------------------------------------------------------------------------------------------
+# torch.ops.kvbuffer.attention_decode on the CPU: the reference, and its checks
+
+
+def test_op_cpu_is_the_reference_and_padding_rows_are_zero():
+    a = _args()
+    out = torch.ops.kvbuffer.attention_decode(a["q"], a["k_cache"], a["v_cache"], a["slots"], a["cached"], 0.125)
+    want = attn.attention_reference(a["q"], a["k_cache"], a["v_cache"], a["slots"], a["cached"], 0.125)
+    assert torch.equal(out, want) and bool((out[1] == 0).all())
+
+
+def test_reference_matches_the_torch_window_path_of_the_runtime():
+    """attention_reference is the math of kvbuffer.runtime.mixing.attention (the engine's torch path)."""
+    from kvbuffer.runtime import mixing
+
+    a = _args()
+    q64 = a["q"].double()
+    kc, vc = a["k_cache"].double(), a["v_cache"].double()
+    real = a["slots"] >= 0
+    rows = a["slots"].clamp(min=0).long()
+    pos = a["cached"].long()[:, None] + torch.arange(T)[None, :]
+    L = int(pos.max()) + 1
+    keys = mixing._window(kc, rows, L, pos)
+    vals = mixing._window(vc, rows, L, pos)
+    G = H // HKV
+    qg = q64.reshape(B, T, HKV, G, D).permute(0, 2, 3, 1, 4).reshape(B, HKV, G * T, D)
+    scores = torch.matmul(qg, keys.transpose(2, 3)) * 0.125
+    ahead = torch.arange(L)[None, None, :] > pos[:, :, None]
+    scores.masked_fill_(ahead[:, None, None].expand(B, 1, G, T, L).reshape(B, 1, G * T, L), float("-inf"))
+    out = torch.matmul(torch.softmax(scores, -1), vals).reshape(B, HKV, G, T, D).permute(0, 3, 1, 2, 4)
+    out = torch.where(real[:, None, None, None], out.reshape(B, T, H, D), torch.zeros((), dtype=torch.float64))
+    torch.testing.assert_close(attn.attention_reference(q64, kc, vc, a["slots"], a["cached"], 0.125), out)
+
+
+@pytest.mark.parametrize("spoil,error,match", [
+    (dict(q=torch.zeros(B, 9, H, D, dtype=bf16)), ShapeError, "1 .. 8 new tokens"),
+    (dict(q=torch.zeros(B, T, 5, D, dtype=bf16)), ShapeError, "multiple"),
+    (dict(v_cache=torch.zeros(NS, ML, HKV, 32, dtype=bf16)), ShapeError, "v_cache must have"),
+    (dict(cached=torch.zeros(2, dtype=torch.int32)), ShapeError, "slots and cached"),
+    (dict(slots=torch.tensor([4, -1, 7], dtype=torch.int32)), SlotError, "slots holds slot 7"),
+    (dict(slots=torch.tensor([0, 1, 2], dtype=torch.int32, device="meta")), DeviceError, "slots is on meta"),
+], ids=["T9", "heads", "v_cache", "cached", "slot-range", "meta"])
+def test_op_refuses_bad_calls(spoil, error, match):
+    a = _args(**spoil)
+    with pytest.raises(error, match=match):
+        torch.ops.kvbuffer.attention_decode(a["q"], a["k_cache"], a["v_cache"], a["slots"], a["cached"], 0.125)
+
+
+def test_op_fake_under_meta():
+    a = {k: v.to("meta") for k, v in _args().items()}
+    out = torch.ops.kvbuffer.attention_decode(a["q"], a["k_cache"], a["v_cache"], a["slots"], a["cached"], 0.125, 64)
+    assert out.shape == (B, T, H, D) and out.device.type == "meta" and out.dtype == bf16
+
+
+def test_reference_backend_never_attends_in_place():
+    from kvbuffer.runtime.backend import REFERENCE, KernelBackend
+
+    q, kc = torch.zeros(B, 1, H, D, dtype=bf16), torch.zeros(NS, ML, HKV, D, dtype=bf16)
+    assert not REFERENCE.attends_in_place(q, kc)
+    assert not KernelBackend().attends_in_place(q, kc)  # CPU tensors: the torch path, nothing looked up
