@@ -149,8 +149,8 @@ def kernel_class(name: str) -> str:
 
 def profile_steps(llm, prompts, *, device, step: str = "decode", steps: int = 8, skip: int = 3,
                   max_new_tokens: int | None = None) -> dict:
-    """torch.profiler over `steps` calls of the runner's `step` ("decode" or "verify") after `skip` warm
-    ones, in one generate call: wall and device-busy time per step, launches per step, device time by
+    """torch.profiler over `steps` calls of the runner's `step` ("decode"; "verify_greedy": a greedy
+    speculative step) after `skip` warm ones, in one generate call: wall and device-busy time per step, launches per step, device time by
     kernel class, the top kernels. Fewer steps are profiled if the generation ends first."""
     from torch.profiler import ProfilerActivity, profile
 
@@ -319,7 +319,7 @@ def _spec_row(llm, prompts, refs, *, alpha, drafts, device, new_tokens, vocab, p
                tokens_per_step=st["emitted"] / st["request_steps"] if st["request_steps"] else 0.0,
                diverged_requests=len(llm.drafter.diverged), kernels=bool(llm.kernels))
     if profile:  # the verify steps; the reference continuations are long enough for new_tokens
-        row["profile"] = profile_steps(llm, prompts, device=device, step="verify", steps=4, skip=1,
+        row["profile"] = profile_steps(llm, prompts, device=device, step="verify_greedy", steps=4, skip=1,
                                        max_new_tokens=new_tokens)
         print(format_profile(f"verify B={len(prompts)} alpha={alpha}", row["profile"]), flush=True)
     return row

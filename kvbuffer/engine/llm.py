@@ -29,7 +29,7 @@ from .sampling import SamplingParams, sample_rows, sample_token, token_logprob
 from .scheduler import Scheduler
 from .drafters import MTPDrafter, NgramDrafter
 from .options import check_generate_args, check_llm_args
-from .overlap import InflightStep, overlappable, plan_feed, use_overlap
+from .overlap import InflightStep, plan_feed, use_overlap
 from .speculative import SpeculativeConfig, accept_drafts
 
 log = logging.getLogger(__name__)
@@ -397,7 +397,7 @@ class LLM:
         t0, before = time.perf_counter(), len(events)
         if self.speculative is not None:
             self._speculative_step(running, events)
-        elif self.overlap and all(overlappable(r) for r in running):
+        elif self.overlap and all(r.picked_on_device for r in running):
             self._overlapped_step(running, events)
         else:
             self._settle(events)
@@ -459,32 +459,39 @@ class LLM:
     def _speculative_step(self, running, events):
         """Draft T tokens per request, verify them in one forward, keep the accepted prefix + one more.
 
-        Near max_len the step drafts fewer tokens, so that every request's fed positions fit (each
-        running request has room for at least its real token: _emit finished those without)."""
+        Greedy requests are accepted and committed inside the verify forward (runner.verify_greedy);
+        otherwise the host accepts (speculative.accept_drafts) and commits. Near max_len the step
+        drafts fewer tokens, so that every request's fed positions fit (each running request has room
+        for at least its real token: _emit finished those without)."""
         room = min(self.runner.spec.max_len - r.cached - 1 for r in running)
         T = min(self.speculative.num_draft_tokens, room)
         proposals = [p[:T] for p in self.drafter.propose(running, T)]
         drafts = [p + [None] * (T - len(p)) for p in proposals]  # padding drafts are never kept
-        fed = [[0 if d is None else d for d in ds] for ds in drafts]
         want = self.drafter.needs_hidden
-        out = self.runner.verify(running, fed, want_hidden=want)
-        logits, hidden = out if want else (out, None)
-        kept, following = [], []
-        greedy = any(r.params.temperature == 0.0 for r in running)
-        argmax = torch.argmax(logits, dim=-1).tolist() if greedy else [None] * len(running)  # one sync
-        for req, row, ds, top in zip(running, logits, drafts, argmax):
-            m, nxt = accept_drafts(row, ds, req.params, self._gens[req.rid], top)
-            kept.append(m + 1)  # the real token and m drafts enter the caches
-            following.append(ds[:m] + [nxt])
-            for i, token in enumerate(ds[:m] + [nxt]):
+        if all(r.picked_on_device for r in running):
+            picks, accepted, hidden = self.runner.verify_greedy(running, drafts, want_hidden=want)
+            following = [ds[:m] + [top[m]] for ds, m, top in zip(drafts, accepted, picks)]
+            logits = [None] * len(running)
+        else:
+            out = self.runner.verify(running, drafts, want_hidden=want)
+            logits, hidden = out if want else (out, None)
+            greedy = any(r.params.temperature == 0.0 for r in running)
+            argmax = torch.argmax(logits, dim=-1).tolist() if greedy else [None] * len(running)  # one sync
+            accepted, following = [], []
+            for req, row, ds, top in zip(running, logits, drafts, argmax):
+                m, nxt = accept_drafts(row, ds, req.params, self._gens[req.rid], top)
+                accepted.append(m)
+                following.append(ds[:m] + [nxt])
+            self.runner.commit(running, [m + 1 for m in accepted])  # the real token and m drafts
+        for req, row, tokens in zip(running, logits, following):
+            for i, token in enumerate(tokens):
                 if req.finish_reason is None:
                     self._emit(req, token, row[i] if req.wants_logits else None, events)
-            self.spec_stats["accepted"] += m
-            self.spec_stats["emitted"] += m + 1
+        self.spec_stats["accepted"] += sum(accepted)
+        self.spec_stats["emitted"] += sum(len(t) for t in following)
         self.spec_stats["request_steps"] += len(running)
         self.spec_stats["proposed"] += sum(len(p) for p in proposals)
-        self.runner.commit(running, kept)
-        self.drafter.on_commit(running, hidden, kept, following)
+        self.drafter.on_commit(running, hidden, [m + 1 for m in accepted], following)
 
     @property
     def acceptance(self) -> dict:

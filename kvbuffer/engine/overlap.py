@@ -30,12 +30,6 @@ class InflightStep:
     tokens: PendingTokens
 
 
-def overlappable(req: Request) -> bool:
-    """Whether the device alone can pick this request's next token: greedy, and neither logits nor
-    log-probabilities kept on the host."""
-    return req.params.temperature == 0.0 and not req.wants_logits
-
-
 def ends_at_length(req: Request, outputs: int, max_len: int) -> bool:
     """Whether a request with `outputs` tokens generated is done by length (LLM._emit's rule)."""
     return outputs >= req.params.max_new_tokens or len(req.prompt) + outputs >= max_len

@@ -31,6 +31,12 @@ class Request:
         return self.keep_logits or self.params.logprobs
 
     @property
+    def picked_on_device(self) -> bool:
+        """Whether the device alone can pick this request's tokens: greedy, with neither logits nor
+        log-probabilities wanted on the host (overlapped decode steps, device-side draft acceptance)."""
+        return self.params.temperature == 0.0 and not self.wants_logits
+
+    @property
     def pending(self) -> list[int]:
         """Tokens not yet fed to the model: the prompt at first, then the last sampled token."""
         return self.context[self.cached:]

@@ -15,6 +15,7 @@ from ..runtime.backend import REFERENCE, Backend
 from ..runtime.batch import ForwardBatch
 from ..runtime.caches import CacheSpec, ModelCaches
 from .compiled import COMPILED_PHASES, compile_forward
+from .commit import PADDING_DRAFT, commit_rows, greedy_accepts
 from .graphs import PREFILL_GRAPH_TOKENS, PendingTokens, StepGraphs, StepInputs, row_bucket, split_view, step_columns
 from .request import Request
 
@@ -93,9 +94,20 @@ class ModelRunner:
     def _decode_forward(self, view: torch.Tensor, context_len: int) -> torch.Tensor:
         return self._forward(*self._view_batch("decode", 1, view, context_len))[:, 0]
 
-    def _view_forward(self, phase: str, tokens: int, view, context_len: int, fill: int = 0, want_hidden=False):
-        """A verify or prefill forward over StepInputs' device view: logits (B, T, vocab) [, hidden]."""
-        return self._forward(*self._view_batch(phase, tokens, view, context_len, fill), **self._hidden(want_hidden))
+    def _view_forward(self, phase: str, tokens: int, view, context_len: int, fill: int = 0, want_hidden=False,
+                      commit=False):
+        """A verify or prefill forward over StepInputs' device view: logits (B, T, vocab) [, hidden].
+        A verify's padding drafts (PADDING_DRAFT) are fed as token 0. commit (greedy verify): the
+        target's picks (B, T) and the drafts kept (B,) [, hidden] instead of the logits, the kept
+        tokens committed (kvbuffer.engine.commit)."""
+        ids, batch = self._view_batch(phase, tokens, view, context_len, fill)
+        out = self._forward(ids.clamp(min=0) if phase == "verify" else ids, batch, **self._hidden(want_hidden))
+        if not commit:
+            return out
+        logits, hidden = out if want_hidden else (out, None)
+        picks, accepted = greedy_accepts(ids, logits)
+        commit_rows(self.caches, self.backend, self.spec, batch.slots, batch.state_slots, batch.lengths, accepted + 1)
+        return (picks, accepted, hidden) if want_hidden else (picks, accepted)
 
     def _forward(self, ids, batch: ForwardBatch, **kw):
         fn = self.compiled if self.compiled is not None and batch.phase in COMPILED_PHASES else self.model
@@ -204,69 +216,70 @@ class ModelRunner:
         return self.inputs.pick_greedy(logits)
 
     @torch.inference_mode()
-    def verify(self, reqs: list[Request], drafts: list[list[int]], want_hidden: bool = False):
-        """Feed each request's last token plus its T drafts in one forward: logits (B, T+1, vocab)
-        (and the hidden states (B, T+1, H) with want_hidden).
+    def verify(self, reqs: list[Request], drafts: list[list[int | None]], want_hidden: bool = False):
+        """Feed each request's last token plus its T drafts (None: no draft, never kept) in one
+        forward: logits (B, T+1, vocab) (and the hidden states (B, T+1, H) with want_hidden).
 
         Nothing is committed: call commit() with the number of tokens each request keeps.
         """
+        return self._verify(reqs, drafts, want_hidden, commit=False)
+
+    @torch.inference_mode()
+    def verify_greedy(self, reqs: list[Request], drafts: list[list[int | None]], want_hidden: bool = False):
+        """verify() for greedy requests, with the acceptance and the commit in the same forward (its
+        CUDA graph; kvbuffer.engine.commit): the host reads the picks and counts once.
+
+        Returns (picks: per request the target's T+1 greedy tokens, accepted: per request the drafts
+        kept, hidden (B, T+1, H) or None). The request keeps its real token and accepted[b] drafts;
+        picks[b][accepted[b]] is the token that follows them.
+        """
+        if self.caches.buffers is not None:  # a fold inside the forward needs its state slot already
+            for r in reqs:
+                self._ensure_state(r, len(drafts[0]) + 1)
+        out = self._verify(reqs, drafts, want_hidden, commit=True)
+        picks, accepted, hidden = out if want_hidden else (*out, None)
+        rows = torch.cat([picks, accepted[:, None]], dim=1).tolist()  # the step's one read-back
+        kept = [row[-1] + 1 for row in rows]
+        self._kept(reqs, kept)
+        return [row[:-1] for row in rows], [k - 1 for k in kept], hidden
+
+    def _verify(self, reqs, drafts, want_hidden: bool, commit: bool):
         T1 = len(drafts[0]) + 1
         if T1 > self.spec.max_drafts:
             raise ValueError(f"{T1 - 1} drafts exceed the caches' room for {self.spec.max_drafts - 1}")
         for r in reqs:
             if r.cached + T1 > self.spec.max_len:
                 raise ValueError(f"request {r.rid}: context exceeds max_len={self.spec.max_len}")
-        columns = self._columns(reqs, [[r.context[r.cached]] + d for r, d in zip(reqs, drafts)])
+        fed = [[r.context[r.cached]] + [PADDING_DRAFT if t is None else t for t in d] for r, d in zip(reqs, drafts)]
+        columns = self._columns(reqs, fed)
         context_len = max(r.cached for r in reqs) + T1
         inputs, graphs = self._inputs_for("verify", T1)
-        out = self._replayed(graphs, columns, context_len, 0, want_hidden)
+        out = self._replayed(graphs, columns, context_len, 0, want_hidden, commit)
         if out is None:
-            out = self._view_forward("verify", T1, inputs.upload(columns, len(reqs)), context_len, 0, want_hidden)
+            out = self._view_forward("verify", T1, inputs.upload(columns, len(reqs)), context_len, 0, want_hidden,
+                                     commit)
         return out
 
     @torch.inference_mode()
     def commit(self, reqs: list[Request], kept: list[int]) -> None:
         """Keep the first kept[b] fed tokens of each request's last verify (at least its real token)."""
+        if self.caches.buffers is not None:  # the rows that reach C are folded: they need a state
+            for r, m in zip(reqs, kept):
+                self._ensure_state(r, m)
         i32 = dict(dtype=torch.int32, device=self.device)
-        slots = torch.tensor([r.slot for r in reqs], **i32)
-        if self.has_linear:
-            counts = torch.tensor(kept, **i32)
-            for layer in range(self.spec.num_linear_layers):  # conv histories take the kept inputs
-                self.backend.conv_accept(self.caches.convs.layer(layer), slots, counts, self.spec.conv_width)
+        rows = torch.tensor([[r.slot, r.state_slot, self._fill(r), m] for r, m in zip(reqs, kept)], **i32)
+        commit_rows(self.caches, self.backend, self.spec, *rows.t().contiguous())
+        self._kept(reqs, kept)
+
+    def _kept(self, reqs: list[Request], kept: list[int]) -> None:
+        """The host's books after a commit: KV lengths and buffer fills move on; a buffer that reached
+        C was folded (commit_rows) and starts empty."""
         for r, m in zip(reqs, kept):
             r.cached += m
-        if self.caches.draft_states is not None:  # copy back each request's accepted draft state
-            states = torch.tensor([r.state_slot for r in reqs], dtype=torch.long, device=self.device)
-            which = torch.tensor(kept, dtype=torch.long, device=self.device) - 1
-            for layer in range(self.spec.num_linear_layers):
-                self.caches.states.layer(layer)[states] = self.caches.draft_states[layer][slots.long(), which]
-            return
-        buffers = self.caches.buffers
-        if buffers is None:
-            return
-        full = []  # accepted entries simply stay; buffers that reached C are folded into their states
-        for r, m in zip(reqs, kept):
-            buffers.accept(r.slot, m)
-            if buffers.length(r.slot) >= self.spec.chunk_size:
-                if r.state_slot < 0:
-                    r.state_slot = self.caches.allocate_state()
-                full.append(r)
-        if full:
-            self._flush(full)
-
-    def _flush(self, reqs: list[Request]) -> None:
-        """Fold the buffers of these requests into their states, every layer in one launch each."""
-        i32 = dict(dtype=torch.int32, device=self.device)
-        buffers = self.caches.buffers
-        state_slots = torch.tensor([r.state_slot for r in reqs], **i32)
-        slots = torch.tensor([r.slot for r in reqs], **i32)
-        fills = torch.tensor([buffers.length(r.slot) for r in reqs], **i32)
-        family = "gdn" if self.spec.linear_shape.delta_rule else "mamba2"
-        for layer in range(self.spec.num_linear_layers):
-            self.backend.flush(family, self.caches.states.layer(layer), state_slots, buffers.layer(layer).tensors(),
-                               slots, fills)
-        for r in reqs:
-            buffers.reset(r.slot)
+            if self.caches.buffers is not None:
+                fill = self._fill(r) + m
+                self.caches.buffers.reset(r.slot)
+                self.caches.buffers.accept(r.slot, 0 if fill >= self.spec.chunk_size else fill)
 
 
 def _first_line(e: BaseException) -> str:

@@ -34,7 +34,7 @@ def test_spec_benchmark_equal_batch_and_capacity(tmp_path, preset, alphas):
         (s, m, a) for s in ("equal", "capacity") for m in e2e.MODES for a in alphas}
     assert len(plain) == 4 and all(r["draft_tokens"] == 0 for r in plain)
     profiled = [r["profile"]["step"] for r in result["rows"] if r["batch"] == 2 and "profile" in r]
-    assert sorted(profiled) == ["decode", "decode", "verify", "verify"]  # both modes: alpha 1's verify, plain
+    assert sorted(profiled) == ["decode", "decode", "verify_greedy", "verify_greedy"]  # both modes: alpha 1's verify, plain
     for r in spec:
         assert r["acceptance"] == (1.0 if r["alpha"] == 1.0 else 0.0), r
         assert r["tokens_per_step"] == pytest.approx(3.0 if r["alpha"] == 1.0 else 1.0, abs=0.7)

@@ -127,3 +127,23 @@ def test_overlapped_steps_equal_synchronous_ones(kind, mode):
         assert [(o.token_ids, o.finish_reason) for o in got] == [(o.token_ids, o.finish_reason) for o in want]
         assert llm.runner.graphs.graphs, "no decode graph was captured"
         assert llm.runner.caches.requests.num_free == llm.runner.spec.max_requests
+
+
+@pytest.mark.parametrize("mode", ["kvbuffer", "recurrent"])
+@pytest.mark.parametrize("kind", ["qwen3_5", "nemotron_h"])
+def test_device_side_acceptance_equals_the_hosts(kind, mode):
+    """Greedy speculative steps accepted and committed inside the captured verify graph
+    (kvbuffer.engine.commit) vs the host's acceptance (return_logits forces it): the same tokens,
+    since the verify forwards are the same; the commit graphs were really captured."""
+    plain = _run(_llm(kind, mode, graphs=True))
+    refs = [(p, o.token_ids) for p, o in zip(PROMPTS, plain)]
+    host = _run(_llm(kind, mode, graphs=True, T=3), refs)
+    from tests.support.scripted_drafter import ScriptedDrafter
+
+    llm = _llm(kind, mode, graphs=True, T=3)
+    llm.drafter = ScriptedDrafter(refs, "some", llm.vocab_size, strict=False)
+    got = llm.generate(PROMPTS, max_new_tokens=20, stop_token_ids=[])
+    assert [o.token_ids for o in got] == [o.token_ids for o in host]
+    keys = [k for (phase, _), (_, g) in llm.runner._multi.items() if phase == "verify" and g.enabled for k in g.graphs]
+    assert any(k[-1] is True for k in keys), f"no verify graph with the commit inside was captured: {keys}"
+    assert llm.runner.caches.requests.num_free == llm.runner.spec.max_requests
