@@ -23,7 +23,15 @@ import torch
 
 from ..errors import ArtifactError
 from ..kernels import autobuild, launch, lookup
-from ..kernels.keys import DTYPE_NAMES, GDNDims, KernelKey, Mamba2Dims, PREFILL_CHUNKS, prefill_plan
+from ..kernels.keys import (
+    ATTENTION_MAX_TOKENS,
+    DTYPE_NAMES,
+    PREFILL_CHUNKS,
+    GDNDims,
+    KernelKey,
+    Mamba2Dims,
+    prefill_plan,
+)
 from ..reference import conv as ref_conv
 from ..reference import core as ref_core
 from ..reference import gdn as ref_gdn
@@ -112,6 +120,10 @@ class ReferenceBackend:
     def conv_accept(self, conv_state, slots, accepted, width: int) -> None:
         ref_conv.accept_rows(conv_state, slots, accepted, width)
 
+    def attends_in_place(self, q, k_cache) -> bool:
+        """Whether `cache_attention` serves this call (else attention gathers windows in torch)."""
+        return False
+
 
 REFERENCE = ReferenceBackend()
 _CONV_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -130,6 +142,7 @@ class KernelBackend(ReferenceBackend):
 
     def __init__(self):
         self.conv_on_reference: set = set()  # conv kernel keys that did not load: the reference until JIT is on
+        self.attention_on_reference: set = set()  # attention kernel keys likewise: the torch path
 
     @staticmethod
     def _cast(inputs: LinearInputs, dtype: torch.dtype) -> LinearInputs:
@@ -181,17 +194,51 @@ class KernelBackend(ReferenceBackend):
         (its file reads would break the graph and send the whole forward back to eager): a key not
         known to be missing is taken to load, and if it does not, the op raises ArtifactError at the
         CUDA-graph warm-up, where the engine drops the compiled forward."""
-        if torch.compiler.is_compiling():
-            return key not in self.conv_on_reference
-        if key in self.conv_on_reference and not lookup.jit_allowed():
+        return _loads([key], batch, self.conv_on_reference, "the short conv runs on the reference ops")
+
+    def attends_in_place(self, q, k_cache) -> bool:
+        """Whether decode attention of q (B, T, H, D) over this cache runs on the kernel: CUDA, 1 .. 8
+        new tokens, dtypes and head dims the kernels take, and the kernel pair (decode, combine)
+        loads; a missing pair is built once into the artifact cache where that is possible
+        (kvbuffer.kernels.autobuild), else the torch path is used (logged once per kernel)."""
+        if not (q.is_cuda and 1 <= q.shape[1] <= ATTENTION_MAX_TOKENS and q.dtype in _CONV_DTYPES
+                and k_cache.dtype in _CONV_DTYPES and q.shape[3] in (32, 64, 128, 256)
+                and q.shape[2] % k_cache.shape[2] == 0):
             return False
-        try:
+        keys = [launch.attention_key(op, q, k_cache) for op in ("decode", "combine")]
+        missing = self.attention_on_reference
+        if not torch.compiler.is_compiling() and keys[0] not in missing and not lookup.jit_allowed():
+            try:
+                lookup.kernel_for(keys[0], q.shape[0])
+            except ArtifactError:
+                unbuilt = autobuild.ensure_attention_kernels(keys[0])
+                if unbuilt is not None:
+                    missing.update(keys)
+                    log.info("kvbuffer: attention runs on the torch path (%s)", unbuilt)
+        return _loads(keys, q.shape[0], missing, "attention runs on the torch path")
+
+    def cache_attention(self, q, k_cache, v_cache, slots, cached, scale: float, context_len: int):
+        """Attention of q's new tokens over each row's cache positions 0 .. cached + t (written already)."""
+        return launch.engine_rows("attention_decode", q.contiguous(), k_cache, v_cache, slots.to(torch.int32),
+                                  cached.to(torch.int32), float(scale), int(context_len))
+
+
+def _loads(keys: list[KernelKey], batch: int, missing: set, fallback: str) -> bool:
+    """Whether every kernel of `keys` is there (an artifact, or JIT-compiled now); a key that is not
+    is remembered in `missing` (tried again only once JIT is on) and logged once with `fallback`.
+    Under torch.compile no lookup runs: see KernelBackend._conv_kernel_loads."""
+    if torch.compiler.is_compiling():
+        return not any(key in missing for key in keys)
+    if any(key in missing for key in keys) and not lookup.jit_allowed():
+        return False
+    try:
+        for key in keys:
             lookup.kernel_for(key, batch)
-            return True
-        except ArtifactError as e:
-            self.conv_on_reference.add(key)
-            log.info("kvbuffer: the short conv runs on the reference ops (%s)", str(e).splitlines()[0])
-            return False
+        return True
+    except ArtifactError as e:
+        missing.update(keys)
+        log.info("kvbuffer: %s (%s)", fallback, str(e).splitlines()[0])
+        return False
 
 
 Backend = Union[ReferenceBackend, KernelBackend]

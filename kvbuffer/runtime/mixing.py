@@ -92,8 +92,13 @@ def attention(q, k, v, batch: ForwardBatch, caches: ModelCaches, layer: int, sca
     heads are grouped per KV head in the matmuls instead of repeating the keys. Each row's window
     is gathered once, straight into the (B, Hkv, L, D) layout both matmuls read as they are (an
     index of the cache's (slots, L, Hkv, D) layout would need a second, transposing copy).
+    On the kernel Backend, when its attention kernel serves the call (Backend.attends_in_place),
+    the new keys and values are written first and the kernel reads each row's valid positions
+    straight from the cache: no window is gathered (also under torch.compile, as a custom op).
     """
     kc, vc = caches.kv.layer(layer)
+    if batch.backend.attends_in_place(q, kc):
+        return _attention_in_place(q, k, v, kc, vc, batch, scaling)
     B, T, H, D = q.shape
     real = batch.slots >= 0
     rows = batch.slots.clamp(min=0).long()
@@ -118,6 +123,17 @@ def attention(q, k, v, batch: ForwardBatch, caches: ModelCaches, layer: int, sca
     probs = F.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
     out = torch.matmul(probs, vals).reshape(B, Hkv, G, T, D).permute(0, 3, 1, 2, 4).reshape(B, T, H, D)
     return torch.where(real[:, None, None, None], out, torch.zeros((), dtype=out.dtype, device=out.device))
+
+
+def _attention_in_place(q, k, v, kc, vc, batch: ForwardBatch, scaling: float):
+    """Write the T new keys and values at cached .. cached+T-1, then attend over the cache in place."""
+    B, T = q.shape[:2]
+    real = batch.slots >= 0
+    rows = batch.slots.clamp(min=0).long()[:, None].expand(B, T)
+    pos = batch.cached.long()[:, None] + torch.arange(T, device=q.device)[None, :]
+    put_slot_rows(kc, rows, pos, k, real)
+    put_slot_rows(vc, rows, pos, v, real)
+    return batch.backend.cache_attention(q, kc, vc, batch.slots, batch.cached, scaling, batch.context_len or 0)
 
 
 @torch.library.custom_op("kvbuffer::put_slot_rows", mutates_args=("dst",))

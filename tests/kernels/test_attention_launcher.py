@@ -121,9 +121,10 @@ def test_launch_arguments_with_and_without_splits(on_cpu):
 
 def test_split_rule():
     assert attn.splits_for(blocks=1024, context=4096, sm_count=132) == 1   # a full grid: one pass
-    assert attn.splits_for(blocks=4, context=4096, sm_count=132) == 66     # B = 1, Hkv = 4: ~2 blocks per SM
+    assert attn.splits_for(blocks=4, context=4096, sm_count=132) == 33     # B = 1, Hkv = 4: ~1 block per SM
     assert attn.splits_for(blocks=4, context=100, sm_count=132) == 4       # at least 32 positions a split
-    assert attn.splits_for(blocks=64, context=300, sm_count=132) == 5
+    assert attn.splits_for(blocks=64, context=300, sm_count=132) == 3
+    assert attn.splits_for(blocks=256, context=256, sm_count=132) == 1
     assert attn.splits_for(blocks=4, context=1, sm_count=132) == 1
 
 
