@@ -21,8 +21,7 @@ from .compiled import ACT_DTYPES, CompiledOp, build_template, check_contiguous, 
 from .keys import ATTENTION_MAX_TOKENS
 
 MIN_SPLIT_POSITIONS = 32  # a split reads at least this many positions (a warp step of 4 warps x 4 positions x 2)
-BLOCKS_PER_SM = 1         # splits are added until the grid has about this many blocks per SM (at the 9B
-                          # shape on the H200, B = 64 ran faster unsplit than in 2 splits)
+BLOCKS_PER_SM = 1         # splits are added until the grid has about this many blocks per SM (docs/kernels.md)
 
 
 def build_attention_decode(H: int, Hkv: int, D: int, T: int = 1, *, dtype: str = "bfloat16",
