@@ -151,7 +151,7 @@ def check(tpl: Template, kernel, shape: Mapping, chunk: int, device, seed: int =
 
     gen = torch.Generator(device=device).manual_seed(seed)
     args = tpl.inputs(shape, CHECK_BATCH, chunk, device, gen, drafts)
-    expected = tpl.reference(dict(shape), chunk, [a.clone() for a in args])
+    expected = tpl.reference(dict(shape), chunk, [a.clone() if isinstance(a, torch.Tensor) else a for a in args])
     tpl.run(kernel, args)
     return max(rel_err(args[i], want) for i, want in expected.items())
 
@@ -166,8 +166,9 @@ def cuda_median_seconds(fn: Callable[[list], None], arg_sets: list) -> float:
 
 
 def rotation(args: list, l2_bytes: float, limit: int = 16) -> int:
-    """How many input copies it takes to exceed twice the L2 (at least 2, at most `limit`)."""
-    nbytes = sum(a.numel() * a.element_size() for a in args)
+    """How many input copies it takes to exceed twice the L2 (at least 2, at most `limit`); scalar
+    arguments (attention's scale) take no memory."""
+    nbytes = sum(a.numel() * a.element_size() for a in args if hasattr(a, "element_size"))
     return max(2, min(limit, math.ceil(2 * l2_bytes / max(nbytes, 1))))
 
 

@@ -173,6 +173,27 @@ def test_split_partials_merge_to_the_reference():
     torch.testing.assert_close(merged, want)
 
 
+@pytest.mark.parametrize("batch", [7, 1])
+def test_tuner_check_plumbing_with_a_kernel_that_writes_the_expected_values(batch, monkeypatch):
+    """The tune templates' inputs (a float scale among the tensors), reference and the tuner's check
+    fit together: a stand-in kernel writing what the reference expects passes (error: the outputs' rounding)."""
+    from kvbuffer.autotune import attention_templates as at
+    from kvbuffer.autotune import tuner
+    from kvbuffer.autotune.registry import templates
+
+    monkeypatch.setattr(at, "CONTEXT", 40)  # small rows: the fp64 reference loops in Python
+    monkeypatch.setattr(tuner, "CHECK_BATCH", batch)
+    shape = {"family": "attention", "H": 8, "Hkv": 2, "D": 64, "dtype": "bfloat16", "kv_dtype": "bfloat16"}
+    for tpl in templates("attention"):
+        drafts = 3 if tpl.layouts else 0
+
+        def stand_in(*args, tpl=tpl):
+            for i, want in tpl.reference(shape, 0, list(args)).items():
+                args[i].copy_(want)
+        assert tuner.check(tpl, stand_in, shape, 0, "cpu", drafts=drafts) < 5e-3, tpl.name  # fp32 / bf16 outputs
+        assert tuner.rotation(tpl.inputs(shape, batch, 0, "cpu", torch.Generator().manual_seed(0), drafts), 2**20) >= 2
+
+
 # ----------------------------------------------------------------------------------------------
 # torch.ops.kvbuffer.attention_decode on the CPU: the reference, and its checks
 
