@@ -55,7 +55,7 @@ def test_engine_admits_what_the_planner_says(tmp_path, mode):
     allocated = sum(t.numel() * t.element_size() for t in llm.runner.caches.tensors().values())
     assert allocated == 7 * per <= budget
     batches = []
-    verify = llm.runner.verify
-    llm.runner.verify = lambda reqs, drafts, **kw: (batches.append(len(reqs)), verify(reqs, drafts, **kw))[1]
+    verify = llm.runner.verify_greedy  # greedy requests: acceptance and commit on the device
+    llm.runner.verify_greedy = lambda reqs, drafts, **kw: (batches.append(len(reqs)), verify(reqs, drafts, **kw))[1]
     llm.generate([[1, 2, 3]] * 9, max_new_tokens=4, stop_token_ids=[])
     assert max(batches) == 7  # seven requests ran at once; the other two waited for slots
