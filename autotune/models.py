@@ -91,7 +91,9 @@ def config_attention_shape(cfg: dict, dtype: str | None = None) -> dict | None:
     The KV cache holds the activations' dtype (kvbuffer.runtime.caches)."""
     text = cfg.get("text_config") or cfg
     heads, kv_heads = text.get("num_attention_heads"), text.get("num_key_value_heads")
-    has_attention = "full_attention" in text.get("layer_types", ()) or "*" in text.get("hybrid_override_pattern", "")
+    kinds = list(text.get("layer_types") or ()) + list(text.get("layers_block_type") or ())  # Qwen / NemotronH
+    has_attention = any(k in ("full_attention", "attention") for k in kinds) \
+        or "*" in (text.get("hybrid_override_pattern") or "")
     if not (has_attention and heads and kv_heads):
         return None
     dtype = dtype or text.get("dtype") or text.get("torch_dtype") or cfg.get("torch_dtype") or DEFAULT_DTYPE

@@ -17,16 +17,19 @@ def _ints(text: str, option: str) -> tuple[int, ...]:
     return tuple(sorted(set(positive_ints(text, option))))
 
 
+CHUNK_FREE = ("conv1d", "attention")  # families whose kernels do not depend on the chunk size C
+
+
 def _table(rows: list[tuple]) -> None:
     widths = [max(len(str(r[i])) for r in rows) for i in range(len(rows[0]))]
     for row in rows:
         click.echo("  ".join(str(c).ljust(w) for c, w in zip(row, widths)).rstrip())
 
 
-def _resolve_shapes(model, heads, family, dtype, conv: bool) -> list[dict]:
-    """The head shapes to build, each once: a model's or --heads' linear-layer shape and (with
-    `conv`) its short conv's; neither given: every bundled preset's. dtype None: a checkpoint's own,
-    else bfloat16."""
+def _resolve_shapes(model, heads, family, dtype, conv: bool, attention: bool = False) -> list[dict]:
+    """The head shapes to build, each once: a model's or --heads' linear-layer shape, (with `conv`)
+    its short conv's and (with `attention`, a model only) its attention layers' decode kernels;
+    neither given: every bundled preset's. dtype None: a checkpoint's own, else bfloat16."""
     from pathlib import Path
 
     from ..autotune import models
@@ -37,16 +40,19 @@ def _resolve_shapes(model, heads, family, dtype, conv: bool) -> list[dict]:
         if model is not None and model.lower() not in models.PRESETS and Path(model).exists():
             shape = models.checkpoint_shape(model, dtype)
             pairs = [(shape, models.checkpoint_conv_shape(model, shape))]
+            softmax = [models.checkpoint_attention_shape(model, dtype)]
         else:
             if heads:
-                linear = [models.parse_heads(heads, family, dtype or models.DEFAULT_DTYPE)]
+                linear, names = [models.parse_heads(heads, family, dtype or models.DEFAULT_DTYPE)], []
             else:  # unknown preset: preset_shape lists them
                 names = [model] if model else list(models.PRESETS)
                 linear = [models.preset_shape(name, dtype or models.DEFAULT_DTYPE) for name in names]
             pairs = [(shape, models.conv_shape(shape)) for shape in linear]
+            softmax = [models.preset_attention_shape(name, dtype or models.DEFAULT_DTYPE) for name in names]
     except (ValueError, KeyError, OSError) as e:
         raise click.BadParameter(str(e), param_hint="--model/--heads") from None
-    shapes = [linear for linear, _ in pairs] + ([c for _, c in pairs] if conv else [])
+    shapes = [linear for linear, _ in pairs] + ([c for _, c in pairs] if conv else []) \
+        + ([a for a in softmax if a is not None] if attention else [])
     return list({tuple(sorted(s.items())): s for s in shapes}.values())
 
 
@@ -121,14 +127,16 @@ def _templates(shapes: list[dict], kernels: str | None) -> list[tuple[dict, list
               "(C + T + 1 entries, the verify of T drafts), e.g. 4 or 2,4,8 [default: plain decoding only].")
 @click.option("--conv/--no-conv", default=True, show_default=True,
               help="Also build the short conv's kernels (shape from the model, or 2*Hk*K + Hv*V channels).")
-@click.option("--kernels", help="Comma-separated template names (default: every template of the family and "
-              "its conv).")
+@click.option("--attention/--no-attention", default=True, show_default=True,
+              help="Also build the model's decode attention kernels (its attention layers' heads; not with --heads).")
+@click.option("--kernels", help="Comma-separated template names (default: every template of the family, "
+              "its conv and the model's attention).")
 @click.option("--build-only", is_flag=True, help="Compile defaults without measuring, even on the named GPU.")
 @click.option("--max-configs", type=int, default=None, help="Try at most this many configs per template.")
 @click.option("--cache-dir", type=click.Path(file_okay=False), default=None,
               help="Cache root [default: $KVBUFFER_CACHE_DIR, else $XDG_CACHE_HOME/kvbuffer].")
-def tune(gpu, list_gpus, model, heads, family, dtype, chunk_sizes, batch_buckets, draft_tokens, conv, kernels,
-         build_only, max_configs, cache_dir):
+def tune(gpu, list_gpus, model, heads, family, dtype, chunk_sizes, batch_buckets, draft_tokens, conv, attention,
+         kernels, build_only, max_configs, cache_dir):
     """Compile kernels for a GPU and head shape into the artifact cache, measuring them if the GPU is here.
 
     Without the named GPU, each kernel is compiled for its arch with default tunables and recorded
@@ -145,7 +153,7 @@ def tune(gpu, list_gpus, model, heads, family, dtype, chunk_sizes, batch_buckets
     from ..autotune.cache import ArtifactCache
     from ..kernels.autobuild import nvcc_problem
 
-    shapes = _resolve_shapes(model, heads, family, dtype, conv)
+    shapes = _resolve_shapes(model, heads, family, dtype, conv, attention)
     target, present = _resolve_gpu(gpu)
     chunks, buckets = _ints(chunk_sizes, "--chunk-sizes"), _ints(batch_buckets, "--batch-buckets")
     drafts = _drafts(draft_tokens)
@@ -170,7 +178,7 @@ def _tune_shape(cache, target, measuring, shape, tpls, chunks, buckets, drafts, 
     if not items:
         raise click.UsageError(f"nothing to build for {', '.join(t.name for t in tpls)}: a verify or accept needs "
                                "--draft-tokens T, a T-token prefill chunk a chunk size >= T")
-    layouts = ("" if shape["family"] == "conv1d" else f", C in {list(req.chunk_sizes)}") \
+    layouts = ("" if shape["family"] in CHUNK_FREE else f", C in {list(req.chunk_sizes)}") \
         + (f", drafts {list(drafts[1:])}" if len(drafts) > 1 else "")
     click.echo(f"{step}{'tuning' if measuring else 'building (untuned)'} {len(items)} kernel(s) for {target.name} "
                f"({target.arch}), {_shape_text(shape)}{layouts}, cache {cache.root}")
@@ -188,7 +196,7 @@ def _tune_shape(cache, target, measuring, shape, tpls, chunks, buckets, drafts, 
         click.echo(f"note: {note}")
     measured = sum(w["median_us"] is not None for w in tuning["winners"])
     line = f"tuning record {record} ({tuning['status']}: {measured} of {len(tuning['winners'])} winners measured; "
-    if shape["family"] == "conv1d":  # the conv's kernels serve every C
+    if shape["family"] in CHUNK_FREE:  # the conv's and attention's kernels serve every C
         line += f"drafts {tuning.get('draft_tokens', [0])})"
     else:
         policy = ChunkPolicy.from_json(tuning["chunk_policy"])
@@ -199,6 +207,8 @@ def _tune_shape(cache, target, measuring, shape, tpls, chunks, buckets, drafts, 
 
 
 def _shape_text(shape) -> str:
+    if shape["family"] == "attention":
+        return f"attention H={shape['H']} Hkv={shape['Hkv']} D={shape['D']} {shape['dtype']} cache {shape['kv_dtype']}"
     if shape["family"] == "conv1d":
         return (f"conv1d D={shape['D']} W={shape['W']} {shape['dtype']} weights {shape['w_dtype']}"
                 f"{' with bias' if shape['bias'] else ''}")

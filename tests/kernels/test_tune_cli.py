@@ -231,13 +231,15 @@ def test_tune_without_a_model_builds_every_preset_shape_once(monkeypatch, tmp_pa
     assert result.exit_code == 0, result.output
     linear = {tuple(sorted(preset_shape(name).items())) for name in models.PRESETS}
     convs = {tuple(sorted(models.conv_shape(dict(s)).items())) for s in linear}
+    softmax = {tuple(sorted(models.preset_attention_shape(name).items())) for name in models.PRESETS}
     headers = [line for line in result.output.splitlines() if "building (untuned)" in line]
-    n = len(linear) + len(convs)
-    assert len(headers) == n == 10  # qwen3.5-9b, -35b-a3b and qwen3-next-80b share one head shape
+    n = len(linear) + len(convs) + len(softmax)
+    assert len(headers) == n and len(linear) + len(convs) == 10  # three presets share one linear head shape
+    assert sum("attention H=" in h for h in headers) == len(softmax) >= 2
     assert [h.split("]")[0] for h in headers] == [f"[{i}/{n}" for i in range(1, n + 1)]
     assert sum("1/1] gdn_toy C=8: built" in line for line in result.output.splitlines()) == 3
     rows = [line.split()[-1] for line in result.output.splitlines() if line.startswith(("gdn_toy", "mamba2_toy",
-                                                                                         "conv1d_toy"))]
+                                                                                         "conv1d_toy", "attention_toy"))]
     assert len(rows) == len(set(rows)) == n
     assert len(ArtifactCache(tmp_path).manifest()["tunings"]) == n
     assert "INFO" not in result.output
@@ -298,3 +300,20 @@ def test_live_progress_bar_names_the_kernel_and_count():
         bar.done()
     text = out.getvalue()
     assert "gdn_flush C=8" in text and "1/2" in text
+
+
+def test_attention_shapes_follow_the_model_and_the_switch(tmp_path):
+    """A model's attention layers get their decode kernels (--no-attention leaves them out); --heads
+    names no attention layers."""
+    from kvbuffer.cli.tune import _resolve_shapes
+
+    families = [s["family"] for s in _resolve_shapes("qwen3.5-9b", None, "gdn", None, True, True)]
+    assert families == ["gdn", "conv1d", "attention"]
+    assert [s["family"] for s in _resolve_shapes("qwen3.5-9b", None, "gdn", None, False, False)] == ["gdn"]
+    assert [s["family"] for s in _resolve_shapes(None, "16,32,128,128", "gdn", None, False, True)] == ["gdn"]
+    from tests.support.hf_models import make_hf_model
+
+    ckpt = tmp_path / "ckpt"
+    make_hf_model("nemotron_h").save_pretrained(ckpt)
+    shapes = _resolve_shapes(str(ckpt), None, "gdn", None, False, True)
+    assert [s["family"] for s in shapes] == ["mamba2", "attention"] and shapes[1]["dtype"] == "float32"
