@@ -55,11 +55,16 @@ def commit_rows(caches, backend, spec, slots, state_slots, fills, kept) -> None:
 
 def _copy_back_draft_states(caches, spec, slots, state_slots, kept, real) -> None:
     """Each real row's state after its last kept token, from its per-draft states. Padding rows
-    repeat the first real row's copy (equal bytes to the same place), so no state is blended in
-    or masked: the copy moves exactly the real rows' states, as a server's would."""
+    repeat the first real row's copy (equal bytes to the same place), so no whole state is blended
+    or masked: the copy moves exactly the real rows' states, as a server's would. With no real row
+    at all (a CUDA-graph warm-up) that one destination is written and then put back as it was."""
     first = torch.argmax(real.to(torch.int32)).view(1)
-    dst = torch.where(real, state_slots, state_slots[first]).long()
-    row = torch.where(real, slots, slots[first]).long()
-    which = torch.where(real, kept, kept[first]).long() - 1
+    dst = torch.where(real, state_slots, state_slots[first]).clamp(min=0).long()
+    row = torch.where(real, slots, slots[first]).clamp(min=0).long()
+    which = (torch.where(real, kept, kept[first]).long() - 1).clamp(min=0)
+    any_real = real[first].view((1,) * (caches.states.layer(0).dim()))
     for layer in range(spec.num_linear_layers):
-        caches.states.layer(layer)[dst] = caches.draft_states[layer][row, which]
+        states = caches.states.layer(layer)
+        before = states[dst[:1]]  # one state: what a padding-only batch must leave
+        states[dst] = caches.draft_states[layer][row, which]
+        states[dst[:1]] = torch.where(any_real, states[dst[:1]], before)

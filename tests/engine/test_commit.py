@@ -78,3 +78,26 @@ def test_a_step_with_sampled_rows_accepts_on_the_host():
         for out in llm.step():
             got[out.rid] += out.token_ids
     assert [got[r] for r in rids[:2]] == want
+
+
+@pytest.mark.parametrize("mode", ["kvbuffer", "recurrent"])
+def test_a_padding_only_verify_with_its_commit_writes_nothing(mode):
+    """A CUDA-graph warm-up runs the verify forward, commit included, on padding rows only: every
+    cache tensor must stay as it was (the live requests' states above all)."""
+    prompts = [[3, 1, 4, 1, 5], [7, 7], [2, 7, 1], [5]]  # every slot live, the last one too
+    plain = LLM(tiny_model("qwen3_5"), device="cpu", dtype=torch.float32, chunk_size=4, max_batch=4, max_len=64,
+                kernels=False).generate(prompts, max_new_tokens=12, stop_token_ids=[])
+    llm, reqs = _prefilled("qwen3_5", mode, prompts, 4)
+    for _ in range(2):  # right drafts: each row keeps several, so its state is not its first draft's
+        drafts = [(p + o.token_ids)[len(r.context):len(r.context) + 3] for p, o, r in zip(prompts, plain, reqs)]
+        picks, accepted, _ = llm.runner.verify_greedy(reqs, drafts)
+        assert min(accepted) >= 1
+        for r, ds, m, pk in zip(reqs, drafts, accepted, picks):
+            r.output += ds[:m] + [pk[m]]
+    before = {k: t.clone() for k, t in llm.runner.caches.tensors().items()}
+    inputs, _ = llm.runner._inputs_for("verify", 4)
+    with torch.inference_mode():  # as the engine runs its forwards
+        view = inputs.upload([[] for _ in inputs.padding], 3)  # three padding rows, no real one
+        llm.runner._view_forward("verify", 4, view, 16, 0, False, True)
+    for name, t in llm.runner.caches.tensors().items():
+        assert torch.equal(t, before[name]), f"{name} changed"
