@@ -119,7 +119,8 @@ def steady_rate(stats) -> float:
     """Tokens per second over the warm decode steps that fed every request of the run (a server keeps
     its batch full). Requests of a fixed-length run end at different steps when they speculate, and the
     shrinking batch of the last steps is an artefact of the run, not of the scheme; all_steps_rate keeps it."""
-    steps = list(zip(stats.step_seconds, stats.step_tokens, stats.step_rows))[1:]
+    steps = list(zip(stats.step_seconds, stats.step_tokens, stats.step_rows))
+    steps = steps[1:] or steps
     full = [(s, t) for s, t, rows in steps if rows == stats.peak_batch] or [(s, t) for s, t, _ in steps]
     return sum(t for _, t in full) / sum(s for s, _ in full)
 

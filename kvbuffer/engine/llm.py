@@ -29,7 +29,7 @@ from .sampling import SamplingParams, sample_rows, sample_token, token_logprob
 from .scheduler import Scheduler
 from .drafters import MTPDrafter, NgramDrafter
 from .options import check_generate_args, check_llm_args
-from .overlap import InflightStep, plan_feed, use_overlap
+from .overlap import InflightStep, ends_at_length, plan_feed, use_overlap
 from .speculative import SpeculativeConfig, accept_drafts
 
 log = logging.getLogger(__name__)
@@ -395,13 +395,15 @@ class LLM:
     def _decode_step(self, running, events):
         stats = self._stats
         t0, before = time.perf_counter(), len(events)
+        fed = len(running)  # the rows of the forward whose tokens this call emits
         if self.speculative is not None:
             self._speculative_step(running, events)
         elif self.overlap and all(r.picked_on_device for r in running):
-            self._overlapped_step(running, events)
+            fed = self._overlapped_step(running, events)
         else:
             self._settle(events)
             running = [r for r in running if r.finish_reason is None]
+            fed = len(running)
             if running:
                 logits = self.runner.decode(running)
                 tokens = sample_rows(logits, [r.params for r in running], [self._gens[r.rid] for r in running])
@@ -409,32 +411,35 @@ class LLM:
                     self._emit(req, token, row if req.wants_logits else None, events)
         if stats is None:
             return
-        took = time.perf_counter() - t0  # reading the tokens back synchronised the device
+        took = time.perf_counter() - t0  # reading tokens back waited for the device (overlapped: the step before)
         emitted = len(events) - before
         stats.decode_seconds += took
         stats.decode_steps += 1
         stats.decode_tokens += emitted
         stats.step_seconds.append(took)
         stats.step_tokens.append(emitted)
-        stats.step_rows.append(len(running))
+        stats.step_rows.append(fed)
         stats.peak_batch = max(stats.peak_batch, len(running))
 
-    def _overlapped_step(self, running, events):
+    def _overlapped_step(self, running, events) -> int:
         """Queue this step (greedy picks left on the device), then emit the step in flight's tokens
-        while the GPU runs it (kvbuffer.engine.overlap)."""
+        while the GPU runs it (kvbuffer.engine.overlap). Returns the rows of the step emitted."""
         rows, feed = plan_feed(running, self._inflight, self.runner.spec.max_len)
         queued = InflightStep(rows, self.runner.pick_greedy(self.runner.decode(rows, feed))) if rows else None
-        self._settle(events)
+        settled = self._settle(events)
         self._inflight = queued
+        return settled
 
-    def _settle(self, events) -> None:
-        """Emit the tokens of the step in flight, if any (a request that ended meanwhile drops its own)."""
+    def _settle(self, events) -> int:
+        """Emit the tokens of the step in flight, if any (a request that ended meanwhile drops its own);
+        returns that step's rows (0: none in flight)."""
         step, self._inflight = self._inflight, None
         if step is None:
-            return
+            return 0
         for req, token in zip(step.rows, step.tokens.tolist()):
             if req.finish_reason is None:
                 self._emit(req, token, None, events)
+        return len(step.rows)
 
     def _prefill(self, reqs, events):
         """Feed the newly admitted requests' prompts, many requests per forward, then sample each
@@ -511,8 +516,8 @@ class LLM:
         events.append((req.rid, token, logprob))
         if token in req.params.stop_token_ids:
             req.finish_reason = "stop"
-        elif len(req.output) >= req.params.max_new_tokens or len(req.context) >= self.runner.spec.max_len:
-            req.finish_reason = "length"  # the next token could not be fed within max_len
+        elif ends_at_length(req, len(req.output), self.runner.spec.max_len):
+            req.finish_reason = "length"  # max_new_tokens, or the next token could not be fed within max_len
 
     def hf_config(self):
         """The transformers config of the loaded checkpoint (for moving caches to transformers)."""

@@ -31,7 +31,8 @@ class InflightStep:
 
 
 def ends_at_length(req: Request, outputs: int, max_len: int) -> bool:
-    """Whether a request with `outputs` tokens generated is done by length (LLM._emit's rule)."""
+    """Whether a request with `outputs` tokens generated is done by length: max_new_tokens, or a
+    context that fills max_len (LLM._emit's rule, which plan_feed applies one token ahead)."""
     return outputs >= req.params.max_new_tokens or len(req.prompt) + outputs >= max_len
 
 
