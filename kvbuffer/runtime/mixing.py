@@ -92,12 +92,14 @@ def attention(q, k, v, batch: ForwardBatch, caches: ModelCaches, layer: int, sca
     heads are grouped per KV head in the matmuls instead of repeating the keys. Each row's window
     is gathered once, straight into the (B, Hkv, L, D) layout both matmuls read as they are (an
     index of the cache's (slots, L, Hkv, D) layout would need a second, transposing copy).
-    On the kernel Backend, when its attention kernel serves the call (Backend.attends_in_place),
+    On the kernel Backend, for decode and verify forwards, when its attention kernel serves the call
+    (Backend.attends_in_place; prompt chunks keep the window path: `kvbuffer tune` builds the
+    kernels for the decode and verify token counts only),
     the new keys and values are written first and the kernel reads each row's valid positions
     straight from the cache: no window is gathered (also under torch.compile, as a custom op).
     """
     kc, vc = caches.kv.layer(layer)
-    if batch.backend.attends_in_place(q, kc):
+    if batch.phase != "prefill" and batch.backend.attends_in_place(q, kc):  # tune builds decode and verify T
         return _attention_in_place(q, k, v, kc, vc, batch, scaling)
     B, T, H, D = q.shape
     real = batch.slots >= 0
