@@ -53,10 +53,9 @@ def _combine_builder(T: int | None):
 def _splits(shape, batch: int, T: int, device) -> int:
     import torch
 
-    from kvbuffer.kernels.attention import splits_for
+    from kvbuffer.kernels.attention import decode_blocks, splits_for
 
-    G = shape["H"] // shape["Hkv"]
-    blocks = batch * shape["Hkv"] * (G * T // _tiles().query_block(G, T, shape["D"]))
+    blocks = decode_blocks(dict(H=shape["H"], Hkv=shape["Hkv"], D=shape["D"], T=T), batch)
     sms = torch.cuda.get_device_properties(device).multi_processor_count if torch.device(device).type == "cuda" else 132
     return splits_for(blocks, CONTEXT + T, sms)
 

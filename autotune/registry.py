@@ -81,11 +81,17 @@ def capacity(chunk_size: int, drafts: int = 0) -> int:
     return chunk_size + drafts + 1
 
 
-def source_digest(package: str = "kvbuffer.tiles") -> str:
-    """sha256 over every .py file of the templates' package (templates share code across files)."""
+TEMPLATE_IMPORTS = ("kvbuffer.reference.core", "kvbuffer.kernels.keys")  # runtime modules the templates use
+
+
+def source_digest(package: str = "kvbuffer.tiles", imports: tuple[str, ...] = TEMPLATE_IMPORTS) -> str:
+    """sha256 over every .py file of the templates' package (templates share code across files) and
+    the runtime modules they import (a decay floor, the attention kernel's query-block rule): an
+    edit to any of them gives new artifacts."""
     spec = importlib.util.find_spec(package)
+    paths = sorted(Path(spec.origin).parent.glob("*.py")) + [Path(importlib.util.find_spec(m).origin) for m in imports]
     h = hashlib.sha256()
-    for path in sorted(Path(spec.origin).parent.glob("*.py")):
+    for path in paths:
         h.update(path.name.encode() + b"\0" + path.read_bytes())
     return h.hexdigest()
 

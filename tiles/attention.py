@@ -1,7 +1,8 @@
 """Decode attention of each row's new tokens over its KV cache, read in place (GQA, causal).
 
-Thread-level templates for kvbuffer.reference.attention's semantics (the runtime's torch path,
-kvbuffer.runtime.mixing.attention, reads the same cache through a gathered window):
+Thread-level templates for the semantics of kvbuffer.kernels.attention.attention_reference (the
+runtime's torch path, kvbuffer.runtime.mixing.attention, reads the same cache through a gathered
+window):
 
 - `attention_decode`: grid (S splits, Hkv x NQB query blocks, B). A block holds QB query rows of one
   KV head (row r = t * G + g: token t, query head hk * G + g) and reads split s of the row's visible
@@ -26,7 +27,7 @@ Tensor ABI (contiguous; `act` = the activations' dtype, `kv` = the cache's):
                        out (B, T, H, D) act, scale (float scalar)
                        S = 1: out is written, part / stats unread (pass WB = 1); S > 1: part / stats
                        (WB = B) are written, out is not.
-    attention_combine: part, stats (B, S, T*H, D / 2), slots (B,) int32, out (B, T, H, D) act
+    attention_combine: part (B, S, T*H, D), stats (B, S, T*H, 2), slots (B,) int32, out (B, T, H, D) act
 Batch B, pool size NS, cache length max_len and the split count S are dynamic.
 """
 
@@ -34,11 +35,11 @@ Batch B, pool size NS, cache length max_len and the split count S are dynamic.
 
 import math
 
+from ..kernels.keys import ATTENTION_HEAD_DIMS, ATTENTION_MAX_TOKENS, attention_query_block
+
 DTYPES = ("bfloat16", "float16", "float32")
 F32 = "float32"
 LOG2E = 1.4426950408889634
-MAX_TOKENS = 8           # new tokens per row: the decode step (1) up to a verify of 7 drafts
-REGISTER_BUDGET = 64     # fp32 registers a lane spends on its query rows (and as many on their accumulators)
 NEG = -1.0e30            # the running max before any position (finite: exp2(NEG - NEG) = 1, weighted by 0)
 
 
@@ -48,23 +49,15 @@ def _tl():
     return T
 
 
-def query_block(G: int, T_len: int, D: int) -> int:
-    """Query rows per block: the largest divisor of G * T_len whose rows and accumulators fit the
-    register budget (D / 32 elements of each per lane)."""
-    Q, E = G * T_len, D // 32
-    cap = max(1, min(16, REGISTER_BUDGET // E))
-    return max(d for d in range(1, min(Q, cap) + 1) if Q % d == 0)
-
-
 def check_attention(H: int, Hkv: int, D: int, T_len: int = 1, dtype: str = "bfloat16", kv_dtype: str = "bfloat16",
                     threads: int = 128, unroll: int = 4) -> None:
     """Raise ValueError for parameters the templates do not build."""
     if Hkv < 1 or H < Hkv or H % Hkv:
         raise ValueError(f"query heads H={H} must be a positive multiple of the KV heads Hkv={Hkv}")
-    if D not in (32, 64, 128, 256):
+    if D not in ATTENTION_HEAD_DIMS:
         raise ValueError(f"head dim D must be 32, 64, 128 or 256 (D / 32 elements a lane), got {D}")
-    if not 1 <= T_len <= MAX_TOKENS:
-        raise ValueError(f"T={T_len} new tokens per row: the kernel takes 1 .. {MAX_TOKENS}")
+    if not 1 <= T_len <= ATTENTION_MAX_TOKENS:
+        raise ValueError(f"T={T_len} new tokens per row: the kernel takes 1 .. {ATTENTION_MAX_TOKENS}")
     for name, dt in (("dtype", dtype), ("kv_dtype", kv_dtype)):
         if dt not in DTYPES:
             raise ValueError(f"{name} must be one of {DTYPES}, got {dt!r}")
@@ -90,7 +83,7 @@ def attention_decode(H: int, Hkv: int, D: int, T_len: int = 1, *, dtype: str = "
     WB = T.dynamic("work_rows")
     G = H // Hkv
     Tn, E, U, NW = T_len, D // 32, unroll, threads // 32
-    QB = query_block(G, Tn, D)
+    QB = attention_query_block(G, Tn, D)
     NQB = G * Tn // QB
     TH = Tn * H
     EPI = math.ceil(QB * D / threads)  # epilogue elements per thread
@@ -220,8 +213,8 @@ def attention_decode(H: int, Hkv: int, D: int, T_len: int = 1, *, dtype: str = "
 
 def attention_combine(H: int, D: int, T_len: int = 1, *, dtype: str = "bfloat16", threads: int = 128):
     """out = the S splits' partials merged: sum_s 2^(M_s - M) A_s / sum_s 2^(M_s - M) L_s (zeros for padding)."""
-    if T_len < 1 or T_len > MAX_TOKENS or H < 1 or D < 1:
-        raise ValueError(f"need H >= 1, D >= 1 and 1 <= T <= {MAX_TOKENS}, got H={H}, D={D}, T={T_len}")
+    if T_len < 1 or T_len > ATTENTION_MAX_TOKENS or H < 1 or D < 1:
+        raise ValueError(f"need H >= 1, D >= 1 and 1 <= T <= {ATTENTION_MAX_TOKENS}, got H={H}, D={D}, T={T_len}")
     if dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {DTYPES}, got {dtype!r}")
     if threads % 32 or not 32 <= threads <= 1024:

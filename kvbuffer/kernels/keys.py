@@ -24,7 +24,9 @@ LINEAR_OPS = ("recurrent", "buffered", "flush")
 CONV_OPS = ("advance", "verify", "accept")
 CONV_UPDATE_KINDS = {"advance": "conv_advance", "verify": "conv_verify"}  # CompiledOp.kind per conv mode
 ATTENTION_OPS = ("decode", "combine")  # the per-split pass over the cache, and the merge of the splits
-ATTENTION_MAX_TOKENS = 8  # new tokens per row the attention kernels take (tiles.attention.MAX_TOKENS)
+ATTENTION_MAX_TOKENS = 8  # new tokens per row the attention kernels take: a decode step up to a verify of 7 drafts
+ATTENTION_HEAD_DIMS = (32, 64, 128, 256)  # D / 32 elements a lane
+ATTENTION_REGISTER_BUDGET = 64  # fp32 registers a lane spends on its query rows (and as many on their accumulators)
 DTYPE_NAMES = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}
 
 
@@ -254,3 +256,12 @@ class KernelKey:
 def linear_dims(family: str, Hk: int, Hv: int, K: int, V: int) -> GDNDims | Mamba2Dims:
     """A linear family's dims from the generic (key heads, value heads, key dim, value dim) order."""
     return GDNDims(Hk, Hv, K, V) if family == "gdn" else Mamba2Dims(Hk, Hv, K, V)
+
+
+def attention_query_block(G: int, T: int, D: int) -> int:
+    """Query rows per block of the attention decode kernel (tiles/attention.py): the largest divisor
+    of G * T whose rows and accumulators fit the register budget (D / 32 elements of each per lane).
+    Here because the launcher sizes its grid and splits by it too."""
+    Q, E = G * T, D // 32
+    cap = max(1, min(16, ATTENTION_REGISTER_BUDGET // E))
+    return max(d for d in range(1, min(Q, cap) + 1) if Q % d == 0)

@@ -24,6 +24,7 @@ import torch
 from ..errors import ArtifactError
 from ..kernels import autobuild, launch, lookup
 from ..kernels.keys import (
+    ATTENTION_HEAD_DIMS,
     ATTENTION_MAX_TOKENS,
     DTYPE_NAMES,
     PREFILL_CHUNKS,
@@ -142,7 +143,7 @@ class KernelBackend(ReferenceBackend):
 
     def __init__(self):
         self.conv_on_reference: set = set()  # conv kernel keys that did not load: the reference until JIT is on
-        self.attention_on_reference: set = set()  # attention kernel keys likewise: the torch path
+        self.attention_on_window_path: set = set()  # attention kernel keys that did not load: the torch window path
 
     @staticmethod
     def _cast(inputs: LinearInputs, dtype: torch.dtype) -> LinearInputs:
@@ -202,11 +203,11 @@ class KernelBackend(ReferenceBackend):
         loads; a missing pair is built once into the artifact cache where that is possible
         (kvbuffer.kernels.autobuild), else the torch path is used (logged once per kernel)."""
         if not (q.is_cuda and 1 <= q.shape[1] <= ATTENTION_MAX_TOKENS and q.dtype in _CONV_DTYPES
-                and k_cache.dtype in _CONV_DTYPES and q.shape[3] in (32, 64, 128, 256)
+                and k_cache.dtype in _CONV_DTYPES and q.shape[3] in ATTENTION_HEAD_DIMS
                 and q.shape[2] % k_cache.shape[2] == 0):
             return False
         keys = [launch.attention_key(op, q, k_cache) for op in ("decode", "combine")]
-        missing = self.attention_on_reference
+        missing = self.attention_on_window_path
         if not torch.compiler.is_compiling() and keys[0] not in missing and not lookup.jit_allowed():
             try:
                 lookup.kernel_for(keys[0], q.shape[0])

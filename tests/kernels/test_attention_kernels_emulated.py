@@ -45,14 +45,14 @@ def _emulated(template: str, **params) -> Emulated:
 
 def _run(q, kc, vc, slots, cached, scale, splits, kv_dtype):
     """Both kernels as the launcher runs them (kvbuffer.kernels.attention.attention_decode)."""
-    from kvbuffer.tiles.attention import query_block
+    from kvbuffer.kernels.keys import attention_query_block
 
     B, T, H, D = q.shape
     Hkv = kc.shape[2]
     dtype = "bfloat16" if q.dtype == torch.bfloat16 else "float32"
     decode = _emulated("attention_decode", H=H, Hkv=Hkv, D=D, T_len=T, dtype=dtype, kv_dtype=kv_dtype,
                        threads=THREADS, unroll=UNROLL)
-    nqb = H // Hkv * T // query_block(H // Hkv, T, D)
+    nqb = H // Hkv * T // attention_query_block(H // Hkv, T, D)
     out = torch.full_like(q, float("nan"))
     rows = B if splits > 1 else 1
     part = torch.full((rows, splits, T * H, D), float("nan"))

@@ -152,3 +152,17 @@ def test_tensor_cores_reject_layouts_they_cannot_run(bad):
     params = dict(Hk=16, Hv=32, cap=24, T_new=5, tensor_cores=1) | bad
     with pytest.raises(ValueError, match="tensor"):
         gdn_buffered(**params)
+
+
+def test_artifact_keys_hash_every_module_the_templates_import():
+    """An edit to a runtime module a template imports (a floor, a block rule) must give new artifacts,
+    so the source digest covers each of them."""
+    import re
+    from pathlib import Path
+
+    from kvbuffer.autotune.registry import TEMPLATE_IMPORTS
+
+    tiles = Path(__file__).resolve().parents[2] / "tiles"
+    imported = {"kvbuffer." + m for f in tiles.glob("*.py")
+                for m in re.findall(r"^\s*from \.\.([\w.]+) import", f.read_text(), re.M)}
+    assert imported and imported <= set(TEMPLATE_IMPORTS)
