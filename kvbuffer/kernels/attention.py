@@ -85,11 +85,16 @@ def _check_inputs(op: CompiledOp, q, k_cache, v_cache, slots, cached, checked: b
         check_contiguous(name, t)
     if checked and B:  # these read the device back
         check_slots("slots", slots, B, k_cache.shape[0], dev)
-        real = slots >= 0
-        if bool((real & ((cached < 0) | (cached + p["T"] > k_cache.shape[1]))).any()):
-            raise ShapeError(f"cached + T must lie in [T, max_len={k_cache.shape[1]}] for every real row "
-                             f"(T={p['T']}), got cached {cached.tolist()}")
+        check_cached_range(slots, cached, p["T"], k_cache.shape[1])
     return B
+
+
+def check_cached_range(slots, cached, T: int, max_len: int) -> None:
+    """Every real row's T new tokens must lie in its cache: 0 <= cached, cached + T <= max_len (reads
+    the device back)."""
+    if bool(((slots >= 0) & ((cached < 0) | (cached + T > max_len))).any()):
+        raise ShapeError(f"cached + T must lie in [T, max_len={max_len}] for every real row (T={T}), "
+                         f"got cached {cached.tolist()}")
 
 
 def attention_decode(op: CompiledOp, combine: CompiledOp | None, q, k_cache, v_cache, slots, cached, scale: float,

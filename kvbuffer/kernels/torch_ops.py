@@ -46,7 +46,7 @@ from ..reference import core as ref_core
 from ..reference import gdn as ref_gdn
 from ..reference import mamba2 as ref_mamba2
 from . import launch
-from .attention import attention_batch_checks, attention_reference
+from .attention import attention_batch_checks, attention_reference, check_cached_range
 from .keys import CONV_UPDATE_KINDS
 
 
@@ -242,6 +242,7 @@ def attention_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     0 .. cached[b] + t -> (B, T, H, D); slot -1 rows give zeros."""
     _meta_checks("attention_decode", dict(q=q, k_cache=k_cache, v_cache=v_cache, slots=slots, cached=cached))
     check_slots("slots", slots, q.shape[0], k_cache.shape[0], k_cache.device)
+    check_cached_range(slots, cached, q.shape[1], k_cache.shape[1])
     return attention_reference(q, k_cache, v_cache, slots, cached, scale).contiguous()
 
 

@@ -235,7 +235,9 @@ def test_reference_matches_the_torch_window_path_of_the_runtime():
     (dict(cached=torch.zeros(2, dtype=torch.int32)), ShapeError, "slots and cached"),
     (dict(slots=torch.tensor([4, -1, 7], dtype=torch.int32)), SlotError, "slots holds slot 7"),
     (dict(slots=torch.tensor([0, 1, 2], dtype=torch.int32, device="meta")), DeviceError, "slots is on meta"),
-], ids=["T9", "heads", "v_cache", "cached", "slot-range", "meta"])
+    (dict(cached=torch.tensor([ML, 0, 0], dtype=torch.int32)), ShapeError, "cached \\+ T must lie"),
+    (dict(cached=torch.tensor([-1, 0, 0], dtype=torch.int32)), ShapeError, "cached \\+ T must lie"),
+], ids=["T9", "heads", "v_cache", "cached", "slot-range", "meta", "past-max-len", "negative"])
 def test_op_refuses_bad_calls(spoil, error, match):
     a = _args(**spoil)
     with pytest.raises(error, match=match):
