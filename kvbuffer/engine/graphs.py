@@ -77,9 +77,11 @@ class StepInputs:
         self.host = torch.zeros(fields, max_rows, dtype=torch.long, pin_memory=pin)
         self.device = torch.zeros(fields, max_rows, dtype=torch.long, device=device)
         self._copied = torch.cuda.Event() if pin else None
-        self.picked = torch.zeros(max_rows, dtype=torch.long, device=device)  # the last greedy picks
-        self._picked_host = [torch.zeros(max_rows, dtype=torch.long, pin_memory=pin) for _ in range(2)]
-        self._picks = 0
+        decode = tokens == 1  # only a decode step's inputs take picks
+        self.picked = torch.zeros(max_rows if decode else 0, dtype=torch.long, device=device)  # the last picks
+        self._picked_host = [torch.zeros(max_rows if decode else 0, dtype=torch.long, pin_memory=pin)
+                             for _ in range(2)]
+        self._picks, self._picked_rows = 0, 0
 
     def upload(self, columns: list[list[int]], rows: int, feed: list[int] | None = None) -> torch.Tensor:
         """columns: step_columns' lists, n <= rows entries each; rows - n padding rows follow.
@@ -95,6 +97,8 @@ class StepInputs:
         if feed is not None and (self.tokens != 1 or len(feed) != n):
             raise ValueError(f"feed: one index per row of a one-token forward, got {len(feed)} for {n} rows "
                              f"of {self.tokens} token(s)")
+        if feed is not None and max(feed, default=-1) >= self._picked_rows:
+            raise ValueError(f"feed: index {max(feed)} past the last pick_greedy's {self._picked_rows} rows")
         if self._copied is not None:
             self._copied.synchronize()  # the previous copy has read the staging buffer
         self.host[:-1, :n] = torch.tensor(columns, dtype=torch.long)
@@ -117,7 +121,10 @@ class StepInputs:
         """argmax of each row of logits (n, vocab) into `picked`, for the next upload's feed, and on
         its way to the host; nothing waits for it here."""
         n = logits.shape[0]
+        if self.tokens != 1:
+            raise ValueError(f"pick_greedy serves one-token (decode) forwards, not {self.tokens}-token ones")
         torch.argmax(logits, dim=-1, out=self.picked[:n])
+        self._picked_rows = n
         host = self._picked_host[self._picks % 2][:n]  # two: the host may still read the last one
         self._picks += 1
         host.copy_(self.picked[:n], non_blocking=True)

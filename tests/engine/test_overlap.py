@@ -95,6 +95,10 @@ def test_feed_takes_tokens_from_the_last_picks():
         inputs.upload(cols, 4, feed=[0])
     with pytest.raises(ValueError, match="feed: one index per row"):
         StepInputs(8, torch.device("cpu"), tokens=2).upload([[0]] * 7, 1, feed=[0])
+    with pytest.raises(ValueError, match="feed: index 3 past the last pick_greedy's 3 rows"):
+        inputs.upload(cols, 4, feed=[-1, 3, 0])
+    with pytest.raises(ValueError, match="feed: index 0 past the last pick_greedy's 0 rows"):
+        StepInputs(8, torch.device("cpu")).upload(cols, 3, feed=[0, -1, -1])
 
 
 def test_rows_ending_by_length_are_not_fed_again():
