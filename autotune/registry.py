@@ -16,7 +16,8 @@ Registered now, per layout: the decode kernels of tiles/gdn.py and tiles/mamba2.
 with the flush fused at C, stand-alone flush), the prefill chunks the engine cuts prompts into
 (T = 8, 4, 2 tokens, flush fused at C) and the verify of T drafts plus the last token; the
 recurrent step once. The short conv's kernels are in kvbuffer.autotune.conv_templates (family
-"conv1d"), decode attention's in kvbuffer.autotune.attention_templates (family "attention"). TileLang and torch are imported only inside the callables.
+"conv1d"), decode attention's in kvbuffer.autotune.attention_templates (family "attention").
+TileLang and torch are imported only inside the callables.
 """
 
 from __future__ import annotations

@@ -96,72 +96,71 @@ def ensure_kernels(key: KernelKey, conv_dtype: str) -> str | None:
     everything the engine launches (kvbuffer.runtime.backend.needed_kernels). The short conv runs
     in the model's own dtype, `conv_dtype` (the linear kernels run fp32 models in bf16).
     """
-    from ..gpus import detect_local_gpu
-
-    gpu = detect_local_gpu()
-    if gpu is None:
-        return "no CUDA GPU here to build kernels for"
-    command = tune_command(key, gpu.name)
-    if not enabled():
-        return f"no compiled kernels for this model on {gpu.name} ({SWITCH}=0); build them with `{command}`"
-    problem = build_problem()
-    if problem is not None:
-        return f"no compiled kernels for this model on {gpu.name}; {problem}; then `{command}` builds them"
-    build(key, conv_dtype, gpu, command)
-    return None
+    where, why = _local_build(key, "kernels for this model")
+    if why is None:
+        build(key, conv_dtype, *where)
+    return why
 
 
 def ensure_attention_kernels(key: KernelKey, stream=None) -> str | None:
     """Build the attention shape of `key` (a decode kernel's) for the local GPU: the decode step and
     its combine, and for T > 1 the verify pair of T - 1 drafts, untuned. None once built, else one
     line saying why not and what to run."""
+    where, why = _local_build(key, "attention kernels")
+    if why is None:
+        from ..autotune import tuner
+
+        gpu, command = where
+        drafts = key.layouts()[0][1]
+        req = tuner.TuneRequest(gpu, key.record_shapes()[0], (1,), tuner.BATCH_BUCKETS, (0, drafts) if drafts else (0,))
+        _build_untuned([(req, "attention")], "attention kernels", gpu, command, stream)
+    return why
+
+
+def _local_build(key: KernelKey, what: str):
+    """((local GPU, the command that builds `key`), None) when `what` can be built here, else
+    (None, one line saying why not and what to run)."""
     from ..gpus import detect_local_gpu
 
     gpu = detect_local_gpu()
     if gpu is None:
-        return "no CUDA GPU here to build kernels for"
+        return None, "no CUDA GPU here to build kernels for"
     command = tune_command(key, gpu.name)
     if not enabled():
-        return f"no compiled attention kernels on {gpu.name} ({SWITCH}=0); build them with `{command}`"
+        return None, f"no compiled {what} on {gpu.name} ({SWITCH}=0); build them with `{command}`"
     problem = build_problem()
     if problem is not None:
-        return f"no compiled attention kernels on {gpu.name}; {problem}; then `{command}` builds them"
-    from ..autotune import tuner
-    from ..autotune.cache import ArtifactCache
-    from ..autotune.progress import KernelProgress
-    from ..autotune.registry import templates
-
-    stream = stream or sys.stderr
-    drafts = key.layouts()[0][1]
-    req = tuner.TuneRequest(gpu, key.record_shapes()[0], (1,), tuner.BATCH_BUCKETS, (0, drafts) if drafts else (0,))
-    tpls = templates("attention")
-    cache = ArtifactCache()
-    total = len(tuner.plan(tpls, req.chunk_sizes, req.draft_tokens))
-    stream.write(f"kvbuffer: building the {total} attention kernels this model needs for the {gpu.name} once, "
-                 f"with untuned defaults, into {cache.root}; `{command}` measures the fastest\n")
-    with KernelProgress(total, stream) as bar:
-        tuner.build_untuned(cache, req, tpls, progress=bar.done, on_start=bar.start)
-    return None
+        return None, f"no compiled {what} on {gpu.name}; {problem}; then `{command}` builds them"
+    return (gpu, command), None
 
 
 def build(key: KernelKey, conv_dtype: str, gpu, command: str, stream=None) -> None:
     """Compile `key`'s head shape and its short conv for `gpu` into the artifact cache, untuned."""
     from ..autotune import tuner
-    from ..autotune.cache import ArtifactCache
     from ..autotune.models import conv_shape
+
+    shape = key.record_shapes()[0]
+    chunk, drafts = key.layouts()[0]
+    requests = [(tuner.TuneRequest(gpu, s, (chunk,), tuner.BATCH_BUCKETS, (0, drafts) if drafts else (0,)),
+                 s["family"]) for s in (shape, conv_shape({**shape, "dtype": conv_dtype}))]
+    _build_untuned(requests, "kernels", gpu, command, stream)
+
+
+def _build_untuned(requests, what: str, gpu, command: str, stream=None) -> None:
+    """Build each (TuneRequest, template family) untuned into the artifact cache, with one line
+    saying so and one progress bar."""
+    from ..autotune import tuner
+    from ..autotune.cache import ArtifactCache
     from ..autotune.progress import KernelProgress
     from ..autotune.registry import templates
 
     stream = stream or sys.stderr
-    shape = key.record_shapes()[0]
-    chunk, drafts = key.layouts()[0]
     cache = ArtifactCache()
-    requests = [(tuner.TuneRequest(gpu, s, (chunk,), tuner.BATCH_BUCKETS, (0, drafts) if drafts else (0,)),
-                 templates(s["family"])) for s in (shape, conv_shape({**shape, "dtype": conv_dtype}))]
-    total = sum(len(tuner.plan(tpls, req.chunk_sizes, req.draft_tokens)) for req, tpls in requests)
-    stream.write(f"kvbuffer: building the {total} kernels this model needs for the {gpu.name} once, with "
+    found = [(req, templates(family)) for req, family in requests]
+    total = sum(len(tuner.plan(tpls, req.chunk_sizes, req.draft_tokens)) for req, tpls in found)
+    stream.write(f"kvbuffer: building the {total} {what} this model needs for the {gpu.name} once, with "
                  f"untuned defaults, into {cache.root} (later runs load them); `{command}` measures the "
                  "fastest\n")
     with KernelProgress(total, stream) as bar:
-        for req, tpls in requests:
+        for req, tpls in found:
             tuner.build_untuned(cache, req, tpls, progress=bar.done, on_start=bar.start)
