@@ -135,7 +135,8 @@ def all_steps_rate(stats) -> float:
 _CLASSES = (  # first match wins; names lower-cased
     ("gemm", ("gemm", "gemv", "cutlass", "cublas", "nvjet", "xmma", "splitkreduce", "matmul")),
     ("attention", ("flash", "fmha", "attention", "sdpa", "efficient_attention")),
-    ("state", ("gdn", "mamba", "linear_decode", "conv1d", "flush", "buffered", "recurrent", "verify")),
+    ("state", ("gdn", "mamba", "linear_decode", "conv1d", "flush", "buffered", "recurrent", "verify",
+               "selective_scan")),
 )
 
 
@@ -242,13 +243,19 @@ def _skipped(mode, model) -> bool:
 
 
 def _decode_row(llm, prompts, *, device, new_tokens) -> dict:
+    """Start-up is reported beside the rates: `warmup_s` is the first call (kernels loaded, and with
+    compile the first compilation), `first_step_s` the measured run's first decode step (its graph
+    captured, with compile a recompilation for the batch's shapes); both are one-off costs."""
+    t0 = time.perf_counter()
     llm.generate(prompts[:1], max_new_tokens=2, stop_token_ids=[])  # warm-up: kernels loaded
     _sync(device)
+    warmup_s = time.perf_counter() - t0
     llm.generate(prompts, max_new_tokens=new_tokens, stop_token_ids=[])
     st = llm.last_stats
     secs, _ = _warm_steps(st)
     med = statistics.median(secs)
-    return dict(decode_tokens_per_s=steady_rate(st), step_ms=1e3 * med,
+    return dict(decode_tokens_per_s=steady_rate(st), step_ms=1e3 * med, warmup_s=warmup_s,
+                first_step_s=st.step_seconds[0],
                 step_ms_mean=1e3 * sum(secs) / len(secs), steps=len(secs), peak_batch=st.peak_batch,
                 kernels=bool(llm.kernels), cuda_graphs=bool(llm.cuda_graphs and llm.runner.graphs.enabled),
                 compiled=llm.runner.compiled is not None)
@@ -265,8 +272,8 @@ def bench_decode(model, *, batches, modes=MODES, prompt_len=128, new_tokens=32, 
             llm = _engine(model, device=device, mode=mode, batch=B, max_len=prompt_len + new_tokens + 8,
                           chunk_size=chunk_size, kernels=kernels, cuda_graphs=cuda_graphs, compile=compile)
             row = dict(batch=B, mode=mode, **_decode_row(llm, prompts, device=device, new_tokens=new_tokens))
-            print(f"decode B={B:4d} {mode:9s} {row['decode_tokens_per_s']:10.1f} tok/s {row['step_ms']:8.2f} ms/step",
-                  flush=True)
+            print(f"decode B={B:4d} {mode:9s} {row['decode_tokens_per_s']:10.1f} tok/s {row['step_ms']:8.2f} ms/step"
+                  f" (start-up {row['warmup_s']:.1f} s + first step {row['first_step_s']:.1f} s)", flush=True)
             if B == profile_batch:
                 row["profile"] = profile_steps(llm, prompts, device=device)
                 print(format_profile(f"B={B} {mode}", row["profile"]), flush=True)

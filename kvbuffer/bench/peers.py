@@ -8,8 +8,11 @@ the engine's recurrent mode with their state updates:
   (-exp(A_log) * softplus(a + dt_bias)), beta's sigmoid and the q/k L2 norm in the kernel. Its API
   has no state index, so each step gathers the rows' states and scatters the final ones back.
 - Mamba-2: mamba_ssm's `selective_state_update`, in place through `state_batch_indices`, with the
-  per-head dt, A, D and dt_bias broadcast over the head dim (stride 0) as vLLM passes them. The state
-  pool is kvbuffer's (H, N, P) layout, handed over transposed (the kernel takes any strides).
+  per-head dt, A, D and dt_bias broadcast over the head dim (stride 0) as vLLM passes them. Its states
+  are kept in its own (H, P, N) layout, as vLLM keeps them (handed kvbuffer's (H, N, P) layout
+  transposed, its loads are strided and it runs ~2x slower): each state slot's memory is read as
+  (H, P, N). In recurrent mode every state access (prefill, decode, verify) goes through
+  `recurrent_step`, so the pool is only ever read that way; states are copied whole otherwise.
 - Speculative decoding: the engine's recurrent verify, one state written per fed token (what
   SGLang and vLLM keep), each step on the kernels above.
 
@@ -17,6 +20,9 @@ Padding rows (slot -1) read and write one reserved state slot, the pool's last (
 pad slot the same way): build the engine with max_states = max_batch + 1 (`reserve_pad_slot`). The
 short conv, flushes and everything else stay kvbuffer's. A missing package makes `load_peers`
 return None for that family; the benchmark skips its rows with one line.
+
+Under torch.compile the peers' updates are one custom op (`kvbuffer_bench::peer_recurrent_step`), as
+servers register theirs: the compiled step keeps the glue around them fused, with no graph break.
 """
 
 from __future__ import annotations
@@ -25,7 +31,7 @@ import logging
 
 import torch
 
-from ..runtime.backend import KernelBackend, LinearInputs
+from ..runtime.backend import GDNInputs, KernelBackend, LinearInputs, Mamba2Inputs
 
 log = logging.getLogger("kvbuffer")
 
@@ -53,6 +59,46 @@ def reserve_pad_slot(max_batch: int) -> int:
     return max_batch + 1
 
 
+_UPDATES: dict[int, dict] = {}  # id(PeersBackend) -> its updates, for the custom op to call
+
+
+@torch.library.custom_op("kvbuffer_bench::peer_recurrent_step", mutates_args=("state",))
+def peer_recurrent_step(backend: int, family: str, inputs: list[torch.Tensor], state: torch.Tensor,
+                        rows: torch.Tensor) -> torch.Tensor:
+    """One recurrent step of `family` on the peer kernel of PeersBackend `backend` (its id): the
+    LinearInputs' tensors, the layer's state pool, each row's state slot (padding: the pad slot)."""
+    step = _gdn if family == "gdn" else _mamba2
+    return step(_UPDATES[backend][family], inputs, state, rows)
+
+
+@peer_recurrent_step.register_fake
+def _(backend, family, inputs, state, rows):
+    fields = GDNInputs if family == "gdn" else Mamba2Inputs
+    return torch.empty_like(inputs[fields._fields.index(fields.output_like)])
+
+
+def _gdn(update, inputs, state, rows):
+    q, k, v, a, b = (t[:, None].contiguous() for t in inputs[:5])  # its kernel assumes dense (B, T, H, D)
+    A_log, dt_bias = inputs[5], inputs[6]
+    o, final = update(q, k, v, g=a, beta=b,
+                      initial_state=state.index_select(0, rows), output_final_state=True,
+                      use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True, A_log=A_log.float(),
+                      dt_bias=dt_bias.float(), use_beta_sigmoid_in_kernel=True)
+    state.index_copy_(0, rows, final.to(state.dtype))  # padding rows all land in the pad slot
+    return o[:, 0].to(v.dtype)
+
+
+def _mamba2(update, inputs, state, rows):
+    x, dt, A_log, dt_bias, B, C, D = inputs
+    H, P, N = x.shape[1], x.shape[2], B.shape[-1]
+    A = -torch.exp(A_log.float())[:, None, None].expand(H, P, N)
+    native = state.flatten(-2).unflatten(-1, (P, N))  # the slot's memory as mamba_ssm's (H, P, N) states
+    y = update(native, x, dt[..., None].expand(-1, -1, P), A, B, C,
+               D=D.float()[:, None].expand(H, P), dt_bias=dt_bias.float()[:, None].expand(H, P),
+               dt_softplus=True, state_batch_indices=rows.to(torch.int32))
+    return y.to(x.dtype)
+
+
 class PeersBackend(KernelBackend):
     """KernelBackend with the recurrent step on the peers' kernels; recurrent mode only.
 
@@ -64,37 +110,14 @@ class PeersBackend(KernelBackend):
     def __init__(self, gdn_update=None, mamba2_update=None):
         super().__init__()
         self.updates = {"gdn": gdn_update, "mamba2": mamba2_update}
+        self.key = id(self)  # a plain int: the compiled step passes it as a constant
+        _UPDATES[self.key] = self.updates
 
     def recurrent_step(self, inputs: LinearInputs, state, state_slots):
-        update = self.updates[inputs.family]
-        if update is None:
+        if self.updates[inputs.family] is None:
             raise ValueError(f"PeersBackend: no peer kernel for the {inputs.family} family (load_peers found none)")
         rows = torch.where(state_slots >= 0, state_slots, state.shape[0] - 1).long()  # padding -> the pad slot
-        step = self._gdn if inputs.family == "gdn" else self._mamba2
-        return step(update, inputs, state, rows)
-
-    @staticmethod
-    @torch.compiler.disable  # the peers' Triton wrappers run as they do in the servers: not traced
-    def _gdn(update, inputs, state, rows):
-        q, k, v, a, b = (t[:, None].contiguous() for t in inputs[:5])  # its kernel assumes dense (B, T, H, D)
-        A_log, dt_bias = inputs.A_log, inputs.dt_bias
-        o, final = update(q, k, v, g=a, beta=b,
-                          initial_state=state.index_select(0, rows), output_final_state=True,
-                          use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True, A_log=A_log.float(),
-                          dt_bias=dt_bias.float(), use_beta_sigmoid_in_kernel=True)
-        state.index_copy_(0, rows, final.to(state.dtype))  # padding rows all land in the pad slot
-        return o[:, 0].to(v.dtype)
-
-    @staticmethod
-    @torch.compiler.disable
-    def _mamba2(update, inputs, state, rows):
-        x, dt, A_log, dt_bias, B, C, D = inputs
-        H, P, N = x.shape[1], x.shape[2], B.shape[-1]
-        A = -torch.exp(A_log.float())[:, None, None].expand(H, P, N)
-        y = update(state.transpose(-1, -2), x, dt[..., None].expand(-1, -1, P), A, B, C,
-                   D=D.float()[:, None].expand(H, P), dt_bias=dt_bias.float()[:, None].expand(H, P),
-                   dt_softplus=True, state_batch_indices=rows.to(torch.int32))
-        return y.to(x.dtype)
+        return peer_recurrent_step(self.key, inputs.family, list(inputs), state, rows)
 
     def buffered_step(self, *args, **kwargs):
         raise ValueError("PeersBackend runs the recurrent scheme only: build the engine with mode='recurrent'")

@@ -121,3 +121,55 @@ def test_e2e_peers_rows(monkeypatch, capsys, found):
     assert [r["mode"] for r in rows] == (["recurrent", "peers"] if found == "standins" else ["recurrent"])
     if found == "missing":
         assert "peers: rows skipped (FLA (fla-core) could not be imported)" in capsys.readouterr().out
+
+
+def test_mamba2_peer_keeps_its_states_in_its_own_layout():
+    """selective_state_update gets each slot's memory as contiguous (H, P, N) states, as vLLM keeps
+    them (kvbuffer's (H, N, P) pool handed over transposed would make its loads strided)."""
+    from kvbuffer.runtime.backend import Mamba2Inputs
+
+    g = torch.Generator().manual_seed(0)
+    Bt, H, P, N, S = 3, 4, 6, 8, 5
+    x, dt = torch.randn(Bt, H, P, generator=g), torch.randn(Bt, H, generator=g)
+    Bm, Cm = torch.randn(Bt, 1, N, generator=g), torch.randn(Bt, 1, N, generator=g)
+    params = (torch.randn(H, generator=g), torch.randn(H, generator=g), torch.randn(H, generator=g))
+    state = torch.randn(S, H, N, P, generator=g)
+    before = state.clone()
+    seen = []
+
+    def update(s, *args, **kwargs):
+        seen.append((s.shape, s.is_contiguous()))
+        return ssu_standin(s, *args, **kwargs)
+
+    slots = torch.tensor([3, -1, 0], dtype=torch.int32)
+    y = PeersBackend(mamba2_update=update).recurrent_step(
+        Mamba2Inputs(x, dt, params[0], params[1], Bm, Cm, params[2]), state, slots)
+    assert seen == [(torch.Size([S, H, P, N]), True)]
+    native = before.flatten(-2).unflatten(-1, (P, N))
+    want = ssu_standin(native, x, dt[..., None].expand(-1, -1, P), -torch.exp(params[0])[:, None, None].expand(H, P, N),
+                       Bm, Cm, D=params[2][:, None].expand(H, P), dt_bias=params[1][:, None].expand(H, P),
+                       dt_softplus=True, state_batch_indices=torch.tensor([3, S - 1, 0], dtype=torch.int32))
+    torch.testing.assert_close(y, want)
+    torch.testing.assert_close(state.flatten(-2).unflatten(-1, (P, N)), native)
+
+
+@pytest.mark.parametrize("kind", ["qwen3_5", "nemotron_h"])
+def test_peers_backend_compiles_without_graph_breaks(kind):
+    """Under torch.compile the peers' update is one custom op: the compiled step has no graph break
+    and gives the uncompiled step's tokens."""
+    import torch._dynamo
+    from tests.support.tiny_models import tiny_model
+
+    from torch._dynamo.utils import counters
+
+    outs = []
+    for compile_ in (False, True):
+        torch._dynamo.reset()
+        counters.clear()
+        llm = LLM(tiny_model(kind), device="cpu", mode="recurrent", chunk_size=4, max_batch=4,
+                  max_states=reserve_pad_slot(4), compile=compile_)
+        llm.backend = llm.runner.backend = PeersBackend(fla_standin, ssu_standin)
+        outs.append([o.token_ids for o in llm.generate(PROMPTS, max_new_tokens=4, stop_token_ids=[])])
+        if compile_:
+            assert not counters["graph_break"], dict(counters["graph_break"])
+    assert outs[0] == outs[1]
