@@ -1,6 +1,8 @@
 """Building blocks shared by the model families: norms, MLPs, mixture of experts, rotary embedding.
 
-Attribute names follow transformers' so that checkpoint tensor names map one to one.
+Attribute names follow transformers' so that checkpoint tensor names map one to one, except
+where projections of one input are packed into one GEMM (PackedLinear: the loader packs the
+checkpoint's tensors, kvbuffer.models.loader.checkpoint_tensors names them back).
 """
 
 from __future__ import annotations
@@ -77,18 +79,42 @@ class GatedRMSNorm(nn.Module):
         return (h * F.silu(gate.float())).to(x.dtype)
 
 
+class PackedLinear(nn.Module):
+    """Projections of one input packed into one GEMM, its output split on the last dim (views).
+
+    Checkpoints keep the projections apart, as sibling tensors named by `parts` (q_proj, k_proj,
+    v_proj); the loader concatenates them (kvbuffer.models.loader). One GEMM instead of several saves
+    launches and lets the GEMM use wider tiles; in a Gated DeltaNet layer it takes the 32-wide b
+    and a projections, each a split-K GEMM with its own reduce, into the big one. Serving stacks pack
+    the same way (vLLM's QKVParallelLinear, MergedColumnParallelLinear)."""
+
+    def __init__(self, in_features: int, parts: dict[str, int], bias: bool = False):
+        super().__init__()
+        self.in_features = in_features
+        self.parts, self.sizes = tuple(parts), tuple(parts.values())
+        self.weight = nn.Parameter(torch.empty(sum(self.sizes), in_features))
+        self.bias = nn.Parameter(torch.empty(sum(self.sizes))) if bias else None
+        bound = in_features ** -0.5  # nn.Linear's default init, part by part alike
+        nn.init.uniform_(self.weight, -bound, bound)
+        if self.bias is not None:
+            nn.init.uniform_(self.bias, -bound, bound)
+
+    def forward(self, x) -> tuple[torch.Tensor, ...]:
+        return torch.split(F.linear(x, self.weight, self.bias), self.sizes, dim=-1)
+
+
 class GatedMLP(nn.Module):
-    """down(act(gate(x)) * up(x))."""
+    """down(act(gate(x)) * up(x)), gate and up in one GEMM."""
 
     def __init__(self, hidden: int, intermediate: int, act=F.silu):
         super().__init__()
-        self.gate_proj = nn.Linear(hidden, intermediate, bias=False)
-        self.up_proj = nn.Linear(hidden, intermediate, bias=False)
+        self.gate_up_proj = PackedLinear(hidden, {"gate_proj": intermediate, "up_proj": intermediate})
         self.down_proj = nn.Linear(intermediate, hidden, bias=False)
         self.act = act
 
     def forward(self, x):
-        return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = self.gate_up_proj(x)
+        return self.down_proj(self.act(gate) * up)
 
 
 def _grouped_ok(x: torch.Tensor, w: torch.Tensor) -> bool:

@@ -15,10 +15,11 @@ import torch
 
 from ..errors import CheckpointError
 from . import REGISTRY, supported_model_types
+from .layers import PackedLinear
 
 _PER_EXPERT = re.compile(r"^(.*\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
 
-__all__ = ["CheckpointError", "build_model", "load_checkpoint", "load_weights", "read_config"]
+__all__ = ["CheckpointError", "build_model", "checkpoint_tensors", "load_checkpoint", "load_weights", "read_config"]
 
 
 def read_config(path: str | Path) -> dict:
@@ -120,6 +121,40 @@ def _stack_experts(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return out
 
 
+def _packed(model):
+    """(path, PackedLinear, field, the parts' checkpoint names) for every packed tensor of `model`."""
+    for path, module in model.named_modules():
+        if isinstance(module, PackedLinear):
+            parent = path.rpartition(".")[0]
+            for field in ("weight", "bias") if module.bias is not None else ("weight",):
+                yield path, module, field, [f"{parent}.{part}.{field}".lstrip(".") for part in module.parts]
+
+
+def _pack_projections(model, mapped: dict[str, torch.Tensor]) -> None:
+    """Concatenate, in place in `mapped`, the checkpoint's separate projections (q_proj, k_proj,
+    v_proj, ...) into the model's PackedLinear tensors, each part checked against its own shape
+    first, so that an error names the checkpoint's tensor."""
+    for path, module, field, names in _packed(model):
+        missing = [n for n in names if n not in mapped]
+        if missing:
+            raise CheckpointError(f"checkpoint lacks {len(missing)} tensor(s), first: {missing[:3]}")
+        for n, size in zip(names, module.sizes):
+            want = (size, module.in_features) if field == "weight" else (size,)
+            if tuple(mapped[n].shape) != want:
+                raise CheckpointError(f"tensor {n}: checkpoint shape {tuple(mapped[n].shape)}, model expects {want}")
+        mapped[f"{path}.{field}".lstrip(".")] = torch.cat([mapped.pop(n) for n in names])
+
+
+def checkpoint_tensors(module) -> dict[str, torch.Tensor]:
+    """`module`'s parameters under the names a checkpoint gives them (relative to `module`): each
+    PackedLinear split back into its parts (views), the inverse of what load_weights packs."""
+    out = dict(module.named_parameters())
+    for path, packed, field, names in _packed(module):
+        whole = out.pop(f"{path}.{field}".lstrip("."))
+        out.update(zip(names, torch.split(whole, packed.sizes)))
+    return out
+
+
 def load_weights(model, tensors: dict[str, torch.Tensor]) -> None:
     """Copy checkpoint tensors into `model`; raise CheckpointError naming any mismatch."""
     mapped = {}
@@ -129,6 +164,7 @@ def load_weights(model, tensors: dict[str, torch.Tensor]) -> None:
         mapped[model.checkpoint_name(name)] = t
     if any(n.startswith("mtp.") for n in mapped) and getattr(model, "mtp", "absent") is None:
         model.attach_mtp()  # the checkpoint carries a multi-token-prediction head
+    _pack_projections(model, mapped)
     params = dict(model.named_parameters())
     tied = getattr(model.config, "tie_word_embeddings", False)
     if tied:

@@ -21,7 +21,7 @@ from torch import nn
 
 from ..pools import LinearLayerShape
 from ..runtime import mixing
-from .layers import cache_layout, fp32, rms_normalize, route_to_experts
+from .layers import PackedLinear, cache_layout, fp32, rms_normalize, route_to_experts
 
 MODEL_TYPES = ("nemotron_h",)
 
@@ -230,17 +230,13 @@ class Attention(nn.Module):
         super().__init__()
         self.cfg, self.attn_index = cfg, attn_index
         H, n, kv, d = cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
-        self.q_proj = nn.Linear(H, n * d, bias=False)
-        self.k_proj = nn.Linear(H, kv * d, bias=False)
-        self.v_proj = nn.Linear(H, kv * d, bias=False)
+        self.qkv_proj = PackedLinear(H, {"q_proj": n * d, "k_proj": kv * d, "v_proj": kv * d})
         self.o_proj = nn.Linear(n * d, H, bias=False)
 
     def forward(self, h, batch, caches):
         B, T, _ = h.shape
         d = self.cfg.head_dim
-        q = self.q_proj(h).view(B, T, -1, d)
-        k = self.k_proj(h).view(B, T, -1, d)
-        v = self.v_proj(h).view(B, T, -1, d)
+        q, k, v = (t.view(B, T, -1, d) for t in self.qkv_proj(h))
         o = mixing.attention(q, k, v, batch, caches, self.attn_index, d ** -0.5)
         return self.o_proj(o.reshape(B, T, -1))
 

@@ -13,7 +13,7 @@ from torch import nn
 
 from ..pools import LinearLayerShape
 from ..runtime import mixing
-from .layers import (GatedMLP, GatedRMSNorm, RMSNorm, SoftmaxTopKMoE, apply_rotary, cache_layout, fp32,
+from .layers import (GatedMLP, GatedRMSNorm, PackedLinear, RMSNorm, SoftmaxTopKMoE, apply_rotary, cache_layout, fp32,
                      rotary_cos_sin)
 
 MODEL_TYPES = ("qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text", "qwen3_next")
@@ -112,13 +112,10 @@ class GatedDeltaNetMixer(nn.Module):
         Kd, Vd, H = cfg.linear_key_head_dim, cfg.linear_value_head_dim, cfg.hidden_size
         self.fused_inputs = cfg.model_type == "qwen3_next"
         if self.fused_inputs:
-            self.in_proj_qkvz = nn.Linear(H, 2 * Hk * Kd + 2 * Hv * Vd, bias=False)
-            self.in_proj_ba = nn.Linear(H, 2 * Hv, bias=False)
+            parts = {"in_proj_qkvz": 2 * Hk * Kd + 2 * Hv * Vd, "in_proj_ba": 2 * Hv}
         else:
-            self.in_proj_qkv = nn.Linear(H, 2 * Hk * Kd + Hv * Vd, bias=False)
-            self.in_proj_z = nn.Linear(H, Hv * Vd, bias=False)
-            self.in_proj_b = nn.Linear(H, Hv, bias=False)
-            self.in_proj_a = nn.Linear(H, Hv, bias=False)
+            parts = {"in_proj_qkv": 2 * Hk * Kd + Hv * Vd, "in_proj_z": Hv * Vd, "in_proj_b": Hv, "in_proj_a": Hv}
+        self.in_proj = PackedLinear(H, parts)  # every input projection in one GEMM
         self.conv1d = nn.Conv1d(cfg.conv_dim, cfg.conv_dim, cfg.linear_conv_kernel_dim, groups=cfg.conv_dim, bias=False)
         self.dt_bias = nn.Parameter(torch.ones(Hv))
         self.A_log = nn.Parameter(torch.zeros(Hv))
@@ -131,13 +128,13 @@ class GatedDeltaNetMixer(nn.Module):
         Hk, Hv, Kd, Vd = c.linear_num_key_heads, c.linear_num_value_heads, c.linear_key_head_dim, c.linear_value_head_dim
         B, T, _ = x.shape
         if not self.fused_inputs:
-            z = self.in_proj_z(x).view(B, T, Hv, Vd)
-            return self.in_proj_qkv(x), z, self.in_proj_b(x), self.in_proj_a(x)
+            qkv, z, b, a = self.in_proj(x)
+            return qkv, z.view(B, T, Hv, Vd), b, a
         # Qwen3-Next packs [q, k, v, z] and [b, a] per key-head group
         r = Hv // Hk
-        qkvz = self.in_proj_qkvz(x).view(B, T, Hk, 2 * Kd + 2 * r * Vd)
-        q, k, v, z = torch.split(qkvz, [Kd, Kd, r * Vd, r * Vd], dim=-1)
-        b, a = torch.split(self.in_proj_ba(x).view(B, T, Hk, 2 * r), [r, r], dim=-1)
+        qkvz, ba = self.in_proj(x)
+        q, k, v, z = torch.split(qkvz.view(B, T, Hk, 2 * Kd + 2 * r * Vd), [Kd, Kd, r * Vd, r * Vd], dim=-1)
+        b, a = torch.split(ba.view(B, T, Hk, 2 * r), [r, r], dim=-1)
         qkv = torch.cat([q.reshape(B, T, -1), k.reshape(B, T, -1), v.reshape(B, T, -1)], dim=-1)
         return qkv, z.reshape(B, T, Hv, Vd), b.reshape(B, T, Hv), a.reshape(B, T, Hv)
 
@@ -161,9 +158,7 @@ class GatedAttention(nn.Module):
         super().__init__()
         self.cfg, self.attn_index = cfg, attn_index
         H, n, kv, d = cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
-        self.q_proj = nn.Linear(H, 2 * n * d, bias=False)
-        self.k_proj = nn.Linear(H, kv * d, bias=False)
-        self.v_proj = nn.Linear(H, kv * d, bias=False)
+        self.qkv_proj = PackedLinear(H, {"q_proj": 2 * n * d, "k_proj": kv * d, "v_proj": kv * d})  # q with its gate
         self.o_proj = nn.Linear(n * d, H, bias=False)
         self.q_norm = RMSNorm(d, cfg.rms_norm_eps, zero_centered=True)
         self.k_norm = RMSNorm(d, cfg.rms_norm_eps, zero_centered=True)
@@ -177,10 +172,11 @@ class GatedAttention(nn.Module):
         c = self.cfg
         B, T, _ = x.shape
         d = c.head_dim
-        q, gate = torch.chunk(self.q_proj(x).view(B, T, -1, 2 * d), 2, dim=-1)
+        q, k, v = self.qkv_proj(x)
+        q, gate = torch.chunk(q.view(B, T, -1, 2 * d), 2, dim=-1)
         q = self.q_norm(q)
-        k = self.k_norm(self.k_proj(x).view(B, T, -1, d))
-        v = self.v_proj(x).view(B, T, -1, d)
+        k = self.k_norm(k.view(B, T, -1, d))
+        v = v.view(B, T, -1, d)
         cos, sin = rope if rope is not None else self.rope(c, batch.positions, x.dtype)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         o = mixing.attention(q, k, v, batch, caches, self.attn_index, d ** -0.5)

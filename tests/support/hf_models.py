@@ -105,6 +105,7 @@ def add_mtp_head(path, seed: int = 0) -> None:
     from safetensors.torch import load_file, save_file
 
     from kvbuffer.models import REGISTRY
+    from kvbuffer.models.loader import checkpoint_tensors
 
     cfg_dict = json.loads((path / "config.json").read_text())
     config_cls, model_cls = REGISTRY[cfg_dict["model_type"]]
@@ -112,7 +113,7 @@ def add_mtp_head(path, seed: int = 0) -> None:
     model.attach_mtp()
     g = torch.Generator().manual_seed(seed)
     tensors = load_file(str(path / "model.safetensors"))
-    for name, p in model.mtp.named_parameters():
+    for name, p in sorted(checkpoint_tensors(model.mtp).items()):
         scale = 0.1 if p.dim() > 1 else 0.05
         base = torch.zeros_like(p) if p.dim() <= 1 else torch.zeros_like(p)
         tensors[f"mtp.{name}"] = (base + scale * torch.randn(p.shape, generator=g)).contiguous()

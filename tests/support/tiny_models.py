@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from kvbuffer.models.loader import build_model
+from kvbuffer.models.loader import build_model, checkpoint_tensors
 
 QWEN3_5 = dict(model_type="qwen3_5_text", vocab_size=97, hidden_size=64, num_attention_heads=4,
                num_key_value_heads=2, head_dim=16, intermediate_size=96, eos_token_id=None,
@@ -30,7 +30,7 @@ def tiny_model(kind: str, seed: int = 0, **overrides):
         model = build_model(dict(CONFIGS[kind], **overrides))
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
-        for name, p in sorted(model.named_parameters()):
+        for name, p in sorted(checkpoint_tensors(model).items()):  # by checkpoint name: packing changes no draw
             if name.endswith("dt_bias"):   # softplus(dt + dt_bias) ~ 0.05 .. 1: decays matter
                 p.copy_(torch.rand(p.shape, generator=g) * 3.5 - 3.0)
             elif p.dim() <= 1:
