@@ -27,7 +27,9 @@ servers register theirs: the compiled step keeps the glue around them fused, wit
 
 from __future__ import annotations
 
+import itertools
 import logging
+import weakref
 
 import torch
 
@@ -59,7 +61,8 @@ def reserve_pad_slot(max_batch: int) -> int:
     return max_batch + 1
 
 
-_UPDATES: dict[int, dict] = {}  # id(PeersBackend) -> its updates, for the custom op to call
+_UPDATES: dict[int, dict] = {}  # PeersBackend.key -> its updates, for the custom op to call
+_KEYS = itertools.count()  # never reused, unlike id(): a key names one backend for good
 
 
 @torch.library.custom_op("kvbuffer_bench::peer_recurrent_step", mutates_args=("state",))
@@ -92,7 +95,7 @@ def _mamba2(update, inputs, state, rows):
     x, dt, A_log, dt_bias, B, C, D = inputs
     H, P, N = x.shape[1], x.shape[2], B.shape[-1]
     A = -torch.exp(A_log.float())[:, None, None].expand(H, P, N)
-    native = state.flatten(-2).unflatten(-1, (P, N))  # the slot's memory as mamba_ssm's (H, P, N) states
+    native = state.view(*state.shape[:-2], P, N)  # the slot's memory as mamba_ssm's (H, P, N) states (never a copy)
     y = update(native, x, dt[..., None].expand(-1, -1, P), A, B, C,
                D=D.float()[:, None].expand(H, P), dt_bias=dt_bias.float()[:, None].expand(H, P),
                dt_softplus=True, state_batch_indices=rows.to(torch.int32))
@@ -110,8 +113,9 @@ class PeersBackend(KernelBackend):
     def __init__(self, gdn_update=None, mamba2_update=None):
         super().__init__()
         self.updates = {"gdn": gdn_update, "mamba2": mamba2_update}
-        self.key = id(self)  # a plain int: the compiled step passes it as a constant
+        self.key = next(_KEYS)  # a plain int: the compiled step passes it as a constant
         _UPDATES[self.key] = self.updates
+        weakref.finalize(self, _UPDATES.pop, self.key, None)
 
     def recurrent_step(self, inputs: LinearInputs, state, state_slots):
         if self.updates[inputs.family] is None:

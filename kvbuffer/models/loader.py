@@ -130,11 +130,19 @@ def _packed(model):
                 yield path, module, field, [f"{parent}.{part}.{field}".lstrip(".") for part in module.parts]
 
 
-def _pack_projections(model, mapped: dict[str, torch.Tensor]) -> None:
-    """Concatenate, in place in `mapped`, the checkpoint's separate projections (q_proj, k_proj,
-    v_proj, ...) into the model's PackedLinear tensors, each part checked against its own shape
-    first, so that an error names the checkpoint's tensor."""
+def _pack_projections(model, mapped: dict) -> None:
+    """Gather, in place in `mapped`, the checkpoint's separate projections (q_proj, k_proj, v_proj,
+    ...) under the name of the model's PackedLinear tensor they make up, as a list of parts that
+    load_weights copies into their slices (no concatenated copy: loading peaks no higher than before).
+    Each part is checked against its own shape first, so that an error names the checkpoint's tensor.
+    A checkpoint that holds the packed tensor itself (and none of its parts) is taken as it is."""
     for path, module, field, names in _packed(model):
+        packed = f"{path}.{field}".lstrip(".")
+        present = [n for n in names if n in mapped]
+        if packed in mapped:
+            if present:
+                raise CheckpointError(f"checkpoint has both {packed} and its part(s) {present[:3]}")
+            continue
         missing = [n for n in names if n not in mapped]
         if missing:
             raise CheckpointError(f"checkpoint lacks {len(missing)} tensor(s), first: {missing[:3]}")
@@ -142,7 +150,7 @@ def _pack_projections(model, mapped: dict[str, torch.Tensor]) -> None:
             want = (size, module.in_features) if field == "weight" else (size,)
             if tuple(mapped[n].shape) != want:
                 raise CheckpointError(f"tensor {n}: checkpoint shape {tuple(mapped[n].shape)}, model expects {want}")
-        mapped[f"{path}.{field}".lstrip(".")] = torch.cat([mapped.pop(n) for n in names])
+        mapped[packed] = [mapped.pop(n) for n in names]
 
 
 def checkpoint_tensors(module) -> dict[str, torch.Tensor]:
@@ -179,6 +187,10 @@ def load_weights(model, tensors: dict[str, torch.Tensor]) -> None:
     with torch.no_grad():
         for name, p in params.items():
             t = mapped[name]
+            if isinstance(t, list):  # a packed projection's parts, shapes checked by _pack_projections
+                for part, piece in zip(t, torch.split(p, [part.shape[0] for part in t])):
+                    piece.copy_(part.to(p.dtype))
+                continue
             if t.shape != p.shape:
                 # conv1d weights are stored (D, 1, W) by transformers and may come as (D, W)
                 if t.numel() == p.numel() and "conv1d" in name:

@@ -173,3 +173,17 @@ def test_peers_backend_compiles_without_graph_breaks(kind):
         if compile_:
             assert not counters["graph_break"], dict(counters["graph_break"])
     assert outs[0] == outs[1]
+
+
+def test_a_freed_peers_backend_leaves_no_entry_and_keys_are_never_reused():
+    import gc
+
+    from kvbuffer.bench import peers
+
+    a = PeersBackend(fla_standin, ssu_standin)
+    key = a.key
+    assert peers._UPDATES[key] is a.updates
+    del a
+    gc.collect()
+    assert key not in peers._UPDATES
+    assert PeersBackend().key != key

@@ -54,3 +54,20 @@ def test_a_missing_or_misshaped_part_is_named(kind):
     bad = dict(tensors, **{name: tensors[name][:-1]})
     with pytest.raises(CheckpointError, match=f"tensor {name.replace('.', '[.]')}: checkpoint shape"):
         load_weights(build_model(CONFIGS[kind]), bad)
+
+
+@pytest.mark.parametrize("kind", ["qwen3_5", "nemotron_h"])
+def test_a_checkpoint_holding_the_packed_tensor(kind):
+    """One that already holds the packed tensor loads as it is; one that holds it and a part is refused."""
+    model = tiny_model(kind)
+    path, parts = PACKED[kind]
+    tensors = {k: v.clone() for k, v in checkpoint_tensors(model).items()}
+    for part in parts:
+        tensors.pop(f"{path.rpartition('.')[0]}.{part}.weight")
+    tensors[f"{path}.weight"] = model.get_parameter(f"{path}.weight").detach().clone()
+    fresh = build_model(CONFIGS[kind])
+    load_weights(fresh, tensors)
+    assert torch.equal(fresh.get_parameter(f"{path}.weight"), model.get_parameter(f"{path}.weight"))
+    both = dict(checkpoint_tensors(model), **{f"{path}.weight": tensors[f"{path}.weight"]})
+    with pytest.raises(CheckpointError, match=f"both {path.replace('.', '[.]')}[.]weight and its part"):
+        load_weights(build_model(CONFIGS[kind]), both)
