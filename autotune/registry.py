@@ -50,14 +50,15 @@ class Template:
     uses_chunk: bool = True   # False: one kernel serves every chunk size (stored with chunk_size 0)
     tolerance: float = 2e-2   # relative error (vs the fp32 reference) a variant may have
     min_chunk: int = 1        # smallest chunk size the kernel makes sense for (a T-token chunk needs C >= T)
-    fitted: Callable[[Mapping], Mapping] | None = field(default=None, repr=False)  # shape -> defaults
+    fitted: Callable[[Mapping, int], Mapping] | None = field(default=None, repr=False)  # (shape, drafts) -> defaults
     layouts: bool = False     # build / make_inputs take drafts=T (buffers of C + T + 1 entries)
     min_drafts: int = 0       # 1: only speculative decoding launches it (the verify)
 
-    def defaults_for(self, shape: Mapping) -> dict:
-        """The untuned tunables for one head shape: `fitted(shape)` where the template narrows its
-        measured best to the head dims, else the fixed `defaults`."""
-        return dict(self.fitted(shape) if self.fitted else self.defaults)
+    def defaults_for(self, shape: Mapping, drafts: int = 0) -> dict:
+        """The untuned tunables for one head shape and buffer layout: `fitted(shape, drafts)` where the
+        template narrows its measured best to the head dims (and the tokens per row), else the fixed
+        `defaults`."""
+        return dict(self.fitted(shape, drafts) if self.fitted else self.defaults)
 
     def drafts_for(self, draft_tokens) -> list[int]:
         """The buffer layouts (draft counts) to build this kernel for: 0 alone unless it depends on them."""
@@ -260,12 +261,13 @@ def _family_templates(f: _Family) -> list[Template]:
                         target)
 
     defaults = builder_defaults(f.buffered, f.tunables)
-    fitted = lambda shape: f.tiles.default_buffered_tunables(shape["K"], shape["V"])  # noqa: E731
+    def fitted(T: int | None):  # the JIT's tunables for the same kernel (kvbuffer.kernels.lookup.jit_tunables)
+        return lambda shape, drafts: f.tiles.default_buffered_tunables(shape["K"], shape["V"], T or drafts + 1)
     folding = _buffered_reference(f.reference_module, f.front, f.first_pool, flush=True)
 
     def variant(name, T, fused, reference, **extra):
         return Template(f"{f.name}_{name}", f.name, buffered(T, fused), _offered(f.configs, T), defaults,
-                        _buffered_inputs(f.tokens, f.offset, T), reference, _run, src, fitted=fitted,
+                        _buffered_inputs(f.tokens, f.offset, T), reference, _run, src, fitted=fitted(T),
                         layouts=True, **extra)
 
     def recurrent(shape, chunk_size, *, target, **t):
@@ -295,10 +297,10 @@ def _offered(configs: Callable[[], list], T: int | None) -> Callable[[], list]:
     return lambda: [c for c in configs() if not c.get("tensor_cores")]
 
 
-def _value_tile_fitted(defaults: Mapping) -> Callable[[Mapping], dict]:
+def _value_tile_fitted(defaults: Mapping) -> Callable[[Mapping, int], dict]:
     """Defaults whose value tile BV is narrowed to the head's V (a tiny model's V = 16 < BV = 32),
-    as the JIT's tunables are (kvbuffer.kernels.lookup.jit_tunables)."""
-    return lambda shape: {**defaults, "BV": min(defaults["BV"], shape["V"])}
+    as the JIT's tunables are (kvbuffer.kernels.lookup.jit_tunables); the same for every layout."""
+    return lambda shape, drafts: {**defaults, "BV": min(defaults["BV"], shape["V"])}
 
 
 def gdn_templates() -> list[Template]:

@@ -99,7 +99,7 @@ def build_untuned(cache: ArtifactCache, req: TuneRequest, templates: Sequence[Te
     results = []
     for tpl, chunk, drafts in plan(templates, req.chunk_sizes, req.draft_tokens):
         on_start(label(tpl, chunk, drafts))
-        defaults = tpl.defaults_for(req.shape)
+        defaults = tpl.defaults_for(req.shape, drafts)
         key = _key(req, tpl, chunk, defaults, drafts)
         t0 = time.perf_counter()
         reused = cache.has(key)

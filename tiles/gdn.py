@@ -50,9 +50,20 @@ _BUFFERED_CONFIGS = ((128, 128, 0), (128, 128, 3), SMALL_BATCH_CONFIGS[0], (64, 
 BUFFERED_BEST = {"BV": 128, "threads": 128, "blocks": 3}
 
 
-def default_buffered_tunables(K: int = 128, V: int = 128) -> dict:
-    """The tunables an untuned (JIT) buffered kernel gets: BUFFERED_BEST where the head dims allow."""
-    return fitted_tunables(K, V, BUFFERED_BEST)
+# Tokens per row at which an untuned kernel runs the S0 products on tensor cores (the 8-token prefill
+# chunk, a verify of 7 drafts): on the H200 that was faster than CUDA cores at every batch from 1 to
+# 1024, while for 5 tokens it lost from B = 16 on (benchmarks/results/gdn_variants_*); the MMA takes at
+# most 8 tokens.
+TENSOR_CORE_TOKENS = 8
+
+
+def default_buffered_tunables(K: int = 128, V: int = 128, T: int = 1) -> dict:
+    """The tunables an untuned (JIT) buffered kernel of T tokens per row gets: BUFFERED_BEST where the
+    head dims allow, with its S0 products on tensor cores at T = TENSOR_CORE_TOKENS."""
+    best = fitted_tunables(K, V, BUFFERED_BEST)
+    if T == TENSOR_CORE_TOKENS and best == BUFFERED_BEST:
+        return best | {"tensor_cores": 1}
+    return best
 
 
 # (BV, blocks) of the tensor-core layout (threads = BV, a warp per 32 columns; tiles.simt_parts.mma_layout):

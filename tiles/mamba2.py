@@ -40,8 +40,9 @@ def mamba2_recurrent(G: int, H: int, N: int = 128, P: int = 64, *, BV: int = 32,
 BUFFERED_BEST = {"variant": "simt", "BV": 64, "threads": 64, "blocks": 6}
 
 
-def default_buffered_tunables(N: int = 128, P: int = 64) -> dict:
-    """The tunables an untuned (JIT) buffered kernel gets: BUFFERED_BEST where the head dims allow."""
+def default_buffered_tunables(N: int = 128, P: int = 64, T: int = 1) -> dict:
+    """The tunables an untuned (JIT) buffered kernel gets: BUFFERED_BEST where the head dims allow, at
+    any T (tokens per row; Mamba-2 has no tensor-core variant to switch to)."""
     return fitted_tunables(N, P, BUFFERED_BEST)
 
 

@@ -128,23 +128,23 @@ def _load_artifact(key: KernelKey, shape: dict, template: str, batch: int) -> Co
     return _LOADED[name]
 
 
-def untuned_tunables(family: str, op: str, K: int, V: int) -> dict:
+def untuned_tunables(family: str, op: str, K: int, V: int, T: int = 1) -> dict:
     """The tunables a linear kernel gets when nothing was tuned (the JIT, and the kernel benchmarks
     without --configs).
 
-    Buffered kernels: the template's measured best, narrowed for small head dims
+    Buffered kernels of T tokens per row: the template's measured best, narrowed for small head dims
     (tiles.<family>.default_buffered_tunables). The recurrent step and the flush: BV = 32 (at most V).
     """
     if op == "buffered":
         tiles = importlib.import_module(f"kvbuffer.tiles.{family}")
-        return tiles.default_buffered_tunables(K, V)
+        return tiles.default_buffered_tunables(K, V, T)
     return {"BV": min(32, V), "threads": 128}
 
 
 def jit_tunables(key: KernelKey) -> dict:
     """untuned_tunables for the kernel `key` names."""
     dims = key.dims.record_fields()
-    return untuned_tunables(key.family, key.op, dims["K"], dims["V"])
+    return untuned_tunables(key.family, key.op, dims["K"], dims["V"], key.T)
 
 
 def jit(key: KernelKey) -> CompiledOp:

@@ -44,6 +44,10 @@ CASES = {  # name: (kernel params, fill, B, null state row, padding row)
                                                 tensor_cores=1), 0, 3, 1, 2),
     "tensor_cores_prefill2_small_heads": (dict(Hk=1, Hv=2, K=32, V=32, cap=9, T_new=2, flush_at=8, BV=32, threads=32,
                                                tensor_cores=1), 6, 3, None, 2),
+    # the untuned default at 8 tokens per row (tiles.gdn.TENSOR_CORE_TOKENS): an 8-token prompt chunk that fills
+    # the buffer and folds it, 16 MMA query rows
+    "tensor_cores_prefill8_fused_flush": (dict(Hk=2, Hv=4, cap=17, T_new=8, flush_at=16, BV=32, threads=32,
+                                               tensor_cores=1), 8, 3, None, 2),
 }
 # gate inputs a at the extremes (row, token): +inf, and 3e38 on consecutive tokens; the rows' buffers also hold
 # an earlier step at the clamp (G drops by 128 mid-buffer)

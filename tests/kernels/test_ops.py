@@ -190,6 +190,31 @@ def test_jit_tunables_are_the_measured_best_narrowed_for_small_heads():
     assert lookup.jit_tunables(key("mamba2", "recurrent", 64)) == {"BV": 32, "threads": 128}
 
 
+def test_untuned_eight_token_gdn_kernels_use_tensor_cores_and_tune_builds_the_same():
+    """At 8 tokens per row (a prompt chunk, a verify of 7 drafts) the untuned GDN kernel runs its S0
+    products on tensor cores, at full head dims only; `tune --build-only` records what the JIT compiles."""
+    from kvbuffer.autotune.registry import gdn_templates, mamba2_templates
+
+    def key(family, T, v=128, C=8):
+        dims = (GDNDims if family == "gdn" else Mamba2Dims)(2, 4, 128, v)
+        return KernelKey(family, "buffered", dims, "bfloat16", "bfloat16", cap=24, T=T, C=C)
+
+    assert lookup.jit_tunables(key("gdn", 8)) == {"BV": 128, "threads": 128, "blocks": 3, "tensor_cores": 1}
+    assert lookup.jit_tunables(key("gdn", 8, C=0)) == {"BV": 128, "threads": 128, "blocks": 3, "tensor_cores": 1}
+    for T in (1, 2, 4, 5):
+        assert "tensor_cores" not in lookup.jit_tunables(key("gdn", T))
+    assert "tensor_cores" not in lookup.jit_tunables(key("gdn", 8, v=64))  # a narrowed tile keeps CUDA cores
+    assert "tensor_cores" not in lookup.jit_tunables(key("mamba2", 8, v=64))
+    shape = {"family": "gdn", "Hk": 16, "Hv": 32, "K": 128, "V": 128, "dtype": "bfloat16"}
+    by_name = {t.name: t for t in gdn_templates()}
+    assert by_name["gdn_prefill_chunk8"].defaults_for(shape) == lookup.jit_tunables(key("gdn", 8))
+    assert by_name["gdn_verify"].defaults_for(shape, drafts=7) == lookup.jit_tunables(key("gdn", 8, C=0))
+    assert by_name["gdn_verify"].defaults_for(shape, drafts=4) == lookup.jit_tunables(key("gdn", 5, C=0))
+    nano = {"family": "mamba2", "Hk": 8, "Hv": 64, "K": 128, "V": 64, "dtype": "bfloat16"}
+    for tpl in mamba2_templates():
+        assert "tensor_cores" not in tpl.defaults_for(nano, drafts=7), tpl.name
+
+
 def test_importing_ops_does_not_import_tilelang():
     code = "import sys, kvbuffer.ops, kvbuffer.runtime.backend; print('tilelang' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
