@@ -70,6 +70,10 @@ def serve(model, preset, host, port, served_model_name, mode, chunk_size, max_ba
               max_batch=max_batch, max_states=max_states, max_len=max_len, max_prefill_tokens=max_prefill_tokens,
               speculative={"method": speculative, "num_draft_tokens": draft_tokens} if speculative else None,
               cuda_graphs="auto" if cuda_graphs else False, compile=compile_)
+    if llm.compiled:  # compile now, not in the middle of the first requests (LLM.warm_up)
+        click.echo("kvbuffer serve: compiling the decode step before serving (about a minute per shape kind)",
+                   err=True)
+        llm.warm_up()
     metrics = ServerMetrics()
     app = build_app(AsyncEngine(llm, max_waiting=max_waiting, metrics=metrics), name, metrics)
     click.echo(f"kvbuffer serve: {name} (mode={mode}, device={llm.device}, max_batch={max_batch}, "

@@ -24,6 +24,7 @@ log = logging.getLogger("kvbuffer")
 ROW_FIELDS = ("positions", "slots", "state_slots", "lengths", "cached")  # one integer per row each
 _ROW_PADDING = (0, -1, -1, 0, 0)  # a padding row: slot -1 everywhere, nothing read or written
 FIELDS = ("ids",) + ROW_FIELDS  # the decode step's columns (one token per row)
+CONTEXT_BUCKET = 256  # attention windows are captured in multiples of this many positions
 PREFILL_GRAPH_TOKENS = 256  # prefill chunks of more tokens run eagerly: their launches are not what they wait on
 
 
@@ -38,8 +39,8 @@ def row_bucket(n: int, limit: int) -> int:
 
 
 def context_bucket(n: int, limit: int) -> int:
-    """Attention window a graph is captured for: a multiple of 256 positions, at most max_len."""
-    return min(-(-n // 256) * 256, limit)
+    """Attention window a graph is captured for: a multiple of CONTEXT_BUCKET positions, at most max_len."""
+    return min(-(-n // CONTEXT_BUCKET) * CONTEXT_BUCKET, limit)
 
 
 def step_columns(ids: list[list[int]], positions, slots, state_slots, lengths, cached) -> list[list[int]]:

@@ -24,6 +24,7 @@ from ..runtime.batch import MODES
 from ..runtime.caches import CacheSpec
 from .request import Request
 from .compiled import use_compile
+from .graphs import CONTEXT_BUCKET, context_bucket
 from .runner import ModelRunner
 from .sampling import SamplingParams, sample_rows, sample_token, token_logprob
 from .scheduler import Scheduler
@@ -268,6 +269,17 @@ class LLM:
         self.last_stats = stats
         return [GenerationOutput(r.prompt, r.output, r.finish_reason, self._decode_text(r.output), r.logits)
                 for r in reqs]
+
+    def warm_up(self) -> None:
+        """Compile and capture the decode step before the first request: a server that starts compiled
+        otherwise stalls the running requests for a recompilation (about 45 s for a 9B model on an
+        H200) the first time its batch grows past one row and the first time a context passes 256
+        tokens. Runs decode forwards of padding rows only (rows 1 and 2, two context buckets);
+        without compile it only captures those CUDA graphs. Speculative verify forwards are not
+        warmed."""
+        spec = self.runner.spec
+        windows = sorted({context_bucket(1, spec.max_len), context_bucket(CONTEXT_BUCKET + 1, spec.max_len)})
+        self.runner.warm_up([n for n in (1, 2) if n <= spec.max_requests], windows)
 
     # the step-able engine ----------------------------------------------------------------------
     @functools.cached_property

@@ -210,6 +210,19 @@ class ModelRunner:
         return logits
 
     @torch.inference_mode()
+    def warm_up(self, rows: list[int], context_lens: list[int]) -> None:
+        """Decode forwards of padding rows only (they read and write nothing) for each row count and
+        context length: their CUDA graphs are captured and, with compile, their compilations made,
+        so the first real steps at those shapes wait for neither. Dynamo specialises a dimension of
+        1 and turns rows and the attention window dynamic once they change, so rows 1 and 2 at two
+        context buckets leave no compilation for later shapes."""
+        for n in rows:
+            columns = [[pad] * n for pad in self.inputs.padding]
+            for context_len in context_lens:
+                if self._replayed(self.graphs, columns, context_len) is None:
+                    self._decode_forward(self.inputs.upload(columns, n), context_len)
+
+    @torch.inference_mode()
     def pick_greedy(self, logits: torch.Tensor) -> PendingTokens:
         """The decode step's greedy tokens, left on the device for the next decode's feed and copied
         to the host without waiting."""

@@ -95,3 +95,34 @@ def test_compile_option_is_checked(ckpts):
     with pytest.raises(ValueError, match="compile must be True, False or 'auto'"):
         LLM(str(ckpts["qwen3_5_text"]), device="cpu", compile="yes")
     assert LLM(str(ckpts["qwen3_5_text"]), device="cpu").compiled is False  # the default is False
+
+
+@pytest.mark.parametrize("graphs", [False, True])
+@pytest.mark.parametrize("kind", ["qwen3_5", "nemotron_h"])
+def test_warm_up_writes_nothing_and_changes_no_output(kind, graphs):
+    """LLM.warm_up runs decode forwards of padding rows only (rows 1 and 2, two context buckets): every
+    cache tensor is bit for bit what it was, and the outputs that follow are the ones without it."""
+    from tests.support.tiny_models import tiny_model
+
+    prompts = [[3, 1, 4, 1, 5, 9, 2, 6], [7], [2, 7, 1, 8, 2, 8, 1, 8, 2, 8, 4, 5, 9]]
+
+    def llm():
+        engine = LLM(tiny_model(kind), device="cpu", chunk_size=4, max_batch=4, max_len=300)
+        if graphs:
+            engine.runner.use_graphs(True, capture=False)  # the padded, bucketed forwards a replay computes
+        return engine
+
+    want = [o.token_ids for o in llm().generate(prompts, max_new_tokens=8, stop_token_ids=[])]
+    warmed = llm()
+    before = {k: v.clone() for k, v in warmed.runner.caches.tensors().items()}
+    calls = []
+    forward = warmed.runner._decode_forward
+    warmed.runner._decode_forward = lambda view, window: calls.append((view.shape[1], window)) or forward(view, window)
+    if graphs:
+        warmed.runner.graphs.forward = warmed.runner._decode_forward
+    warmed.warm_up()
+    assert sorted(set(calls)) == [(1, 256), (1, 300), (2, 256), (2, 300)]
+    for name, t in warmed.runner.caches.tensors().items():
+        same = (t == before[name]) | (t.isnan() & before[name].isnan())
+        assert bool(same.all()), name
+    assert [o.token_ids for o in warmed.generate(prompts, max_new_tokens=8, stop_token_ids=[])] == want
