@@ -94,6 +94,28 @@ def test_compiled_step_matches_uncompiled(kind, mode):
 
 
 @pytest.mark.parametrize("kind", ["qwen3_5", "nemotron_h"])
+def test_warm_up_leaves_no_compilation_for_later_decode_steps(kind):
+    """After LLM.warm_up a compiled engine decodes batches of 1, 3 and 4 rows, with contexts past the
+    first 256-position bucket, without compiling again (Dynamo's graph count stays). That its padding
+    rows write nothing and change no output is checked on the CPU (tests/engine/test_graphs.py)."""
+    from torch._dynamo.utils import counters
+
+    from kvbuffer import LLM
+    from tests.support.tiny_models import tiny_model
+
+    torch._dynamo.reset()
+    long_prompts = [p * 24 for p in PROMPTS]  # 24-312 tokens: decode windows in both of the first buckets
+    llm = LLM(tiny_model(kind), device="cuda", dtype=torch.bfloat16, chunk_size=C, max_batch=4, max_len=400,
+              kernels=True, compile=True)
+    llm.warm_up()
+    compiled = counters["stats"]["unique_graphs"]
+    for batch in (long_prompts[:1], long_prompts, long_prompts + PROMPTS[:1]):
+        llm.generate(batch, max_new_tokens=6, stop_token_ids=[])
+    assert counters["stats"]["unique_graphs"] == compiled, "a decode step compiled after the warm-up"
+    assert llm.runner.compiled is not None, "compile fell back"
+
+
+@pytest.mark.parametrize("kind", ["qwen3_5", "nemotron_h"])
 def test_peers_backend_on_their_kernels_matches_recurrent(kind):
     """kvbuffer.bench.peers on FLA's / mamba_ssm's real kernels (CUDA graphs on, speculative too) vs
     kvbuffer's recurrent mode: logits within bf16 rounding, greedy tokens equal except near ties."""
