@@ -71,7 +71,7 @@ def serve(model, preset, host, port, served_model_name, mode, chunk_size, max_ba
               speculative={"method": speculative, "num_draft_tokens": draft_tokens} if speculative else None,
               cuda_graphs="auto" if cuda_graphs else False, compile=compile_)
     if llm.compiled:  # compile now, not in the middle of the first requests (LLM.warm_up)
-        click.echo("kvbuffer serve: compiling the decode step before serving (about a minute per shape kind)",
+        click.echo("kvbuffer serve: compiling the decode step before serving (minutes for a large model)",
                    err=True)
         llm.warm_up()
     metrics = ServerMetrics()
