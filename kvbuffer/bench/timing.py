@@ -97,8 +97,10 @@ def graph_median(fn: Callable[[int], object], sets: int, *, rotated_bytes: float
         fn(0)
     torch.cuda.current_stream().wait_stream(side)
     torch.cuda.synchronize()
+    from ..engine.graphs import collection_paused
+
     graph = torch.cuda.CUDAGraph()
-    with _ffi_follows(torch.cuda.graph(graph)):
+    with collection_paused(), _ffi_follows(torch.cuda.graph(graph)):
         for i in range(launches):
             fn(i % sets)
     graph.replay()  # the first replay uploads the graph

@@ -15,6 +15,8 @@ and a capture forbids reading the device back). Outputs of one replay are valid 
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import logging
 
 import torch
@@ -26,6 +28,22 @@ _ROW_PADDING = (0, -1, -1, 0, 0)  # a padding row: slot -1 everywhere, nothing r
 FIELDS = ("ids",) + ROW_FIELDS  # the decode step's columns (one token per row)
 CONTEXT_BUCKET = 256  # attention windows are captured in multiples of this many positions
 PREFILL_GRAPH_TOKENS = 256  # prefill chunks of more tokens run eagerly: their launches are not what they wait on
+
+
+@contextlib.contextmanager
+def collection_paused():
+    """Python's cycle collector off for the duration of a CUDA graph capture. Objects freed by the
+    collector mid-capture include other engines' graphs, whose destruction is an operation a
+    capturing stream forbids: it invalidates the capture (or aborts the process). torch no longer
+    collects before a capture, so an engine dropped before a new one is made (a test, a server that
+    reloads its model) otherwise breaks the new engine's captures."""
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            gc.enable()
 
 
 def row_bucket(n: int, limit: int) -> int:
@@ -195,7 +213,7 @@ class StepGraphs:
             self.forward(view, context_len, *extra)
         torch.cuda.current_stream().wait_stream(side)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool):
+        with collection_paused(), torch.cuda.graph(graph, pool=self.pool):
             out = self.forward(view, context_len, *extra)
         view.copy_(saved)
         log.info("kvbuffer: captured a graph for %d rows x %d tokens, context %d %s", view.shape[1],

@@ -126,3 +126,26 @@ def test_warm_up_writes_nothing_and_changes_no_output(kind, graphs):
         same = (t == before[name]) | (t.isnan() & before[name].isnan())
         assert bool(same.all()), name
     assert [o.token_ids for o in warmed.generate(prompts, max_new_tokens=8, stop_token_ids=[])] == want
+
+
+def test_collection_is_paused_during_a_capture_and_restored_after():
+    """The cycle collector is off inside collection_paused (a capture must not destroy other graphs),
+    back on after it, also when the capture raises, and left off when it was off."""
+    import gc
+
+    from kvbuffer.engine.graphs import collection_paused
+
+    assert gc.isenabled()
+    with collection_paused():
+        assert not gc.isenabled()
+    assert gc.isenabled()
+    with pytest.raises(RuntimeError), collection_paused():
+        raise RuntimeError("capture failed")
+    assert gc.isenabled()
+    gc.disable()
+    try:
+        with collection_paused():
+            pass
+        assert not gc.isenabled()
+    finally:
+        gc.enable()

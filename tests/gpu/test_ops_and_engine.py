@@ -283,6 +283,35 @@ def test_engine_decode_in_cuda_graphs_equals_eager(kind, mode):
     assert [g.token_ids for g in again] == [g.token_ids for g in got]
 
 
+def test_an_engine_collected_during_another_engines_capture_breaks_nothing():
+    """A dropped engine left in a reference cycle, collected while a new engine captures its graphs
+    (collection forced on every allocation): the old graphs' destruction must not land inside the
+    capture, so the new engine still captures, and decodes as an eager one does."""
+    import gc
+
+    from tests.support.tiny_models import tiny_model
+
+    from kvbuffer import LLM
+
+    kw = dict(device="cuda", dtype=torch.bfloat16, chunk_size=C, max_batch=4, kernels=True)
+    old = LLM(tiny_model("qwen3_5"), cuda_graphs=True, **kw)
+    old.generate(PROMPTS, max_new_tokens=4)
+    assert old.runner.graphs.graphs
+    cycle = [old]
+    cycle.append(cycle)
+    del old, cycle
+    want = LLM(tiny_model("qwen3_5"), cuda_graphs=False, **kw).generate(PROMPTS, max_new_tokens=8, return_logits=True)
+    threshold = gc.get_threshold()
+    gc.set_threshold(1)
+    try:
+        llm = LLM(tiny_model("qwen3_5"), cuda_graphs=True, **kw)
+        got = llm.generate(PROMPTS, max_new_tokens=8, return_logits=True)
+    finally:
+        gc.set_threshold(*threshold)
+    assert llm.runner.graphs.enabled and llm.runner.graphs.graphs, "a capture failed"
+    compare_greedy(got, want, tol=0.06)
+
+
 DEMO = ROOT / "kvbuffer" / "demo"
 
 
