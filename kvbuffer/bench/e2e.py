@@ -195,7 +195,7 @@ def profile_steps(llm, prompts, *, device, step: str = "decode", steps: int = 8,
     busy_us = sum(by_class.values())
     return dict(step=step, steps=done, wall_ms_per_step=1e3 * wall[0] / done, device_busy_ms_per_step=busy_us / 1e3,
                 launches_per_step=sum(e.count for e in kernels) / done, device_us_per_step_by_class=by_class,
-                kernels=[dict(name=e.key[:90], cls=kernel_class(e.key), us_per_step=e.self_device_time_total / done,
+                kernels=[dict(name=e.key[:400], cls=kernel_class(e.key), us_per_step=e.self_device_time_total / done,
                               calls_per_step=e.count / done) for e in kernels[:40]])
 
 
