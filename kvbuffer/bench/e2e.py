@@ -258,7 +258,7 @@ def _decode_row(llm, prompts, *, device, new_tokens) -> dict:
                 first_step_s=st.step_seconds[0],
                 step_ms_mean=1e3 * sum(secs) / len(secs), steps=len(secs), peak_batch=st.peak_batch,
                 kernels=bool(llm.kernels), cuda_graphs=bool(llm.cuda_graphs and llm.runner.graphs.enabled),
-                compiled=llm.runner.compiled is not None)
+                compiled=llm.runner.compiled is not None, unbuffered_rows=llm.runner.unbuffered_rows)
 
 
 def bench_decode(model, *, batches, modes=MODES, prompt_len=128, new_tokens=32, chunk_size=16, device="cuda",

@@ -46,11 +46,17 @@ def commit_rows(caches, backend, spec, slots, state_slots, fills, kept) -> None:
         total = fills + kept
         full = real & (total >= spec.chunk_size)
         none = torch.full_like(slots, -1)
-        family = "gdn" if spec.linear_shape.delta_rule else "mamba2"
-        for layer in range(spec.num_linear_layers):
-            backend.flush(family, caches.states.layer(layer), torch.where(full, state_slots, none),
-                          caches.buffers.layer(layer).tensors(), torch.where(full, slots, none),
-                          torch.where(full, total, torch.zeros_like(total)))
+        flush_rows(caches, backend, spec, torch.where(full, state_slots, none), torch.where(full, slots, none),
+                   torch.where(full, total, torch.zeros_like(total)))
+
+
+def flush_rows(caches, backend, spec, state_slots, slots, lengths) -> None:
+    """Fold the first lengths[b] buffer entries of each row into its state, in every linear layer
+    (rows with slot -1 are skipped). The caller resets the fills on the host."""
+    family = "gdn" if spec.linear_shape.delta_rule else "mamba2"
+    for layer in range(spec.num_linear_layers):
+        backend.flush(family, caches.states.layer(layer), state_slots, caches.buffers.layer(layer).tensors(),
+                      slots, lengths)
 
 
 def _copy_back_draft_states(caches, spec, slots, state_slots, kept, real) -> None:

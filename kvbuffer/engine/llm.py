@@ -29,7 +29,7 @@ from .runner import ModelRunner
 from .sampling import SamplingParams, sample_rows, sample_token, token_logprob
 from .scheduler import Scheduler
 from .drafters import MTPDrafter, NgramDrafter
-from .options import check_generate_args, check_llm_args
+from .options import check_generate_args, check_int, check_llm_args
 from .overlap import InflightStep, ends_at_length, plan_feed, use_overlap
 from .speculative import SpeculativeConfig, accept_drafts
 
@@ -97,6 +97,9 @@ class GenerationStats:
 
 
 DEFAULT_CHUNK_SIZE = 16
+# decode steps of at most this many rows run unbuffered on the kernels (ModelRunner's unbuffered_rows):
+# at one row the recurrent step kernels beat the buffered ones for both families (docs/engine.md)
+UNBUFFERED_ROWS = 1
 
 
 def tuned_chunk_size(shape, dtype, batch: int) -> tuple[int, str]:
@@ -152,16 +155,21 @@ class LLM:
         overlap: queue each greedy decode step before reading the last one's tokens back, so the
         host's work hides behind the GPU's (kvbuffer.engine.overlap; the outputs are the same, a
         step()'s tokens arrive one step later): True, False or "auto" (on CUDA).
+        unbuffered_rows: kvbuffer mode's decode steps of at most this many rows fold their buffers
+        into their states and step the recurrence directly (kvbuffer.engine.runner.ModelRunner), where
+        the states are too few for the buffer to pay; "auto": UNBUFFERED_ROWS on the kernels, else 0.
     """
 
     def __init__(self, model, *, device=None, dtype=None, mode: str = "kvbuffer", chunk_size: int | None = None,
                  max_batch: int = 16, max_states: int | None = None, max_len: int = 2048,
                  max_prefill_tokens: int = 1024, tokenizer=None, speculative: dict | None = None,
                  memory_budget: int | None = None, kernels: bool | str = "auto", cuda_graphs: bool | str = "auto",
-                 compile: bool | str = False, overlap: bool | str = "auto"):
+                 compile: bool | str = False, overlap: bool | str = "auto", unbuffered_rows: int | str = "auto"):
         check_llm_args(model, device=device, dtype=dtype, chunk_size=chunk_size, max_batch=max_batch, max_states=max_states, max_len=max_len, max_prefill_tokens=max_prefill_tokens, speculative=speculative, memory_budget=memory_budget, kernels=kernels, cuda_graphs=cuda_graphs)  # noqa: E501
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+        if unbuffered_rows != "auto":
+            check_int("unbuffered_rows", unbuffered_rows, 0)
         if chunk_size is not None and chunk_size < 1:
             raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
         self.device = _default_device(device)
@@ -201,9 +209,10 @@ class LLM:
         self.compiled = use_compile(compile, self.device, self.cuda_graphs)
         self.overlap = use_overlap(overlap, self.device)
         self._inflight: InflightStep | None = None  # the overlapped decode step whose tokens are unread
+        self.unbuffered_rows = self._use_unbuffered_rows(unbuffered_rows)
         self.runner = ModelRunner(model, spec, mode=mode, device=self.device, dtype=self.dtype,
                                   buffer_dtype=buffer_dtype, backend=self.backend, cuda_graphs=self.cuda_graphs,
-                                  compile=self.compiled)
+                                  compile=self.compiled, unbuffered_rows=self.unbuffered_rows)
         if self.speculative is not None and self.speculative.method == "mtp":
             self.drafter = MTPDrafter(model, max_requests=spec.max_requests, max_len=max_len, max_drafts=fed,
                                       device=self.device, dtype=self.dtype)
@@ -218,6 +227,13 @@ class LLM:
     def _use_kernels(self, kernels, spec: CacheSpec, mode: str):
         """(the Backend the layers call, why it was chosen): kvbuffer.runtime.backend.resolve_backend."""
         return resolve_backend(kernels, self.device, spec, self.dtype, mode)
+
+    def _use_unbuffered_rows(self, option) -> int:
+        """UNBUFFERED_ROWS on the kernels ("auto"), 0 on the reference ops (their recurrent step is
+        no faster), or the int given."""
+        if option == "auto":
+            return UNBUFFERED_ROWS if self.kernels else 0
+        return option
 
     def _use_graphs(self, cuda_graphs, spec: CacheSpec) -> bool:
         if cuda_graphs not in (True, False, "auto"):
@@ -274,12 +290,14 @@ class LLM:
         """Compile and capture the decode step before the first request: a server that starts compiled
         otherwise stalls the running requests for a recompilation (about 45 s for a 9B model on an
         H200) the first time its batch grows past one row and the first time a context passes 256
-        tokens. Runs decode forwards of padding rows only (rows 1 and 2, two context buckets);
-        without compile it only captures those CUDA graphs. Speculative verify forwards are not
-        warmed."""
-        spec = self.runner.spec
+        tokens. Runs decode forwards of padding rows only, at two context buckets: two row counts of
+        buffered steps (rows past unbuffered_rows) and the unbuffered ones' (one row, or 1 and 2), as
+        a size seen twice compiles for every size; without compile it only captures those CUDA
+        graphs. Speculative verify forwards are not warmed."""
+        spec, unbuffered = self.runner.spec, self.runner.unbuffered_rows
         windows = sorted({context_bucket(1, spec.max_len), context_bucket(CONTEXT_BUCKET + 1, spec.max_len)})
-        self.runner.warm_up([n for n in (1, 2) if n <= spec.max_requests], windows)
+        rows = [*range(1, min(unbuffered, 2) + 1), unbuffered + 1, unbuffered + 2]
+        self.runner.warm_up([n for n in rows if n <= spec.max_requests], windows)
 
     # the step-able engine ----------------------------------------------------------------------
     @functools.cached_property

@@ -11,11 +11,12 @@ import logging
 
 import torch
 
+from ..errors import PoolExhaustedError
 from ..runtime.backend import REFERENCE, Backend
 from ..runtime.batch import ForwardBatch
 from ..runtime.caches import CacheSpec, ModelCaches
 from .compiled import COMPILED_PHASES, compile_forward
-from .commit import PADDING_DRAFT, commit_rows, greedy_accepts
+from .commit import PADDING_DRAFT, commit_rows, flush_rows, greedy_accepts
 from .graphs import PREFILL_GRAPH_TOKENS, PendingTokens, StepGraphs, StepInputs, row_bucket, split_view, step_columns
 from .request import Request
 
@@ -29,14 +30,22 @@ class ModelRunner:
     layers: the reference ops read the device back, which a capture forbids); a forward whose
     capture fails runs eagerly from then on, logged once. compile: run the decode and verify forwards
     compiled (kvbuffer.engine.compiled), graphed or not; a compile that fails during a capture
-    (padding rows only: nothing written) falls back to the uncompiled forward, logged once."""
+    (padding rows only: nothing written) falls back to the uncompiled forward, logged once.
+
+    unbuffered_rows (kvbuffer mode): a decode step of at most this many rows folds its rows'
+    buffers into their states and steps the recurrence in place, as the recurrent scheme does.
+    Where the states are few, the buffer saves no traffic worth its step's fixed cost: at one row
+    the recurrent step kernels are the faster ones (docs/engine.md). Later steps of more rows
+    start from empty buffers. 0: every decode step is buffered."""
 
     def __init__(self, model, spec: CacheSpec, *, mode: str, device, dtype, buffer_dtype=None,
-                 backend: Backend = REFERENCE, cuda_graphs: bool = False, compile: bool = False):
+                 backend: Backend = REFERENCE, cuda_graphs: bool = False, compile: bool = False,
+                 unbuffered_rows: int = 0):
         self.model, self.spec, self.mode = model, spec, mode
         self.device, self.backend = device, backend
         self.caches = ModelCaches(spec, device=device, dtype=dtype, buffer_dtype=buffer_dtype)
         self.has_linear = spec.num_linear_layers > 0
+        self.unbuffered_rows = unbuffered_rows if mode == "kvbuffer" and self.has_linear else 0
         self.compiled = compile_forward(model, self.caches) if compile else None
         self.inputs = StepInputs(spec.max_requests, torch.device(device))
         self.use_graphs(cuda_graphs)
@@ -81,18 +90,46 @@ class ModelRunner:
                 self._fill(req) + adding >= self.spec.chunk_size:
             req.state_slot = self.caches.allocate_state()
 
-    def _view_batch(self, phase: str, tokens: int, view: torch.Tensor, context_len: int, fill: int = 0):
+    def _unbuffered(self, reqs: list[Request]) -> bool:
+        """Whether this decode step runs unbuffered (unbuffered_rows): if so, every row now has a
+        state and an empty buffer. False, changing nothing, when the state pool cannot give the
+        rows without one a state (the step then runs buffered)."""
+        if len(reqs) > self.unbuffered_rows:
+            return False
+        stateless = [r for r in reqs if r.state_slot < 0]
+        got = []
+        try:
+            for _ in stateless:
+                got.append(self.caches.allocate_state())
+        except PoolExhaustedError:
+            for s in got:
+                self.caches.states.free(s)
+            return False
+        for r, s in zip(stateless, got):
+            r.state_slot = s
+        full = [r for r in reqs if self._fill(r) > 0]
+        if full:
+            rows = lambda xs: torch.tensor(xs, dtype=torch.int32, device=self.device)  # noqa: E731
+            flush_rows(self.caches, self.backend, self.spec, rows([r.state_slot for r in full]),
+                       rows([r.slot for r in full]), rows([self._fill(r) for r in full]))
+            for r in full:
+                self.caches.buffers.reset(r.slot)
+        return True
+
+    def _view_batch(self, phase: str, tokens: int, view: torch.Tensor, context_len: int, fill: int = 0,
+                    mode: str | None = None):
         """(ids (B, T), the ForwardBatch) over StepInputs' device view (step_columns' order)."""
         ids, positions, slots, state_slots, lengths, cached = split_view(view, tokens)
         i32 = torch.int32
-        batch = ForwardBatch(phase=phase, mode=self.mode, backend=self.backend, positions=positions,
+        batch = ForwardBatch(phase=phase, mode=mode or self.mode, backend=self.backend, positions=positions,
                              slots=slots.to(i32), state_slots=state_slots.to(i32), lengths=lengths.to(i32),
                              cached=cached.to(i32), flush_at=self.spec.chunk_size, context_len=context_len)
         batch.common_fill = fill
         return ids, batch
 
-    def _decode_forward(self, view: torch.Tensor, context_len: int) -> torch.Tensor:
-        return self._forward(*self._view_batch("decode", 1, view, context_len))[:, 0]
+    def _decode_forward(self, view: torch.Tensor, context_len: int, mode: str | None = None) -> torch.Tensor:
+        """mode "recurrent" in kvbuffer mode: an unbuffered step (its graphs are keyed by it)."""
+        return self._forward(*self._view_batch("decode", 1, view, context_len, mode=mode))[:, 0]
 
     def _view_forward(self, phase: str, tokens: int, view, context_len: int, fill: int = 0, want_hidden=False,
                       commit=False):
@@ -136,10 +173,10 @@ class ModelRunner:
         return step_columns(ids, [r.cached for r in reqs], [r.slot for r in reqs], [r.state_slot for r in reqs],
                             [self._fill(r) for r in reqs], [r.cached for r in reqs])
 
-    def _advance(self, req: Request, count: int) -> None:
-        """After a forward that kept `count` tokens: buffer fill and KV length move on."""
+    def _advance(self, req: Request, count: int, buffered: bool = True) -> None:
+        """After a forward that kept `count` tokens: buffer fill (when buffered) and KV length move on."""
         req.cached += count
-        if self.caches.buffers is not None:
+        if self.caches.buffers is not None and buffered:
             fill = self._fill(req) + count
             self.caches.buffers.reset(req.slot)
             self.caches.buffers.accept(req.slot, fill % self.spec.chunk_size)
@@ -198,29 +235,38 @@ class ModelRunner:
         for r in reqs:
             if r.cached + 1 > self.spec.max_len:
                 raise ValueError(f"request {r.rid}: context exceeds max_len={self.spec.max_len}")
-            self._ensure_state(r, 1)
+        unbuffered = self._unbuffered(reqs)
+        if not unbuffered:
+            for r in reqs:
+                self._ensure_state(r, 1)
         fed = feed or [-1] * len(reqs)
         columns = self._columns(reqs, [[r.context[r.cached] if f < 0 else 0] for r, f in zip(reqs, fed)])
         context_len = max(r.cached for r in reqs) + 1
-        logits = self._replayed(self.graphs, columns, context_len, feed=feed)
-        if logits is None:
-            logits = self._decode_forward(self.inputs.upload(columns, len(reqs), feed), context_len)
+        logits = self._decode_rows(columns, context_len, unbuffered, feed)
         for r in reqs:
-            self._advance(r, 1)
+            self._advance(r, 1, buffered=not unbuffered)
+        return logits
+
+    def _decode_rows(self, columns, context_len: int, unbuffered: bool, feed=None) -> torch.Tensor:
+        """The decode forward of `columns`, replayed from its graph where there is one."""
+        mode = ("recurrent",) if unbuffered else ()
+        logits = self._replayed(self.graphs, columns, context_len, *mode, feed=feed)
+        if logits is None:
+            logits = self._decode_forward(self.inputs.upload(columns, len(columns[0]), feed), context_len, *mode)
         return logits
 
     @torch.inference_mode()
     def warm_up(self, rows: list[int], context_lens: list[int]) -> None:
         """Decode forwards of padding rows only (they read and write nothing) for each row count and
-        context length: their CUDA graphs are captured and, with compile, their compilations made,
-        so the first real steps at those shapes wait for neither. Dynamo specialises a dimension of
-        1 and turns rows and the attention window dynamic once they change, so rows 1 and 2 at two
-        context buckets leave no compilation for later shapes."""
+        context length (unbuffered steps up to unbuffered_rows rows): their CUDA graphs are captured
+        and, with compile, their compilations made, so the first real steps at those shapes wait
+        for neither. Dynamo specialises a dimension of 1 and turns rows and the attention window
+        dynamic once they change, so two row counts of each kind of step at two context buckets
+        leave no compilation for later shapes (LLM.warm_up)."""
         for n in rows:
             columns = [[pad] * n for pad in self.inputs.padding]
             for context_len in context_lens:
-                if self._replayed(self.graphs, columns, context_len) is None:
-                    self._decode_forward(self.inputs.upload(columns, n), context_len)
+                self._decode_rows(columns, context_len, n <= self.unbuffered_rows)
 
     @torch.inference_mode()
     def pick_greedy(self, logits: torch.Tensor) -> PendingTokens:

@@ -97,17 +97,22 @@ def test_compile_option_is_checked(ckpts):
     assert LLM(str(ckpts["qwen3_5_text"]), device="cpu").compiled is False  # the default is False
 
 
+@pytest.mark.parametrize("unbuffered_rows", [0, 1])
 @pytest.mark.parametrize("graphs", [False, True])
 @pytest.mark.parametrize("kind", ["qwen3_5", "nemotron_h"])
-def test_warm_up_writes_nothing_and_changes_no_output(kind, graphs):
-    """LLM.warm_up runs decode forwards of padding rows only (rows 1 and 2, two context buckets): every
-    cache tensor is bit for bit what it was, and the outputs that follow are the ones without it."""
+def test_warm_up_writes_nothing_and_changes_no_output(kind, graphs, unbuffered_rows):
+    """LLM.warm_up runs decode forwards of padding rows only (two row counts of buffered steps, and
+    one row unbuffered where those are on; two context buckets): every cache tensor is bit for bit
+    what it was, and the outputs that follow are the ones without it."""
     from tests.support.tiny_models import tiny_model
+
+    from kvbuffer.engine.graphs import row_bucket
 
     prompts = [[3, 1, 4, 1, 5, 9, 2, 6], [7], [2, 7, 1, 8, 2, 8, 1, 8, 2, 8, 4, 5, 9]]
 
     def llm():
-        engine = LLM(tiny_model(kind), device="cpu", chunk_size=4, max_batch=4, max_len=300)
+        engine = LLM(tiny_model(kind), device="cpu", chunk_size=4, max_batch=4, max_len=300,
+                     unbuffered_rows=unbuffered_rows)
         if graphs:
             engine.runner.use_graphs(True, capture=False)  # the padded, bucketed forwards a replay computes
         return engine
@@ -117,11 +122,15 @@ def test_warm_up_writes_nothing_and_changes_no_output(kind, graphs):
     before = {k: v.clone() for k, v in warmed.runner.caches.tensors().items()}
     calls = []
     forward = warmed.runner._decode_forward
-    warmed.runner._decode_forward = lambda view, window: calls.append((view.shape[1], window)) or forward(view, window)
+    warmed.runner._decode_forward = lambda view, window, *mode: (calls.append((view.shape[1], window, *mode))
+                                                                 or forward(view, window, *mode))
     if graphs:
         warmed.runner.graphs.forward = warmed.runner._decode_forward
     warmed.warm_up()
-    assert sorted(set(calls)) == [(1, 256), (1, 300), (2, 256), (2, 300)]
+    rows = [(1, "recurrent")] if unbuffered_rows else []
+    rows += [(n,) for n in (unbuffered_rows + 1, unbuffered_rows + 2)]
+    shown = lambda n: row_bucket(n, 4) if graphs else n  # noqa: E731
+    assert set(calls) == {(shown(n), w, *m) for n, *m in rows for w in (256, 300)}
     for name, t in warmed.runner.caches.tensors().items():
         same = (t == before[name]) | (t.isnan() & before[name].isnan())
         assert bool(same.all()), name
