@@ -9,7 +9,9 @@ winners into the record (merge_records), so layouts and chunk sizes can be added
 How C is chosen: the buffered step is timed in steady state, every row at a random buffer length
 in [0, C), so on average 1/C of the rows fold their buffer into the state in that launch (the
 fused flush). Its median time is then the cost per decoded token of chunk size C, flushes
-included, and the policy keeps the fastest C for each bucket. Without measurements (a build for
+included, and the policy keeps the fastest C for each bucket. The recurrent step's time per token
+in the same buckets decides up to which batch the engine skips the buffer (the policy's
+unbuffered_rows: the buckets, from the smallest, where the recurrent step was faster). Without measurements (a build for
 an absent GPU) the policy is the middle of the requested chunk sizes, marked untuned.
 
 This module imports neither TileLang nor torch.
@@ -21,6 +23,7 @@ from dataclasses import dataclass
 from typing import Mapping
 
 POLICY_KERNELS = ("gdn_buffered_step", "mamba2_buffered_step")  # steady-state time per token decides C
+RECURRENT_KERNELS = ("gdn_recurrent", "mamba2_recurrent")  # faster than those at small batch: unbuffered steps
 
 
 @dataclass(frozen=True)
@@ -73,8 +76,11 @@ def merge_records(old: Mapping | None, new: Mapping) -> tuple[dict, list[str]]:
                 continue
             winners[_winner_key(w)] = w
         tuned_policy = new["chunk_policy"]["status"] == "tuned" or old["chunk_policy"]["status"] != "tuned"
+        policy = new["chunk_policy"] if tuned_policy else old["chunk_policy"]
+        if "unbuffered_rows" not in policy and "unbuffered_rows" in old["chunk_policy"]:  # a run without the recurrent step
+            policy = dict(policy, unbuffered_rows=old["chunk_policy"]["unbuffered_rows"])
         merged = dict(new, winners=sorted(winners.values(), key=_winner_key),
-                      chunk_policy=new["chunk_policy"] if tuned_policy else old["chunk_policy"],
+                      chunk_policy=policy,
                       chunk_sizes=sorted(set(old["chunk_sizes"]) | set(new["chunk_sizes"])),
                       draft_tokens=sorted(set(old.get("draft_tokens", [0])) | set(new.get("draft_tokens", [0]))))
         notes = [f"kept {kept} measured winner(s) this untuned build also produced"] if kept else []

@@ -24,7 +24,7 @@ from kvbuffer.gpus import GPU
 from kvbuffer.tuning import TUNING_FORMAT, ChunkPolicy, tuning_name
 
 from .cache import ArtifactCache, build_versions
-from .policy import POLICY_KERNELS, Winner
+from .policy import POLICY_KERNELS, RECURRENT_KERNELS, Winner
 from .progress import quiet_tilelang
 from .registry import Template
 
@@ -180,7 +180,7 @@ def measure(cache: ArtifactCache, req: TuneRequest, templates: Sequence[Template
     once per build."""
     import torch
 
-    results, winners, timings = [], [], {}
+    results, winners, timings, recurrent = [], [], {}, {}
     for tpl, chunk, drafts in plan(templates, req.chunk_sizes, req.draft_tokens):
         on_start(label(tpl, chunk, drafts))
         size = chunk or max(req.chunk_sizes)
@@ -216,9 +216,11 @@ def measure(cache: ArtifactCache, req: TuneRequest, templates: Sequence[Template
             winners.append(Winner(tpl.name, bucket, chunk, name, tunables, medians[bucket] * 1e6, drafts))
             if tpl.name in POLICY_KERNELS and drafts == 0:  # plain decoding's layout decides C
                 timings[(bucket, chunk)] = medians[bucket]
+            if tpl.name in RECURRENT_KERNELS:  # and the recurrent step, where the buffer is skipped
+                recurrent[bucket] = medians[bucket]
             results.append(BuildResult(tpl.name, chunk, dict(tunables), name, "tuned", secs, False,
                                        {bucket: medians[bucket] * 1e6}, rejected, drafts))
         progress(results[-1])
-    policy = (ChunkPolicy.from_timings(timings) if timings
+    policy = (ChunkPolicy.from_timings(timings, recurrent) if timings
               else ChunkPolicy.default(req.batch_buckets, req.chunk_sizes))
     return results, _save_tuning(cache, req, winners, policy, "tuned")

@@ -203,6 +203,8 @@ def _tune_shape(cache, target, measuring, shape, tpls, chunks, buckets, drafts, 
         line += (f"chunk sizes {tuning['chunk_sizes']}, drafts {tuning.get('draft_tokens', [0])}); chunk size per "
                  f"batch bucket ({policy.status}): "
                  + ", ".join(f"B<={b}: C={c}" for b, c in zip(policy.buckets, policy.chunk_sizes)))
+        if policy.unbuffered_rows is not None:
+            line += f"; decode steps of up to {policy.unbuffered_rows} row(s) unbuffered (the recurrent step is faster there)"
     click.echo(line)
 
 

@@ -38,17 +38,27 @@ def make_conv_shape(D: int, W: int, dtype: str, w_dtype: str, bias: bool) -> dic
 
 @dataclass(frozen=True)
 class ChunkPolicy:
-    """Batch buckets (ascending upper bounds) -> chunk size; batches above the last use the last."""
+    """Batch buckets (ascending upper bounds) -> chunk size; batches above the last use the last.
+
+    unbuffered_rows: the decode batches up to which the recurrent step beat the buffered one (per
+    token, flushes included) in every bucket from the smallest, which the engine then runs
+    unbuffered (kvbuffer.engine.runner); 0 where the buffered step won at the smallest bucket,
+    None where the record does not say (the engine's default applies).
+    """
 
     buckets: tuple[int, ...]
     chunk_sizes: tuple[int, ...]
     status: str = "untuned"
+    unbuffered_rows: int | None = None
 
     def __post_init__(self):
         if not self.buckets or len(self.buckets) != len(self.chunk_sizes):
             raise ValueError(f"need one chunk size per bucket, got {self.buckets} / {self.chunk_sizes}")
         if list(self.buckets) != sorted(set(self.buckets)) or self.buckets[0] < 1:
             raise ValueError(f"buckets must be ascending positive batch sizes, got {self.buckets}")
+        if self.unbuffered_rows is not None and not (isinstance(self.unbuffered_rows, int)
+                                                     and self.unbuffered_rows >= 0):
+            raise ValueError(f"unbuffered_rows must be an int >= 0 or None, got {self.unbuffered_rows!r}")
 
     def bucket_for(self, batch: int) -> int:
         """The smallest bucket that holds `batch` (the largest one beyond it)."""
@@ -61,11 +71,20 @@ class ChunkPolicy:
         return self.chunk_sizes[self.buckets.index(self.bucket_for(batch))]
 
     @classmethod
-    def from_timings(cls, timings: Mapping[tuple[int, int], float]) -> "ChunkPolicy":
-        """{(bucket, C): per-token seconds} -> the fastest C per bucket (ties: the smaller C)."""
+    def from_timings(cls, timings: Mapping[tuple[int, int], float],
+                     recurrent: Mapping[int, float] | None = None) -> "ChunkPolicy":
+        """{(bucket, C): per-token seconds of the buffered step} -> the fastest C per bucket (ties: the
+        smaller C); with `recurrent` ({bucket: seconds of the recurrent step}), unbuffered_rows too."""
         buckets = sorted({b for b, _ in timings})
-        best = [min((t, c) for (b, c), t in timings.items() if b == bucket)[1] for bucket in buckets]
-        return cls(tuple(buckets), tuple(best), "tuned")
+        best = [min((t, c) for (b, c), t in timings.items() if b == bucket) for bucket in buckets]
+        unbuffered = None
+        if recurrent:
+            unbuffered = 0
+            for bucket, (t, _) in zip(buckets, best):
+                if bucket not in recurrent or recurrent[bucket] >= t:
+                    break
+                unbuffered = bucket
+        return cls(tuple(buckets), tuple(c for _, c in best), "tuned", unbuffered)
 
     @classmethod
     def default(cls, buckets, chunk_sizes) -> "ChunkPolicy":
@@ -73,12 +92,13 @@ class ChunkPolicy:
         return cls(tuple(sorted(buckets)), (cs[(len(cs) - 1) // 2],) * len(buckets), "untuned")
 
     def to_json(self) -> dict:
-        return {"status": self.status, "buckets": {str(b): c for b, c in zip(self.buckets, self.chunk_sizes)}}
+        out = {"status": self.status, "buckets": {str(b): c for b, c in zip(self.buckets, self.chunk_sizes)}}
+        return out if self.unbuffered_rows is None else out | {"unbuffered_rows": self.unbuffered_rows}
 
     @classmethod
     def from_json(cls, d: Mapping) -> "ChunkPolicy":
         items = sorted((int(b), int(c)) for b, c in d["buckets"].items())
-        return cls(tuple(b for b, _ in items), tuple(c for _, c in items), d["status"])
+        return cls(tuple(b for b, _ in items), tuple(c for _, c in items), d["status"], d.get("unbuffered_rows"))
 
 
 def tuning_key(gpu: str, arch: str, shape: Mapping, versions: Mapping) -> dict:

@@ -97,19 +97,18 @@ class GenerationStats:
 
 
 DEFAULT_CHUNK_SIZE = 16
-# decode steps of at most this many rows run unbuffered on the kernels (ModelRunner's unbuffered_rows):
-# at one row the recurrent step kernels beat the buffered ones for both families (docs/engine.md)
+# decode steps of at most this many rows run unbuffered on the kernels where no measured tuning record
+# says otherwise (ModelRunner's unbuffered_rows): at one row the recurrent step kernels beat the
+# buffered ones for both families on the H200 (docs/engine.md)
 UNBUFFERED_ROWS = 1
 
 
-def tuned_chunk_size(shape, dtype, batch: int) -> tuple[int, str]:
-    """The chunk size `kvbuffer tune` chose for this GPU, head shape and batch, else the default.
-
-    Returns (C, where it came from). Only a GPU that kvbuffer knows and a tuning record built with
-    this process's versions count; anything else falls back to DEFAULT_CHUNK_SIZE.
-    """
+def tuned_policy(shape, dtype):
+    """(the ChunkPolicy `kvbuffer tune` recorded for this GPU and head shape, where it came from), or
+    (None, why there is none). Only a GPU that kvbuffer knows and a tuning record built with this
+    process's versions count."""
     if shape is None:
-        return DEFAULT_CHUNK_SIZE, "default: no linear-attention layers"
+        return None, "no linear-attention layers"
     from ..artifacts import ArtifactStore
     from ..errors import ArtifactError
     from ..gpus import detect_local_gpu
@@ -117,15 +116,33 @@ def tuned_chunk_size(shape, dtype, batch: int) -> tuple[int, str]:
 
     gpu = detect_local_gpu()
     if gpu is None:
-        return DEFAULT_CHUNK_SIZE, "default: no known GPU here"
+        return None, "no known GPU here"
     key = {"family": "gdn" if shape.delta_rule else "mamba2", "Hk": shape.num_k_heads, "Hv": shape.num_v_heads,
            "K": shape.head_k_dim, "V": shape.head_v_dim, "dtype": str(dtype).replace("torch.", "")}
     try:
         record = ArtifactStore().find_tuning(gpu.name, gpu.arch, key)
     except ArtifactError as e:
-        return DEFAULT_CHUNK_SIZE, f"default: {e}"
+        return None, str(e)
     policy = ChunkPolicy.from_json(record["chunk_policy"])
-    return policy.chunk_for(batch), f"{policy.status} policy for {gpu.name}, batch {batch}"
+    return policy, f"{policy.status} policy for {gpu.name}"
+
+
+def tuned_chunk_size(shape, dtype, batch: int) -> tuple[int, str]:
+    """The chunk size `kvbuffer tune` chose for this GPU, head shape and batch, else DEFAULT_CHUNK_SIZE;
+    returns (C, where it came from)."""
+    policy, why = tuned_policy(shape, dtype)
+    if policy is None:
+        return DEFAULT_CHUNK_SIZE, f"default: {why}"
+    return policy.chunk_for(batch), f"{why}, batch {batch}"
+
+
+def tuned_unbuffered_rows(shape, dtype) -> tuple[int, str]:
+    """The decode batches up to which a measured tuning record says to skip the buffer, else
+    UNBUFFERED_ROWS; returns (rows, where it came from)."""
+    policy, why = tuned_policy(shape, dtype)
+    if policy is None or policy.status != "tuned" or policy.unbuffered_rows is None:
+        return UNBUFFERED_ROWS, f"default: {why if policy is None else 'no measured recurrent step in the record'}"
+    return policy.unbuffered_rows, why
 
 
 def _default_device(device):
@@ -157,7 +174,8 @@ class LLM:
         step()'s tokens arrive one step later): True, False or "auto" (on CUDA).
         unbuffered_rows: kvbuffer mode's decode steps of at most this many rows fold their buffers
         into their states and step the recurrence directly (kvbuffer.engine.runner.ModelRunner), where
-        the states are too few for the buffer to pay; "auto": UNBUFFERED_ROWS on the kernels, else 0.
+        the states are too few for the buffer to pay; "auto": on the kernels, what `kvbuffer tune`
+        measured on this GPU (UNBUFFERED_ROWS without a measured record), else 0.
     """
 
     def __init__(self, model, *, device=None, dtype=None, mode: str = "kvbuffer", chunk_size: int | None = None,
@@ -209,7 +227,7 @@ class LLM:
         self.compiled = use_compile(compile, self.device, self.cuda_graphs)
         self.overlap = use_overlap(overlap, self.device)
         self._inflight: InflightStep | None = None  # the overlapped decode step whose tokens are unread
-        self.unbuffered_rows = self._use_unbuffered_rows(unbuffered_rows)
+        self.unbuffered_rows = self._use_unbuffered_rows(unbuffered_rows, geometry.linear_shape)
         self.runner = ModelRunner(model, spec, mode=mode, device=self.device, dtype=self.dtype,
                                   buffer_dtype=buffer_dtype, backend=self.backend, cuda_graphs=self.cuda_graphs,
                                   compile=self.compiled, unbuffered_rows=self.unbuffered_rows)
@@ -228,12 +246,17 @@ class LLM:
         """(the Backend the layers call, why it was chosen): kvbuffer.runtime.backend.resolve_backend."""
         return resolve_backend(kernels, self.device, spec, self.dtype, mode)
 
-    def _use_unbuffered_rows(self, option) -> int:
-        """UNBUFFERED_ROWS on the kernels ("auto"), 0 on the reference ops (their recurrent step is
-        no faster), or the int given."""
-        if option == "auto":
-            return UNBUFFERED_ROWS if self.kernels else 0
-        return option
+    def _use_unbuffered_rows(self, option, shape) -> int:
+        """"auto": what a measured tuning record says for this GPU (tuned_unbuffered_rows; UNBUFFERED_ROWS
+        without one) on the kernels, 0 on the reference ops (their recurrent step is no faster);
+        else the int given."""
+        if option != "auto":
+            return option
+        if not self.kernels:
+            return 0
+        rows, why = tuned_unbuffered_rows(shape, self.dtype)
+        log.info("kvbuffer: decode steps of up to %d row(s) unbuffered (%s)", rows, why)
+        return rows
 
     def _use_graphs(self, cuda_graphs, spec: CacheSpec) -> bool:
         if cuda_graphs not in (True, False, "auto"):

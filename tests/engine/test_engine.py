@@ -113,6 +113,36 @@ def test_engine_follows_the_tuned_chunk_policy(ckpt, tmp_path, monkeypatch):
     assert LLM(str(ckpt), device="cpu", max_batch=50, chunk_size=5).chunk_size == 5  # explicit wins
 
 
+def test_unbuffered_rows_follow_a_measured_policy(ckpt, tmp_path, monkeypatch):
+    """unbuffered_rows="auto" on the kernels: what a measured record says (its recurrent step was faster
+    up to that batch), UNBUFFERED_ROWS without one or when the record did not time the recurrent
+    step; 0 on the reference ops whatever the record says."""
+    from kvbuffer.artifacts import runtime_versions
+    from kvbuffer import gpus
+    from kvbuffer.autotune.cache import ArtifactCache
+    from kvbuffer.plan import geometry_of
+    from kvbuffer.tuning import ChunkPolicy, tuning_name
+    from kvbuffer.engine.llm import UNBUFFERED_ROWS, tuned_unbuffered_rows
+
+    monkeypatch.setenv("KVBUFFER_CACHE_DIR", str(tmp_path))
+    llm = LLM(str(ckpt), device="cpu")
+    linear = geometry_of(llm.model).linear_shape
+    assert tuned_unbuffered_rows(linear, torch.float32)[0] == UNBUFFERED_ROWS
+    monkeypatch.setattr(gpus, "detect_local_gpu", lambda device=0: gpus.get_gpu("h200"))
+    shape = {"family": "gdn", "Hk": 2, "Hv": 4, "K": 8, "V": 8, "dtype": "float32"}
+    name = tuning_name("h200", "sm_90a", shape, runtime_versions())
+    for i, (policy, want) in enumerate([(ChunkPolicy((1, 16, 64), (8, 8, 16), "tuned", 16), 16),
+                                        (ChunkPolicy((1, 16), (8, 8), "tuned", 0), 0),
+                                        (ChunkPolicy((1, 16), (8, 8), "tuned"), UNBUFFERED_ROWS),
+                                        (ChunkPolicy((1, 16), (8, 8), "untuned", 16), UNBUFFERED_ROWS)]):
+        monkeypatch.setenv("KVBUFFER_CACHE_DIR", str(tmp_path / str(i)))  # one record per cache
+        record = {"status": policy.status, "chunk_policy": policy.to_json(), "winners": []}
+        ArtifactCache(tmp_path / str(i)).put_tuning(name, record, gpu="h200", shape=shape, versions=runtime_versions())
+        assert tuned_unbuffered_rows(linear, torch.float32)[0] == want, policy
+    assert LLM(str(ckpt), device="cpu").unbuffered_rows == 0  # the reference ops
+    assert LLM(str(ckpt), device="cpu", unbuffered_rows=3).runner.unbuffered_rows == 3
+
+
 def test_equal_length_prompts_prefill_in_one_forward(ckpt):
     """Admitted requests with prompts of one length share each prefill forward; the tokens equal
     one-request-at-a-time generation."""

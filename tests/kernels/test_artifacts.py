@@ -245,6 +245,21 @@ def test_chunk_policy_buckets_and_choice():
     assert ChunkPolicy.default([1, 16], [32, 8, 16]).chunk_sizes == (16, 16)
 
 
+def test_chunk_policy_says_up_to_which_batch_the_recurrent_step_won():
+    """unbuffered_rows: the buckets, from the smallest, where the recurrent step beat the buffered one
+    at its chosen C; a later bucket it wins again does not count (batches in between would run buffered)."""
+    timings = {(1, 8): 3.0, (1, 16): 2.0, (16, 16): 4.0, (64, 16): 8.0, (256, 16): 20.0}
+    policy = ChunkPolicy.from_timings(timings, {1: 1.5, 16: 3.9, 64: 9.0, 256: 10.0})
+    assert policy.unbuffered_rows == 16
+    assert ChunkPolicy.from_json(policy.to_json()) == policy
+    assert ChunkPolicy.from_timings(timings, {1: 2.5, 16: 1.0}).unbuffered_rows == 0
+    assert ChunkPolicy.from_timings(timings, {16: 1.0}).unbuffered_rows == 0  # bucket 1 not timed
+    assert ChunkPolicy.from_timings(timings).unbuffered_rows is None
+    assert "unbuffered_rows" not in ChunkPolicy.from_timings(timings).to_json()  # older records read alike
+    with pytest.raises(ValueError, match="unbuffered_rows"):
+        ChunkPolicy((1,), (8,), "tuned", -1)
+
+
 def test_select_takes_the_bucket_winner():
     record = {"chunk_policy": ChunkPolicy((1, 64), (16, 8), "tuned").to_json(), "winners": [
         {"kernel": "k", "batch_bucket": 1, "chunk_size": 16, "artifact": "a"},

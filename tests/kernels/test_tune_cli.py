@@ -112,12 +112,13 @@ class FakeKernel:
         cost.fill_(self.cost(x.shape[0]))
 
 
-def fake_template(name):
+def fake_template(name, factor=lambda b: 1.0):
+    """factor(batch): scales every config's simulated cost (another kernel's speed)."""
     base = {"slow": lambda b: 1.0, "fast": lambda b: 0.5 + 0.01 * b, "wrong": lambda b: 0.01}
 
     def build(shape, chunk, *, target, v):
-        factor = lambda b: (chunk / 16) if b < 10 else (16 / chunk)  # noqa: E731  small batch: small C
-        return FakeKernel(3.0 if v == "wrong" else 2.0, lambda b: base[v](b) * factor(b))
+        by_c = lambda b: (chunk / 16) if b < 10 else (16 / chunk)  # noqa: E731  small batch: small C
+        return FakeKernel(3.0 if v == "wrong" else 2.0, lambda b: base[v](b) * by_c(b) * factor(b))
 
     def make_inputs(shape, batch, chunk, device, gen):
         return [torch.randn(batch, 4, generator=gen), torch.empty(batch, 4), torch.zeros(())]
@@ -147,6 +148,21 @@ def test_measure_keeps_checked_winners_and_derives_the_chunk_policy(tmp_path):
     assert {e["status"] for e in cache.manifest()["artifacts"].values()} == {"tuned"}
     name, c = select(record, tuner.POLICY_KERNELS[0], 200)
     assert c == 32 and cache.verify(name)["key"]["tunables"] == {"v": "slow"}
+
+
+def test_measure_records_up_to_which_batch_the_recurrent_step_wins(tmp_path):
+    """The recurrent step is timed in the same buckets as the buffered one; the policy says where it
+    won (from the smallest bucket on), and a later run that does not time it keeps that."""
+    from kvbuffer.autotune.policy import RECURRENT_KERNELS
+
+    cache = ArtifactCache(tmp_path)
+    req = tuner.TuneRequest(get_gpu("h200"), preset_shape("qwen3.5-9b"), (16,), (1, 16, 256))
+    recurrent = fake_template(RECURRENT_KERNELS[0], factor=lambda b: 0.5 if b == 1 else 3.0)
+    _, name = tuner.measure(cache, req, [fake_template(tuner.POLICY_KERNELS[0]), recurrent], device="cpu",
+                            timer=fake_timer)
+    assert ChunkPolicy.from_json(cache.tuning(name)["chunk_policy"]).unbuffered_rows == 1
+    _, name = tuner.measure(cache, req, [fake_template(tuner.POLICY_KERNELS[0])], device="cpu", timer=fake_timer)
+    assert ChunkPolicy.from_json(cache.tuning(name)["chunk_policy"]).unbuffered_rows == 1
 
 
 def test_untuned_build_records_defaults_for_every_bucket(tmp_path):
