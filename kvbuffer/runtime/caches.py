@@ -22,10 +22,16 @@ _BYTES = {torch.float32: 4, torch.bfloat16: 2, torch.float16: 2, torch.float64: 
 
 
 class KVCache:
-    """Contiguous per-slot attention cache: k, v of shape (layers, slots, max_len, kv_heads, head_dim)."""
+    """Contiguous per-slot attention cache: k, v of shape (layers, slots, max_len + sink, kv_heads, head_dim).
 
-    def __init__(self, num_layers, capacity, max_len, num_kv_heads, head_dim, *, device=None, dtype=torch.float32):
-        shape = (num_layers, capacity, max_len, num_kv_heads, head_dim)
+    Positions max_len .. max_len + sink - 1 of every slot are a sink that no row reads: a CUDA graph's
+    padding rows write their keys and values there (kvbuffer.runtime.mixing.put_kv_rows), so a
+    forward of up to `sink` tokens per row writes the cache with one scatter whatever its rows.
+    """
+
+    def __init__(self, num_layers, capacity, max_len, num_kv_heads, head_dim, *, device=None, dtype=torch.float32,
+                 sink: int = 0):
+        shape = (num_layers, capacity, max_len + sink, num_kv_heads, head_dim)
         self.max_len = max_len
         self.k = torch.zeros(shape, dtype=dtype, device=device)
         self.v = torch.zeros(shape, dtype=dtype, device=device)
@@ -70,7 +76,9 @@ class CacheSpec:
             if self.draft_states:
                 out["draft_states"] = ((L, self.max_requests, self.max_drafts) + state, torch.float32)
         if self.num_attention_layers:
-            kv = (self.num_attention_layers, self.max_requests, self.max_len, self.num_kv_heads, self.head_dim)
+            # the sink: one forward's tokens (decode, verify) of padding rows land past max_len (KVCache)
+            kv = (self.num_attention_layers, self.max_requests, self.max_len + self.max_drafts, self.num_kv_heads,
+                  self.head_dim)
             out["kv_keys"] = (kv, dtype)
             out["kv_values"] = (kv, dtype)
         return out
@@ -107,7 +115,7 @@ class ModelCaches:
         self.kv = None
         if spec.num_attention_layers:
             self.kv = KVCache(spec.num_attention_layers, spec.max_requests, spec.max_len, spec.num_kv_heads,
-                              spec.head_dim, device=device, dtype=dtype)
+                              spec.head_dim, device=device, dtype=dtype, sink=spec.max_drafts)
 
     def tensors(self) -> dict[str, torch.Tensor]:
         """The allocated tensors under tensor_shapes()' names (for accounting and tests)."""

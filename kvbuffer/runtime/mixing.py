@@ -100,7 +100,7 @@ def attention(q, k, v, batch: ForwardBatch, caches: ModelCaches, layer: int, sca
     """
     kc, vc = caches.kv.layer(layer)
     if batch.phase != "prefill" and batch.backend.attends_in_place(q, kc):  # tune builds decode and verify T
-        return _attention_in_place(q, k, v, kc, vc, batch, scaling)
+        return _attention_in_place(q, k, v, kc, vc, caches.kv.max_len, batch, scaling)
     B, T, H, D = q.shape
     real = batch.slots >= 0
     rows = batch.slots.clamp(min=0).long()
@@ -127,15 +127,37 @@ def attention(q, k, v, batch: ForwardBatch, caches: ModelCaches, layer: int, sca
     return torch.where(real[:, None, None, None], out, torch.zeros((), dtype=out.dtype, device=out.device))
 
 
-def _attention_in_place(q, k, v, kc, vc, batch: ForwardBatch, scaling: float):
-    """Write the T new keys and values at cached .. cached+T-1, then attend over the cache in place."""
+def _attention_in_place(q, k, v, kc, vc, max_len: int, batch: ForwardBatch, scaling: float):
+    """Write the T new keys and values at cached .. cached+T-1, then attend over the cache in place.
+    A padding row's tokens go to the cache's sink (positions max_len .. max_len+T-1, which no row
+    reads: KVCache), so the write is one scatter per cache; a cache without that sink takes
+    put_slot_rows' padding-safe write."""
     B, T = q.shape[:2]
     real = batch.slots >= 0
     rows = batch.slots.clamp(min=0).long()[:, None].expand(B, T)
-    pos = batch.cached.long()[:, None] + torch.arange(T, device=q.device)[None, :]
-    put_slot_rows(kc, rows, pos, k, real)
-    put_slot_rows(vc, rows, pos, v, real)
+    ahead = torch.arange(T, device=q.device)[None, :]
+    pos = batch.cached.long()[:, None] + ahead
+    if kc.shape[1] - max_len >= T:
+        put_kv_rows(kc, vc, rows, torch.where(real[:, None], pos, max_len + ahead), k, v)
+    else:
+        put_slot_rows(kc, rows, pos, k, real)
+        put_slot_rows(vc, rows, pos, v, real)
     return batch.backend.cache_attention(q, kc, vc, batch.slots, batch.cached, scaling, batch.context_len or 0)
+
+
+@torch.library.custom_op("kvbuffer::put_kv_rows", mutates_args=("k_cache", "v_cache"))
+def put_kv_rows(k_cache: torch.Tensor, v_cache: torch.Tensor, rows: torch.Tensor, pos: torch.Tensor,
+                k: torch.Tensor, v: torch.Tensor) -> None:
+    """k_cache[rows, pos] = k and v_cache[rows, pos] = v: (B, T) indices, (B, T, Hkv, D) values, every
+    index a place the caller may write (padding rows pointed at the sink). Opaque to torch.compile
+    for the reason put_slot_rows is."""
+    k_cache[rows, pos] = k.to(k_cache.dtype)
+    v_cache[rows, pos] = v.to(v_cache.dtype)
+
+
+@put_kv_rows.register_fake
+def _put_kv_rows_fake(k_cache, v_cache, rows, pos, k, v) -> None:
+    return None
 
 
 @torch.library.custom_op("kvbuffer::put_slot_rows", mutates_args=("dst",))

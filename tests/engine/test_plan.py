@@ -17,7 +17,7 @@ def test_qwen35_9b_bytes_by_hand():
     plans = plan(geo, gpu_memory=141 * 2**30, context=ctx, draft_tokens=T, chunk_size=C)
     kb, rc = plans["kvbuffer"].breakdown, plans["recurrent"].breakdown
     state = 24 * 32 * 128 * 128 * 4  # fp32
-    kv = 8 * (ctx + T + 1) * 4 * 256 * 2  # bf16, the context plus one verify's tokens
+    kv = 8 * (ctx + 2 * (T + 1)) * 4 * 256 * 2  # bf16, the context plus one verify's tokens, and the sink's
     assert kb["states"] == rc["states"] == state == 48 * MiB
     assert rc["draft_states"] == (T + 1) * state and "draft_states" not in kb
     assert kb["kv_keys"] == kb["kv_values"] == rc["kv_keys"] == kv
