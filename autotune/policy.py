@@ -76,11 +76,8 @@ def merge_records(old: Mapping | None, new: Mapping) -> tuple[dict, list[str]]:
                 continue
             winners[_winner_key(w)] = w
         tuned_policy = new["chunk_policy"]["status"] == "tuned" or old["chunk_policy"]["status"] != "tuned"
-        policy = new["chunk_policy"] if tuned_policy else old["chunk_policy"]
-        if "unbuffered_rows" not in policy and "unbuffered_rows" in old["chunk_policy"]:  # a run without the recurrent step
-            policy = dict(policy, unbuffered_rows=old["chunk_policy"]["unbuffered_rows"])
         merged = dict(new, winners=sorted(winners.values(), key=_winner_key),
-                      chunk_policy=policy,
+                      chunk_policy=new["chunk_policy"] if tuned_policy else old["chunk_policy"],
                       chunk_sizes=sorted(set(old["chunk_sizes"]) | set(new["chunk_sizes"])),
                       draft_tokens=sorted(set(old.get("draft_tokens", [0])) | set(new.get("draft_tokens", [0]))))
         notes = [f"kept {kept} measured winner(s) this untuned build also produced"] if kept else []

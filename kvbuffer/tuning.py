@@ -57,6 +57,7 @@ class ChunkPolicy:
         if list(self.buckets) != sorted(set(self.buckets)) or self.buckets[0] < 1:
             raise ValueError(f"buckets must be ascending positive batch sizes, got {self.buckets}")
         if self.unbuffered_rows is not None and not (isinstance(self.unbuffered_rows, int)
+                                                     and not isinstance(self.unbuffered_rows, bool)
                                                      and self.unbuffered_rows >= 0):
             raise ValueError(f"unbuffered_rows must be an int >= 0 or None, got {self.unbuffered_rows!r}")
 
@@ -78,7 +79,7 @@ class ChunkPolicy:
         buckets = sorted({b for b, _ in timings})
         best = [min((t, c) for (b, c), t in timings.items() if b == bucket) for bucket in buckets]
         unbuffered = None
-        if recurrent:
+        if recurrent and buckets[0] == 1 and 1 in recurrent:  # else nothing is known of one row
             unbuffered = 0
             for bucket, (t, _) in zip(buckets, best):
                 if bucket not in recurrent or recurrent[bucket] >= t:

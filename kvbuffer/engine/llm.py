@@ -249,7 +249,10 @@ class LLM:
     def _use_unbuffered_rows(self, option, shape) -> int:
         """"auto": what a measured tuning record says for this GPU (tuned_unbuffered_rows; UNBUFFERED_ROWS
         without one) on the kernels, 0 on the reference ops (their recurrent step is no faster);
-        else the int given."""
+        else the int given. Always 0 where no buffered decode step runs (recurrent mode, and
+        speculative decoding, whose steps are verifies)."""
+        if self.mode != "kvbuffer" or self.speculative is not None:
+            return 0
         if option != "auto":
             return option
         if not self.kernels:
@@ -313,10 +316,11 @@ class LLM:
         """Compile and capture the decode step before the first request: a server that starts compiled
         otherwise stalls the running requests for a recompilation (about 45 s for a 9B model on an
         H200) the first time its batch grows past one row and the first time a context passes 256
-        tokens. Runs decode forwards of padding rows only, at two context buckets: two row counts of
-        buffered steps (rows past unbuffered_rows) and the unbuffered ones' (one row, or 1 and 2), as
-        a size seen twice compiles for every size; without compile it only captures those CUDA
-        graphs. Speculative verify forwards are not warmed."""
+        tokens. Runs decode forwards of padding rows only, at two context buckets: rows 1 and 2 of
+        the unbuffered steps (rows up to unbuffered_rows; just 1 when that is 1) and the two row
+        counts after them of the buffered steps, so that Dynamo has seen every kind of step, and the
+        row count and window change, before a request comes; without compile it only captures those
+        CUDA graphs. Speculative verify forwards are not warmed."""
         spec, unbuffered = self.runner.spec, self.runner.unbuffered_rows
         windows = sorted({context_bucket(1, spec.max_len), context_bucket(CONTEXT_BUCKET + 1, spec.max_len)})
         rows = [*range(1, min(unbuffered, 2) + 1), unbuffered + 1, unbuffered + 2]

@@ -101,17 +101,20 @@ class ModelRunner:
         try:
             for _ in stateless:
                 got.append(self.caches.allocate_state())
-        except PoolExhaustedError:
+        except BaseException as e:  # give back what was taken; a full pool only keeps the step buffered
             for s in got:
                 self.caches.states.free(s)
-            return False
+            if isinstance(e, PoolExhaustedError):
+                return False
+            raise
         for r, s in zip(stateless, got):
             r.state_slot = s
         full = [r for r in reqs if self._fill(r) > 0]
         if full:
-            rows = lambda xs: torch.tensor(xs, dtype=torch.int32, device=self.device)  # noqa: E731
-            flush_rows(self.caches, self.backend, self.spec, rows([r.state_slot for r in full]),
-                       rows([r.slot for r in full]), rows([self._fill(r) for r in full]))
+            host = torch.tensor([[r.state_slot for r in full], [r.slot for r in full], [self._fill(r) for r in full]],
+                                dtype=torch.int32, pin_memory=torch.device(self.device).type == "cuda")
+            rows = host.to(self.device, non_blocking=True)  # no wait for the step in flight (overlap)
+            flush_rows(self.caches, self.backend, self.spec, rows[0], rows[1], rows[2])
             for r in full:
                 self.caches.buffers.reset(r.slot)
         return True

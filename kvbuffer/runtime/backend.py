@@ -250,17 +250,20 @@ Backend = Union[ReferenceBackend, KernelBackend]
 
 
 def needed_kernels(spec, dtype: torch.dtype, mode: str) -> list[KernelKey]:
-    """The linear kernels an engine with these caches launches (for probing the artifact cache)."""
+    """The linear kernels an engine with these caches launches (for probing the artifact cache). In
+    kvbuffer mode that includes the recurrent step and the flush: a decode step of few rows runs
+    unbuffered (kvbuffer.engine.runner), folding its buffers first."""
     step = decode_step_key(spec, dtype)
     family, dims, name = step.family, step.dims, step.in_dtype
+    recurrent = KernelKey(family, "recurrent", dims, name)
     if mode == "recurrent":
-        return [KernelKey(family, "recurrent", dims, name)]
+        return [recurrent]
     cap, C = step.cap, step.C
     keys = [KernelKey(family, "buffered", dims, name, name, cap=cap, T=T, C=C) for T in (*PREFILL_CHUNKS, 1) if T <= C]
-    if spec.max_drafts > 1:  # speculative verify, and the flush of buffers that accepted drafts past C
+    if spec.max_drafts > 1:  # speculative verify
         keys.append(KernelKey(family, "buffered", dims, name, name, cap=cap, T=spec.max_drafts, C=0))
-        keys.append(KernelKey(family, "flush", dims, "", name, cap=cap))
-    return keys
+    # the flush (buffers that accepted drafts past C; a step going unbuffered) and the recurrent step
+    return keys + [KernelKey(family, "flush", dims, "", name, cap=cap), recurrent]
 
 
 def decode_step_key(spec, dtype: torch.dtype) -> KernelKey:

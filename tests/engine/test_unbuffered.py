@@ -23,7 +23,7 @@ def model(request):
 
 def _llm(model, mode="kvbuffer", unbuffered_rows=0, graphs=False, **kw):
     llm = LLM(model, device="cpu", dtype=torch.float64, mode=mode, max_batch=kw.pop("max_batch", 4), max_len=64,
-              chunk_size=C, kernels=False, overlap=False, unbuffered_rows=unbuffered_rows, **kw)
+              chunk_size=C, kernels=False, overlap=kw.pop("overlap", False), unbuffered_rows=unbuffered_rows, **kw)
     if graphs:  # the padded, bucketed forwards a CUDA graph replays (keyed by the step's kind), run eagerly
         llm.runner.use_graphs(True, capture=False)
     return llm
@@ -93,3 +93,33 @@ def test_a_step_whose_rows_cannot_all_get_a_state_stays_buffered(model):
 def test_bad_unbuffered_rows_are_named(model, bad, error):
     with pytest.raises(error, match="unbuffered_rows"):
         _llm(model, unbuffered_rows=bad)
+
+
+@pytest.mark.parametrize("overlap", [False, True], ids=["sync", "overlapped"])
+@pytest.mark.parametrize("graphs", [False, True], ids=["eager", "graph-forwards"])
+def test_a_batch_that_grows_after_unbuffered_steps_buffers_again(model, graphs, overlap):
+    """One request decodes alone (unbuffered), then two more join (buffered from empty buffers), they
+    end, one is left alone again, and another joins: the outputs are the buffered steps' throughout,
+    with overlapped steps (tokens fed on the device) as with synchronous ones."""
+    def run(unbuffered_rows):
+        llm = _llm(model, unbuffered_rows=unbuffered_rows, graphs=graphs, overlap=overlap)
+        got, kinds = {}, []
+        decide = llm.runner._unbuffered
+        llm.runner._unbuffered = lambda reqs: kinds.append((len(reqs), decide(reqs))) or kinds[-1][1]
+        joins = {0: [(PROMPTS[1], 30)], 4: [(PROMPTS[2], 6), (PROMPTS[5], 8)], 16: [(PROMPTS[6], 5)]}
+        for step in range(80):
+            for prompt, n in joins.get(step, []):
+                got[llm.add_request(prompt, SamplingParams(n, stop_token_ids=(), logprobs=True))] = ([], [])
+            if not llm.has_work():
+                break
+            for out in llm.step():
+                got[out.rid][0].extend(out.token_ids)
+                got[out.rid][1].extend(out.logprobs)
+        return list(got.values()), kinds
+
+    want, _ = run(0)
+    got, kinds = run(1)
+    _same(got, want)
+    seen = [unbuffered for _, unbuffered in kinds]
+    turns = set(zip(seen, seen[1:]))
+    assert (True, False) in turns and (False, True) in turns  # unbuffered, buffered, unbuffered again

@@ -253,11 +253,14 @@ def test_chunk_policy_says_up_to_which_batch_the_recurrent_step_won():
     assert policy.unbuffered_rows == 16
     assert ChunkPolicy.from_json(policy.to_json()) == policy
     assert ChunkPolicy.from_timings(timings, {1: 2.5, 16: 1.0}).unbuffered_rows == 0
-    assert ChunkPolicy.from_timings(timings, {16: 1.0}).unbuffered_rows == 0  # bucket 1 not timed
+    assert ChunkPolicy.from_timings(timings, {16: 1.0}).unbuffered_rows is None  # one row not timed: unknown
+    no_one = {k: t for k, t in timings.items() if k[0] != 1}
+    assert ChunkPolicy.from_timings(no_one, {16: 1.0, 64: 1.0}).unbuffered_rows is None
     assert ChunkPolicy.from_timings(timings).unbuffered_rows is None
     assert "unbuffered_rows" not in ChunkPolicy.from_timings(timings).to_json()  # older records read alike
-    with pytest.raises(ValueError, match="unbuffered_rows"):
-        ChunkPolicy((1,), (8,), "tuned", -1)
+    for bad in (-1, True, 1.5):
+        with pytest.raises(ValueError, match="unbuffered_rows"):
+            ChunkPolicy((1,), (8,), "tuned", bad)
 
 
 def test_select_takes_the_bucket_winner():
