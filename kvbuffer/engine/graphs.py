@@ -24,7 +24,7 @@ import torch
 log = logging.getLogger("kvbuffer")
 
 ROW_FIELDS = ("positions", "slots", "state_slots", "lengths", "cached")  # one integer per row each
-_ROW_PADDING = (0, -1, -1, 0, 0)  # a padding row: slot -1 everywhere, nothing read or written
+_ROW_PADDING = (0, -1, -1, 0, 0)  # a padding row: slot -1, reads nothing, writes nothing a row reads
 FIELDS = ("ids",) + ROW_FIELDS  # the decode step's columns (one token per row)
 CONTEXT_BUCKET = 256  # attention windows are captured in multiples of this many positions
 PREFILL_GRAPH_TOKENS = 256  # prefill chunks of more tokens run eagerly: their launches are not what they wait on
@@ -202,8 +202,9 @@ class StepGraphs:
 
     def _capture(self, view: torch.Tensor, context_len: int, extra: tuple):
         """Warm up on a side stream (lazy initialisation must not land in the graph), then capture.
-        The warm-up runs for real, so it sees padding rows only, which read and write nothing; the
-        step's own inputs are put back for the replay that follows."""
+        The warm-up runs for real, so it sees padding rows only, which read nothing and write only
+        where no row reads (the KV cache's sink); the step's own inputs are put back for the replay
+        that follows."""
         saved = view.clone()
         for f, pad in enumerate(self.inputs.padding):
             view[f].fill_(pad)

@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 from ..plan import geometry_of, request_spec
-from ..runtime.backend import kernel_dtype, resolve_backend
+from ..runtime.backend import kernel_dtype, missing_kernel, resolve_backend, unbuffered_kernels
 from ..runtime.batch import MODES
 from ..runtime.caches import CacheSpec
 from .request import Request
@@ -227,7 +227,7 @@ class LLM:
         self.compiled = use_compile(compile, self.device, self.cuda_graphs)
         self.overlap = use_overlap(overlap, self.device)
         self._inflight: InflightStep | None = None  # the overlapped decode step whose tokens are unread
-        self.unbuffered_rows = self._use_unbuffered_rows(unbuffered_rows, geometry.linear_shape)
+        self.unbuffered_rows = self._use_unbuffered_rows(unbuffered_rows, spec)
         self.runner = ModelRunner(model, spec, mode=mode, device=self.device, dtype=self.dtype,
                                   buffer_dtype=buffer_dtype, backend=self.backend, cuda_graphs=self.cuda_graphs,
                                   compile=self.compiled, unbuffered_rows=self.unbuffered_rows)
@@ -246,18 +246,22 @@ class LLM:
         """(the Backend the layers call, why it was chosen): kvbuffer.runtime.backend.resolve_backend."""
         return resolve_backend(kernels, self.device, spec, self.dtype, mode)
 
-    def _use_unbuffered_rows(self, option, shape) -> int:
+    def _use_unbuffered_rows(self, option, spec: CacheSpec) -> int:
         """"auto": what a measured tuning record says for this GPU (tuned_unbuffered_rows; UNBUFFERED_ROWS
-        without one) on the kernels, 0 on the reference ops (their recurrent step is no faster);
-        else the int given. Always 0 where no buffered decode step runs (recurrent mode, and
-        speculative decoding, whose steps are verifies)."""
+        without one) on the kernels where their flush and recurrent step load, 0 on the reference
+        ops (their recurrent step is no faster); else the int given. Always 0 where no buffered
+        decode step runs (recurrent mode, and speculative decoding, whose steps are verifies)."""
         if self.mode != "kvbuffer" or self.speculative is not None:
             return 0
         if option != "auto":
             return option
         if not self.kernels:
             return 0
-        rows, why = tuned_unbuffered_rows(shape, self.dtype)
+        rows, why = tuned_unbuffered_rows(spec.linear_shape, self.dtype)
+        missing = rows and missing_kernel(unbuffered_kernels(spec, self.dtype))
+        if missing:
+            log.info("kvbuffer: every decode step buffered: %s", missing)
+            return 0
         log.info("kvbuffer: decode steps of up to %d row(s) unbuffered (%s)", rows, why)
         return rows
 

@@ -250,20 +250,26 @@ Backend = Union[ReferenceBackend, KernelBackend]
 
 
 def needed_kernels(spec, dtype: torch.dtype, mode: str) -> list[KernelKey]:
-    """The linear kernels an engine with these caches launches (for probing the artifact cache). In
-    kvbuffer mode that includes the recurrent step and the flush: a decode step of few rows runs
-    unbuffered (kvbuffer.engine.runner), folding its buffers first."""
+    """The linear kernels an engine with these caches launches (for probing the artifact cache); in
+    kvbuffer mode without those of its unbuffered steps (unbuffered_kernels), which are optional."""
     step = decode_step_key(spec, dtype)
     family, dims, name = step.family, step.dims, step.in_dtype
-    recurrent = KernelKey(family, "recurrent", dims, name)
     if mode == "recurrent":
-        return [recurrent]
+        return [KernelKey(family, "recurrent", dims, name)]
     cap, C = step.cap, step.C
     keys = [KernelKey(family, "buffered", dims, name, name, cap=cap, T=T, C=C) for T in (*PREFILL_CHUNKS, 1) if T <= C]
-    if spec.max_drafts > 1:  # speculative verify
+    if spec.max_drafts > 1:  # speculative verify, and the flush of buffers that accepted drafts past C
         keys.append(KernelKey(family, "buffered", dims, name, name, cap=cap, T=spec.max_drafts, C=0))
-    # the flush (buffers that accepted drafts past C; a step going unbuffered) and the recurrent step
-    return keys + [KernelKey(family, "flush", dims, "", name, cap=cap), recurrent]
+        keys.append(KernelKey(family, "flush", dims, "", name, cap=cap))
+    return keys
+
+
+def unbuffered_kernels(spec, dtype: torch.dtype) -> list[KernelKey]:
+    """What a kvbuffer-mode decode step of few rows launches when it skips the buffer
+    (kvbuffer.engine.runner): the flush of its rows' buffers and the recurrent step."""
+    step = decode_step_key(spec, dtype)
+    return [KernelKey(step.family, "flush", step.dims, "", step.in_dtype, cap=step.cap),
+            KernelKey(step.family, "recurrent", step.dims, step.in_dtype)]
 
 
 def decode_step_key(spec, dtype: torch.dtype) -> KernelKey:
@@ -318,7 +324,12 @@ def resolve_backend(kernels, device: torch.device, spec, dtype: torch.dtype, mod
 
 
 def _missing_artifact(spec, dtype, mode) -> str | None:
-    for key in needed_kernels(spec, dtype, mode):
+    return missing_kernel(needed_kernels(spec, dtype, mode))
+
+
+def missing_kernel(keys: list[KernelKey]) -> str | None:
+    """Why one of `keys` can neither be loaded nor JIT-compiled here (None: all of them can)."""
+    for key in keys:
         try:
             lookup.kernel_for(key, 1)
         except ArtifactError as e:

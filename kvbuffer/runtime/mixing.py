@@ -149,8 +149,10 @@ def _attention_in_place(q, k, v, kc, vc, max_len: int, batch: ForwardBatch, scal
 def put_kv_rows(k_cache: torch.Tensor, v_cache: torch.Tensor, rows: torch.Tensor, pos: torch.Tensor,
                 k: torch.Tensor, v: torch.Tensor) -> None:
     """k_cache[rows, pos] = k and v_cache[rows, pos] = v: (B, T) indices, (B, T, Hkv, D) values, every
-    index a place the caller may write (padding rows pointed at the sink). Opaque to torch.compile
-    for the reason put_slot_rows is."""
+    index a place the caller may write (padding rows pointed at the sink). Several padding rows write
+    the same sink positions, in no set order, with different values: unlike put_rows' equal-bytes
+    writes, that is harmless only because no row reads the sink. Opaque to torch.compile for the
+    reason put_slot_rows is."""
     k_cache[rows, pos] = k.to(k_cache.dtype)
     v_cache[rows, pos] = v.to(v_cache.dtype)
 

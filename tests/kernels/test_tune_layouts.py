@@ -20,7 +20,7 @@ from kvbuffer.errors import ArtifactError
 from kvbuffer.kernels import launch, lookup
 from kvbuffer.kernels.keys import ConvDims, GDNDims, KernelKey
 from kvbuffer.pools import LinearLayerShape
-from kvbuffer.runtime.backend import needed_kernels
+from kvbuffer.runtime.backend import needed_kernels, unbuffered_kernels
 from kvbuffer.runtime.caches import CacheSpec
 from kvbuffer.tuning import make_conv_shape, make_shape
 
@@ -47,8 +47,9 @@ def test_every_kernel_the_engine_needs_is_in_the_plan(family, drafts):
     shape = LinearLayerShape(s["Hk"], s["Hv"], s["K"], s["V"], delta_rule=family == "gdn")
     spec = CacheSpec(shape, 2, 8, 4, 1, 2, 16, 8, 8, 64, 16, max_drafts=drafts + 1)
     planned = {(t.name, c, d) for t, c, d in tuner.plan(templates(family), (16,), (0, drafts))}
+    unbuffered = unbuffered_kernels(spec, torch.bfloat16)  # what a one-row kvbuffer step launches
     for mode in ("kvbuffer", "recurrent"):
-        for key in needed_kernels(spec, torch.bfloat16, mode):
+        for key in needed_kernels(spec, torch.bfloat16, mode) + unbuffered:
             name = key.template()
             assert name is not None, key
             layouts = [(c or 0, d) for c, d in key.layouts()]
