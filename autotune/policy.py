@@ -11,8 +11,9 @@ in [0, C), so on average 1/C of the rows fold their buffer into the state in tha
 fused flush). Its median time is then the cost per decoded token of chunk size C, flushes
 included, and the policy keeps the fastest C for each bucket. The recurrent step's time per token
 in the same buckets decides up to which batch the engine skips the buffer (the policy's
-unbuffered_rows: the buckets, from the smallest, where the recurrent step was faster). Without measurements (a build for
-an absent GPU) the policy is the middle of the requested chunk sizes, marked untuned.
+unbuffered_rows: the buckets, from the smallest, where the recurrent step was faster). Without
+measurements (a build for an absent GPU) the policy is the middle of the requested chunk sizes,
+marked untuned.
 
 This module imports neither TileLang nor torch.
 """

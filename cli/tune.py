@@ -204,7 +204,8 @@ def _tune_shape(cache, target, measuring, shape, tpls, chunks, buckets, drafts, 
                  f"batch bucket ({policy.status}): "
                  + ", ".join(f"B<={b}: C={c}" for b, c in zip(policy.buckets, policy.chunk_sizes)))
         if policy.unbuffered_rows:
-            line += f"; decode steps of up to {policy.unbuffered_rows} row(s) unbuffered (the recurrent step is faster there)"
+            line += (f"; decode steps of up to {policy.unbuffered_rows} row(s) unbuffered "
+                     "(the recurrent step is faster there)")
         elif policy.unbuffered_rows == 0:
             line += "; every decode step buffered (the buffered step is faster at every batch)"
     click.echo(line)

@@ -261,10 +261,9 @@ class ModelRunner:
     @torch.inference_mode()
     def warm_up(self, rows: list[int], context_lens: list[int]) -> None:
         """Decode forwards of padding rows only (they read nothing and write only the KV cache's sink,
-        which no row reads) for each row count and
-        context length (unbuffered steps up to unbuffered_rows rows): their CUDA graphs are captured
-        and, with compile, their compilations made, so the first real steps at those shapes wait
-        for neither. Dynamo specialises a dimension of 1 and turns rows and the attention window
+        which no row reads) for each row count and context length (unbuffered steps up to
+        unbuffered_rows rows): their CUDA graphs are captured and, with compile, their compilations
+        made, so the first real steps at those shapes wait for neither. Dynamo specialises a dimension of 1 and turns rows and the attention window
         dynamic once they change, so two row counts of each kind of step at two context buckets
         leave no compilation for later shapes (LLM.warm_up)."""
         for n in rows:
