@@ -87,6 +87,12 @@ def _gdn_front(T, Tn, M, K, BV, key_rows: bool):
 
     @T.macro
     def front(q, k, v, a, b, A_log, dt_bias, bb, hk, hv, v0, s, f):
+        # the value and gate loads first: they need nothing, so they overlap the key and query loads
+        for t, j in T.Parallel(Tn, BV):
+            s.vn[t, j] = T.cast(v[bb, t, hv, v0 + j], F32)
+        for t in T.Parallel(Tn):
+            s.gl[t] = -T.exp(A_log[hv]) * _softplus(T, T.cast(a[bb, t, hv], F32) + dt_bias[hv])
+            s.beta[t] = 1.0 / (1.0 + T.exp(-T.cast(b[bb, t, hv], F32)))
         for t, i in T.Parallel(Tn, K):
             f.xq[t, i] = T.cast(q[bb, t, hk, i], F32)
             f.xk[t, i] = T.cast(k[bb, t, hk, i], F32)
@@ -104,11 +110,6 @@ def _gdn_front(T, Tn, M, K, BV, key_rows: bool):
             s.X[rr, i] = T.if_then_else(
                 rr < Tn, s.qn[T.min(rr, Tn - 1), i],
                 T.if_then_else(rr < 2 * Tn, s.kn[T.min(T.max(rr - Tn, 0), Tn - 1), i], 0.0) if key_rows else 0.0)
-        for t, j in T.Parallel(Tn, BV):
-            s.vn[t, j] = T.cast(v[bb, t, hv, v0 + j], F32)
-        for t in T.Parallel(Tn):
-            s.gl[t] = -T.exp(A_log[hv]) * _softplus(T, T.cast(a[bb, t, hv], F32) + dt_bias[hv])
-            s.beta[t] = 1.0 / (1.0 + T.exp(-T.cast(b[bb, t, hv], F32)))
 
     return front
 
@@ -179,8 +180,10 @@ def _tf32_hi(T, x):
 
 
 def get_recurrent_configs() -> list[dict]:
-    return [{"BV": bv, "threads": th} for bv, th in itertools.product((16, 32, 64), (64, 128, 256))
-            if bv * 128 // th >= 8]
+    """(BV, threads) with 8 to 128 state values a thread (K = 128). The one-warp tiles (BV 8 or 16, 32
+    threads: every reduction over K stays in the warp) give the most blocks, for small batches."""
+    return [{"BV": bv, "threads": th} for bv, th in itertools.product((8, 16, 32, 64), (32, 64, 128, 256))
+            if 8 <= bv * 128 // th <= 128]
 
 
 def linear_recurrent(family: str, Hk: int, Hv: int, K: int = 128, V: int = 128, *, BV: int = 32,
@@ -199,13 +202,17 @@ def linear_recurrent(family: str, Hk: int, Hv: int, K: int = 128, V: int = 128, 
     delta = family == "gdn"
 
     @T.macro
-    def step(state, state_slots, bb, hv, v0, s, out):
-        S = T.alloc_fragment((K, BV), F32)
+    def load(state, slot, hv, v0, S):
+        # issued before the front, so the state tile streams in while the token's inputs are loaded and
+        # normalised (one memory round trip instead of two in a row; at small batch that is the step's
+        # latency). A row without a state reads slot 0 and discards it.
+        T.copy(state[T.max(slot, 0), hv, :, v0:v0 + BV], S)
+
+    @T.macro
+    def step(state, slot, hv, v0, S, s, out):
         P = T.alloc_fragment((K, BV), F32)
         red = T.alloc_fragment((BV,), F32)
-        slot = state_slots[bb]
         if slot >= 0:
-            T.copy(state[slot, hv, :, v0:v0 + BV], S)
             decay = T.exp(s.gl[0])
             for i, j in T.Parallel(K, BV):
                 S[i, j] = S[i, j] * decay
@@ -241,9 +248,12 @@ def linear_recurrent(family: str, Hk: int, Hv: int, K: int = 128, V: int = 128, 
             with T.Kernel(V // BV, Hv, B, threads=threads) as (bv, hv, bb):
                 s, f = _front_scratch(T, family, 1, 16, K, BV)
                 Zs = T.alloc_shared((1, BV), F32)
+                S = T.alloc_fragment((K, BV), F32)
+                slot = state_slots[bb]
+                load(state, slot, hv, bv * BV, S)
                 front(q, k, v, a, b, A_log, dt_bias, bb, hv // r, hv, bv * BV, s, f)
-                step(state, state_slots, bb, hv, bv * BV, s, Zs)
-                output(o, bb, hv, bv * BV, Zs, state_slots[bb] >= 0)
+                step(state, slot, hv, bv * BV, S, s, Zs)
+                output(o, bb, hv, bv * BV, Zs, slot >= 0)
 
         return gdn_recurrent_step
 
@@ -262,9 +272,12 @@ def linear_recurrent(family: str, Hk: int, Hv: int, K: int = 128, V: int = 128, 
         with T.Kernel(V // BV, Hv, B, threads=threads) as (bv, hv, bb):
             s, _ = _front_scratch(T, family, 1, 16, K, BV)
             Zs = T.alloc_shared((1, BV), F32)
+            S = T.alloc_fragment((K, BV), F32)
+            slot = state_slots[bb]
+            load(state, slot, hv, bv * BV, S)
             front(x, dt, A_log, dt_bias, Bm, Cm, bb, hv // r, hv, bv * BV, s)
-            step(state, state_slots, bb, hv, bv * BV, s, Zs)
-            output(y, x, D, z, bb, hv, bv * BV, Zs, state_slots[bb] >= 0)
+            step(state, slot, hv, bv * BV, S, s, Zs)
+            output(y, x, D, z, bb, hv, bv * BV, Zs, slot >= 0)
 
     return mamba2_recurrent_step
 

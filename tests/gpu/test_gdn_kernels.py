@@ -40,9 +40,13 @@ BATCHES = [1, 3, 64, 257]
 PRODUCTS = {"simt": {}, "tensor_cores": {"BV": 128, "threads": 128, "blocks": 3, "tensor_cores": 1}}
 
 
+# the recurrent step's value tiles: the default, and the one-warp small-batch tiles the tuner may pick
+RECURRENT_TILES = {"default": (), "bv8w1": (("BV", 8), ("threads", 32)), "bv16w2": (("BV", 16), ("threads", 64))}
+
+
 @functools.cache
-def recurrent_op(Hk, Hv):
-    return build_gdn_recurrent(Hk, Hv)
+def recurrent_op(Hk, Hv, tile=()):
+    return build_gdn_recurrent(Hk, Hv, **dict(tile))
 
 
 @functools.cache
@@ -72,22 +76,24 @@ def _untouched(before, after, used):
     return bits_equal(before[keep], after[keep])
 
 
+@pytest.mark.parametrize("tile", RECURRENT_TILES)
 @pytest.mark.parametrize("B", BATCHES)
 @pytest.mark.parametrize("heads", HEADS)
-def test_recurrent_step(heads, B):
+def test_recurrent_step(heads, B, tile):
     Hk, Hv = HEADS[heads]
     g = _gen(1000 + B)
     q, k, v, a, b, A_log, dt_bias = (t[:, 0] if t.dim() > 1 else t for t in tokens(B, 1, Hk, Hv, gen=g))
     state, slots, *_ = pools(B, Hk, Hv, cap=CAP, fill=0, gen=g, null_state_row=1)
     before = state.clone()
     out = torch.full_like(v, float("nan"))
-    gdn_recurrent_step(recurrent_op(Hk, Hv), q, k, v, a, b, A_log, dt_bias, state, slots, out=out)
+    gdn_recurrent_step(recurrent_op(Hk, Hv, RECURRENT_TILES[tile]), q, k, v, a, b, A_log, dt_bias, state, slots,
+                       out=out)
     q64, k64, g64, beta64 = front64(q, k, a, b, A_log, dt_bias)
     s64 = before.double()
     o64 = ref.recurrent_step(q64, k64, v.double(), g64, beta64, s64, slots)
     eo, es = rel_err(out, o64), rel_err(state, s64)
-    record(f"recurrent/{heads}/B{B}/o", eo)
-    record(f"recurrent/{heads}/B{B}/state", es)
+    record(f"recurrent/{heads}/B{B}/{tile}/o", eo)
+    record(f"recurrent/{heads}/B{B}/{tile}/state", es)
     assert eo < OUT_TOL and es < STATE_TOL
     assert _untouched(before, state, slots)
 

@@ -48,9 +48,13 @@ def _tag(variant: str) -> str:
     return "m2" if variant == "reduce" else f"m2{variant}"
 
 
+# the recurrent step's value tiles: the default, and the one-warp small-batch tiles the tuner may pick
+RECURRENT_TILES = {"default": (), "bv8w1": (("BV", 8), ("threads", 32)), "bv16w2": (("BV", 16), ("threads", 64))}
+
+
 @functools.cache
-def recurrent_op(G, H, has_z=True):
-    return build_mamba2_recurrent(G, H, N, P, has_z=has_z)
+def recurrent_op(G, H, has_z=True, tile=()):
+    return build_mamba2_recurrent(G, H, N, P, has_z=has_z, **dict(tile))
 
 
 @functools.cache
@@ -93,10 +97,11 @@ def _d(*ts):
     return [None if t is None else t.double() for t in ts]
 
 
+@pytest.mark.parametrize("tile", RECURRENT_TILES)
 @pytest.mark.parametrize("has_z", [True, False], ids=["z", "noz"])
 @pytest.mark.parametrize("B", BATCHES)
 @pytest.mark.parametrize("shape", SHAPES)
-def test_recurrent_step(shape, B, has_z):
+def test_recurrent_step(shape, B, has_z, tile):
     G, H = SHAPES[shape]
     g = _gen(100 + B + has_z)
     x, dt, Bm, Cm, z, A_log, dt_bias, D = (t[:, 0] if t.dim() > 1 else t for t in tokens(B, 1, G, H, gen=g))
@@ -104,13 +109,14 @@ def test_recurrent_step(shape, B, has_z):
     state, ss, *_ = pools(B, G, H, N, P, cap=CAP, fill=0, gen=g, null_state_row=1)
     before = state.clone()
     out = torch.full_like(x, float("nan"))
-    mamba2_recurrent_step(recurrent_op(G, H, has_z), x, dt, A_log, dt_bias, Bm, Cm, D, state, ss, z=z, out=out)
+    mamba2_recurrent_step(recurrent_op(G, H, has_z, RECURRENT_TILES[tile]), x, dt, A_log, dt_bias, Bm, Cm, D,
+                          state, ss, z=z, out=out)
     s64 = before.double()
     x64, dt64, B64, C64, z64 = _d(x, dt, Bm, Cm, z)
     y64 = ref.recurrent_step(x64, dt64, A_log, dt_bias, B64, C64, D, s64, ss, z=z64)
     ey, es = rel_err(out, y64), rel_err(state, s64)
-    record(f"m2/recurrent/{shape}/B{B}/{has_z}/y", ey)
-    record(f"m2/recurrent/{shape}/B{B}/{has_z}/state", es)
+    record(f"m2/recurrent/{shape}/B{B}/{has_z}/{tile}/y", ey)
+    record(f"m2/recurrent/{shape}/B{B}/{has_z}/{tile}/state", es)
     assert ey < OUT_TOL and es < STATE_TOL, (ey, es)
     assert _untouched(before, state, ss)
     if B > 1:
