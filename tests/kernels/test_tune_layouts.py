@@ -271,3 +271,16 @@ def test_untuned_defaults_fit_small_value_heads(family):
     shape = {"family": family, "Hk": 2, "Hv": 4, "K": 16, "V": 16, "dtype": "bfloat16"}
     for tpl in gdn_templates() if family == "gdn" else mamba2_templates():
         assert tpl.defaults_for(shape)["BV"] <= 16, tpl.name
+
+
+@pytest.mark.parametrize("family", ["gdn", "mamba2"])
+@pytest.mark.parametrize("batch", [1, 4, 64])
+def test_tuned_inputs_rotate_past_twice_the_l2(family, batch):
+    """Every bucket is timed on inputs spanning more than twice the L2: at one row a state is ~2 MB, so a
+    short rotation would time L2 hits and pick small-batch winners by them."""
+    shape = make_shape("gdn", 16, 32, 128, 128) if family == "gdn" else make_shape("mamba2", 8, 64, 128, 64)
+    tpl = next(t for t in templates(family) if t.name.endswith("_recurrent"))
+    args = tpl.inputs(shape, batch, 16, "cpu", torch.Generator().manual_seed(0), 0)
+    nbytes = sum(a.numel() * a.element_size() for a in args if hasattr(a, "element_size"))
+    l2 = 60 * 2**20
+    assert tuner.rotation(args, l2) * nbytes > 2 * l2
