@@ -167,9 +167,9 @@ def cuda_median_seconds(fn: Callable[[list], None], arg_sets: list) -> float:
 
 def rotation(args: list, l2_bytes: float, limit: int = 256) -> int:
     """How many input copies it takes to exceed twice the L2 (at least 2, at most `limit`); scalar
-    arguments (attention's scale) take no memory. The copies together span ~2x the L2 whatever the
-    batch, so the limit only guards against degenerate inputs: one row's states (2 MB for a Qwen3.5
-    layer) need ~60 copies, and fewer would time reads that hit the L2."""
+    arguments (attention's scale) take no memory. The limit spans 2x a 60 MB L2 for any input set of
+    0.5 MB or more: one row's states (2 MB for a Qwen3.5 layer) need ~60 copies, and fewer would time
+    reads that hit the L2. Smaller sets (a conv's, attention's merge at a few rows) get 256 copies."""
     nbytes = sum(a.numel() * a.element_size() for a in args if hasattr(a, "element_size"))
     return max(2, min(limit, math.ceil(2 * l2_bytes / max(nbytes, 1))))
 

@@ -23,6 +23,7 @@ from kvbuffer.gpus import CATALOGUE  # noqa: E402
 
 CASES = {
     "recurrent": ("gdn_recurrent", dict(Hk=16, Hv=32)),
+    "recurrent_one_warp": ("gdn_recurrent", dict(Hk=16, Hv=32, BV=8, threads=32)),
     "buffered_step_fused_flush": ("gdn_buffered", dict(Hk=16, Hv=32, cap=24, T_new=1, flush_at=16)),
     "verify_T4": ("gdn_buffered", dict(Hk=16, Hv=32, cap=24, T_new=4, flush_at=0)),
     "prefill_T8_fused_flush_256_threads": ("gdn_buffered", dict(Hk=16, Hv=32, cap=24, T_new=8, flush_at=16,
@@ -31,6 +32,7 @@ CASES = {
                                                   BV=32, threads=64)),
     "flush": ("gdn_flush", dict(Hk=16, Hv=32, cap=24)),
     "mamba2_recurrent": ("mamba2.mamba2_recurrent", dict(G=8, H=64, has_z=True)),
+    "mamba2_recurrent_one_warp": ("mamba2.mamba2_recurrent", dict(G=8, H=64, BV=8, threads=32)),
     "mamba2_buffered_step_fused_flush": ("mamba2.mamba2_buffered", dict(G=8, H=64, cap=24, T_new=1, flush_at=16,
                                                                           has_z=True)),
     # the thread-level Mamba-2 variant (tiles/mamba2_simt.py): Nano and Super shapes, step / verify / prefill
@@ -63,6 +65,10 @@ def test_template_compiles_for_sm90a(case):
                               get_gpu("h200").target)
     src = kernel.get_kernel_source()
     assert "__global__" in src
+    if name.endswith("_recurrent"):
+        # the state tile is loaded before the row's slot is checked (slot -1 reads slot 0): only within the
+        # pool, so an empty pool reads nothing
+        assert "0 < num_state_slots" in src
     if name == "gdn_buffered" or params.get("variant") == "simt":
         # the SIMT templates: their own barriers only (4, a 5th in the fused flush)
         assert src.count("__syncthreads()") == 4 + bool(params.get("flush_at"))
@@ -111,6 +117,8 @@ def test_import_kvbuffer_does_not_import_tilelang():
 
 
 def test_configs_are_listed():
+    import inspect
+
     from kvbuffer.tiles import gdn, mamba2
 
     for fn in (gdn.get_recurrent_configs, gdn.get_buffered_configs, gdn.get_flush_configs,
@@ -119,8 +127,14 @@ def test_configs_are_listed():
         assert cfgs and all({"BV", "threads"} <= set(c) for c in cfgs)
     # Mamba-2 buffered: both variants, the default (thread-level, the H200 winner) first and the generic
     # one second (`kvbuffer tune --max-configs 2` times both); the first config is the signature's default
-    import inspect
 
+    # the recurrent step: its default first, and the measured winners of every bucket within --max-configs 4
+    for fn, builder in ((gdn.get_recurrent_configs, gdn.gdn_recurrent), (mamba2.get_recurrent_configs,
+                                                                        mamba2.mamba2_recurrent)):
+        rec = fn()
+        params = inspect.signature(builder).parameters
+        assert rec[0] == {k: params[k].default for k in ("BV", "threads")}
+        assert {"BV": 8, "threads": 32} in rec[:4] and len(rec) == len({tuple(c.items()) for c in rec})
     m2 = mamba2.get_buffered_configs()
     assert m2[0] == mamba2.BUFFERED_BEST and m2[1]["variant"] == "reduce"
     assert {c["variant"] for c in m2} == set(mamba2.VARIANTS)
