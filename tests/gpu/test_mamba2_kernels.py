@@ -48,8 +48,10 @@ def _tag(variant: str) -> str:
     return "m2" if variant == "reduce" else f"m2{variant}"
 
 
-# the recurrent step's value tiles: the default, and the one-warp small-batch tiles the tuner may pick
-RECURRENT_TILES = {"default": (), "bv8w1": (("BV", 8), ("threads", 32)), "bv16w2": (("BV", 16), ("threads", 64))}
+# the recurrent step's value tiles: the default, the H200 tuner's winners (B = 1, B <= 16, B >= 64;
+# tiles.linear_decode.RECURRENT_FIRST) and a two-warp small tile
+RECURRENT_TILES = {"default": (), "bv8w1": (("BV", 8), ("threads", 32)), "bv32w1": (("BV", 32), ("threads", 32)),
+                   "bv64w2": (("BV", 64), ("threads", 64)), "bv16w2": (("BV", 16), ("threads", 64))}
 
 
 @functools.cache
