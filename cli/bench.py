@@ -52,8 +52,11 @@ def _kernel_command(family: str, peer: str):
     @click.option("--configs", type=click.Path(exists=True, dir_okay=False),
                   help="JSON {preset: {recurrent|buffered|verify: tunables}} (verify follows buffered unless given); "
                        "default: the tunables the runtime gives untuned kernels.")
+    @click.option("--tuned", is_flag=True,
+                  help="At each batch, time the recurrent and decode steps `kvbuffer tune` picked for its bucket on "
+                       "this GPU (--configs still overrides).")
     @_out_option
-    def command(shapes, batches, C, cap, launches, replays, configs, out):
+    def command(shapes, batches, C, cap, launches, replays, configs, tuned, out):
         import importlib
         import json
 
@@ -65,7 +68,7 @@ def _kernel_command(family: str, peer: str):
         chosen = tuple(s for s in shapes.split(",") if s) if shapes else module.SHAPES
         stem = "_".join((family,) + chosen)  # runs of other shapes on the same day keep their own files
         sizes = positive_ints(batches, "--batches")
-        result = module.run(shapes=chosen, batches=sizes, C=C, cap=cap, configs=cfg, launches=launches,
+        result = module.run(shapes=chosen, batches=sizes, C=C, cap=cap, configs=cfg, tuned=tuned, launches=launches,
                             replays=replays, on_row=lambda r: results.write(r, results.result_path(out, stem, r)))
         text = kernels.table(result)
         click.echo(text)

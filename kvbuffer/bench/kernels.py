@@ -263,10 +263,41 @@ def kernel_configs(heads: Mapping, given: Mapping | None = None) -> dict:
     return {"recurrent": untuned_tunables(fam, "recurrent", K, V), "buffered": step, "verify": step} | given
 
 
+def tuned_tunables(record: Mapping, family: str, batch: int, C: int) -> dict:
+    """What `kvbuffer tune` timed fastest in this batch's bucket: {"recurrent": .., "buffered": ..} for
+    the kernels whose winner there was measured (the decode step of chunk size C in the plain-decoding
+    layout). A winner recorded untuned is left out, so the caller keeps its own default."""
+    from ..tuning import ChunkPolicy
+
+    bucket = ChunkPolicy.from_json(record["chunk_policy"]).bucket_for(batch)
+    out = {}
+    for kind, template in (("recurrent", f"{family}_recurrent"), ("buffered", f"{family}_buffered_step")):
+        for w in record["winners"]:
+            if (w["kernel"] == template and w["batch_bucket"] == bucket and w["chunk_size"] in (C, 0)
+                    and not w.get("drafts") and w.get("median_us") is not None):
+                out[kind] = dict(w["tunables"])
+                break
+    return out
+
+
+def local_tuning(heads: Mapping) -> dict:
+    """This GPU's tuning record for the head shape; an ArtifactError names the tune command otherwise."""
+    from ..artifacts import ArtifactStore
+    from ..gpus import detect_local_gpu
+    from ..tuning import make_shape
+
+    gpu = detect_local_gpu()
+    shape = make_shape(heads["family"], heads["Hk"], heads["Hv"], heads["K"], heads["V"])
+    return ArtifactStore().find_tuning(gpu.name, gpu.arch, shape)
+
+
 def run(family, *, shapes, batches=KERNEL_BATCHES, C: int = 16, cap: int = 24, configs: Mapping | None = None,
-        launches: int = timing.DEFAULT_LAUNCHES, replays: int = timing.DEFAULT_REPLAYS,
+        tuned: bool = False, launches: int = timing.DEFAULT_LAUNCHES, replays: int = timing.DEFAULT_REPLAYS,
         on_row: Callable[[dict], None] = lambda result: None) -> dict:
-    """Gate, then time every op at every (shape, batch) for one family; returns the result dict."""
+    """Gate, then time every op at every (shape, batch) for one family; returns the result dict.
+
+    tuned: each batch times the recurrent and buffered steps `kvbuffer tune` picked for its bucket on
+    this GPU (tuned_tunables; `configs` still overrides), each distinct set of kernels gated once."""
     timing.require_cuda(f"kvbuffer bench {family.NAME}")
     peer, note = family.load_peer()
     print(note, flush=True)
@@ -277,13 +308,25 @@ def run(family, *, shapes, batches=KERNEL_BATCHES, C: int = 16, cap: int = 24, c
         heads = heads_of(shape)
         if heads["family"] != family.NAME:
             raise ValueError(f"shapes: {shape!r} is a {heads['family']} model, not {family.NAME}")
-        cfg = kernel_configs(heads, (configs or {}).get(shape))
-        kernels = family.build(heads, C=C, cap=cap, configs=cfg)
-        result["configs"][shape] = cfg
-        result["gate"][shape] = errors = gate(family, kernels, heads, peer, C=C, cap=cap)
-        print(f"gate {shape}: " + " ".join(f"{k}={v:.2e}" for k, v in errors.items()), flush=True)
-        check_gate(errors, shape)
+        record = local_tuning(heads) if tuned else None
+        built = {}  # the tunables (as text) -> their kernels, gated
+
+        def kernels_for(B: int) -> dict:
+            picked = tuned_tunables(record, family.NAME, B, C) if record else {}
+            cfg = kernel_configs(heads, picked | dict((configs or {}).get(shape) or {}))
+            name = repr(sorted((k, sorted(v.items())) for k, v in cfg.items()))
+            if name not in built:
+                kernels = family.build(heads, C=C, cap=cap, configs=cfg)
+                errors = gate(family, kernels, heads, peer, C=C, cap=cap)
+                print(f"gate {shape} {cfg}: " + " ".join(f"{k}={v:.2e}" for k, v in errors.items()), flush=True)
+                check_gate(errors, shape)
+                result["gate"].setdefault(shape, errors)
+                built[name] = kernels
+            result["configs"].setdefault(shape, {})[str(B)] = cfg
+            return built[name]
+
         for B in batches:
+            kernels = kernels_for(B)
             pools, inputs = Pools(heads, B, cap=cap, C=C), Inputs(family, heads, B)
             act = lambda T: family.act_bytes(heads, T)  # noqa: E731
             ops = [plain_read(pools)] + our_ops(kernels, pools, inputs, act)

@@ -6,8 +6,8 @@ from click.testing import CliRunner
 
 from kvbuffer.cli.main import main
 
-OPTIONS = {"gdn": ["--shapes", "--batches", "--launches", "--replays", "--configs", "--out"],
-           "mamba2": ["--shapes", "--batches", "--launches", "--replays", "--configs", "--out"],
+OPTIONS = {"gdn": ["--shapes", "--batches", "--launches", "--replays", "--configs", "--tuned", "--out"],
+           "mamba2": ["--shapes", "--batches", "--launches", "--replays", "--configs", "--tuned", "--out"],
            "decode": ["--preset", "--batches", "--modes", "--profile-batch", "--out"],
            "spec": ["--preset", "--setting", "--alphas", "--draft-tokens", "--memory-budget", "--max-requests"]}
 

@@ -86,6 +86,35 @@ def test_untuned_kernels_get_the_runtimes_tunables(preset):
     assert kernels.kernel_configs(heads, {"buffered": step, "verify": {"BV": 64}})["verify"] == {"BV": 64}
 
 
+def test_tuned_kernels_follow_the_record_per_bucket():
+    """--tuned: each batch gets the winners of its bucket (the smallest bucket that holds it, the largest
+    beyond), the decode step of the benchmark's chunk size in the plain layout; untuned winners are skipped."""
+    rec = {"chunk_policy": {"status": "tuned", "buckets": {"1": 16, "16": 16, "64": 16}}, "winners": [
+        {"kernel": "gdn_recurrent", "batch_bucket": 1, "chunk_size": 0, "tunables": {"BV": 8, "threads": 32},
+         "median_us": 4.7},
+        {"kernel": "gdn_recurrent", "batch_bucket": 16, "chunk_size": 0, "tunables": {"BV": 32, "threads": 32},
+         "median_us": 22.9},
+        {"kernel": "gdn_recurrent", "batch_bucket": 64, "chunk_size": 0, "tunables": {"BV": 64, "threads": 64},
+         "median_us": 72.2},
+        {"kernel": "gdn_buffered_step", "batch_bucket": 64, "chunk_size": 16, "drafts": 4,
+         "tunables": {"BV": 64, "threads": 64}, "median_us": 50.0},
+        {"kernel": "gdn_buffered_step", "batch_bucket": 64, "chunk_size": 8, "tunables": {"BV": 32, "threads": 64},
+         "median_us": 50.0},
+        {"kernel": "gdn_buffered_step", "batch_bucket": 64, "chunk_size": 16, "tunables": {"BV": 128, "threads": 128},
+         "median_us": 48.0},
+        {"kernel": "gdn_buffered_step", "batch_bucket": 16, "chunk_size": 16, "tunables": {"BV": 16, "threads": 64},
+         "median_us": None},
+    ]}
+    assert kernels.tuned_tunables(rec, "gdn", 1, 16) == {"recurrent": {"BV": 8, "threads": 32}}
+    assert kernels.tuned_tunables(rec, "gdn", 4, 16) == {"recurrent": {"BV": 32, "threads": 32}}
+    assert kernels.tuned_tunables(rec, "gdn", 1024, 16) == {"recurrent": {"BV": 64, "threads": 64},
+                                                             "buffered": {"BV": 128, "threads": 128}}
+    assert kernels.tuned_tunables(rec, "mamba2", 1, 16) == {}
+    # the picks feed kernel_configs: a verify follows the tuned step; the rest stays the runtime's untuned default
+    cfg = kernels.kernel_configs(kernels.heads_of("qwen3.5-9b"), kernels.tuned_tunables(rec, "gdn", 100, 16))
+    assert cfg["verify"] == cfg["buffered"] == {"BV": 128, "threads": 128}
+
+
 def test_alpha_drafter_rejects_bad_arguments():
     with pytest.raises(ValueError, match="alpha"):
         ReferenceDrafter({}, 1.5, 10)
