@@ -199,3 +199,15 @@ def test_random_models_greedy_continuation_survives_rounding(preset):
         llm = LLM(model, device="cpu", chunk_size=4, max_batch=4, max_len=40, kernels=False)
         outs.append([o.token_ids for o in llm.generate(prompts, max_new_tokens=8, stop_token_ids=[])])
     assert outs[0] == outs[1]
+
+
+def test_tuned_without_a_record_names_the_tune_command(tmp_path, monkeypatch):
+    """--tuned on a GPU with no tuning record for the shape: an ArtifactError that says how to make one."""
+    from kvbuffer import gpus
+    from kvbuffer.errors import ArtifactError
+
+    monkeypatch.setenv("KVBUFFER_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(gpus, "detect_local_gpu", lambda device=0: gpus.get_gpu("h200"))
+    with pytest.raises(ArtifactError, match="kvbuffer tune --gpu h200"):
+        kernels.local_tuning(kernels.heads_of("qwen3.5-9b"))
+    assert not any(tmp_path.iterdir())  # looking wrote nothing
