@@ -31,6 +31,19 @@ def make_shape(family: str, Hk: int, Hv: int, K: int, V: int, dtype: str = "bflo
     return {"family": family, "Hk": int(Hk), "Hv": int(Hv), "K": int(K), "V": int(V), "dtype": dtype}
 
 
+def local_tuning(shape: Mapping) -> tuple[dict, str]:
+    """(the tuning record of this machine's GPU for `shape`, the GPU's name); an ArtifactError says
+    why there is none (no CUDA GPU here, or no record for this shape and these versions, naming the
+    tune command)."""
+    from .artifacts import ArtifactStore
+    from .gpus import detect_local_gpu
+
+    gpu = detect_local_gpu()
+    if gpu is None:
+        raise ArtifactError("no known GPU here")
+    return ArtifactStore().find_tuning(gpu.name, gpu.arch, shape), gpu.name
+
+
 def make_conv_shape(D: int, W: int, dtype: str, w_dtype: str, bias: bool) -> dict:
     """A tuning record's shape for the short conv's kernels (kvbuffer.autotune.conv_templates)."""
     return {"family": "conv1d", "D": int(D), "W": int(W), "dtype": dtype, "w_dtype": w_dtype, "bias": bool(bias)}

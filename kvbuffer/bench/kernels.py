@@ -19,13 +19,16 @@ that must read every state once).
 from __future__ import annotations
 
 import datetime
+import json
 import math
 from dataclasses import dataclass
 from typing import Callable, Mapping
 
 import torch
 
+from ..tuning import local_tuning, make_shape
 from . import KERNEL_BATCHES, timing
+
 VERIFY_TOKENS = (2, 4, 5, 8)  # verify widths timed: T tokens fed per row (T - 1 drafts and the token before them)
 GATE_TOLERANCE = 2e-2       # relative error against fp64 (bf16 activations and buffer entries)
 INPUT_SETS = 4              # token inputs cycled (small next to the states)
@@ -280,17 +283,6 @@ def tuned_tunables(record: Mapping, family: str, batch: int, C: int) -> dict:
     return out
 
 
-def local_tuning(heads: Mapping) -> dict:
-    """This GPU's tuning record for the head shape; an ArtifactError names the tune command otherwise."""
-    from ..artifacts import ArtifactStore
-    from ..gpus import detect_local_gpu
-    from ..tuning import make_shape
-
-    gpu = detect_local_gpu()
-    shape = make_shape(heads["family"], heads["Hk"], heads["Hv"], heads["K"], heads["V"])
-    return ArtifactStore().find_tuning(gpu.name, gpu.arch, shape)
-
-
 def run(family, *, shapes, batches=KERNEL_BATCHES, C: int = 16, cap: int = 24, configs: Mapping | None = None,
         tuned: bool = False, launches: int = timing.DEFAULT_LAUNCHES, replays: int = timing.DEFAULT_REPLAYS,
         on_row: Callable[[dict], None] = lambda result: None) -> dict:
@@ -308,13 +300,13 @@ def run(family, *, shapes, batches=KERNEL_BATCHES, C: int = 16, cap: int = 24, c
         heads = heads_of(shape)
         if heads["family"] != family.NAME:
             raise ValueError(f"shapes: {shape!r} is a {heads['family']} model, not {family.NAME}")
-        record = local_tuning(heads) if tuned else None
+        record = local_tuning(make_shape(**heads))[0] if tuned else None
         built = {}  # the tunables (as text) -> their kernels, gated
 
         def kernels_for(B: int) -> dict:
             picked = tuned_tunables(record, family.NAME, B, C) if record else {}
             cfg = kernel_configs(heads, picked | dict((configs or {}).get(shape) or {}))
-            name = repr(sorted((k, sorted(v.items())) for k, v in cfg.items()))
+            name = json.dumps(cfg, sort_keys=True)
             if name not in built:
                 kernels = family.build(heads, C=C, cap=cap, configs=cfg)
                 errors = gate(family, kernels, heads, peer, C=C, cap=cap)

@@ -109,22 +109,17 @@ def tuned_policy(shape, dtype):
     process's versions count."""
     if shape is None:
         return None, "no linear-attention layers"
-    from ..artifacts import ArtifactStore
     from ..errors import ArtifactError
-    from ..gpus import detect_local_gpu
-    from ..tuning import ChunkPolicy
+    from ..tuning import ChunkPolicy, local_tuning
 
-    gpu = detect_local_gpu()
-    if gpu is None:
-        return None, "no known GPU here"
     key = {"family": "gdn" if shape.delta_rule else "mamba2", "Hk": shape.num_k_heads, "Hv": shape.num_v_heads,
            "K": shape.head_k_dim, "V": shape.head_v_dim, "dtype": str(dtype).replace("torch.", "")}
     try:
-        record = ArtifactStore().find_tuning(gpu.name, gpu.arch, key)
+        record, gpu = local_tuning(key)
     except ArtifactError as e:
         return None, str(e)
     policy = ChunkPolicy.from_json(record["chunk_policy"])
-    return policy, f"{policy.status} policy for {gpu.name}"
+    return policy, f"{policy.status} policy for {gpu}"
 
 
 def tuned_chunk_size(shape, dtype, batch: int) -> tuple[int, str]:

@@ -205,9 +205,10 @@ def test_tuned_without_a_record_names_the_tune_command(tmp_path, monkeypatch):
     """--tuned on a GPU with no tuning record for the shape: an ArtifactError that says how to make one."""
     from kvbuffer import gpus
     from kvbuffer.errors import ArtifactError
+    from kvbuffer.tuning import local_tuning, make_shape
 
     monkeypatch.setenv("KVBUFFER_CACHE_DIR", str(tmp_path))
     monkeypatch.setattr(gpus, "detect_local_gpu", lambda device=0: gpus.get_gpu("h200"))
     with pytest.raises(ArtifactError, match="kvbuffer tune --gpu h200"):
-        kernels.local_tuning(kernels.heads_of("qwen3.5-9b"))
+        local_tuning(make_shape(**kernels.heads_of("qwen3.5-9b")))
     assert not any(tmp_path.iterdir())  # looking wrote nothing
