@@ -116,7 +116,13 @@ def _gdn_front(T, Tn, M, K, BV, key_rows: bool):
 
 def _mamba2_front(T, Tn, M, K, BV):
     @T.macro
-    def front(x, dt, A_log, dt_bias, Bm, Cm, bb, hk, hv, v0, s):
+    def front(x, dt, A_log, dt_bias, Bm, Cm, D, bb, hk, hv, v0, s):
+        # the raw values and D first: they need nothing, so their loads overlap the gate's (the value
+        # dt * x waits for the gate; the output reads x and D from shared memory, not from memory again)
+        for t, j in T.Parallel(Tn, BV):
+            s.xr[t, j] = T.cast(x[bb, t, hv, v0 + j], F32)
+        for _ in T.Parallel(1):
+            s.dd[0] = D[hv]
         for r, i in T.Parallel(M, K):
             s.X[r, i] = T.if_then_else(r < Tn, T.cast(Cm[bb, T.min(r, Tn - 1), hk, i], F32), 0.0)
         for t, i in T.Parallel(Tn, K):
@@ -125,17 +131,20 @@ def _mamba2_front(T, Tn, M, K, BV):
             s.dtv[t] = _softplus(T, T.cast(dt[bb, t, hv], F32) + dt_bias[hv])
             s.gl[t] = -T.exp(A_log[hv]) * s.dtv[t]
         for t, j in T.Parallel(Tn, BV):
-            s.vn[t, j] = s.dtv[t] * T.cast(x[bb, t, hv, v0 + j], F32)
+            s.vn[t, j] = s.dtv[t] * s.xr[t, j]
 
     return front
 
 
 def _front_scratch(T, family: str, Tn: int, M: int, K: int, BV: int) -> SimpleNamespace:
-    """The shared token arrays every front fills, plus the GDN front's l2norm scratch (fragments)."""
+    """The shared token arrays every front fills, plus the GDN front's l2norm scratch (fragments) and
+    the Mamba-2 front's raw values x and D (its output reads them)."""
     s = SimpleNamespace(X=T.alloc_shared((M, K), F32), kn=T.alloc_shared((Tn, K), F32), qn=None,
                         vn=T.alloc_shared((Tn, BV), F32), gl=T.alloc_shared((Tn,), F32),
                         beta=T.alloc_shared((Tn,), F32), dtv=T.alloc_shared((Tn,), F32))
     f = None
+    if family == "mamba2":
+        s.xr, s.dd = T.alloc_shared((Tn, BV), F32), T.alloc_shared((1,), F32)
     if family == "gdn":
         s.qn = T.alloc_shared((Tn, K), F32)
         f = SimpleNamespace(xq=T.alloc_fragment((Tn, K), F32), xk=T.alloc_fragment((Tn, K), F32),
@@ -159,9 +168,9 @@ def _gdn_output(T, Tn, BV, in_dtype):
 
 def _mamba2_output(T, Tn, BV, in_dtype, has_z: bool):
     @T.macro
-    def output(y, x, D, z, bb, hv, v0, Zs, real):
+    def output(y, s, z, bb, hv, v0, Zs, real):
         for t, j in T.Parallel(Tn, BV):
-            yv = Zs[t, j] + D[hv] * T.cast(x[bb, t, hv, v0 + j], F32)
+            yv = Zs[t, j] + s.dd[0] * s.xr[t, j]
             if has_z:
                 zv = T.cast(z[bb, t, hv, v0 + j], F32)
                 yv = yv * zv / (1.0 + T.exp(-zv))
@@ -283,9 +292,9 @@ def linear_recurrent(family: str, Hk: int, Hv: int, K: int = 128, V: int = 128, 
             S = T.alloc_fragment((K, BV), F32)
             slot = state_slots[bb]
             load(state, slot, hv, bv * BV, S)
-            front(x, dt, A_log, dt_bias, Bm, Cm, bb, hv // r, hv, bv * BV, s)
+            front(x, dt, A_log, dt_bias, Bm, Cm, D, bb, hv // r, hv, bv * BV, s)
             step(state, slot, hv, bv * BV, S, s, Zs)
-            output(y, x, D, z, bb, hv, bv * BV, Zs, slot >= 0)
+            output(y, s, z, bb, hv, bv * BV, Zs, slot >= 0)
 
     return mamba2_recurrent_step
 
@@ -522,11 +531,11 @@ def linear_buffered(family: str, Hk: int, Hv: int, K: int = 128, V: int = 128, *
             c = scratch(s)
             if buffer_slots[bb] >= 0:
                 load_state(state, state_slots, bb, hv, bv * BV, c)
-                front(x, dt, A_log, dt_bias, Bm, Cm, bb, hv // r, hv, bv * BV, s)
+                front(x, dt, A_log, dt_bias, Bm, Cm, D, bb, hv // r, hv, bv * BV, s)
                 core(state, state_slots, buf_k, buf_v, buf_g, buffer_slots, lengths, bb, hv, bv * BV, s, c)
-                output(y, x, D, z, bb, hv, bv * BV, c.Zs, True)
+                output(y, s, z, bb, hv, bv * BV, c.Zs, True)
             else:
-                output(y, x, D, z, bb, hv, bv * BV, c.Zs, False)
+                output(y, s, z, bb, hv, bv * BV, c.Zs, False)
 
     return mamba2_buffered_step
 
