@@ -26,7 +26,7 @@ from .request import Request
 from .compiled import use_compile
 from .graphs import CONTEXT_BUCKET, context_bucket
 from .runner import ModelRunner
-from .sampling import SamplingParams, sample_rows, sample_token, token_logprob
+from .sampling import SamplingParams, sample_rows, sample_token, seeded_generator, token_logprob
 from .scheduler import Scheduler
 from .drafters import MTPDrafter, NgramDrafter
 from .options import check_generate_args, check_int, check_llm_args
@@ -350,7 +350,7 @@ class LLM:
         req = Request(self._next_rid, prompt_ids, params, keep_logits=return_logits)
         sched.add(req)
         self._next_rid += 1
-        self._gens[req.rid] = torch.Generator().manual_seed(params.seed) if params.seed is not None else None
+        self._gens[req.rid] = seeded_generator(params.seed, self.device)
         if _prepare is not None:  # e.g. caches imported from transformers, right after admission
             self._prepares[req.rid] = _prepare
         return req.rid

@@ -28,29 +28,68 @@ class SamplingParams:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
 
 
-def filtered_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
-    """The distribution a request samples from, (V,) in fp32: temperature, then top-k, then top-p."""
-    logits = logits.float() / params.temperature
-    if params.top_k:
-        kth = torch.topk(logits, min(params.top_k, logits.shape[-1])).values[-1]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    probs = torch.softmax(logits, dim=-1)
-    if params.top_p < 1.0:
-        sorted_p, order = torch.sort(probs, descending=True)
+def filtered_rows(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """The distributions rows of logits (n, V) sample from, (n, V) in fp32: each row's temperature, then
+    its top-k, then its top-p (a row's own settings; 0 and 1.0 leave a filter off). Rows are batched, so
+    a step filters all of its sampled rows in a few launches whatever their settings."""
+    if len(params) != logits.shape[0]:
+        raise ValueError(f"{len(params)} sampling params for {logits.shape[0]} rows of logits")
+    if any(p.temperature <= 0.0 for p in params):
+        raise ValueError("filtered_rows takes sampled rows (temperature > 0); greedy rows take the argmax")
+    dev, V = logits.device, logits.shape[-1]
+    x = logits.float() / torch.tensor([p.temperature for p in params], device=dev)[:, None]
+    if any(p.top_k for p in params):
+        ks = [min(p.top_k, V) or 1 for p in params]
+        kth = torch.topk(x, max(ks), dim=-1).values.gather(-1, torch.tensor(ks, device=dev)[:, None] - 1)
+        on = torch.tensor([p.top_k > 0 for p in params], device=dev)[:, None]
+        x = x.masked_fill(on & (x < kth), float("-inf"))
+    probs = torch.softmax(x, dim=-1)
+    if any(p.top_p < 1.0 for p in params):
+        top_p = torch.tensor([p.top_p for p in params], device=dev)[:, None]
+        sorted_p, order = torch.sort(probs, dim=-1, descending=True)
         # keep the smallest prefix whose mass reaches top_p (always at least the top token)
-        drop = (torch.cumsum(sorted_p, 0) - sorted_p) >= params.top_p
-        sorted_p = sorted_p.masked_fill(drop, 0.0)
-        probs = torch.zeros_like(probs).scatter(0, order, sorted_p)
-        probs = probs / probs.sum()
+        drop = (torch.cumsum(sorted_p, -1) - sorted_p) >= top_p
+        kept = torch.zeros_like(probs).scatter(-1, order, sorted_p.masked_fill(drop, 0.0))
+        on = torch.tensor([p.top_p < 1.0 for p in params], device=dev)[:, None]
+        probs = torch.where(on, kept / kept.sum(-1, keepdim=True), probs)
     return probs
+
+
+def filtered_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """The distribution one request samples from, (V,) in fp32 (filtered_rows of one row)."""
+    return filtered_rows(logits[None], [params])[0]
+
+
+def draw(probs: torch.Tensor, generators: list) -> torch.Tensor:
+    """One index per row of probs (n, V), drawn on probs' device: the argmax of p_i / E_i with E_i
+    i.i.d. Exp(1), which picks i with probability p_i exactly (the exponential race). A row with a
+    generator (a seeded request's, on probs' device) draws its noise from it alone, so its tokens do not
+    depend on which other requests share its step; the rest share one draw from the default generator.
+    Nothing here waits for the device."""
+    if len(generators) != probs.shape[0]:
+        raise ValueError(f"{len(generators)} generators for {probs.shape[0]} rows")
+    noise = torch.empty_like(probs, dtype=torch.float32)
+    free = [i for i, g in enumerate(generators) if g is None]
+    if free:
+        noise[free] = torch.empty((len(free), probs.shape[-1]), device=probs.device).exponential_()
+    for i, g in enumerate(generators):
+        if g is not None:
+            noise[i].exponential_(generator=g)
+    # an Exp(1) draw of exactly 0 would divide by zero: clamped, a zero-probability index still scores 0
+    return torch.argmax(probs / noise.clamp_min(torch.finfo(torch.float32).tiny), dim=-1)
+
+
+def seeded_generator(seed: int | None, device) -> torch.Generator | None:
+    """A request's own generator on the device its logits live on (None without a seed). Seeded outputs
+    repeat for the same seed on the same kind of device; a CPU and a GPU draw different streams."""
+    if seed is None:
+        return None
+    return torch.Generator(device=device).manual_seed(seed)
 
 
 def sample_token(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> int:
     """One token from logits (V,)."""
-    if params.temperature == 0.0:
-        return int(torch.argmax(logits))
-    probs = filtered_probs(logits, params)
-    return int(torch.multinomial(probs.cpu(), 1, generator=generator))
+    return sample_rows(logits[None], [params], [generator])[0]
 
 
 def token_logprob(logits: torch.Tensor, token: int) -> float:
@@ -59,15 +98,13 @@ def token_logprob(logits: torch.Tensor, token: int) -> float:
 
 
 def sample_rows(logits: torch.Tensor, params: list[SamplingParams], generators: list) -> list[int]:
-    """One token per row of logits (B, V): greedy rows share one argmax and one transfer to the
-    host (a per-row argmax would synchronise B times); sampled rows draw with their own generator."""
-    greedy = [i for i, p in enumerate(params) if p.temperature == 0.0]
-    out = [0] * len(params)
-    if greedy:
-        picked = logits if len(greedy) == len(params) else logits[greedy]
-        for i, token in zip(greedy, torch.argmax(picked, dim=-1).tolist()):
-            out[i] = token
-    for i, p in enumerate(params):
-        if p.temperature != 0.0:
-            out[i] = sample_token(logits[i], p, generators[i])
-    return out
+    """One token per row of logits (B, V), greedy rows by argmax and sampled rows by `draw`, all on
+    the logits' device, then one transfer to the host for the whole batch (a per-row pick would
+    synchronise B times, and copying a row's distribution to the host moves V floats)."""
+    tokens = torch.argmax(logits, dim=-1)
+    sampled = [i for i, p in enumerate(params) if p.temperature != 0.0]
+    if sampled:
+        rows = logits[sampled]
+        tokens[sampled] = draw(filtered_rows(rows, [params[i] for i in sampled]),
+                               [generators[i] for i in sampled])
+    return tokens.tolist()

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from .options import is_int
-from .sampling import SamplingParams, filtered_probs
+from .sampling import SamplingParams, draw, filtered_probs
 
 METHODS = ("ngram", "mtp")
 
@@ -75,14 +75,14 @@ def accept_drafts(logits: torch.Tensor, drafts: list[int | None], params: Sampli
                 return i, target
             continue
         p = filtered_probs(logits[i], params)
-        if d is not None and float(torch.rand((), generator=generator)) < float(p[d]):
+        if d is not None and float(torch.rand((), generator=generator, device=p.device)) < float(p[d]):
             continue
         if d is not None:  # residual norm(max(p - q, 0)) with q a point mass on d
             p = p.clone()
             p[d] = 0.0
             p = p / p.sum()
-        return i, int(torch.multinomial(p.cpu(), 1, generator=generator))
+        return i, int(draw(p[None], [generator])[0])
     last = logits[len(drafts)]
     if params.temperature == 0.0:
         return len(drafts), argmax[len(drafts)]
-    return len(drafts), int(torch.multinomial(filtered_probs(last, params).cpu(), 1, generator=generator))
+    return len(drafts), int(draw(filtered_probs(last, params)[None], [generator])[0])

@@ -47,8 +47,8 @@ def test_overlapped_steps_give_the_synchronous_outputs(model, graphs):
 
 
 def test_sampled_and_logprob_rows_run_synchronous_steps(model):
-    """A step with a sampled row (its token needs the host's generator) settles the step in flight
-    first; seeded outputs and the greedy rows stay the same."""
+    """A step with a sampled row settles the step in flight first (overlapped steps feed only greedy
+    picks made on the device); seeded outputs and the greedy rows stay the same."""
     def run(overlap):
         llm = _llm(model, overlap)
         rids = [llm.add_request(p, SamplingParams(12, temperature=1.0 if i == 3 else 0.0, seed=i, stop_token_ids=()))
