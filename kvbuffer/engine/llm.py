@@ -31,7 +31,7 @@ from .scheduler import Scheduler
 from .drafters import MTPDrafter, NgramDrafter
 from .options import check_generate_args, check_int, check_llm_args
 from .overlap import InflightStep, ends_at_length, plan_feed, use_overlap
-from .speculative import SpeculativeConfig, accept_drafts
+from .speculative import SpeculativeConfig, accept_drafts, accept_sampled
 
 log = logging.getLogger(__name__)
 
@@ -521,9 +521,9 @@ class LLM:
         """Draft T tokens per request, verify them in one forward, keep the accepted prefix + one more.
 
         Greedy requests are accepted and committed inside the verify forward (runner.verify_greedy);
-        otherwise the host accepts (speculative.accept_drafts) and commits. Near max_len the step
-        drafts fewer tokens, so that every request's fed positions fit (each running request has room
-        for at least its real token: _emit finished those without)."""
+        otherwise the host accepts (speculative.accept_drafts, accept_sampled) and commits. Near
+        max_len the step drafts fewer tokens, so that every request's fed positions fit (each running
+        request has room for at least its real token: _emit finished those without)."""
         room = min(self.runner.spec.max_len - r.cached - 1 for r in running)
         T = min(self.speculative.num_draft_tokens, room)
         proposals = [p[:T] for p in self.drafter.propose(running, T)]
@@ -536,13 +536,7 @@ class LLM:
         else:
             out = self.runner.verify(running, drafts, want_hidden=want)
             logits, hidden = out if want else (out, None)
-            greedy = any(r.params.temperature == 0.0 for r in running)
-            argmax = torch.argmax(logits, dim=-1).tolist() if greedy else [None] * len(running)  # one sync
-            accepted, following = [], []
-            for req, row, ds, top in zip(running, logits, drafts, argmax):
-                m, nxt = accept_drafts(row, ds, req.params, self._gens[req.rid], top)
-                accepted.append(m)
-                following.append(ds[:m] + [nxt])
+            accepted, following = self._accept_on_host(running, logits, drafts)
             self.runner.commit(running, [m + 1 for m in accepted])  # the real token and m drafts
         for req, row, tokens in zip(running, logits, following):
             for i, token in enumerate(tokens):
@@ -553,6 +547,24 @@ class LLM:
         self.spec_stats["request_steps"] += len(running)
         self.spec_stats["proposed"] += sum(len(p) for p in proposals)
         self.drafter.on_commit(running, hidden, [m + 1 for m in accepted], following)
+
+    def _accept_on_host(self, running, logits, drafts) -> tuple[list[int], list[list[int]]]:
+        """Each request's kept drafts and the tokens it emits, from the verify's logits (B, T+1, V):
+        greedy rows by one argmax of the batch, sampled rows by one batched acceptance (one transfer each)."""
+        greedy = [i for i, r in enumerate(running) if r.params.temperature == 0.0]
+        sampled = [i for i, r in enumerate(running) if r.params.temperature != 0.0]
+        kept, nxt = [0] * len(running), [0] * len(running)
+        if greedy:
+            argmax = torch.argmax(logits[greedy], dim=-1).tolist()
+            for i, top in zip(greedy, argmax):
+                kept[i], nxt[i] = accept_drafts(logits[i], drafts[i], running[i].params, None, top)
+        if sampled:
+            ms, tokens = accept_sampled(logits[sampled], [drafts[i] for i in sampled],
+                                        [running[i].params for i in sampled],
+                                        [self._gens[running[i].rid] for i in sampled])
+            for i, m, token in zip(sampled, ms, tokens):
+                kept[i], nxt[i] = m, token
+        return kept, [ds[:m] + [t] for ds, m, t in zip(drafts, kept, nxt)]
 
     @property
     def acceptance(self) -> dict:

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from .options import is_int
-from .sampling import SamplingParams, draw, filtered_probs
+from .sampling import SamplingParams, draw, filtered_rows
 
 METHODS = ("ngram", "mtp")
 
@@ -66,23 +66,46 @@ def accept_drafts(logits: torch.Tensor, drafts: list[int | None], params: Sampli
     drafts: T proposals; None marks padding (never kept). Returns (kept m, next token).
     argmax: logits' argmax per row when the caller computed it for the whole batch at once.
     """
-    if params.temperature == 0.0 and argmax is None:
+    if params.temperature != 0.0:
+        kept, following = accept_sampled(logits[None], [drafts], [params], [generator])
+        return kept[0], following[0]
+    if argmax is None:
         argmax = torch.argmax(logits, dim=-1).tolist()
     for i, d in enumerate(drafts):
-        if params.temperature == 0.0:
-            target = argmax[i]
-            if d is None or d != target:
-                return i, target
-            continue
-        p = filtered_probs(logits[i], params)
-        if d is not None and float(torch.rand((), generator=generator, device=p.device)) < float(p[d]):
-            continue
-        if d is not None:  # residual norm(max(p - q, 0)) with q a point mass on d
-            p = p.clone()
-            p[d] = 0.0
-            p = p / p.sum()
-        return i, int(draw(p[None], [generator])[0])
-    last = logits[len(drafts)]
-    if params.temperature == 0.0:
-        return len(drafts), argmax[len(drafts)]
-    return len(drafts), int(draw(filtered_probs(last, params)[None], [generator])[0])
+        if d is None or d != argmax[i]:
+            return i, argmax[i]
+    return len(drafts), argmax[len(drafts)]
+
+
+def accept_sampled(logits: torch.Tensor, drafts: list[list[int | None]], params: list[SamplingParams],
+                   generators: list) -> tuple[list[int], list[int]]:
+    """accept_drafts for a batch of sampled rows at once, on the logits' device: (kept m, next token)
+    per row, with one transfer to the host for the batch.
+
+    logits: (R, T+1, V); drafts: R lists of T proposals (None: padding, never kept); each row's own
+    params (temperature > 0) and generator. Draft i is kept while u_i < p_i(d_i) for uniforms u_i; the
+    next token comes from p_m with d_m removed (the residual) after a rejection at m, from p_T when
+    every draft was kept. A row draws all T uniforms whatever it keeps (the ones past its first
+    rejection decide nothing), so the whole batch runs in a fixed number of launches."""
+    R, T1, V = logits.shape
+    T = T1 - 1
+    if len(drafts) != R or len(params) != R or len(generators) != R:
+        raise ValueError(f"accept_sampled: {R} rows of logits, {len(drafts)} draft lists, {len(params)} params, "
+                         f"{len(generators)} generators")
+    if any(len(ds) != T for ds in drafts):
+        raise ValueError(f"accept_sampled: every row takes T = {T} drafts (None for padding)")
+    dev = logits.device
+    probs = filtered_rows(logits.reshape(R * T1, V), [p for p in params for _ in range(T1)]).view(R, T1, V)
+    d = torch.tensor([[-1 if x is None else x for x in ds] for ds in drafts], dtype=torch.long, device=dev).view(R, T)
+    p_draft = probs[:, :T].gather(-1, d.clamp(min=0)[..., None])[..., 0].masked_fill(d < 0, -1.0)
+    u = torch.empty((R, T), device=dev)
+    for r, g in enumerate(generators):
+        u[r] = torch.rand(T, generator=g, device=dev)
+    kept = torch.cumprod((u < p_draft).long(), dim=-1).sum(-1)  # drafts before the first rejection
+    rows = torch.arange(R, device=dev)
+    q = probs[rows, kept]  # (R, V): p_m, or p_T when every draft was kept
+    d_m = torch.cat([d, torch.full((R, 1), -1, dtype=torch.long, device=dev)], dim=1)[rows, kept]  # -1: none
+    q = q.masked_fill(torch.arange(V, device=dev) == d_m[:, None], 0.0)  # the residual: p_m without d_m
+    following = draw(q / q.sum(-1, keepdim=True), generators)
+    out = torch.stack([kept, following]).tolist()
+    return out[0], out[1]

@@ -128,3 +128,54 @@ def test_mtp_without_a_head_is_a_clear_error(tmp_path):
     make_hf_model("qwen3_5_text").save_pretrained(tmp_path)
     with pytest.raises(ValueError, match="needs a checkpoint with an MTP head"):
         LLM(str(tmp_path), device="cpu", speculative={"method": "mtp", "num_draft_tokens": 2})
+
+
+def test_batched_acceptance_keeps_the_target_distribution_over_two_drafts():
+    """accept_sampled on 20,000 copies of one row: the first token emitted is distributed as p_0 and,
+    when it was the kept draft, the second as p_1 (drafts are point masses, acceptance p(d))."""
+    from kvbuffer.engine.speculative import accept_sampled
+
+    logits = torch.tensor([[1.0, 0.2, -0.5, 0.7, 0.0], [0.3, 0.1, 0.0, -1.0, 2.0], [0.0, 1.0, 0.0, 0.0, 0.5]])
+    params = SamplingParams(temperature=1.0)
+    p = torch.softmax(logits, -1)
+    n = 20000
+    torch.manual_seed(3)
+    kept, nxt = accept_sampled(logits.expand(n, -1, -1), [[0, 4]] * n, [params] * n, [None] * n)
+    kept, nxt = torch.tensor(kept), torch.tensor(nxt)
+    first = torch.where(kept >= 1, 0, nxt)
+    freq = torch.bincount(first, minlength=5) / n
+    assert torch.all((freq - p[0]).abs() < 4.5 * torch.sqrt(p[0] * (1 - p[0]) / n)), freq
+    on = kept >= 1
+    second = torch.where(kept >= 2, 4, nxt)[on]
+    freq = torch.bincount(second, minlength=5) / on.sum()
+    assert torch.all((freq - p[1]).abs() < 4.5 * torch.sqrt(p[1] * (1 - p[1]) / on.sum())), freq
+
+
+def test_batched_acceptance_per_row():
+    """Padding drafts are never kept, a certain draft always is, and a seeded row's outcome does not
+    depend on the rows beside it; accept_drafts of one sampled row is the batched rule."""
+    from kvbuffer.engine.sampling import seeded_generator
+    from kvbuffer.engine.speculative import accept_sampled
+
+    sure = torch.full((3, 6), -30.0)
+    sure[0, 2], sure[1, 5], sure[2, 1] = 30.0, 30.0, 30.0
+    hot = SamplingParams(temperature=1.0)
+    assert accept_sampled(sure[None], [[2, 5]], [hot], [None]) == ([2], [1])
+    assert accept_sampled(sure[None], [[None, 5]], [hot], [None]) == ([0], [2])
+    assert accept_sampled(sure[None], [[2, 3]], [hot], [None]) == ([1], [5])
+    gen = torch.Generator().manual_seed(4)
+    logits = torch.randn(4, 3, 50, generator=gen)
+    drafts = [[3, 7], [1, None], [8, 8], [0, 2]]
+    params = [SamplingParams(temperature=0.9, top_k=20, seed=1), hot, SamplingParams(temperature=1.2, top_p=0.8),
+              SamplingParams(temperature=1.0, seed=2)]
+
+    def run(rows):
+        gens = [seeded_generator(params[i].seed, "cpu") for i in rows]
+        return accept_sampled(logits[rows], [drafts[i] for i in rows], [params[i] for i in rows], gens)
+
+    alone = run([3])
+    both = run([0, 1, 2, 3])
+    assert (both[0][3], both[1][3]) == (alone[0][0], alone[1][0])
+    assert accept_drafts(logits[3], drafts[3], params[3], seeded_generator(2, "cpu")) == (alone[0][0], alone[1][0])
+    with pytest.raises(ValueError, match="T = 2 drafts"):
+        accept_sampled(logits[:1], [[1]], [hot], [None])
