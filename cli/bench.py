@@ -130,13 +130,17 @@ def _profile_option(f):
 @bench.command("decode")
 @_engine_options
 @click.option("--batches", default="1,16,64,256", show_default=True, help="Batch sizes.")
+@click.option("--temperature", default=0.0, show_default=True, type=click.FloatRange(min=0.0),
+              help="Sample every request at this temperature (0: greedy).")
+@click.option("--top-p", default=1.0, show_default=True, type=click.FloatRange(0.0, 1.0, min_open=True),
+              help="Nucleus mass for the sampled requests.")
 @_profile_option
 def decode(preset, modes, prompt_len, new_tokens, chunk_size, kernels, cuda_graphs, compile_, out, batches,
-           profile_batch):
+           temperature, top_p, profile_batch):
     """Decode throughput and step latency, kvbuffer vs the recurrent scheme, random-weight model."""
     _engine_run("decode", preset, modes, kernels, cuda_graphs, compile_, out, prompt_len=prompt_len,
                 new_tokens=new_tokens, chunk_size=chunk_size, batches=positive_ints(batches, "--batches"),
-                profile_batch=profile_batch)
+                temperature=temperature, top_p=top_p, profile_batch=profile_batch)
 
 
 @bench.command("spec")

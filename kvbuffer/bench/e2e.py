@@ -242,15 +242,17 @@ def _skipped(mode, model) -> bool:
     return bool(why)
 
 
-def _decode_row(llm, prompts, *, device, new_tokens) -> dict:
+def _decode_row(llm, prompts, *, device, new_tokens, sampling: dict | None = None) -> dict:
     """Start-up is reported beside the rates: `warmup_s` is the first call (kernels loaded, and with
     compile the first compilation), `first_step_s` the measured run's first decode step (its graph
-    captured, with compile a recompilation for the batch's shapes); both are one-off costs."""
+    captured, with compile a recompilation for the batch's shapes); both are one-off costs.
+    `sampling`: generate's temperature and top_p (greedy without)."""
+    sampling = sampling or {}
     t0 = time.perf_counter()
-    llm.generate(prompts[:1], max_new_tokens=2, stop_token_ids=[])  # warm-up: kernels loaded
+    llm.generate(prompts[:1], max_new_tokens=2, stop_token_ids=[], **sampling)  # warm-up: kernels loaded
     _sync(device)
     warmup_s = time.perf_counter() - t0
-    llm.generate(prompts, max_new_tokens=new_tokens, stop_token_ids=[])
+    llm.generate(prompts, max_new_tokens=new_tokens, stop_token_ids=[], **sampling)
     st = llm.last_stats
     secs, _ = _warm_steps(st)
     med = statistics.median(secs)
@@ -262,8 +264,11 @@ def _decode_row(llm, prompts, *, device, new_tokens) -> dict:
 
 
 def bench_decode(model, *, batches, modes=MODES, prompt_len=128, new_tokens=32, chunk_size=16, device="cuda",
-                 kernels="auto", cuda_graphs="auto", compile="auto", profile_batch=0,
+                 kernels="auto", cuda_graphs="auto", compile="auto", profile_batch=0, temperature=0.0, top_p=1.0,
                  on_row=lambda rows: None) -> list[dict]:
+    """Decode rows per batch and mode; temperature > 0 samples every request (unseeded), which is what
+    most serving traffic does: its tokens are drawn after each step rather than picked inside it."""
+    sampling = {} if temperature == 0.0 else dict(temperature=temperature, top_p=top_p)
     rows = []
     modes = [m for m in modes if not _skipped(m, model)]
     for B in batches:
@@ -271,7 +276,8 @@ def bench_decode(model, *, batches, modes=MODES, prompt_len=128, new_tokens=32, 
         for mode in modes:
             llm = _engine(model, device=device, mode=mode, batch=B, max_len=prompt_len + new_tokens + 8,
                           chunk_size=chunk_size, kernels=kernels, cuda_graphs=cuda_graphs, compile=compile)
-            row = dict(batch=B, mode=mode, **_decode_row(llm, prompts, device=device, new_tokens=new_tokens))
+            row = dict(batch=B, mode=mode, temperature=temperature, top_p=top_p,
+                       **_decode_row(llm, prompts, device=device, new_tokens=new_tokens, sampling=sampling))
             print(f"decode B={B:4d} {mode:9s} {row['decode_tokens_per_s']:10.1f} tok/s {row['step_ms']:8.2f} ms/step"
                   f" (start-up {row['warmup_s']:.1f} s + first step {row['first_step_s']:.1f} s)", flush=True)
             if B == profile_batch:
@@ -416,6 +422,7 @@ def run(what: str, *, preset: str, device: str = "cuda", dtype=None, out_dir=Non
     result = new_result(what, preset, device=device, dtype=dtype,
                         args={k: list(v) if isinstance(v, tuple) else v for k, v in options.items()})
     settings = "_" + "-".join(options["settings"]) if "settings" in options else ""  # one file per setting run
+    settings += "_sampled" if options.get("temperature") else ""  # beside the greedy run's file
     path = results.result_path(out_dir or results.DEFAULT_DIR, f"e2e_{what}{settings}_{preset}", result)
 
     def save(rows):

@@ -8,7 +8,7 @@ from kvbuffer.cli.main import main
 
 OPTIONS = {"gdn": ["--shapes", "--batches", "--launches", "--replays", "--configs", "--tuned", "--out"],
            "mamba2": ["--shapes", "--batches", "--launches", "--replays", "--configs", "--tuned", "--out"],
-           "decode": ["--preset", "--batches", "--modes", "--profile-batch", "--out"],
+           "decode": ["--preset", "--batches", "--modes", "--temperature", "--top-p", "--profile-batch", "--out"],
            "spec": ["--preset", "--setting", "--alphas", "--draft-tokens", "--memory-budget", "--max-requests"]}
 
 
@@ -33,8 +33,11 @@ def test_without_cuda_one_line_and_exit_1(args):
 @pytest.mark.parametrize("args, option", [(["decode", "--batches", "0"], "--batches"),
                                           (["spec", "--batches", "16,-1"], "--batches"),
                                           (["spec", "--alphas", "half"], "--alphas"),
-                                          (["serve", "--concurrency", "0"], "--concurrency")],
-                         ids=["decode-zero-batch", "spec-negative-batch", "spec-bad-alpha", "serve-zero-concurrency"])
+                                          (["serve", "--concurrency", "0"], "--concurrency"),
+                                          (["decode", "--top-p", "0"], "--top-p"),
+                                          (["decode", "--temperature", "-1"], "--temperature")],
+                         ids=["decode-zero-batch", "spec-negative-batch", "spec-bad-alpha", "serve-zero-concurrency",
+                              "decode-zero-top-p", "decode-negative-temperature"])
 def test_a_bad_list_value_is_a_usage_error_naming_the_option(args, option):
     res = CliRunner().invoke(main, ["bench", *args])
     assert res.exit_code == 2, res.output

@@ -23,6 +23,14 @@ def test_decode_benchmark_runs(tmp_path, preset):
     assert saved["rows"] == json.loads(json.dumps(rows)) and saved["benchmark"] == "decode"
 
 
+def test_decode_benchmark_samples_when_asked(tmp_path):
+    result = e2e.run("decode", preset="tiny-qwen", device="cpu", out_dir=tmp_path, batches=(2,), modes=("kvbuffer",),
+                     temperature=0.8, top_p=0.9, **SMALL)
+    assert [(r["temperature"], r["top_p"]) for r in result["rows"]] == [(0.8, 0.9)]
+    assert result["rows"][0]["decode_tokens_per_s"] > 0
+    assert len(list(tmp_path.glob("e2e_decode_sampled_tiny-qwen_*.json"))) == 1
+
+
 @pytest.mark.parametrize("preset, alphas", [("tiny-qwen", (0.0, 1.0)), ("tiny-nemotron", (1.0,))])
 def test_spec_benchmark_equal_batch_and_capacity(tmp_path, preset, alphas):
     result = e2e.run("spec", preset=preset, device="cpu", out_dir=tmp_path, batches=(2,), alphas=alphas,
