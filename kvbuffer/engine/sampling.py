@@ -28,14 +28,28 @@ class SamplingParams:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
 
 
+# Rows filtered per pass: top-p sorts its rows (fp32 values and int64 indices, ~12 bytes per logit), so a
+# verify of 64 requests x 5 tokens over a 248k vocabulary would need ~1 GB at once; 64 rows need ~0.2 GB.
+ROWS_PER_PASS = 64
+
+
 def filtered_rows(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
     """The distributions rows of logits (n, V) sample from, (n, V) in fp32: each row's temperature, then
-    its top-k, then its top-p (a row's own settings; 0 and 1.0 leave a filter off). Rows are batched, so
-    a step filters all of its sampled rows in a few launches whatever their settings."""
+    its top-k, then its top-p (a row's own settings; 0 and 1.0 leave a filter off). Rows are batched
+    (ROWS_PER_PASS at a time), so a step filters its sampled rows in a few launches whatever their settings."""
     if len(params) != logits.shape[0]:
         raise ValueError(f"{len(params)} sampling params for {logits.shape[0]} rows of logits")
     if any(p.temperature <= 0.0 for p in params):
         raise ValueError("filtered_rows takes sampled rows (temperature > 0); greedy rows take the argmax")
+    if len(params) > ROWS_PER_PASS:
+        out = torch.empty(logits.shape, dtype=torch.float32, device=logits.device)
+        for i in range(0, len(params), ROWS_PER_PASS):
+            out[i:i + ROWS_PER_PASS] = _filtered(logits[i:i + ROWS_PER_PASS], params[i:i + ROWS_PER_PASS])
+        return out
+    return _filtered(logits, params)
+
+
+def _filtered(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
     dev, V = logits.device, logits.shape[-1]
     x = logits.float() / torch.tensor([p.temperature for p in params], device=dev)[:, None]
     if any(p.top_k for p in params):

@@ -40,6 +40,16 @@ def test_batched_filters_match_each_row_alone():
         assert torch.allclose(got.sum(-1), torch.ones(len(PARAMS)))
 
 
+def test_many_rows_are_filtered_in_passes_with_the_same_result(monkeypatch):
+    from kvbuffer.engine import sampling
+
+    logits = 3 * torch.randn(len(PARAMS) * 3, 40, generator=torch.Generator().manual_seed(1))
+    params = PARAMS * 3
+    whole = filtered_rows(logits, params)
+    monkeypatch.setattr(sampling, "ROWS_PER_PASS", 4)
+    assert torch.equal(filtered_rows(logits, params), whole)
+
+
 def test_filters_reject_greedy_rows_and_mismatched_lengths():
     with pytest.raises(ValueError, match="greedy"):
         filtered_rows(torch.zeros(1, 4), [SamplingParams()])
