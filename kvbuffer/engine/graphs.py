@@ -82,8 +82,8 @@ class StepInputs:
     copied to the device at once.
 
     A decode step's inputs (tokens = 1) can also take a row's token from the previous step's
-    greedy pick while it is still on the device (`upload(feed=...)`, `pick_greedy`): the engine
-    launches step n + 1 before it reads step n's tokens back (kvbuffer.engine.overlap).
+    pick while it is still on the device (`hold`, then `upload(feed=...)`): the engine launches step
+    n + 1 before it reads step n's tokens back (kvbuffer.engine.overlap).
     """
 
     def __init__(self, max_rows: int, device: torch.device, tokens: int = 1):
@@ -104,7 +104,7 @@ class StepInputs:
 
     def upload(self, columns: list[list[int]], rows: int, feed: list[int] | None = None) -> torch.Tensor:
         """columns: step_columns' lists, n <= rows entries each; rows - n padding rows follow.
-        feed (decode only): per row, the index of the pick of the last `pick_greedy` that is its token
+        feed (decode only): per row, the index of the pick of the last `hold` that is its token
         (its id column then only holds a placeholder), or -1 for the id in `columns`.
         Returns the device view (tokens + len(ROW_FIELDS), rows); stable across calls with the same `rows`."""
         n = len(columns[0])
@@ -117,7 +117,7 @@ class StepInputs:
             raise ValueError(f"feed: one index per row of a one-token forward, got {len(feed)} for {n} rows "
                              f"of {self.tokens} token(s)")
         if feed is not None and max(feed, default=-1) >= self._picked_rows:
-            raise ValueError(f"feed: index {max(feed)} past the last pick_greedy's {self._picked_rows} rows")
+            raise ValueError(f"feed: index {max(feed)} past the last hold's {self._picked_rows} rows")
         if self._copied is not None:
             self._copied.synchronize()  # the previous copy has read the staging buffer
         self.host[:-1, :n] = torch.tensor(columns, dtype=torch.long)
@@ -136,13 +136,13 @@ class StepInputs:
             view[0].copy_(torch.where(source >= 0, self.picked[source.clamp(min=0)], view[0]))
         return view
 
-    def pick_greedy(self, logits: torch.Tensor) -> "PendingTokens":
-        """argmax of each row of logits (n, vocab) into `picked`, for the next upload's feed, and on
-        its way to the host; nothing waits for it here."""
-        n = logits.shape[0]
+    def hold(self, picks: torch.Tensor) -> "PendingTokens":
+        """A decode step's picks (n,) on the device (sampling.pick_rows) into `picked`, for the next
+        upload's feed, and on their way to the host; nothing waits for them here."""
+        n = picks.shape[0]
         if self.tokens != 1:
-            raise ValueError(f"pick_greedy serves one-token (decode) forwards, not {self.tokens}-token ones")
-        torch.argmax(logits, dim=-1, out=self.picked[:n])
+            raise ValueError(f"hold serves one-token (decode) forwards, not {self.tokens}-token ones")
+        self.picked[:n].copy_(picks)
         self._picked_rows = n
         host = self._picked_host[self._picks % 2][:n]  # two: the host may still read the last one
         self._picks += 1

@@ -26,7 +26,7 @@ from .request import Request
 from .compiled import use_compile
 from .graphs import CONTEXT_BUCKET, context_bucket
 from .runner import ModelRunner
-from .sampling import SamplingParams, sample_rows, sample_token, seeded_generator, token_logprob
+from .sampling import SamplingParams, pick_rows, sample_rows, sample_token, seeded_generator, token_logprob
 from .scheduler import Scheduler
 from .drafters import MTPDrafter, NgramDrafter
 from .options import check_generate_args, check_int, check_llm_args
@@ -164,7 +164,7 @@ class LLM:
         compile: run the decode and verify forwards under torch.compile (kvbuffer.engine.compiled):
         False (the default: compiling a large model adds minutes to start-up), True, or "auto" (on
         CUDA with CUDA graphs).
-        overlap: queue each greedy decode step before reading the last one's tokens back, so the
+        overlap: queue each decode step before reading the last one's tokens back, so the
         host's work hides behind the GPU's (kvbuffer.engine.overlap; the outputs are the same, a
         step()'s tokens arrive one step later): True, False or "auto" (on CUDA).
         unbuffered_rows: kvbuffer mode's decode steps of at most this many rows fold their buffers
@@ -478,10 +478,13 @@ class LLM:
         stats.peak_batch = max(stats.peak_batch, len(running))
 
     def _overlapped_step(self, running, events) -> int:
-        """Queue this step (greedy picks left on the device), then emit the step in flight's tokens
+        """Queue this step (its picks left on the device), then emit the step in flight's tokens
         while the GPU runs it (kvbuffer.engine.overlap). Returns the rows of the step emitted."""
         rows, feed = plan_feed(running, self._inflight, self.runner.spec.max_len)
-        queued = InflightStep(rows, self.runner.pick_greedy(self.runner.decode(rows, feed))) if rows else None
+        queued = None
+        if rows:
+            picks = pick_rows(self.runner.decode(rows, feed), [r.params for r in rows], [self._gens[r.rid] for r in rows])
+            queued = InflightStep(rows, self.runner.hold(picks))
         settled = self._settle(events)
         self._inflight = queued
         return settled
@@ -529,7 +532,7 @@ class LLM:
         proposals = [p[:T] for p in self.drafter.propose(running, T)]
         drafts = [p + [None] * (T - len(p)) for p in proposals]  # padding drafts are never kept
         want = self.drafter.needs_hidden
-        if all(r.picked_on_device for r in running):
+        if all(r.accepted_on_device for r in running):
             picks, accepted, hidden = self.runner.verify_greedy(running, drafts, want_hidden=want)
             following = [ds[:m] + [top[m]] for ds, m, top in zip(drafts, accepted, picks)]
             logits = [None] * len(running)

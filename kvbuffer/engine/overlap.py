@@ -2,10 +2,11 @@
 
 A synchronous decode step leaves the GPU idle while the host reads the sampled tokens back, emits
 them and prepares the next step's inputs: about 3 ms of a 20 ms step for a 9B model at batch 256.
-For greedy rows nothing the next step needs from the host depends on the token picked: positions,
-slots and buffer fills advance by one whatever it is, and the pick itself can stay on the device
-(StepInputs.pick_greedy, then upload(feed=...)). So the engine queues step n + 1 first and reads
-step n's tokens while the GPU runs it.
+Nothing the next step needs from the host depends on the token picked: positions, slots and
+buffer fills advance by one whatever it is, and the pick itself (argmax, or a draw for a sampled
+row: sampling.pick_rows) can stay on the device (StepInputs.hold, then upload(feed=...)). So the
+engine queues step n + 1 first and reads step n's tokens while the GPU runs it; only rows whose
+logits the host wants (kept, or for log-probabilities) make a step synchronous.
 
 The price is one step of lag on a stop token: a request whose step-n token stops it was fed to
 step n + 1 already, and that step's token for it is dropped. Its writes are harmless: the request's
@@ -25,7 +26,7 @@ OVERLAP_CHOICES = (True, False, "auto")
 
 @dataclass
 class InflightStep:
-    """A queued decode step whose greedy tokens the host has not read yet, row by row."""
+    """A queued decode step whose tokens the host has not read yet, row by row."""
     rows: list[Request]
     tokens: PendingTokens
 

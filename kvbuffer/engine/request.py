@@ -32,9 +32,15 @@ class Request:
 
     @property
     def picked_on_device(self) -> bool:
-        """Whether the device alone can pick this request's tokens: greedy, with neither logits nor
-        log-probabilities wanted on the host (overlapped decode steps, device-side draft acceptance)."""
-        return self.params.temperature == 0.0 and not self.wants_logits
+        """Whether the device alone can pick this request's decode tokens: neither logits nor
+        log-probabilities wanted on the host (overlapped decode steps; sampled rows draw there too)."""
+        return not self.wants_logits
+
+    @property
+    def accepted_on_device(self) -> bool:
+        """Whether a verify can accept this request's drafts inside its graph: picked on the device and
+        greedy (sampled rows accept after it, speculative.accept_sampled)."""
+        return self.picked_on_device and self.params.temperature == 0.0
 
     @property
     def pending(self) -> list[int]:

@@ -232,8 +232,8 @@ class ModelRunner:
     def decode(self, reqs: list[Request], feed: list[int] | None = None) -> torch.Tensor:
         """One token for each request (its last sampled one): logits (B, vocab).
 
-        feed: per request, -1 or the index of its token among the last `pick_greedy`'s picks, which
-        the host has not read yet (its context does not hold that token).
+        feed: per request, -1 or the index of its token among the last `hold`'s picks, which the
+        host has not read yet (its context does not hold that token).
         """
         for r in reqs:
             if r.cached + 1 > self.spec.max_len:
@@ -272,10 +272,10 @@ class ModelRunner:
                 self._decode_rows(columns, context_len, n <= self.unbuffered_rows)
 
     @torch.inference_mode()
-    def pick_greedy(self, logits: torch.Tensor) -> PendingTokens:
-        """The decode step's greedy tokens, left on the device for the next decode's feed and copied
-        to the host without waiting."""
-        return self.inputs.pick_greedy(logits)
+    def hold(self, picks: torch.Tensor) -> PendingTokens:
+        """The decode step's tokens (picked on the device), left there for the next decode's feed and
+        copied to the host without waiting."""
+        return self.inputs.hold(picks)
 
     @torch.inference_mode()
     def verify(self, reqs: list[Request], drafts: list[list[int | None]], want_hidden: bool = False):

@@ -49,22 +49,30 @@ def filtered_rows(logits: torch.Tensor, params: list[SamplingParams]) -> torch.T
     return _filtered(logits, params)
 
 
+def on_device(values: list, dtype: torch.dtype, device) -> torch.Tensor:
+    """A host list as a tensor on `device`, without waiting for the device: on CUDA staged in pinned
+    memory and copied asynchronously (a plain copy would wait for the step queued before it, which
+    would undo an overlapped step)."""
+    device = torch.device(device)
+    return torch.tensor(values, dtype=dtype, pin_memory=device.type == "cuda").to(device, non_blocking=True)
+
+
 def _filtered(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
     dev, V = logits.device, logits.shape[-1]
-    x = logits.float() / torch.tensor([p.temperature for p in params], device=dev)[:, None]
+    x = logits.float() / on_device([p.temperature for p in params], torch.float32, dev)[:, None]
     if any(p.top_k for p in params):
         ks = [min(p.top_k, V) or 1 for p in params]
-        kth = torch.topk(x, max(ks), dim=-1).values.gather(-1, torch.tensor(ks, device=dev)[:, None] - 1)
-        on = torch.tensor([p.top_k > 0 for p in params], device=dev)[:, None]
+        kth = torch.topk(x, max(ks), dim=-1).values.gather(-1, on_device(ks, torch.long, dev)[:, None] - 1)
+        on = on_device([p.top_k > 0 for p in params], torch.bool, dev)[:, None]
         x = x.masked_fill(on & (x < kth), float("-inf"))
     probs = torch.softmax(x, dim=-1)
     if any(p.top_p < 1.0 for p in params):
-        top_p = torch.tensor([p.top_p for p in params], device=dev)[:, None]
+        top_p = on_device([p.top_p for p in params], torch.float32, dev)[:, None]
         sorted_p, order = torch.sort(probs, dim=-1, descending=True)
         # keep the smallest prefix whose mass reaches top_p (always at least the top token)
         drop = (torch.cumsum(sorted_p, -1) - sorted_p) >= top_p
         kept = torch.zeros_like(probs).scatter(-1, order, sorted_p.masked_fill(drop, 0.0))
-        on = torch.tensor([p.top_p < 1.0 for p in params], device=dev)[:, None]
+        on = on_device([p.top_p < 1.0 for p in params], torch.bool, dev)[:, None]
         probs = torch.where(on, kept / kept.sum(-1, keepdim=True), probs)
     return probs
 
@@ -85,7 +93,8 @@ def draw(probs: torch.Tensor, generators: list) -> torch.Tensor:
     noise = torch.empty_like(probs, dtype=torch.float32)
     free = [i for i, g in enumerate(generators) if g is None]
     if free:
-        noise[free] = torch.empty((len(free), probs.shape[-1]), device=probs.device).exponential_()
+        noise.index_copy_(0, on_device(free, torch.long, probs.device),
+                          torch.empty((len(free), probs.shape[-1]), device=probs.device).exponential_())
     for i, g in enumerate(generators):
         if g is not None:
             noise[i].exponential_(generator=g)
@@ -111,14 +120,19 @@ def token_logprob(logits: torch.Tensor, token: int) -> float:
     return float(torch.log_softmax(logits.float(), dim=-1)[token])
 
 
-def sample_rows(logits: torch.Tensor, params: list[SamplingParams], generators: list) -> list[int]:
-    """One token per row of logits (B, V), greedy rows by argmax and sampled rows by `draw`, all on
-    the logits' device, then one transfer to the host for the whole batch (a per-row pick would
-    synchronise B times, and copying a row's distribution to the host moves V floats)."""
+def pick_rows(logits: torch.Tensor, params: list[SamplingParams], generators: list) -> torch.Tensor:
+    """One token per row of logits (B, V), greedy rows by argmax and sampled rows by `draw`: a (B,)
+    tensor on the logits' device, for which nothing waits (an overlapped step feeds it to the next)."""
     tokens = torch.argmax(logits, dim=-1)
     sampled = [i for i, p in enumerate(params) if p.temperature != 0.0]
     if sampled:
-        rows = logits[sampled]
-        tokens[sampled] = draw(filtered_rows(rows, [params[i] for i in sampled]),
-                               [generators[i] for i in sampled])
-    return tokens.tolist()
+        index = on_device(sampled, torch.long, logits.device)
+        tokens.index_copy_(0, index, draw(filtered_rows(logits.index_select(0, index), [params[i] for i in sampled]),
+                                          [generators[i] for i in sampled]))
+    return tokens
+
+
+def sample_rows(logits: torch.Tensor, params: list[SamplingParams], generators: list) -> list[int]:
+    """pick_rows, then one transfer to the host for the whole batch (a per-row pick would synchronise
+    B times, and copying a row's distribution to the host moves V floats)."""
+    return pick_rows(logits, params, generators).tolist()

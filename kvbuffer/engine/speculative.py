@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from .options import is_int
-from .sampling import SamplingParams, draw, filtered_rows
+from .sampling import SamplingParams, draw, filtered_rows, on_device
 
 METHODS = ("ngram", "mtp")
 
@@ -96,7 +96,7 @@ def accept_sampled(logits: torch.Tensor, drafts: list[list[int | None]], params:
         raise ValueError(f"accept_sampled: every row takes T = {T} drafts (None for padding)")
     dev = logits.device
     probs = filtered_rows(logits.reshape(R * T1, V), [p for p in params for _ in range(T1)]).view(R, T1, V)
-    d = torch.tensor([[-1 if x is None else x for x in ds] for ds in drafts], dtype=torch.long, device=dev).view(R, T)
+    d = on_device([[-1 if x is None else x for x in ds] for ds in drafts], torch.long, dev).view(R, T)
     p_draft = probs[:, :T].gather(-1, d.clamp(min=0)[..., None])[..., 0].masked_fill(d < 0, -1.0)
     u = torch.empty((R, T), device=dev)
     for r, g in enumerate(generators):
