@@ -26,7 +26,8 @@ from .request import Request
 from .compiled import use_compile
 from .graphs import CONTEXT_BUCKET, context_bucket
 from .runner import ModelRunner
-from .sampling import SamplingParams, pick_rows, sample_rows, sample_token, seeded_generator, token_logprob
+from .sampling import (SamplingParams, check_drawn, pick_rows, sample_rows, sample_token, seeded_generator,
+                       token_logprob)
 from .scheduler import Scheduler
 from .drafters import MTPDrafter, NgramDrafter
 from .options import check_generate_args, check_int, check_llm_args
@@ -483,7 +484,8 @@ class LLM:
         rows, feed = plan_feed(running, self._inflight, self.runner.spec.max_len)
         queued = None
         if rows:
-            picks = pick_rows(self.runner.decode(rows, feed), [r.params for r in rows], [self._gens[r.rid] for r in rows])
+            logits = self.runner.decode(rows, feed)
+            picks = pick_rows(logits, [r.params for r in rows], [self._gens[r.rid] for r in rows])
             queued = InflightStep(rows, self.runner.hold(picks))
         settled = self._settle(events)
         self._inflight = queued
@@ -495,7 +497,8 @@ class LLM:
         step, self._inflight = self._inflight, None
         if step is None:
             return 0
-        for req, token in zip(step.rows, step.tokens.tolist()):
+        tokens = check_drawn(step.tokens.tolist(), [f"request {r.rid}" for r in step.rows])
+        for req, token in zip(step.rows, tokens):
             if req.finish_reason is None:
                 self._emit(req, token, None, events)
         return len(step.rows)
@@ -558,12 +561,12 @@ class LLM:
         sampled = [i for i, r in enumerate(running) if r.params.temperature != 0.0]
         kept, nxt = [0] * len(running), [0] * len(running)
         if greedy:
-            argmax = torch.argmax(logits[greedy], dim=-1).tolist()
+            argmax = torch.argmax(logits, dim=-1)[greedy].tolist()  # no copy of the greedy rows' logits
             for i, top in zip(greedy, argmax):
                 kept[i], nxt[i] = accept_drafts(logits[i], drafts[i], running[i].params, None, top)
         if sampled:
-            ms, tokens = accept_sampled(logits[sampled], [drafts[i] for i in sampled],
-                                        [running[i].params for i in sampled],
+            rows = logits if len(sampled) == len(running) else logits[sampled]
+            ms, tokens = accept_sampled(rows, [drafts[i] for i in sampled], [running[i].params for i in sampled],
                                         [self._gens[running[i].rid] for i in sampled])
             for i, m, token in zip(sampled, ms, tokens):
                 kept[i], nxt[i] = m, token

@@ -54,7 +54,8 @@ def on_device(values: list, dtype: torch.dtype, device) -> torch.Tensor:
     memory and copied asynchronously (a plain copy would wait for the step queued before it, which
     would undo an overlapped step)."""
     device = torch.device(device)
-    return torch.tensor(values, dtype=dtype, pin_memory=device.type == "cuda").to(device, non_blocking=True)
+    cuda = device.type == "cuda"
+    return torch.tensor(values, dtype=dtype, pin_memory=cuda).to(device, non_blocking=cuda)
 
 
 def _filtered(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
@@ -68,7 +69,7 @@ def _filtered(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tenso
     probs = torch.softmax(x, dim=-1)
     if any(p.top_p < 1.0 for p in params):
         top_p = on_device([p.top_p for p in params], torch.float32, dev)[:, None]
-        sorted_p, order = torch.sort(probs, dim=-1, descending=True)
+        sorted_p, order = torch.sort(probs, dim=-1, descending=True, stable=True)  # ties: the same on any device
         # keep the smallest prefix whose mass reaches top_p (always at least the top token)
         drop = (torch.cumsum(sorted_p, -1) - sorted_p) >= top_p
         kept = torch.zeros_like(probs).scatter(-1, order, sorted_p.masked_fill(drop, 0.0))
@@ -82,24 +83,41 @@ def filtered_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor
     return filtered_rows(logits[None], [params])[0]
 
 
+NO_TOKEN = -1  # what `draw` picks for a row whose distribution is not one (NaN, or no mass at all)
+
+
 def draw(probs: torch.Tensor, generators: list) -> torch.Tensor:
     """One index per row of probs (n, V), drawn on probs' device: the argmax of p_i / E_i with E_i
-    i.i.d. Exp(1), which picks i with probability p_i exactly (the exponential race). A row with a
-    generator (a seeded request's, on probs' device) draws its noise from it alone, so its tokens do not
-    depend on which other requests share its step; the rest share one draw from the default generator.
-    Nothing here waits for the device."""
+    i.i.d. Exp(1), which picks i with probability p_i (the exponential race). The noise is float64:
+    an fp32 Exp(1) draw on CUDA is never below ~6e-8, which would shut out tokens of smaller
+    probability. A row with a generator (a seeded request's, on probs' device) draws its noise from it
+    alone, so its tokens do not depend on which other requests share its step; the rest share the
+    default generator. A row that is not a distribution (NaN, or all zero) gets NO_TOKEN, for the
+    caller to report. Rows go ROWS_PER_PASS at a time; nothing here waits for the device."""
     if len(generators) != probs.shape[0]:
         raise ValueError(f"{len(generators)} generators for {probs.shape[0]} rows")
-    noise = torch.empty_like(probs, dtype=torch.float32)
-    free = [i for i, g in enumerate(generators) if g is None]
-    if free:
-        noise.index_copy_(0, on_device(free, torch.long, probs.device),
-                          torch.empty((len(free), probs.shape[-1]), device=probs.device).exponential_())
-    for i, g in enumerate(generators):
-        if g is not None:
-            noise[i].exponential_(generator=g)
-    # an Exp(1) draw of exactly 0 would divide by zero: clamped, a zero-probability index still scores 0
-    return torch.argmax(probs / noise.clamp_min(torch.finfo(torch.float32).tiny), dim=-1)
+    out = torch.empty(probs.shape[0], dtype=torch.long, device=probs.device)
+    for r0 in range(0, probs.shape[0], ROWS_PER_PASS):
+        part, gens = probs[r0:r0 + ROWS_PER_PASS], generators[r0:r0 + ROWS_PER_PASS]
+        noise = torch.empty(part.shape, dtype=torch.float64, device=probs.device).exponential_()
+        for i, g in enumerate(gens):
+            if g is not None:
+                noise[i].exponential_(generator=g)
+        # a draw of exactly 0 would divide by zero: clamped, a zero-probability index still scores 0
+        picked = torch.argmax(part / noise.clamp_min_(torch.finfo(torch.float64).tiny), dim=-1)
+        out[r0:r0 + ROWS_PER_PASS] = torch.where(part.sum(-1) > 0, picked, NO_TOKEN)
+    return out
+
+
+def check_drawn(tokens: list[int], names: list[str] | None = None) -> list[int]:
+    """tokens as read back from the device, or a clear error naming the first row `draw` could not
+    sample (its logits were NaN or all -inf: a numerical failure upstream, not a sampling setting);
+    `names`: how to call each row (default "row i")."""
+    if NO_TOKEN in tokens:
+        i = tokens.index(NO_TOKEN)
+        raise RuntimeError(f"sampling: {names[i] if names else f'row {i}'} has no distribution to sample from "
+                           "(its logits are NaN or all -inf)")
+    return tokens
 
 
 def seeded_generator(seed: int | None, device) -> torch.Generator | None:
@@ -122,9 +140,12 @@ def token_logprob(logits: torch.Tensor, token: int) -> float:
 
 def pick_rows(logits: torch.Tensor, params: list[SamplingParams], generators: list) -> torch.Tensor:
     """One token per row of logits (B, V), greedy rows by argmax and sampled rows by `draw`: a (B,)
-    tensor on the logits' device, for which nothing waits (an overlapped step feeds it to the next)."""
-    tokens = torch.argmax(logits, dim=-1)
+    tensor on the logits' device, for which nothing waits (an overlapped step feeds it to the next).
+    A sampled row without a distribution holds NO_TOKEN (check_drawn reports it once read back)."""
     sampled = [i for i, p in enumerate(params) if p.temperature != 0.0]
+    if len(sampled) == len(params):
+        return draw(filtered_rows(logits, params), generators)
+    tokens = torch.argmax(logits, dim=-1)
     if sampled:
         index = on_device(sampled, torch.long, logits.device)
         tokens.index_copy_(0, index, draw(filtered_rows(logits.index_select(0, index), [params[i] for i in sampled]),
@@ -135,4 +156,4 @@ def pick_rows(logits: torch.Tensor, params: list[SamplingParams], generators: li
 def sample_rows(logits: torch.Tensor, params: list[SamplingParams], generators: list) -> list[int]:
     """pick_rows, then one transfer to the host for the whole batch (a per-row pick would synchronise
     B times, and copying a row's distribution to the host moves V floats)."""
-    return pick_rows(logits, params, generators).tolist()
+    return check_drawn(pick_rows(logits, params, generators).tolist())

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from .options import is_int
-from .sampling import SamplingParams, draw, filtered_rows, on_device
+from .sampling import ROWS_PER_PASS, SamplingParams, check_drawn, draw, filtered_rows, on_device
 
 METHODS = ("ngram", "mtp")
 
@@ -95,17 +95,24 @@ def accept_sampled(logits: torch.Tensor, drafts: list[list[int | None]], params:
     if any(len(ds) != T for ds in drafts):
         raise ValueError(f"accept_sampled: every row takes T = {T} drafts (None for padding)")
     dev = logits.device
-    probs = filtered_rows(logits.reshape(R * T1, V), [p for p in params for _ in range(T1)]).view(R, T1, V)
     d = on_device([[-1 if x is None else x for x in ds] for ds in drafts], torch.long, dev).view(R, T)
-    p_draft = probs[:, :T].gather(-1, d.clamp(min=0)[..., None])[..., 0].masked_fill(d < 0, -1.0)
-    u = torch.empty((R, T), device=dev)
+    # p_i(d_i), ROWS_PER_PASS filtered rows at a time (a wide verify's rows are never all filtered at once)
+    p_draft = torch.empty((R, T), dtype=torch.float32, device=dev)
+    step = max(1, ROWS_PER_PASS // max(T, 1))
+    for r0 in range(0, R if T else 0, step):
+        each = [p for p in params[r0:r0 + step] for _ in range(T)]
+        part = filtered_rows(logits[r0:r0 + step, :T].reshape(-1, V), each)
+        p_draft[r0:r0 + step] = part.gather(-1, d[r0:r0 + step].reshape(-1, 1).clamp(min=0)).view(-1, T)
+    p_draft = p_draft.masked_fill(d < 0, -1.0)
+    u = torch.empty((R, T), dtype=torch.float32, device=dev).uniform_()
     for r, g in enumerate(generators):
-        u[r] = torch.rand(T, generator=g, device=dev)
+        if g is not None:
+            u[r] = torch.rand(T, generator=g, device=dev, dtype=torch.float32)
     kept = torch.cumprod((u < p_draft).long(), dim=-1).sum(-1)  # drafts before the first rejection
     rows = torch.arange(R, device=dev)
-    q = probs[rows, kept]  # (R, V): p_m, or p_T when every draft was kept
+    q = filtered_rows(logits[rows, kept], params)  # (R, V): p_m, or p_T when every draft was kept
     d_m = torch.cat([d, torch.full((R, 1), -1, dtype=torch.long, device=dev)], dim=1)[rows, kept]  # -1: none
     q = q.masked_fill(torch.arange(V, device=dev) == d_m[:, None], 0.0)  # the residual: p_m without d_m
     following = draw(q / q.sum(-1, keepdim=True), generators)
     out = torch.stack([kept, following]).tolist()
-    return out[0], out[1]
+    return out[0], check_drawn(out[1])

@@ -89,3 +89,55 @@ def test_a_seeded_row_draws_the_same_tokens_whatever_shares_its_step():
     greedy = torch.argmax(logits[1]).item()
     assert all(t[1] == greedy for t in tokens([0, 1, 2]))
     assert seeded_generator(None, "cpu") is None
+
+
+def test_a_row_without_a_distribution_is_a_clear_error_not_token_0():
+    from kvbuffer.engine.graphs import StepInputs
+    from kvbuffer.engine.sampling import NO_TOKEN, check_drawn, pick_rows
+
+    logits = torch.randn(3, 20, generator=torch.Generator().manual_seed(5))
+    logits[1] = float("nan")
+    logits[2] = float("-inf")
+    params = [SamplingParams(temperature=1.0)] * 3
+    picks = pick_rows(logits, params, [None] * 3)
+    assert picks[1:].tolist() == [NO_TOKEN, NO_TOKEN] and 0 <= picks[0] < 20
+    with pytest.raises(RuntimeError, match="sampling: row 1 has no distribution .*NaN or all -inf"):
+        sample_rows(logits, params, [None] * 3)
+    with pytest.raises(RuntimeError, match="sampling: request 7 has"):
+        check_drawn(picks.tolist(), ["request 6", "request 7", "request 8"])
+    inputs = StepInputs(4, torch.device("cpu"))
+    inputs.hold(picks)
+    assert inputs.picked[:3].min() >= 0  # the next step is never fed an id outside the vocabulary
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float64])
+def test_sampling_does_not_follow_the_default_dtype(dtype):
+    from kvbuffer.engine.speculative import accept_sampled
+
+    logits = torch.randn(2, 3, 30, generator=torch.Generator().manual_seed(6))
+    hot = [SamplingParams(temperature=1.0), SamplingParams(temperature=0.9, seed=1)]
+    before = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        gens = [None, seeded_generator(1, "cpu")]
+        assert len(sample_rows(logits[:, 0], hot, gens)) == 2
+        kept, nxt = accept_sampled(logits, [[1, 2], [3, None]], hot, gens)
+        assert all(0 <= m <= 2 for m in kept) and all(0 <= t < 30 for t in nxt)
+    finally:
+        torch.set_default_dtype(before)
+
+
+def test_a_wide_verify_is_filtered_in_passes_with_the_same_outcome(monkeypatch):
+    from kvbuffer.engine import sampling, speculative
+
+    logits = torch.randn(6, 4, 50, generator=torch.Generator().manual_seed(7))
+    drafts = [[1, 2, 3], [4, None, 5], [6, 7, 8], [9, 9, 9], [0, 1, 2], [3, 4, None]]
+    params = [SamplingParams(temperature=1.0, top_p=0.8, seed=i) for i in range(6)]
+
+    def run():
+        return speculative.accept_sampled(logits, drafts, params, [seeded_generator(i, "cpu") for i in range(6)])
+
+    whole = run()
+    monkeypatch.setattr(sampling, "ROWS_PER_PASS", 4)
+    monkeypatch.setattr(speculative, "ROWS_PER_PASS", 4)
+    assert run() == whole

@@ -48,3 +48,21 @@ def test_seeded_sampled_requests_repeat_beside_greedy_ones(speculative):
     assert first == second and all(len(t) == 12 for t in first)
     greedy = LLM(DEMO, device="cuda").generate([prompts[0]], max_new_tokens=12, stop_token_ids=[])[0].token_ids
     assert first[0] == greedy
+
+
+def test_seeded_sampled_rows_draw_the_same_tokens_with_and_without_overlap():
+    prompts = [[5, 6, 7], [8, 9], [1, 2, 3, 4]]
+    params = [SamplingParams(10, stop_token_ids=()),
+              SamplingParams(10, temperature=1.0, top_p=0.9, seed=4, stop_token_ids=()),
+              SamplingParams(10, temperature=0.7, top_k=20, seed=5, stop_token_ids=())]
+
+    def run(overlap):
+        llm = LLM(DEMO, device="cuda", overlap=overlap)
+        rids = [llm.add_request(p, sp) for p, sp in zip(prompts, params)]
+        got = {rid: [] for rid in rids}
+        while llm.has_work():
+            for out in llm.step():
+                got[out.rid] += out.token_ids
+        return [got[r] for r in rids]
+
+    assert run(True) == run(False)
