@@ -26,7 +26,7 @@ from typing import Callable, Mapping
 
 import torch
 
-from ..tuning import local_tuning, make_shape
+from ..tuning import ChunkPolicy, local_tuning, make_shape
 from . import KERNEL_BATCHES, timing
 
 VERIFY_TOKENS = (2, 4, 5, 8)  # verify widths timed: T tokens fed per row (T - 1 drafts and the token before them)
@@ -270,8 +270,6 @@ def tuned_tunables(record: Mapping, family: str, batch: int, C: int) -> dict:
     """What `kvbuffer tune` timed fastest in this batch's bucket: {"recurrent": .., "buffered": ..} for
     the kernels whose winner there was measured (the decode step of chunk size C in the plain-decoding
     layout). A winner recorded untuned is left out, so the caller keeps its own default."""
-    from ..tuning import ChunkPolicy
-
     bucket = ChunkPolicy.from_json(record["chunk_policy"]).bucket_for(batch)
     out = {}
     for kind, template in (("recurrent", f"{family}_recurrent"), ("buffered", f"{family}_buffered_step")):

@@ -142,7 +142,7 @@ class StepInputs:
         n = picks.shape[0]
         if self.tokens != 1:
             raise ValueError(f"hold serves one-token (decode) forwards, not {self.tokens}-token ones")
-        self.picked[:n].copy_(picks.clamp(min=0))  # a row that could not be sampled (-1) feeds a valid id
+        torch.clamp(picks, min=0, out=self.picked[:n])  # a row that could not be sampled (-1) feeds a valid id
         self._picked_rows = n
         host = self._picked_host[self._picks % 2][:n]  # two: the host may still read the last one
         self._picks += 1
