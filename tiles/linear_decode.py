@@ -251,7 +251,7 @@ def linear_recurrent(family: str, Hk: int, Hv: int, K: int = 128, V: int = 128, 
                 out[0, j] = 0.0
 
     if family == "gdn":
-        front = _gdn_front(T, 1, 16, K, BV, key_rows=False)
+        front = _gdn_front(T, 1, 1, K, BV, key_rows=False)
         output = _gdn_output(T, 1, BV, in_dtype)
 
         @T.prim_func
@@ -263,7 +263,7 @@ def linear_recurrent(family: str, Hk: int, Hv: int, K: int = 128, V: int = 128, 
             o: T.Tensor((B, 1, Hv, V), in_dtype),
         ):
             with T.Kernel(V // BV, Hv, B, threads=threads) as (bv, hv, bb):
-                s, f = _front_scratch(T, family, 1, 16, K, BV)
+                s, f = _front_scratch(T, family, 1, 1, K, BV)
                 Zs = T.alloc_shared((1, BV), F32)
                 S = T.alloc_fragment((K, BV), F32)
                 slot = state_slots[bb]
@@ -274,7 +274,7 @@ def linear_recurrent(family: str, Hk: int, Hv: int, K: int = 128, V: int = 128, 
 
         return gdn_recurrent_step
 
-    front = _mamba2_front(T, 1, 16, K, BV)
+    front = _mamba2_front(T, 1, 1, K, BV)
     output = _mamba2_output(T, 1, BV, in_dtype, has_z)
 
     @T.prim_func
@@ -287,7 +287,7 @@ def linear_recurrent(family: str, Hk: int, Hv: int, K: int = 128, V: int = 128, 
         y: T.Tensor((B, 1, Hv, V), in_dtype),
     ):
         with T.Kernel(V // BV, Hv, B, threads=threads) as (bv, hv, bb):
-            s, _ = _front_scratch(T, family, 1, 16, K, BV)
+            s, _ = _front_scratch(T, family, 1, 1, K, BV)
             Zs = T.alloc_shared((1, BV), F32)
             S = T.alloc_fragment((K, BV), F32)
             slot = state_slots[bb]
