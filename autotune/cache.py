@@ -77,7 +77,7 @@ def build_versions() -> dict:
     return {**runtime_versions(), "cuda": nvcc_version()}
 
 
-def _write_json(path: Path, obj) -> None:
+def write_json(path: Path, obj) -> None:
     """Write, fsync, rename: a reader sees the old file or the new one, never half of one."""
     tmp = path.with_name(f".{path.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}")
     with open(tmp, "w") as f:
@@ -112,7 +112,8 @@ class ArtifactCache(ArtifactStore):
                              f"({e.filename or self.root}); pass --cache-dir or set KVBUFFER_CACHE_DIR to a "
                              "writable directory")
 
-    def _staging(self, name: str) -> Path:
+    def staging(self, name: str) -> Path:
+        """A new private directory under staging/ (writers build there, then rename into place)."""
         path = self.root / "staging" / f"{name}.{os.getpid()}.{uuid.uuid4().hex[:8]}"
         try:
             path.mkdir(parents=True)
@@ -135,7 +136,7 @@ class ArtifactCache(ArtifactStore):
 
     def _write_manifest(self, manifest: dict) -> None:
         try:
-            _write_json(self.root / MANIFEST, manifest)
+            write_json(self.root / MANIFEST, manifest)
         except OSError as e:
             raise self._unwritable(e) from None
 
@@ -160,14 +161,14 @@ class ArtifactCache(ArtifactStore):
         if status not in STATUSES:
             raise ValueError(f"status must be one of {STATUSES}, got {status!r}")
         name = key.name
-        stage = self._staging(name)
+        stage = self.staging(name)
         try:
             export(stage / LIBRARY)
             lib_sha = sha256_file(stage / LIBRARY)
             meta = {"format": FORMAT, "key": key.to_json(), "key_sha256": key.digest, "function": function,
                     "files": {LIBRARY: lib_sha}, "built_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
                     "build": dict(info or {})}
-            _write_json(stage / META, meta)
+            write_json(stage / META, meta)
             files = {f"artifacts/{name}/{LIBRARY}": lib_sha, f"artifacts/{name}/{META}": sha256_file(stage / META)}
             with self.lock():
                 final = self.artifact_dir(name)
@@ -182,6 +183,25 @@ class ArtifactCache(ArtifactStore):
             shutil.rmtree(stage, ignore_errors=True)
         return name
 
+    def adopt(self, source: ArtifactStore, name: str, status: str) -> bool:
+        """Publish artifact `name` of another cache root on this file system (an unpacked bundle in
+        staging/, already verified) by renaming its directory into place. Returns False if a valid
+        artifact of that name was here already: it is kept, its status only raised, as `put` does."""
+        if status not in STATUSES:
+            raise ValueError(f"status must be one of {STATUSES}, got {status!r}")
+        key = ArtifactKey.from_json(source.verify(name)["key"])
+        files = dict(source.manifest()["artifacts"][name]["files"])
+        with self.lock():
+            if self._is_valid(name):
+                self._update_manifest(lambda m: _record_artifact(m, key, None, status))
+                return False
+            final = self.artifact_dir(name)
+            self._move_aside(final)
+            final.parent.mkdir(parents=True, exist_ok=True)
+            os.replace(source.artifact_dir(name), final)
+            self._update_manifest(lambda m: _record_artifact(m, key, files, status))
+        return True
+
     def set_status(self, name: str, status: str) -> None:
         if status not in STATUSES:
             raise ValueError(f"status must be one of {STATUSES}, got {status!r}")
@@ -194,14 +214,14 @@ class ArtifactCache(ArtifactStore):
         """Publish a tuning record, merged into the one already stored under `name`
         (kvbuffer.autotune.policy.merge_records: measured winners are never replaced by untuned ones).
         What the merge kept or dropped is in `self.notes`."""
-        stage = self._staging(name)
+        stage = self.staging(name)
         try:
             path = stage / f"{name}.json"
             with self.lock():
                 old = self.tuning(name) if self._tuning_ok(name) else None
                 merged, self.notes = merge_records(old, record)
                 self._check_winners_published(name, merged)
-                _write_json(path, merged)
+                write_json(path, merged)
                 entry = {"status": merged["status"], "gpu": gpu, "shape": dict(shape), "versions": dict(versions),
                          "files": {f"tunings/{name}.json": sha256_file(path)}}
                 final = self.tuning_path(name)

@@ -1,4 +1,4 @@
-"""`kvbuffer cache ls|path|clear`: inspect and clear the compiled-artifact cache."""
+"""`kvbuffer cache ls|path|clear|export|import`: inspect, clear and move the compiled-artifact cache."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ _CACHE_DIR = click.option("--cache-dir", type=click.Path(file_okay=False), defau
 
 @click.group()
 def cache():
-    """Inspect or clear the compiled-artifact cache."""
+    """Inspect, clear, export or import the compiled-artifact cache."""
 
 
 @cache.command()
@@ -68,3 +68,47 @@ def clear(cache_dir, gpu, yes):
         click.confirm(f"delete {what} in {store.root}?", abort=True)
     n = store.clear(gpu)
     click.echo(f"removed {n} entr{'y' if n == 1 else 'ies'} from {store.root}")
+
+
+def _summary(report, verb: str, where) -> str:
+    mib = f" ({report.bytes / 2**20:.1f} MiB)" if report.bytes else ""
+    kept = f", {report.kept} already there" if report.kept else ""
+    return (f"{verb} {report.artifacts} artifact{'s' * (report.artifacts != 1)}{kept} and {report.tunings} tuning "
+            f"record{'s' * (report.tunings != 1)}{mib} {where}")
+
+
+@cache.command(name="export")
+@_CACHE_DIR
+@click.argument("bundle", type=click.Path(dir_okay=False))
+@click.option("--gpu", default=None, help="Only this GPU's artifacts and tuning records.")
+def export_(cache_dir, bundle, gpu):
+    """Write the cache's kernels to BUNDLE (a .tar.gz), for `kvbuffer cache import` on other machines.
+
+    Tune once where TileLang, nvcc and the GPU are, then serve from machines that have only the
+    runtime. Entries whose checksums fail are left out and listed."""
+    from ..autotune.bundle import export_bundle
+    from ..autotune.cache import ArtifactCache
+
+    store = ArtifactCache(cache_dir)
+    report = export_bundle(store, bundle, gpu)
+    for line in report.skipped:
+        click.echo(f"skipped {line}")
+    click.echo(_summary(report, "exported", f"to {bundle}"))
+
+
+@cache.command(name="import")
+@_CACHE_DIR
+@click.argument("bundle", type=click.Path(dir_okay=False))
+def import_(cache_dir, bundle):
+    """Add the kernels of BUNDLE (written by `kvbuffer cache export`) to the cache.
+
+    Every file is checked before anything is added; kernels already in the cache are kept, and
+    tuning records are merged as `kvbuffer tune` merges them."""
+    from ..autotune.bundle import import_bundle
+    from ..autotune.cache import ArtifactCache
+
+    store = ArtifactCache(cache_dir)
+    report = import_bundle(store, bundle)
+    for line in report.notes:
+        click.echo(f"note: {line}")
+    click.echo(_summary(report, "imported", f"into {store.root}"))
