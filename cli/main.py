@@ -10,6 +10,7 @@ from __future__ import annotations
 import importlib.metadata
 import os
 import platform
+import sys
 
 import click
 
@@ -30,6 +31,11 @@ class _OneLineErrors(click.Group):
             return super().invoke(ctx)
         except (click.ClickException, click.exceptions.Exit, click.Abort):
             raise
+        except BrokenPipeError:
+            # whoever read the output went away (`kvbuffer cache ls | head`): nothing to report, as
+            # with any Unix tool; stdout goes to /dev/null so that the exit's flush cannot fail again
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+            raise SystemExit(1) from None
         except Exception as e:
             if ctx.params.get("debug") or os.environ.get("KVBUFFER_DEBUG", "") not in ("", "0"):
                 raise

@@ -127,3 +127,20 @@ def test_tune_with_odd_heads_is_one_line(tmp_path, monkeypatch):
     monkeypatch.setenv("KVBUFFER_CACHE_DIR", str(tmp_path))
     r = CliRunner().invoke(main, ["tune", "--gpu", "h200", "--heads", "16,32,100,128", "--chunk-sizes", "16"])
     _one_error_line(r, 1, "K=100 and V=128 must be multiples of 16")
+
+
+def test_a_reader_that_stops_early_gets_no_error(tmp_path):
+    """`kvbuffer cache ls | head`: the pipe closing is not an error worth a line (or a traceback)."""
+    import json
+    import subprocess
+    import sys
+
+    entries = {f"a{i:05d}": {"status": "untuned", "files": {}} for i in range(1000)}  # ~150 KB: past a pipe buffer
+    (tmp_path / "manifest.json").write_text(json.dumps({"format": 1, "artifacts": entries, "tunings": {}}))
+    proc = subprocess.Popen([sys.executable, "-c", "from kvbuffer.cli.main import main; main()", "cache", "ls",
+                             "--cache-dir", str(tmp_path)], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    assert proc.stdout.read(100)
+    proc.stdout.close()
+    err = proc.stderr.read().decode()
+    assert proc.wait(timeout=60) == 1
+    assert "Error" not in err and "Traceback" not in err, err
