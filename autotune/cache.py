@@ -99,7 +99,7 @@ class ArtifactCache(ArtifactStore):
             self.root.mkdir(parents=True, exist_ok=True)
             f = open(self.root / ".lock", "a")
         except OSError as e:
-            raise self._unwritable(e) from None
+            raise self.unwritable(e) from None
         with f:
             fcntl.flock(f.fileno(), fcntl.LOCK_EX)
             try:
@@ -107,7 +107,8 @@ class ArtifactCache(ArtifactStore):
             finally:
                 fcntl.flock(f.fileno(), fcntl.LOCK_UN)
 
-    def _unwritable(self, e: OSError) -> ArtifactError:
+    def unwritable(self, e: OSError) -> ArtifactError:
+        """The error for a write into this cache that the file system refused (read-only, full, ...)."""
         return ArtifactError(f"cannot write the kernel cache at {self.root}: {e.strerror} "
                              f"({e.filename or self.root}); pass --cache-dir or set KVBUFFER_CACHE_DIR to a "
                              "writable directory")
@@ -118,7 +119,7 @@ class ArtifactCache(ArtifactStore):
         try:
             path.mkdir(parents=True)
         except OSError as e:
-            raise self._unwritable(e) from None
+            raise self.unwritable(e) from None
         return path
 
     def _is_valid(self, name: str) -> bool:
@@ -138,7 +139,7 @@ class ArtifactCache(ArtifactStore):
         try:
             write_json(self.root / MANIFEST, manifest)
         except OSError as e:
-            raise self._unwritable(e) from None
+            raise self.unwritable(e) from None
 
     def _move_aside(self, path: Path) -> None:
         if path.exists():

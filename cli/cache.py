@@ -72,8 +72,8 @@ def clear(cache_dir, gpu, yes):
 
 def _summary(report, verb: str, where) -> str:
     mib = f" ({report.bytes / 2**20:.1f} MiB)" if report.bytes else ""
-    kept = f", {report.kept} already there" if report.kept else ""
-    return (f"{verb} {report.artifacts} artifact{'s' * (report.artifacts != 1)}{kept} and {report.tunings} tuning "
+    new = f" ({report.artifacts - report.kept} new, {report.kept} already there)" if report.kept else ""
+    return (f"{verb} {report.artifacts} artifact{'s' * (report.artifacts != 1)}{new} and {report.tunings} tuning "
             f"record{'s' * (report.tunings != 1)}{mib} {where}")
 
 
@@ -85,7 +85,8 @@ def export_(cache_dir, bundle, gpu):
     """Write the cache's kernels to BUNDLE (a .tar.gz), for `kvbuffer cache import` on other machines.
 
     Tune once where TileLang, nvcc and the GPU are, then serve from machines that have only the
-    runtime. Entries whose checksums fail are left out and listed."""
+    runtime. Entries whose checksums fail are left out and listed. Prints the file's sha256, for
+    `import --sha256`."""
     from ..autotune.bundle import export_bundle
     from ..autotune.cache import ArtifactCache
 
@@ -94,21 +95,25 @@ def export_(cache_dir, bundle, gpu):
     for line in report.skipped:
         click.echo(f"skipped {line}")
     click.echo(_summary(report, "exported", f"to {bundle}"))
+    click.echo(f"sha256 {report.sha256}")
 
 
 @cache.command(name="import")
 @_CACHE_DIR
 @click.argument("bundle", type=click.Path(dir_okay=False))
-def import_(cache_dir, bundle):
+@click.option("--sha256", default=None, help="The sha256 `cache export` printed: checked before anything else.")
+def import_(cache_dir, bundle, sha256):
     """Add the kernels of BUNDLE (written by `kvbuffer cache export`) to the cache.
 
-    Every file is checked before anything is added; kernels already in the cache are kept, and
-    tuning records are merged as `kvbuffer tune` merges them."""
+    A bundle holds native code that kvbuffer will load: import only bundles you built or trust.
+    Every file is checked before anything is added (damage, not tampering: its checksums are its
+    own); kernels already in the cache are kept, and tuning records are merged as `kvbuffer tune`
+    merges them."""
     from ..autotune.bundle import import_bundle
     from ..autotune.cache import ArtifactCache
 
     store = ArtifactCache(cache_dir)
-    report = import_bundle(store, bundle)
+    report = import_bundle(store, bundle, sha256)
     for line in report.notes:
         click.echo(f"note: {line}")
     click.echo(_summary(report, "imported", f"into {store.root}"))

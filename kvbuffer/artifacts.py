@@ -104,13 +104,13 @@ def safe_name(name: str) -> str:
     return re.sub(r"[^A-Za-z0-9_.-]+", "-", name).strip("-")
 
 
-_ENTRY_NAME = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9_.-]*")
+ENTRY_NAME = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9_.-]*")
 
 
 def check_entry_name(name: object, where: str) -> str:
     """An artifact or tuning record name as `safe_name` makes them: one path component, no leading
     dot (so never '..'). Names come from files a cache copied from another machine may have altered."""
-    if not isinstance(name, str) or not _ENTRY_NAME.fullmatch(name):
+    if not isinstance(name, str) or not ENTRY_NAME.fullmatch(name):
         raise ArtifactError(f"{where}: {name!r} is not an entry name (letters, digits, '_', '.', '-'; "
                             "no leading dot); the cache is corrupt: clear it with `kvbuffer cache clear`")
     return name
@@ -345,7 +345,7 @@ class ArtifactStore:
         path = self.root / str(rel)
         try:
             inside = path.resolve().is_relative_to(self.root.resolve())
-        except (OSError, RuntimeError):
+        except (OSError, RuntimeError, ValueError):  # ValueError: a NUL byte in the name
             inside = False
         if not isinstance(rel, str) or Path(rel).is_absolute() or not inside:
             raise ArtifactError(f"{where}: {rel!r} points outside the cache root {self.root}; the cache is "

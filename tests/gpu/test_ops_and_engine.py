@@ -395,14 +395,21 @@ def test_engine_runs_from_artifacts_alone(tmp_path):
     TileLang blocked and no JIT generates on CUDA with every kernel loaded from the cache: decode steps,
     prefill chunks and the short conv, matching the same bf16 model on the reference ops; then
     speculative decoding with 2 drafts (verify, conv rollback, flush of the C + 3-entry layout), whose
-    greedy tokens follow plain decoding's up to bf16 near ties (see the test above)."""
+    greedy tokens follow plain decoding's up to bf16 near ties (see the test above). The kernels reach
+    the serving cache as a fleet's would: built in one cache, `kvbuffer cache export`, then `import`."""
     heads = dict(linear_key_head_dim=64, linear_value_head_dim=64)
-    env = dict(os.environ, KVBUFFER_CACHE_DIR=str(tmp_path))
+    env = dict(os.environ, KVBUFFER_CACHE_DIR=str(tmp_path / "built"))
     env.pop("KVBUFFER_JIT", None)
-    build = [sys.executable, "-m", "kvbuffer.cli.main", "tune", "--gpu", "h200", "--heads", "2,4,64,64",
-             "--chunk-sizes", "8", "--batch-buckets", "1,4", "--draft-tokens", "2", "--build-only"]
+    cli = [sys.executable, "-m", "kvbuffer.cli.main"]
+    build = cli + ["tune", "--gpu", "h200", "--heads", "2,4,64,64", "--chunk-sizes", "8", "--batch-buckets", "1,4",
+                   "--draft-tokens", "2", "--build-only"]
     res = subprocess.run(build, env=env, capture_output=True, text=True, timeout=400)
     assert res.returncode == 0, res.stdout + res.stderr
+    bundle = str(tmp_path / "kernels.tar.gz")
+    for step in (["export", bundle], ["import", bundle, "--cache-dir", str(tmp_path / "served")]):
+        res = subprocess.run(cli + ["cache"] + step, env=env, capture_output=True, text=True, timeout=120)
+        assert res.returncode == 0, res.stdout + res.stderr
+    env["KVBUFFER_CACHE_DIR"] = str(tmp_path / "served")
     code = rf'''
 import sys
 for name in ("tilelang", "tvm"):

@@ -88,14 +88,15 @@ def test_export_of_an_empty_cache_or_to_a_directory_is_one_error(tmp_path):
 
 
 def _bundle_with(path: Path, members: dict, links: dict | None = None) -> Path:
+    """A .tar.gz of `members` (name: bytes) and of special members (name: (tar type, link target))."""
     with tarfile.open(path, "w:gz") as tar:
         for name, data in members.items():
             info = tarfile.TarInfo(name)
             info.size = len(data)
             tar.addfile(info, io.BytesIO(data))
-        for name, to in (links or {}).items():
+        for name, (kind, to) in (links or {}).items():
             info = tarfile.TarInfo(name)
-            info.type, info.linkname = tarfile.SYMTYPE, to
+            info.type, info.linkname = kind, to
             tar.addfile(info)
     return path
 
@@ -109,7 +110,13 @@ HOSTILE = {
     "dotdot": ({"manifest.json": b"{}", "../victim/precious.txt": b"gone"}, None, "not a cache path"),
     "absolute": ({"manifest.json": b"{}", "/tmp/x": b"x"}, None, "not a cache path"),
     "stray file": ({"manifest.json": b"{}", "artifacts/a/run.sh": b"rm -rf /"}, None, "not a cache path"),
-    "symlink": ({"manifest.json": b"{}"}, {"artifacts/a/kernel.so": "/etc/passwd"}, "not a regular file"),
+    "symlink": ({"manifest.json": b"{}"}, {"artifacts/a/kernel.so": (tarfile.SYMTYPE, "/etc/passwd")},
+                "not a regular file"),
+    "hardlink": ({"manifest.json": b"{}"}, {"artifacts/a/kernel.so": (tarfile.LNKTYPE, "manifest.json")},
+                 "not a regular file"),
+    "fifo": ({"manifest.json": b"{}"}, {"artifacts/a/kernel.so": (tarfile.FIFOTYPE, "")}, "not a regular file"),
+    "dot path": ({"manifest.json": b"{}", "./manifest.json": b"{}"}, None, "not a cache path"),
+    "lookalike": ({"manifestXjson": b"{}"}, None, "not a cache path"),
     "no manifest": ({"tunings/t.json": b"{}"}, None, "has no manifest.json"),
     "bad manifest": ({"manifest.json": b"[1]"}, None, "not an object"),
 }
@@ -179,3 +186,91 @@ def test_cli_round_trip_and_one_line_errors(tuned, root, tmp_path):
     one_error_line(cli("cache", "import", str(tmp_path / "missing.tar.gz"), "--cache-dir", str(root)),
                    "no bundle file")
     one_error_line(cli("cache", "export", bundle, "--cache-dir", str(tmp_path / "empty")), "nothing to export")
+
+
+def _tampered(tuned, tmp_path: Path, edit) -> Path:
+    """tuned's export with edit(members, manifest) applied (manifest: the parsed manifest.json)."""
+    good = tmp_path / "good.tar.gz"
+    export_bundle(tuned, good)
+    members = _members(good)
+    manifest = json.loads(members["manifest.json"])
+    edit(members, manifest)
+    members["manifest.json"] = json.dumps(manifest).encode()
+    return _bundle_with(tmp_path / "bad.tar.gz", members)
+
+
+def _rewrite_record(members: dict, manifest: dict, change) -> None:
+    """Change tuning record t and keep its checksum consistent (so only the change can be refused)."""
+    import hashlib
+
+    record = json.loads(members["tunings/t.json"])
+    change(record)
+    members["tunings/t.json"] = json.dumps(record).encode()
+    manifest["tunings"]["t"]["files"]["tunings/t.json"] = hashlib.sha256(members["tunings/t.json"]).hexdigest()
+
+
+def _rewrite_meta(members: dict, manifest: dict, change) -> None:
+    """Change the meta.json of the record's artifact, checksum kept consistent."""
+    import hashlib
+
+    rel = next(n for n in members if n.endswith("meta.json"))
+    meta = json.loads(members[rel])
+    change(meta)
+    members[rel] = json.dumps(meta).encode()
+    name = rel.split("/")[1]
+    manifest["artifacts"][name]["files"][rel] = hashlib.sha256(members[rel]).hexdigest()
+
+
+def _first_artifact(manifest: dict) -> str:
+    return sorted(manifest["artifacts"])[0]
+
+
+TAMPERED = {
+    # a record the checks pass but a merge cannot read: refused before publishing, not halfway through
+    "record without medians": (lambda m, man: _rewrite_record(m, man, lambda r: [w.pop("median_us")
+                                                                              for w in r["winners"]]),
+                               "KeyError"),
+    "key shape not an object": (lambda m, man: _rewrite_meta(m, man, lambda meta: meta["key"].__setitem__(
+        "shape", [1, 2])), "failed its checks"),
+    "a NUL in a path": (lambda m, man: man["artifacts"][_first_artifact(man)]["files"].__setitem__(
+        "artifacts/x\x00y", "0" * 64), "lists files other than its own"),
+    "files of another entry": (lambda m, man: man["artifacts"][_first_artifact(man)]["files"].__setitem__(
+        "tunings/t.json", man["tunings"]["t"]["files"]["tunings/t.json"]), "lists files other than its own"),
+    "record filed under another GPU": (lambda m, man: man["tunings"]["t"].__setitem__("gpu", "b200"),
+                                       "filed under GPU 'b200'"),
+}
+
+
+@pytest.mark.parametrize("case", TAMPERED)
+def test_tampered_bundles_are_refused_whole_with_one_error(case, tuned, root, tmp_path):
+    edit, text = TAMPERED[case]
+    dest = ArtifactCache(root)
+    with pytest.raises(ArtifactError, match=text) as err:
+        import_bundle(dest, _tampered(tuned, tmp_path, edit))
+    assert "nothing was imported" in str(err.value)
+    assert entries(dest) == {"artifacts": {}, "tunings": {}}
+    assert not any((root / "staging").iterdir())
+
+
+def test_the_exported_sha256_is_checked_first_when_given(tuned, root, tmp_path):
+    bundle = tmp_path / "b.tar.gz"
+    digest = export_bundle(tuned, bundle).sha256
+    with pytest.raises(ArtifactError, match="not the"):
+        import_bundle(ArtifactCache(root), bundle, sha256="0" * 64)
+    assert import_bundle(ArtifactCache(root), bundle, sha256=digest.upper()).artifacts == 3
+
+
+def test_a_missing_bundle_leaves_no_directory_behind(root, tmp_path):
+    with pytest.raises(ArtifactError, match="no bundle file"):
+        import_bundle(ArtifactCache(root), tmp_path / "missing.tar.gz")
+    assert not root.exists()
+
+
+def test_a_bundle_past_the_size_cap_is_refused(tuned, root, tmp_path, monkeypatch):
+    from kvbuffer.autotune import bundle
+
+    export_bundle(tuned, tmp_path / "b.tar.gz")
+    monkeypatch.setattr(bundle, "MAX_BUNDLE_BYTES", 1 << 10)
+    with pytest.raises(ArtifactError, match="unpacked"):
+        import_bundle(ArtifactCache(root), tmp_path / "b.tar.gz")
+    assert not any((root / "staging").iterdir())
