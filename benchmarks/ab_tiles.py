@@ -9,6 +9,10 @@ faster of each side's two medians is reported.
 
     python benchmarks/ab_tiles.py --base HEAD~1 --kernels mamba2_recurrent --tunables '{"BV": 8, "threads": 32}'
     python benchmarks/ab_tiles.py --base main --kernels gdn_buffered_step,gdn_verify --batches 1,16,256,1024
+    python benchmarks/ab_tiles.py --base HEAD --kernels gdn_buffered_step --change-tunables '{"blocks": 2}'
+
+The last form compares tunables, not templates: with --change-tunables the change side takes those
+(over --tunables, or over each kernel's defaults), so one tunable is measured with the same rigor.
 
 Kernel names are the registry's (`kvbuffer tune --help` lists them); without --tunables each kernel
 takes its untuned defaults. Needs a CUDA GPU, TileLang and git. Writes a JSON next to the other results.
@@ -83,7 +87,8 @@ def _same_outputs(tpl, kernels: dict, shape, drafts: int) -> bool:
     return all(torch.equal(x, y) for x, y in zip(base, change) if isinstance(x, torch.Tensor))
 
 
-def compare(name: str, sides: dict, *, tunables: dict | None, batches: list[int], drafts: int, target: dict) -> list:
+def compare(name: str, sides: dict, *, tunables: dict | None, batches: list[int], drafts: int, target: dict,
+            change_tunables: dict | None = None) -> list:
     """Rows {kernel, tunables, B, base_us, change_us, ...} for one kernel built from both sides."""
     import torch
 
@@ -95,7 +100,8 @@ def compare(name: str, sides: dict, *, tunables: dict | None, batches: list[int]
     shape = preset_shape(PRESETS[family])
     drafts = drafts if sides["change"][name].min_drafts else 0
     tun = dict(tunables) if tunables is not None else sides["change"][name].defaults_for(shape, drafts)
-    kernels = {side: tpls[name].compile(shape, 16, drafts, target=target, **tun) for side, tpls in sides.items()}
+    tuns = {"base": tun, "change": {**tun, **(change_tunables or {})}}
+    kernels = {side: tpls[name].compile(shape, 16, drafts, target=target, **tuns[side]) for side, tpls in sides.items()}
     errors = {side: check(sides[side][name], kernels[side], shape, 16, "cuda", drafts=drafts) for side in kernels}
     tpl = sides["change"][name]
     same = _same_outputs(tpl, kernels, shape, drafts)
@@ -111,7 +117,8 @@ def compare(name: str, sides: dict, *, tunables: dict | None, batches: list[int]
             timing = graph_median(lambda i: tpl.run(kernel, sets[i]), len(sets), rotated_bytes=nbytes)
             runs[side].append(timing.us)
         base_us, change_us = min(runs["base"]), min(runs["change"])
-        rows.append(dict(kernel=name, tunables=tun, drafts=drafts, B=B, base_us=base_us, change_us=change_us,
+        rows.append(dict(kernel=name, tunables=tun, change_tunables=tuns["change"], drafts=drafts, B=B,
+                         base_us=base_us, change_us=change_us,
                          speedup=base_us / change_us, runs_us=runs, rel_err=errors, bit_identical=same,
                          timing=timing.method))
         print(f"{name:24s} B={B:5d} base {base_us:9.2f} us  change {change_us:9.2f} us  x{base_us / change_us:.3f}"
@@ -121,23 +128,37 @@ def compare(name: str, sides: dict, *, tunables: dict | None, batches: list[int]
     return rows
 
 
+def _json_object(text: str | None, flag: str) -> dict | None:
+    """The JSON object a flag was given (None without one), or a one-line error."""
+    if not text:
+        return None
+    try:
+        value = json.loads(text)
+    except ValueError as e:
+        raise SystemExit(f"Error: {flag} must be a JSON object: {e}") from None
+    if not isinstance(value, dict):
+        raise SystemExit(f"Error: {flag} must be a JSON object, got {text!r}")
+    return value
+
+
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--base", required=True,
                    help="git revision whose tiles/ is the baseline (e.g. HEAD, main), or a directory holding a tiles/")
     p.add_argument("--kernels", required=True, help="comma-separated template names (gdn_recurrent, ...)")
     p.add_argument("--tunables", help="JSON object of tunables for every kernel (default: each one's defaults)")
+    p.add_argument("--change-tunables", help="JSON object of tunables the change side takes over those (to A/B a "
+                                             "tunable: --base HEAD)")
     p.add_argument("--batches", default="1,4,16,64,256,1024")
     p.add_argument("--drafts", type=int, default=4, help="draft tokens of a verify's buffer layout")
     p.add_argument("--out", default=str(REPO / "benchmarks" / "results"))
     a = p.parse_args(argv)
+    tunables = _json_object(a.tunables, "--tunables")
+    change_tunables = _json_object(a.change_tunables, "--change-tunables")
     try:
-        tunables = json.loads(a.tunables) if a.tunables else None
         batches = [int(b) for b in a.batches.split(",")]
     except ValueError as e:
-        raise SystemExit(f"Error: --tunables must be a JSON object and --batches integers: {e}") from None
-    if tunables is not None and not isinstance(tunables, dict):
-        raise SystemExit(f"Error: --tunables must be a JSON object, got {a.tunables!r}")
+        raise SystemExit(f"Error: --batches must be integers: {e}") from None
     import torch
 
     if not torch.cuda.is_available():
@@ -151,7 +172,8 @@ def main(argv=None) -> None:
             raise SystemExit(f"Error: unknown kernels {unknown}; known: {', '.join(sorted(sides['change']))}")
         target = gpus.local_target()
         rows = [r for k in a.kernels.split(",") for r in compare(k, sides, tunables=tunables, batches=batches,
-                                                                  drafts=a.drafts, target=target)]
+                                                                  drafts=a.drafts, target=target,
+                                                                  change_tunables=change_tunables)]
     gpu = torch.cuda.get_device_name(0)
     path = Path(a.out) / f"ab_tiles_{datetime.date.today().isoformat()}_{gpu.replace(' ', '_')}.json"
     path.parent.mkdir(parents=True, exist_ok=True)

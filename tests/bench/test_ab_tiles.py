@@ -52,3 +52,7 @@ def test_bad_arguments_are_one_line_errors(ab, tmp_path):
         ab.main(["--base", "HEAD", "--kernels", "gdn_recurrent", "--tunables", "[1]"])
     with pytest.raises(SystemExit, match="--tunables must be a JSON object"):
         ab.main(["--base", "HEAD", "--kernels", "gdn_recurrent", "--tunables", "{bad"])
+    with pytest.raises(SystemExit, match="--change-tunables must be a JSON object"):
+        ab.main(["--base", "HEAD", "--kernels", "gdn_recurrent", "--change-tunables", "3"])
+    with pytest.raises(SystemExit, match="--batches must be integers"):
+        ab.main(["--base", "HEAD", "--kernels", "gdn_recurrent", "--batches", "1,x"])
