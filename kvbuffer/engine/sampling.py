@@ -88,7 +88,8 @@ NO_TOKEN = -1  # what `draw` picks for a row whose distribution is not one (NaN,
 
 def draw(probs: torch.Tensor, generators: list) -> torch.Tensor:
     """One index per row of probs (n, V), drawn on probs' device: the argmax of p_i / E_i with E_i
-    i.i.d. Exp(1), which picks i with probability p_i (the exponential race). The noise is float64:
+    i.i.d. Exp(1), which picks i with probability p_i / sum(p) (the exponential race: a row's weights
+    need not be normalised). The noise is float64:
     an fp32 Exp(1) draw on CUDA is never below ~6e-8, which would shut out tokens of smaller
     probability. A row with a generator (a seeded request's, on probs' device) draws its noise from it
     alone, so its tokens do not depend on which other requests share its step; the rest share the

@@ -113,6 +113,6 @@ def accept_sampled(logits: torch.Tensor, drafts: list[list[int | None]], params:
     q = filtered_rows(logits[rows, kept], params)  # (R, V): p_m, or p_T when every draft was kept
     d_m = torch.cat([d, torch.full((R, 1), -1, dtype=torch.long, device=dev)], dim=1)[rows, kept]  # -1: none
     q = q.masked_fill(torch.arange(V, device=dev) == d_m[:, None], 0.0)  # the residual: p_m without d_m
-    following = draw(q / q.sum(-1, keepdim=True), generators)
+    following = draw(q, generators)  # the race needs no normalised weights: argmax(q_i / E_i) is drawn by q
     out = torch.stack([kept, following]).tolist()
     return out[0], check_drawn(out[1])
