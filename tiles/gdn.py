@@ -11,6 +11,7 @@ the recurrent step takes a token axis of 1.
 
 from ..reference.core import LOG_DECAY_FLOOR
 from .linear_decode import _tl, check_shape as _check_shape, pow2 as _pow2  # noqa: F401
+from .recurrent_drafts import linear_recurrent_drafts
 from .simt_parts import (exp_of_f64, fitted_tunables, flush_weight, mma_layout, mma_products, row_stager,
                           simt_layout, state_macros)
 from .linear_decode import (  # noqa: F401  (the tunables lists are part of this module's API)
@@ -31,6 +32,16 @@ def gdn_recurrent(Hk: int, Hv: int, K: int = 128, V: int = 128, *, BV: int = 32,
     Args: q, k, v, a, b, A_log, dt_bias, state, state_slots, o.
     """
     return linear_recurrent("gdn", Hk, Hv, K, V, BV=BV, threads=threads, in_dtype=in_dtype)
+
+
+def gdn_recurrent_drafts(Hk: int, Hv: int, K: int = 128, V: int = 128, *, T_new: int, BV: int = 32,
+                         threads: int = 128, in_dtype: str = "bfloat16"):
+    """The servers' verify of T_new fed tokens on the GDN recurrence, one state per token (the baseline;
+    tiles/recurrent_drafts.py).
+
+    Args: q, k, v, a, b, A_log, dt_bias, state, state_slots, draft_states, draft_rows, o.
+    """
+    return linear_recurrent_drafts("gdn", Hk, Hv, K, V, T_new=T_new, BV=BV, threads=threads, in_dtype=in_dtype)
 
 
 # (BV, threads, blocks): blocks > 0 caps registers so that many blocks share an SM (0: the compiler's

@@ -188,6 +188,33 @@ def _tf32_hi(T, x):
 # recurrent step (the baseline: read and write the whole state every token)
 
 
+def recurrence(T, K: int, BV: int, delta: bool):
+    """A TileLang macro, advance(S, s, t, out, P, red): token t of a front's arrays (s: kn, vn, gl,
+    beta, X as _front_scratch fills them) applied to the K x BV state tile S in a fragment, S <- exp(g_t)
+    S + k_t u_t^T (u_t: the delta rule's beta_t (v_t - exp(g_t) S^T k_t), or v_t), and out[t, :] = S^T
+    q_t. P (K, BV) and red (BV,) are fragments for the products."""
+
+    @T.macro
+    def advance(S, s, t, out, P, red):
+        decay = T.exp(s.gl[t])
+        for i, j in T.Parallel(K, BV):
+            S[i, j] = S[i, j] * decay
+        if delta:
+            for i, j in T.Parallel(K, BV):
+                P[i, j] = S[i, j] * s.kn[t, i]
+            T.reduce_sum(P, red, dim=0)
+            for j in T.Parallel(BV):
+                s.vn[t, j] = s.beta[t] * (s.vn[t, j] - red[j])
+        for i, j in T.Parallel(K, BV):
+            S[i, j] = S[i, j] + s.kn[t, i] * s.vn[t, j]
+            P[i, j] = S[i, j] * s.X[t, i]
+        T.reduce_sum(P, red, dim=0)
+        for j in T.Parallel(BV):
+            out[t, j] = red[j]
+
+    return advance
+
+
 # (BV, threads) of the recurrent step, best first, since `kvbuffer tune --max-configs N` tries the first N:
 # the signature's default, then the H200's winners (Qwen3.5-9B and Nemotron-3 Nano alike) at B >= 64,
 # B <= 16 and B = 1. The one-warp tiles (32 threads) keep every reduction over K inside a warp; BV 8
@@ -225,26 +252,14 @@ def linear_recurrent(family: str, Hk: int, Hv: int, K: int = 128, V: int = 128, 
         # against the dynamic pool size, so an empty pool reads nothing.
         T.copy(state[T.max(slot, 0), hv, :, v0:v0 + BV], S)
 
+    advance = recurrence(T, K, BV, delta)
+
     @T.macro
     def step(state, slot, hv, v0, S, s, out):
         P = T.alloc_fragment((K, BV), F32)
         red = T.alloc_fragment((BV,), F32)
         if slot >= 0:
-            decay = T.exp(s.gl[0])
-            for i, j in T.Parallel(K, BV):
-                S[i, j] = S[i, j] * decay
-            if delta:
-                for i, j in T.Parallel(K, BV):
-                    P[i, j] = S[i, j] * s.kn[0, i]
-                T.reduce_sum(P, red, dim=0)
-                for j in T.Parallel(BV):
-                    s.vn[0, j] = s.beta[0] * (s.vn[0, j] - red[j])
-            for i, j in T.Parallel(K, BV):
-                S[i, j] = S[i, j] + s.kn[0, i] * s.vn[0, j]
-                P[i, j] = S[i, j] * s.X[0, i]
-            T.reduce_sum(P, red, dim=0)
-            for j in T.Parallel(BV):
-                out[0, j] = red[j]
+            advance(S, s, 0, out, P, red)
             T.copy(S, state[slot, hv, :, v0:v0 + BV])
         else:
             for j in T.Parallel(BV):

@@ -23,6 +23,7 @@ from .linear_decode import (  # noqa: F401  (the tunables lists are part of this
     linear_recurrent,
 )
 from .mamba2_simt import get_simt_configs, mamba2_buffered_simt
+from .recurrent_drafts import linear_recurrent_drafts
 from .simt_parts import fitted_tunables
 
 VARIANTS = ("reduce", "simt")
@@ -34,6 +35,14 @@ def mamba2_recurrent(G: int, H: int, N: int = 128, P: int = 64, *, BV: int = 32,
                      in_dtype: str = "bfloat16", has_z: bool = False):
     """selective_state_update as one kernel: read, update and write state[state_slots] every token."""
     return linear_recurrent("mamba2", G, H, N, P, BV=BV, threads=threads, in_dtype=in_dtype, has_z=has_z)
+
+
+def mamba2_recurrent_drafts(G: int, H: int, N: int = 128, P: int = 64, *, T_new: int, BV: int = 32,
+                            threads: int = 128, in_dtype: str = "bfloat16", has_z: bool = False):
+    """selective_state_update over T_new fed tokens, one state per token (the servers' verify; the
+    baseline; tiles/recurrent_drafts.py)."""
+    return linear_recurrent_drafts("mamba2", G, H, N, P, T_new=T_new, BV=BV, threads=threads, in_dtype=in_dtype,
+                                   has_z=has_z)
 
 
 # the winner at both Nemotron-3 shapes on the H200 (benchmarks/results/mamba2_*): the signature's defaults

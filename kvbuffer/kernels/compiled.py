@@ -72,6 +72,19 @@ def check_state(op: CompiledOp, state, state_slots, B: int, dev) -> None:
     check_contiguous("state", state)
 
 
+def check_draft_states(op: CompiledOp, draft_states, draft_rows, B: int, T: int, dev) -> None:
+    """The per-token states a recurrent verify writes: (rows, >= T tokens, Hv, K, V) fp32, one distinct
+    draft row per batch row (-1: padding), so no two rows write the same states."""
+    p = op.params
+    check_tensor("draft_states", draft_states, (None, None, p["Hv"], p["K"], p["V"]), (torch.float32,), dev)
+    if draft_states.shape[1] < T:
+        raise ShapeError(f"draft_states holds {draft_states.shape[1]} tokens per row; this verify writes {T}")
+    check_slots("draft_rows", draft_rows, B, draft_states.shape[0], dev)
+    check_tensor("draft_rows", draft_rows, (B,), (torch.int32,))
+    check_unique("draft_rows", draft_rows)
+    check_contiguous("draft_states", draft_states)
+
+
 def check_buffer(op: CompiledOp, buf_k, buf_v, buf_g, buffer_slots, lengths, B: int, dev) -> None:
     p = op.params
     bd = ACT_DTYPES[p.get("buf_dtype", "bfloat16")]

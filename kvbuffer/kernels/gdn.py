@@ -12,13 +12,19 @@ import torch
 
 from ..checks import check_capacity, check_tensor
 from ..errors import ShapeError, SlotError
-from .compiled import (ACT_DTYPES, CompiledOp, build_template, check_buffer, check_contiguous, check_fill_rules,
-                       check_on_cuda, check_state, expect_kind, out_tensor, prefill_chunks)
+from .compiled import (ACT_DTYPES, CompiledOp, build_template, check_buffer, check_contiguous, check_draft_states,
+                       check_fill_rules, check_on_cuda, check_state, expect_kind, out_tensor, prefill_chunks)
 
 
 def build_gdn_recurrent(Hk: int, Hv: int, K: int = 128, V: int = 128, **tunables) -> CompiledOp:
     """Compile the recurrent step (baseline) for one head shape; tunables: BV, threads, in_dtype."""
     return build_template("recurrent", "gdn_recurrent", dict(Hk=Hk, Hv=Hv, K=K, V=V, **tunables))
+
+
+def build_gdn_recurrent_drafts(Hk: int, Hv: int, K: int = 128, V: int = 128, *, T_new: int, **tunables) -> CompiledOp:
+    """Compile the recurrent verify of T_new fed tokens, one state per token (the servers' scheme)."""
+    return build_template("recurrent_drafts", "gdn_recurrent_drafts", dict(Hk=Hk, Hv=Hv, K=K, V=V, T_new=T_new,
+                                                                           **tunables))
 
 
 def build_gdn_buffered(Hk: int, Hv: int, K: int = 128, V: int = 128, *, cap: int, T_new: int = 1,
@@ -64,6 +70,24 @@ def gdn_recurrent_step(op: CompiledOp, q, k, v, a, b, A_log, dt_bias, state, sta
     if B:
         u = lambda t: t.unsqueeze(1)  # noqa: E731  (the kernels take a token axis of 1; a free view)
         op.fn(u(q), u(k), u(v), u(a), u(b), A_log, dt_bias, state, state_slots, u(o))
+    return o
+
+
+def gdn_recurrent_drafts(op: CompiledOp, q, k, v, a, b, A_log, dt_bias, state, state_slots, draft_states,
+                         draft_rows, out=None):
+    """T = op['T_new'] fed tokens per row on the recurrence (q (B, T, Hk, K) ... -> o (B, T, Hv, V)), the state
+    after token t written to draft_states[draft_rows[b], t]; `state` is only read."""
+    expect_kind(op, "recurrent_drafts")
+    T_new = op["T_new"]
+    if not isinstance(q, torch.Tensor) or q.dim() != 4 or q.shape[1] != T_new:
+        raise ShapeError(f"q must be (B, {T_new}, Hk, K) for this kernel, got {getattr(q, 'shape', q)}")
+    B = q.shape[0]
+    dev = _check_tokens(op, q, k, v, a, b, A_log, dt_bias, (B, T_new))
+    check_state(op, state, state_slots, B, dev)
+    check_draft_states(op, draft_states, draft_rows, B, T_new, dev)
+    o = out_tensor(out, tuple(v.shape), v)
+    if B:
+        op.fn(q, k, v, a, b, A_log, dt_bias, state, state_slots, draft_states, draft_rows, o)
     return o
 
 

@@ -12,8 +12,8 @@ import torch
 
 from ..checks import check_tensor
 from ..errors import ShapeError
-from .compiled import (ACT_DTYPES, CompiledOp, build_template, check_buffer, check_contiguous, check_fill_rules,
-                       check_on_cuda, check_state, expect_kind, out_tensor, prefill_chunks)
+from .compiled import (ACT_DTYPES, CompiledOp, build_template, check_buffer, check_contiguous, check_draft_states,
+                       check_fill_rules, check_on_cuda, check_state, expect_kind, out_tensor, prefill_chunks)
 
 
 def _aliases(G, H, N, P) -> dict:
@@ -24,6 +24,12 @@ def build_mamba2_recurrent(G: int, H: int, N: int = 128, P: int = 64, **tunables
     """Compile the recurrent step (selective_state_update; the baseline); tunables: BV, threads, in_dtype, has_z."""
     return build_template("recurrent", "mamba2_recurrent", dict(G=G, H=H, N=N, P=P, **tunables), "mamba2",
                   _aliases(G, H, N, P))
+
+
+def build_mamba2_recurrent_drafts(G: int, H: int, N: int = 128, P: int = 64, *, T_new: int, **tunables) -> CompiledOp:
+    """Compile the recurrent verify of T_new fed tokens, one state per token (the servers' scheme)."""
+    return build_template("recurrent_drafts", "mamba2_recurrent_drafts", dict(G=G, H=H, N=N, P=P, T_new=T_new,
+                                                                              **tunables), "mamba2", _aliases(G, H, N, P))
 
 
 def build_mamba2_buffered(G: int, H: int, N: int = 128, P: int = 64, *, cap: int, T_new: int = 1,
@@ -84,6 +90,24 @@ def mamba2_recurrent_step(op: CompiledOp, x, dt, A_log, dt_bias, Bm, Cm, D, stat
     if Bt:
         u = lambda t: t.unsqueeze(1)  # noqa: E731  (token axis of 1; a free view)
         op.fn(u(x), u(dt), A_log, dt_bias, u(Bm), u(Cm), D, u(x if z is None else z), state, state_slots, u(y))
+    return y
+
+
+def mamba2_recurrent_drafts(op: CompiledOp, x, dt, A_log, dt_bias, Bm, Cm, D, state, state_slots, draft_states,
+                            draft_rows, z=None, out=None):
+    """T = op['T_new'] fed tokens per row on the recurrence (x (B, T, H, P) ... -> y (B, T, H, P)), the state
+    after token t written to draft_states[draft_rows[b], t]; `state` is only read."""
+    expect_kind(op, "recurrent_drafts")
+    T_new = op["T_new"]
+    Bt = _lead(x, 4, f"(B, {T_new}, H, P)")
+    if x.shape[1] != T_new:
+        raise ShapeError(f"x must be (B, {T_new}, H, P) for this kernel, got {tuple(x.shape)}")
+    dev = _check_tokens(op, x, dt, A_log, dt_bias, Bm, Cm, D, z, (Bt, T_new))
+    check_state(op, state, state_slots, Bt, dev)
+    check_draft_states(op, draft_states, draft_rows, Bt, T_new, dev)
+    y = out_tensor(out, tuple(x.shape), x)
+    if Bt:
+        op.fn(x, dt, A_log, dt_bias, Bm, Cm, D, x if z is None else z, state, state_slots, draft_states, draft_rows, y)
     return y
 
 

@@ -31,6 +31,10 @@ CASES = {
     "buffered_small_heads": ("gdn_buffered", dict(Hk=2, Hv=4, K=32, V=32, cap=9, T_new=1, flush_at=8,
                                                   BV=32, threads=64)),
     "flush": ("gdn_flush", dict(Hk=16, Hv=32, cap=24)),
+    # the servers' verify on the recurrence, one state per fed token (tiles/recurrent_drafts.py: the baseline)
+    "recurrent_drafts_T5": ("gdn_recurrent_drafts", dict(Hk=16, Hv=32, T_new=5)),
+    "mamba2_recurrent_drafts_T5_one_warp": ("mamba2.mamba2_recurrent_drafts", dict(G=8, H=64, T_new=5, BV=8,
+                                                                                   threads=32, has_z=True)),
     "mamba2_recurrent": ("mamba2.mamba2_recurrent", dict(G=8, H=64, has_z=True)),
     "mamba2_recurrent_one_warp": ("mamba2.mamba2_recurrent", dict(G=8, H=64, BV=8, threads=32)),
     "mamba2_buffered_step_fused_flush": ("mamba2.mamba2_buffered", dict(G=8, H=64, cap=24, T_new=1, flush_at=16,
@@ -65,7 +69,7 @@ def test_template_compiles_for_sm90a(case):
                               get_gpu("h200").target)
     src = kernel.get_kernel_source()
     assert "__global__" in src
-    if name.endswith("_recurrent"):
+    if name.endswith(("_recurrent", "_recurrent_drafts")):
         # the state tile is loaded before the row's slot is checked (slot -1 reads slot 0): only within the
         # pool, so an empty pool reads nothing
         assert "0 < num_state_slots" in src
@@ -83,6 +87,7 @@ FAMILY_KERNELS = {
                                                               BV=32, threads=64)),
     "gdn_flush": ("gdn_flush", dict(Hk=1, Hv=2, K=32, V=32, cap=9, BV=16, threads=64)),
     "mamba2_recurrent_z": ("mamba2.mamba2_recurrent", dict(G=1, H=2, N=32, P=32, BV=16, threads=64, has_z=True)),
+    "gdn_recurrent_drafts": ("gdn_recurrent_drafts", dict(Hk=1, Hv=2, K=32, V=32, T_new=2, BV=16, threads=64)),
     "mamba2_buffered_simt": ("mamba2.mamba2_buffered", dict(G=1, H=2, N=32, P=32, cap=9, T_new=1, flush_at=8,
                                                            BV=32, threads=64, blocks=0)),
     "mamba2_buffered_reduce": ("mamba2.mamba2_buffered", dict(G=1, H=2, N=32, P=32, cap=9, T_new=1, flush_at=8,
