@@ -17,6 +17,7 @@ import torch
 from ..checks import check_capacity, check_slots, check_tensor, check_unique
 from ..errors import DeviceError, ShapeError, SlotError
 from ..gpus import local_target
+from ..reference.core import check_draft_states as check_draft_pool
 
 ACT_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
@@ -72,16 +73,12 @@ def check_state(op: CompiledOp, state, state_slots, B: int, dev) -> None:
     check_contiguous("state", state)
 
 
-def check_draft_states(op: CompiledOp, draft_states, draft_rows, B: int, T: int, dev) -> None:
-    """The per-token states a recurrent verify writes: (rows, >= T tokens, Hv, K, V) fp32, one distinct
-    draft row per batch row (-1: padding), so no two rows write the same states."""
-    p = op.params
-    check_tensor("draft_states", draft_states, (None, None, p["Hv"], p["K"], p["V"]), (torch.float32,), dev)
-    if draft_states.shape[1] < T:
-        raise ShapeError(f"draft_states holds {draft_states.shape[1]} tokens per row; this verify writes {T}")
-    check_slots("draft_rows", draft_rows, B, draft_states.shape[0], dev)
+def check_draft_states(op: CompiledOp, draft_states, draft_rows, state, B: int, T: int) -> None:
+    """The per-token states a recurrent verify writes (reference.core.check_draft_states), as the kernel
+    indexes them: fp32, contiguous, int32 rows."""
+    check_draft_pool(draft_states, draft_rows, state, B, T)
+    check_tensor("draft_states", draft_states, (None, None, op["Hv"], op["K"], op["V"]), (torch.float32,))
     check_tensor("draft_rows", draft_rows, (B,), (torch.int32,))
-    check_unique("draft_rows", draft_rows)
     check_contiguous("draft_states", draft_states)
 
 

@@ -84,7 +84,7 @@ def gdn_recurrent_drafts(op: CompiledOp, q, k, v, a, b, A_log, dt_bias, state, s
     B = q.shape[0]
     dev = _check_tokens(op, q, k, v, a, b, A_log, dt_bias, (B, T_new))
     check_state(op, state, state_slots, B, dev)
-    check_draft_states(op, draft_states, draft_rows, B, T_new, dev)
+    check_draft_states(op, draft_states, draft_rows, state, B, T_new)
     o = out_tensor(out, tuple(v.shape), v)
     if B:
         op.fn(q, k, v, a, b, A_log, dt_bias, state, state_slots, draft_states, draft_rows, o)

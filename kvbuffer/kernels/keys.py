@@ -20,7 +20,7 @@ import torch
 from ..tuning import make_conv_shape
 
 PREFILL_CHUNKS = (8, 4, 2)  # multi-token prompt chunks (flush fused at C); a prompt's rest goes 1 token at a time
-LINEAR_OPS = ("recurrent", "buffered", "flush")
+LINEAR_OPS = ("recurrent", "buffered", "flush", "recurrent_drafts")
 CONV_OPS = ("advance", "verify", "accept")
 CONV_UPDATE_KINDS = {"advance": "conv_advance", "verify": "conv_verify"}  # CompiledOp.kind per conv mode
 ATTENTION_OPS = ("decode", "combine")  # the per-split pass over the cache, and the merge of the splits
@@ -168,6 +168,8 @@ class KernelKey:
             return [(None, self.dims.span - self.dims.W)]
         if self.op == "recurrent":
             return [(None, 0)]
+        if self.op == "recurrent_drafts":
+            return [(None, self.T - 1)]
         if self.op == "flush":
             return [(self.cap - 1 - d, d) for d in range(self.cap - 1)]
         if self.C:

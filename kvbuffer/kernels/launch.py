@@ -103,6 +103,16 @@ def gdn_verify(q, k, v, a, b, A_log, dt_bias, state, state_slots, buf_k, buf_v, 
     return o
 
 
+def gdn_recurrent_drafts(q, k, v, a, b, A_log, dt_bias, state, state_slots, draft_states, draft_rows, *, checked=True):
+    op = kernel_for(_linear_key("gdn", "recurrent_drafts", k, v, T=q.shape[1]), q.shape[0])
+    args = (q, k, v, a, b, A_log, dt_bias, state, state_slots, draft_states, draft_rows)
+    if checked and not capturing():
+        return _on_torch_stream(gdn.gdn_recurrent_drafts, op, *args)
+    o = torch.empty_like(v)
+    _on_torch_stream(op.fn, *args, o)
+    return o
+
+
 # ----------------------------------------------------------------------------------------------
 # Mamba-2 (the kernels take z = x when the layer has no gate)
 
@@ -116,6 +126,18 @@ def mamba2_recurrent_step(x, dt, A_log, dt_bias, B, C, D, state, state_slots, z=
     y = torch.empty_like(x)
     _on_torch_stream(op.fn, u(x), u(dt), A_log, dt_bias, u(B), u(C), D, u(x if z is None else z), state,
                      state_slots, u(y))
+    return y
+
+
+def mamba2_recurrent_drafts(x, dt, A_log, dt_bias, B, C, D, state, state_slots, draft_states, draft_rows, z=None, *,
+                            checked=True):
+    op = kernel_for(_linear_key("mamba2", "recurrent_drafts", B, x, T=x.shape[1], z=z), x.shape[0])
+    if checked and not capturing():
+        return _on_torch_stream(mamba2.mamba2_recurrent_drafts, op, x, dt, A_log, dt_bias, B, C, D, state,
+                                state_slots, draft_states, draft_rows, z)
+    y = torch.empty_like(x)
+    _on_torch_stream(op.fn, x, dt, A_log, dt_bias, B, C, D, x if z is None else z, state, state_slots, draft_states,
+                     draft_rows, y)
     return y
 
 
@@ -202,9 +224,10 @@ def attention_decode(q, k_cache, v_cache, slots, cached, scale, context_len=0, *
 
 CUDA_LAUNCHES = {
     "gdn_recurrent_step": gdn_recurrent_step, "gdn_buffered_step": gdn_buffered_step, "gdn_verify": gdn_verify,
-    "gdn_flush": functools.partial(flush, "gdn"),
+    "gdn_flush": functools.partial(flush, "gdn"), "gdn_recurrent_drafts": gdn_recurrent_drafts,
     "mamba2_recurrent_step": mamba2_recurrent_step, "mamba2_buffered_step": mamba2_buffered_step,
     "mamba2_verify": mamba2_verify, "mamba2_flush": functools.partial(flush, "mamba2"),
+    "mamba2_recurrent_drafts": mamba2_recurrent_drafts,
     "conv1d_update": conv1d_update, "conv1d_accept": conv1d_accept, "attention_decode": attention_decode,
 }  # op name -> the CUDA implementation of torch.ops.kvbuffer.<name>
 

@@ -138,6 +138,8 @@ def untuned_tunables(family: str, op: str, K: int, V: int, T: int = 1) -> dict:
     if op == "buffered":
         tiles = importlib.import_module(f"kvbuffer.tiles.{family}")
         return tiles.default_buffered_tunables(K, V, T)
+    if op == "recurrent_drafts":  # its front splits T x K token values evenly over the threads
+        return {"BV": min(32, V), "threads": next(n for n in (128, 64, 32) if T * K % n == 0)}
     return {"BV": min(32, V), "threads": 128}
 
 
@@ -169,6 +171,8 @@ def jit(key: KernelKey) -> CompiledOp:
     build = getattr(module, f"build_{key.family}_{key.op}")
     if key.op == "recurrent":
         return build(*dims, in_dtype=key.in_dtype, **extra, **t)
+    if key.op == "recurrent_drafts":
+        return build(*dims, T_new=key.T, in_dtype=key.in_dtype, **extra, **t)
     if key.op == "buffered":
         return build(*dims, cap=key.cap, T_new=key.T, flush_at=key.C, in_dtype=key.in_dtype,
                      buf_dtype=key.buf_dtype, **extra, **t)

@@ -104,7 +104,7 @@ def mamba2_recurrent_drafts(op: CompiledOp, x, dt, A_log, dt_bias, Bm, Cm, D, st
         raise ShapeError(f"x must be (B, {T_new}, H, P) for this kernel, got {tuple(x.shape)}")
     dev = _check_tokens(op, x, dt, A_log, dt_bias, Bm, Cm, D, z, (Bt, T_new))
     check_state(op, state, state_slots, Bt, dev)
-    check_draft_states(op, draft_states, draft_rows, Bt, T_new, dev)
+    check_draft_states(op, draft_states, draft_rows, state, Bt, T_new)
     y = out_tensor(out, tuple(x.shape), x)
     if Bt:
         op.fn(x, dt, A_log, dt_bias, Bm, Cm, D, x if z is None else z, state, state_slots, draft_states, draft_rows, y)

@@ -5,8 +5,10 @@
                                          buf_k, buf_v, buf_g, buffer_slots, lengths, flush_at) -> o
     torch.ops.kvbuffer.gdn_verify(<as gdn_buffered_step, inputs (B, T, ...)>, flush_at) -> o (B, T, Hv, V)
     torch.ops.kvbuffer.gdn_flush(state, state_slots, buf_k, buf_v, buf_g, buffer_slots, lengths)
+    torch.ops.kvbuffer.gdn_recurrent_drafts(q, k, v, a, b, A_log, dt_bias, state, state_slots,
+                                            draft_states, draft_rows) -> o (B, T, Hv, V)
     torch.ops.kvbuffer.mamba2_recurrent_step(x, dt, A_log, dt_bias, B, C, D, state, state_slots, z=None) -> y
-    torch.ops.kvbuffer.mamba2_buffered_step / mamba2_verify / mamba2_flush   (the same pattern)
+    torch.ops.kvbuffer.mamba2_buffered_step / mamba2_verify / mamba2_flush / mamba2_recurrent_drafts  (the same)
     torch.ops.kvbuffer.conv1d_update(x, conv_state, slots, weight, bias=None, kind="advance", silu=True) -> out
     torch.ops.kvbuffer.conv1d_accept(conv_state, slots, accepted, width)
     torch.ops.kvbuffer.attention_decode(q, k_cache, v_cache, slots, cached, scale, context_len=0) -> out
@@ -14,7 +16,9 @@
 Semantics, shapes and slot rules are kvbuffer.reference's (gdn / mamba2 / core / conv); `flush_at`
 = C > 0 folds a row whose buffer reaches C entries with these tokens into its state in the same
 call (the caller resets its length), 0 = no fused flush. Declared mutations: `state` and the three
-buffer tensors (entries are written at lengths[b] ..; lengths are never changed); `conv_state`.
+buffer tensors (entries are written at lengths[b] ..; lengths are never changed); `conv_state`;
+`draft_states` (the *_recurrent_drafts ops: today's servers' verify of T fed tokens, the state after
+each token kept per draft row, `state` only read; the baseline kvbuffer's verify replaces).
 conv1d_update's `kind` is the conv mode (torch's auto-functionalization reserves the name `mode`):
 "advance" makes the last W - 1 inputs the history, "verify" stores the T drafts as pending;
 conv1d_accept keeps the first accepted[b] drafts of each row. attention_decode reads the KV cache
@@ -100,6 +104,14 @@ def gdn_flush(state: torch.Tensor, state_slots: torch.Tensor, buf_k: torch.Tenso
     ref_core.flush(state, state_slots, buf_k, buf_v, buf_g, buffer_slots, lengths)
 
 
+@torch.library.custom_op("kvbuffer::gdn_recurrent_drafts", mutates_args=("draft_states",), device_types="cpu")
+def gdn_recurrent_drafts(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
+                         A_log: torch.Tensor, dt_bias: torch.Tensor, state: torch.Tensor, state_slots: torch.Tensor,
+                         draft_states: torch.Tensor, draft_rows: torch.Tensor) -> torch.Tensor:
+    """reference.gdn.recurrent_drafts: T tokens per row (inputs (B, T, ...)) -> o (B, T, Hv, V)."""
+    return ref_gdn.recurrent_drafts(q, k, v, a, b, A_log, dt_bias, state, state_slots, draft_states, draft_rows)
+
+
 # ----------------------------------------------------------------------------------------------
 # Mamba-2 ops (G groups = key heads, H heads, N state size = K, P head dim = V)
 
@@ -110,6 +122,16 @@ def mamba2_recurrent_step(x: torch.Tensor, dt: torch.Tensor, A_log: torch.Tensor
                           state_slots: torch.Tensor, z: Optional[torch.Tensor] = None) -> torch.Tensor:
     """reference.mamba2.recurrent_step: x (Bt, H, P), dt (Bt, H), B, C (Bt, G, N) -> y (Bt, H, P)."""
     return ref_mamba2.recurrent_step(x, dt, A_log, dt_bias, B, C, D, state, state_slots, z)
+
+
+@torch.library.custom_op("kvbuffer::mamba2_recurrent_drafts", mutates_args=("draft_states",), device_types="cpu")
+def mamba2_recurrent_drafts(x: torch.Tensor, dt: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor,
+                            B: torch.Tensor, C: torch.Tensor, D: torch.Tensor, state: torch.Tensor,
+                            state_slots: torch.Tensor, draft_states: torch.Tensor, draft_rows: torch.Tensor,
+                            z: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """reference.mamba2.recurrent_drafts: T tokens per row (inputs (Bt, T, ...)) -> y (Bt, T, H, P)."""
+    return ref_mamba2.recurrent_drafts(x, dt, A_log, dt_bias, B, C, D, state, state_slots, draft_states, draft_rows,
+                                       z)
 
 
 def _m2_buffered_cpu(x, dt, A_log, dt_bias, B, C, D, state, state_slots, buf_k, buf_v, buf_g, buffer_slots,
@@ -175,9 +197,13 @@ def _meta_checks(name: str, args: dict) -> None:
             ref_mamba2.check_gates(state, args["x"], args["dt"], args["A_log"], args["dt_bias"], args["B"],
                                    args["C"], args["D"], args.get("z"))
             q, k, v, g = args["C"], args["B"], args["x"], args["dt"]
-        buffers = None if name.endswith("recurrent_step") else (args["buf_k"], args["buf_v"], args["buf_g"])
-        ref_core.check_shapes(q, k, v, g, None, state, buffers, with_time=name.endswith("verify"))
+        buffers = None if "recurrent" in name else (args["buf_k"], args["buf_v"], args["buf_g"])
+        with_time = name.endswith(("verify", "drafts"))
+        ref_core.check_shapes(q, k, v, g, None, state, buffers, with_time=with_time)
         batch = q
+        if name.endswith("drafts"):
+            ref_core.check_draft_states(args["draft_states"], args["draft_rows"], state, q.shape[0], q.shape[1],
+                                        values=False)
     check_tensor("state_slots", args["state_slots"], (batch.shape[0],), INDEX_DTYPES)
     for rows in ("buffer_slots", "lengths"):
         if rows in args:
@@ -251,8 +277,9 @@ def attention_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
 
 _BY_NAME = {
     "gdn_recurrent_step": gdn_recurrent_step, "gdn_buffered_step": gdn_buffered_step, "gdn_verify": gdn_verify,
-    "gdn_flush": gdn_flush, "mamba2_recurrent_step": mamba2_recurrent_step,
+    "gdn_flush": gdn_flush, "gdn_recurrent_drafts": gdn_recurrent_drafts, "mamba2_recurrent_step": mamba2_recurrent_step,
     "mamba2_buffered_step": mamba2_buffered_step, "mamba2_verify": mamba2_verify, "mamba2_flush": mamba2_flush,
+    "mamba2_recurrent_drafts": mamba2_recurrent_drafts,
     "conv1d_update": conv1d_update, "conv1d_accept": conv1d_accept, "attention_decode": attention_decode,
 }
 OPS = tuple(_BY_NAME)

@@ -45,7 +45,7 @@ from ..checks import (
 )
 from ..errors import ShapeError, SlotError
 
-__all__ = ["recurrent_step", "verify", "buffered_step", "flush", "prefill", "LOG_DECAY_FLOOR", "clamp_log_decay"]
+__all__ = ["recurrent_step", "recurrent_drafts", "verify", "buffered_step", "flush", "prefill", "LOG_DECAY_FLOOR", "clamp_log_decay"]
 
 LOG_DECAY_FLOOR = -128.0
 
@@ -211,6 +211,40 @@ def recurrent_step(q, k, v, g, beta, state, state_slots):
     real = state_slots >= 0
     state[state_slots[real].long()] = S[real]
     return torch.where(real[:, None, None], o, torch.zeros((), dtype=dt, device=o.device)).to(v.dtype)
+
+
+def check_draft_states(draft_states, draft_rows, state, B: int, T: int, *, values: bool = True) -> None:
+    """The per-token state pool of a recurrent verify: (rows, >= T, Hv, K, V) in the state's dtype, apart
+    from `state`, and draft_rows (B,); with `values` (not in a fake: it reads the rows) one distinct
+    draft row per batch row, within the pool (-1: padding)."""
+    check_tensor("draft_states", draft_states, (None, None) + tuple(state.shape[1:]), (state.dtype,), state.device)
+    if draft_states.shape[1] < T:
+        raise ShapeError(f"draft_states holds {draft_states.shape[1]} tokens per row; this verify writes {T}")
+    check_disjoint({"state": state, "draft_states": draft_states})
+    check_tensor("draft_rows", draft_rows, (B,), INDEX_DTYPES, state.device)
+    if values:
+        check_slots("draft_rows", draft_rows, B, draft_states.shape[0], state.device)
+        check_unique("draft_rows", draft_rows)
+
+
+def recurrent_drafts(q, k, v, g, beta, state, state_slots, draft_states, draft_rows):
+    """Today's servers' speculative verify: T tokens per row (inputs (B, T, ...)) through the plain
+    recurrence, the state after token t stored in draft_states[draft_rows[b], t] so that any accepted
+    prefix has its state; `state` is only read (the caller copies the accepted one back). A row whose
+    draft row is -1 is padding (zero output, nothing written); a row whose state slot is -1 starts from
+    S0 = 0. Returns o (B, T, Hv, V): token by token, recurrent_step's arithmetic."""
+    B, T, *_ = _check_tokens(q, k, v, g, beta, state, with_time=True)
+    check_slots("state_slots", state_slots, B, state.shape[0], state.device)
+    check_draft_states(draft_states, draft_rows, state, B, T)
+    scratch = _read_states(state, state_slots)  # the rows' states as a pool of B slots, row b in slot b
+    real = draft_rows >= 0
+    rows = torch.where(real, torch.arange(B, dtype=draft_rows.dtype, device=draft_rows.device), draft_rows)
+    outs = []
+    for t in range(T):
+        outs.append(recurrent_step(q[:, t], k[:, t], v[:, t], g[:, t], None if beta is None else beta[:, t],
+                                   scratch, rows))
+        draft_states[draft_rows[real].long(), t] = scratch[real]
+    return torch.stack(outs, 1)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -35,6 +35,13 @@ def recurrent_step(q, k, v, a, b, A_log, dt_bias, state, state_slots):
     return core.recurrent_step(qn, kn, v, g, beta, state, state_slots)
 
 
+def recurrent_drafts(q, k, v, a, b, A_log, dt_bias, state, state_slots, draft_states, draft_rows):
+    """Today's servers' verify of T fed tokens (inputs (B, T, ...)), one state per token
+    (core.recurrent_drafts); the baseline kvbuffer's `verify` replaces. Returns o (B, T, Hv, V)."""
+    qn, kn, g, beta = _front(q, k, v, a, b, A_log, dt_bias, state)
+    return core.recurrent_drafts(qn, kn, v, g, beta, state, state_slots, draft_states, draft_rows)
+
+
 def buffered_step(q, k, v, a, b, A_log, dt_bias, state, state_slots, buf_k, buf_v, buf_g,
                   buffer_slots, lengths, flush_at=0):
     """KVBuffer decode step (reads S0 + buffer, appends one entry; fused flush at `flush_at`)."""

@@ -42,6 +42,14 @@ def recurrent_step(x, dt, A_log, dt_bias, B, C, D, state, state_slots, z=None):
     return mamba2_output(o, x, D, z, real=state_slots >= 0).to(x.dtype)
 
 
+def recurrent_drafts(x, dt, A_log, dt_bias, B, C, D, state, state_slots, draft_states, draft_rows, z=None):
+    """Today's servers' verify of T fed tokens (inputs (Bt, T, ...)), one state per token
+    (core.recurrent_drafts). Returns y (Bt, T, H, P)."""
+    value, g, _ = _front(x, dt, A_log, dt_bias, B, C, D, z, state)
+    o = core.recurrent_drafts(C, B, value, g, None, state, state_slots, draft_states, draft_rows)
+    return mamba2_output(o, x, D, z, real=draft_rows >= 0).to(x.dtype)
+
+
 def buffered_step(x, dt, A_log, dt_bias, B, C, D, state, state_slots, buf_k, buf_v, buf_g,
                   buffer_slots, lengths, flush_at=0, z=None):
     """KVBuffer decode step: reads S0 + buffer, appends (B, dt*x, G); fused flush at `flush_at`."""
