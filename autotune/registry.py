@@ -237,6 +237,7 @@ class _Family:
     recurrent: Callable         # tiles' recurrent step (the baseline), and its inputs and reference
     recurrent_inputs: Callable
     recurrent_reference: Callable
+    recurrent_drafts: Callable  # tiles' recurrent verify of drafts + 1 fed tokens (the speculative baseline)
 
     @property
     def reference_module(self) -> str:
@@ -273,6 +274,9 @@ def _family_templates(f: _Family) -> list[Template]:
     def recurrent(shape, chunk_size, *, target, **t):
         return _compile(f.recurrent(**f.dims(shape), in_dtype=shape["dtype"], **t), target)
 
+    def recurrent_drafts(shape, chunk_size, *, target, drafts=0, **t):
+        return _compile(f.recurrent_drafts(**f.dims(shape), T_new=drafts + 1, in_dtype=shape["dtype"], **t), target)
+
     flush_defaults = builder_defaults(f.flush, ("BV", "threads"))
     recurrent_defaults = builder_defaults(f.recurrent, ("BV", "threads"))
     chunks = [variant(f"prefill_chunk{T}", T, True, folding, min_chunk=T) for T in PREFILL_CHUNKS]
@@ -285,7 +289,50 @@ def _family_templates(f: _Family) -> list[Template]:
         Template(f"{f.name}_recurrent", f.name, recurrent, f.tiles.get_recurrent_configs, recurrent_defaults,
                  f.recurrent_inputs, f.recurrent_reference, _run, src, uses_chunk=False,
                  fitted=_value_tile_fitted(recurrent_defaults)),
+        Template(f"{f.name}_recurrent_drafts", f.name, recurrent_drafts, _drafts_configs(f.tiles), recurrent_defaults,
+                 _drafts_inputs(f), _drafts_reference(f), _run, src, uses_chunk=False, layouts=True, min_drafts=1,
+                 fitted=_drafts_fitted(f.name)),
     ]
+
+
+def _drafts_configs(tiles) -> Callable[[], list]:
+    """The recurrent step's tiles for the recurrent verify, up to 64 threads: its front splits the T x K
+    token values evenly over the threads, which any T allows at K >= 64."""
+    return lambda: [c for c in tiles.get_recurrent_configs() if c["threads"] <= 64]
+
+
+def _drafts_fitted(family: str) -> Callable[[Mapping, int], dict]:
+    """The JIT's tunables for a recurrent verify of drafts + 1 tokens (kvbuffer.kernels.lookup)."""
+    from kvbuffer.kernels.lookup import untuned_tunables
+
+    return lambda shape, drafts: untuned_tunables(family, "recurrent_drafts", shape["K"], shape["V"], drafts + 1)
+
+
+def _drafts_inputs(f: "_Family") -> Callable[..., list]:
+    """The recurrent verify's arguments: the front of drafts + 1 tokens, the state pool and its slots, a
+    pool of per-token states and each row's place in it, the output."""
+    def inputs(shape, batch, chunk_size, device, gen, drafts=0):
+        import torch
+
+        fed = drafts + 1
+        front = f.tokens(shape, batch, gen, device, fed)
+        Hv, K, V = shape["Hv"], shape["K"], shape["V"]
+        state = 0.5 * torch.randn(batch, Hv, K, V, generator=gen, device=device)
+        slots = torch.randperm(batch, generator=gen, device=gen.device).to(device=device, dtype=torch.int32)
+        rows = torch.randperm(batch, generator=gen, device=gen.device).to(device=device, dtype=torch.int32)
+        pool = torch.zeros(batch, fed, Hv, K, V, device=device)
+        return [*front, state, slots, pool, rows, torch.empty_like(front[f.offset])]
+    return inputs
+
+
+def _drafts_reference(f: "_Family") -> Callable[..., dict]:
+    def reference(shape, chunk_size, args):
+        ops = importlib.import_module(f.reference_module)
+        p = f.first_pool
+        pool = args[p + 2].clone()
+        o = ops.recurrent_drafts(*f.front(args), args[p], args[p + 1], pool, args[p + 3])
+        return {p + 2: pool, p + 4: o}
+    return reference
 
 
 def _offered(configs: Callable[[], list], T: int | None) -> Callable[[], list]:
@@ -308,7 +355,8 @@ def gdn_templates() -> list[Template]:
     return _family_templates(_Family(
         "gdn", g, g.gdn_buffered, g.gdn_flush, _gdn_dims, _gdn_tokens, offset=2, front=lambda a: a[:7], first_pool=7,
         configs=g.get_buffered_configs, tunables=("BV", "threads"), recurrent=g.gdn_recurrent,
-        recurrent_inputs=_gdn_recurrent_inputs, recurrent_reference=_gdn_recurrent_reference))
+        recurrent_inputs=_gdn_recurrent_inputs, recurrent_reference=_gdn_recurrent_reference,
+        recurrent_drafts=g.gdn_recurrent_drafts))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -360,7 +408,7 @@ def mamba2_templates() -> list[Template]:
         "mamba2", m, m.mamba2_buffered, m.mamba2_flush, _m2_dims, _m2_tokens, offset=0, front=lambda a: a[:7],
         first_pool=8, configs=m.get_buffered_configs, tunables=("variant", "BV", "threads", "blocks"),
         recurrent=m.mamba2_recurrent, recurrent_inputs=_m2_recurrent_inputs,
-        recurrent_reference=_m2_recurrent_reference))
+        recurrent_reference=_m2_recurrent_reference, recurrent_drafts=m.mamba2_recurrent_drafts))
 
 
 def templates(family: str | None = None) -> list[Template]:

@@ -13,8 +13,9 @@ the engine's recurrent mode with their state updates:
   transposed, its loads are strided and it runs ~2x slower): each state slot's memory is read as
   (H, P, N). In recurrent mode every state access (prefill, decode, verify) goes through
   `recurrent_step`, so the pool is only ever read that way; states are copied whole otherwise.
-- Speculative decoding: the engine's recurrent verify, one state written per fed token (what
-  SGLang and vLLM keep), each step on the kernels above.
+- Speculative decoding: the recurrent verify, one state written per fed token (what SGLang and vLLM
+  keep), token by token on the kernels above, each state then copied to the request's per-draft states
+  (kvbuffer's own recurrent mode writes them in its fused `*_recurrent_drafts` kernel).
 
 Padding rows (slot -1) read and write one reserved state slot, the pool's last (servers reserve a
 pad slot the same way): build the engine with max_states = max_batch + 1 (`reserve_pad_slot`). The
@@ -33,7 +34,8 @@ import weakref
 
 import torch
 
-from ..runtime.backend import GDNInputs, KernelBackend, LinearInputs, Mamba2Inputs
+from ..runtime.backend import GDNInputs, KernelBackend, LinearInputs, Mamba2Inputs, per_token
+from ..runtime.mixing import put_slot_rows
 
 log = logging.getLogger("kvbuffer")
 
@@ -122,6 +124,22 @@ class PeersBackend(KernelBackend):
             raise ValueError(f"PeersBackend: no peer kernel for the {inputs.family} family (load_peers found none)")
         rows = torch.where(state_slots >= 0, state_slots, state.shape[0] - 1).long()  # padding -> the pad slot
         return peer_recurrent_step(self.key, inputs.family, list(inputs), state, rows)
+
+    def recurrent_drafts(self, inputs: LinearInputs, state, state_slots, draft_states, draft_rows):
+        """The speculative verify step by step on the peers' kernels (FLA 0.6.0 keeps no per-token
+        states in its kernel): each token's state, in the peer's own layout, copied to the request's
+        per-draft states after its step."""
+        real = draft_rows >= 0
+        scratch = state[state_slots.clamp(min=0).long()].clone()
+        scratch = torch.cat([scratch, scratch[:1]])  # a pad slot of the scratch pool for padding rows
+        rows = torch.where(real, torch.arange(draft_rows.shape[0], dtype=torch.int32, device=scratch.device),
+                           torch.full_like(draft_rows, -1))
+        slots = draft_rows.clamp(min=0).long()
+        outs = []
+        for t in range(inputs[0].shape[1]):  # padding rows write nothing, with no host sync (CUDA graphs)
+            outs.append(self.recurrent_step(per_token(inputs, lambda x: x[:, t]), scratch, rows))
+            put_slot_rows(draft_states, slots, torch.full_like(slots, t), scratch[:-1], real)
+        return torch.stack(outs, 1)
 
     def buffered_step(self, *args, **kwargs):
         raise ValueError("PeersBackend runs the recurrent scheme only: build the engine with mode='recurrent'")

@@ -194,7 +194,7 @@ class KernelKey:
             return self._conv_template()
         if self.has_z or (self.op == "buffered" and self.in_dtype != self.buf_dtype) or not self.layouts():
             return None
-        if self.op in ("recurrent", "flush"):
+        if self.op in ("recurrent", "flush", "recurrent_drafts"):
             return f"{self.family}_{self.op}"
         if self.C == 0:
             return f"{self.family}_verify"
@@ -225,7 +225,7 @@ class KernelKey:
         return (f"kvbuffer tune --gpu <gpu> --heads {heads}"
                 + (f" --family {self.family}" if self.family != "gdn" else "")
                 + (f" --dtype {self.dtype}" if self.dtype != "bfloat16" else "")
-                + (f" --chunk-sizes {C}" if self.op != "recurrent" else "")
+                + (f" --chunk-sizes {C}" if not self.op.startswith("recurrent") else "")
                 + (f" --draft-tokens {drafts}" if drafts else ""))
 
     # -- what its launcher validates -------------------------------------------------------------

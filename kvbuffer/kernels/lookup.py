@@ -138,8 +138,9 @@ def untuned_tunables(family: str, op: str, K: int, V: int, T: int = 1) -> dict:
     if op == "buffered":
         tiles = importlib.import_module(f"kvbuffer.tiles.{family}")
         return tiles.default_buffered_tunables(K, V, T)
-    if op == "recurrent_drafts":  # its front splits T x K token values evenly over the threads
-        return {"BV": min(32, V), "threads": next(n for n in (128, 64, 32) if T * K % n == 0)}
+    if op == "recurrent_drafts":  # the most threads its front can lay T x K token values out over
+        fits = importlib.import_module("kvbuffer.tiles.recurrent_drafts").fits_threads
+        return {"BV": min(32, V), "threads": next(n for n in (128, 64, 32) if fits(T * K, n))}
     return {"BV": min(32, V), "threads": 128}
 
 

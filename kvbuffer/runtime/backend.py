@@ -103,6 +103,11 @@ class ReferenceBackend:
         return self._MODULES[inputs.family].verify(*inputs, state, state_slots, *buf, slots, lengths,
                                                     flush_at=flush_at)
 
+    def recurrent_drafts(self, inputs: LinearInputs, state, state_slots, draft_states, draft_rows):
+        """Today's servers' verify: T tokens per row through the recurrence, the state after each kept in
+        draft_states[draft_rows[b], t]; `state` is only read."""
+        return self._MODULES[inputs.family].recurrent_drafts(*inputs, state, state_slots, draft_states, draft_rows)
+
     def flush(self, family: str, state, state_slots, buf, slots, lengths) -> None:
         ref_core.flush(state, state_slots, *buf, slots, lengths)
 
@@ -164,6 +169,12 @@ class KernelBackend(ReferenceBackend):
     def verify(self, inputs: LinearInputs, state, state_slots, buf, slots, lengths, flush_at: int = 0):
         args = self._cast(inputs, buf[0].dtype)
         o = launch.engine_rows(f"{inputs.family}_verify", *args, state, state_slots, *buf, slots, lengths, flush_at)
+        return o.to(out_dtype(inputs))
+
+    def recurrent_drafts(self, inputs: LinearInputs, state, state_slots, draft_states, draft_rows):
+        args = self._cast(inputs, kernel_dtype(out_dtype(inputs)))
+        o = launch.engine_rows(f"{inputs.family}_recurrent_drafts", *args, state, state_slots, draft_states,
+                               draft_rows)
         return o.to(out_dtype(inputs))
 
     def flush(self, family: str, state, state_slots, buf, slots, lengths) -> None:
@@ -254,8 +265,9 @@ def needed_kernels(spec, dtype: torch.dtype, mode: str) -> list[KernelKey]:
     kvbuffer mode without those of its unbuffered steps (unbuffered_kernels), which are optional."""
     step = decode_step_key(spec, dtype)
     family, dims, name = step.family, step.dims, step.in_dtype
-    if mode == "recurrent":
-        return [KernelKey(family, "recurrent", dims, name)]
+    if mode == "recurrent":  # with drafts, the servers' verify: a state per fed token
+        drafts = [KernelKey(family, "recurrent_drafts", dims, name, T=spec.max_drafts)] if spec.max_drafts > 1 else []
+        return [KernelKey(family, "recurrent", dims, name)] + drafts
     cap, C = step.cap, step.C
     keys = [KernelKey(family, "buffered", dims, name, name, cap=cap, T=T, C=C) for T in (*PREFILL_CHUNKS, 1) if T <= C]
     if spec.max_drafts > 1:  # speculative verify, and the flush of buffers that accepted drafts past C

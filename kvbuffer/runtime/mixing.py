@@ -64,20 +64,13 @@ def _linear_mix(inputs: LinearInputs, batch: ForwardBatch, caches: ModelCaches, 
 
 
 def _recurrent_verify(inputs: LinearInputs, batch, caches, layer):
-    """The servers' way to verify T drafts: step through them, storing the state after each one in
-    a per-draft state slot; the engine copies the accepted one back (see commit_draft_states)."""
+    """The servers' way to verify T drafts: run the recurrence through them, storing the state after
+    each one in the request's per-draft states (one launch: Backend.recurrent_drafts); the engine
+    copies the accepted one back (see commit_draft_states). Padding rows (slot -1) write nothing."""
     if caches.draft_states is None:
         raise ValueError("recurrent-mode verify needs caches built with draft_states=True")
-    real = batch.slots >= 0
-    scratch = caches.states.layer(layer)[batch.state_slots.clamp(min=0).long()].clone()
-    rows = torch.where(real, torch.arange(batch.num_rows, dtype=torch.int32, device=scratch.device),
-                       torch.full_like(batch.slots, -1))
-    slots = batch.slots.clamp(min=0).long()
-    outs = []
-    for i in range(batch.num_tokens):  # padding rows write nothing, with no host sync (CUDA graphs)
-        outs.append(batch.backend.recurrent_step(per_token(inputs, _token(i)), scratch, rows))
-        put_slot_rows(caches.draft_states[layer], slots, torch.full_like(slots, i), scratch, real)
-    return torch.stack(outs, 1)
+    return batch.backend.recurrent_drafts(inputs, caches.states.layer(layer), batch.state_slots,
+                                          caches.draft_states[layer], batch.slots)
 
 
 def attention(q, k, v, batch: ForwardBatch, caches: ModelCaches, layer: int, scaling: float):

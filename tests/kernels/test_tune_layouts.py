@@ -81,12 +81,24 @@ def _linear_standin(family: str, name: str, chunk: int):
     flush_at = 0 if name.endswith("verify") else chunk
     if name.endswith("flush"):
         return lambda *a: getattr(torch.ops.kvbuffer, f"{family}_flush")(*a)
+    if name.endswith("recurrent_drafts"):
+        return _drafts_standin(family)
 
     def run(*a):
         if family == "gdn":
             a[14].copy_(torch.ops.kvbuffer.gdn_verify(*a[:14], flush_at))
         else:  # x, dt, A_log, dt_bias, B, C, D, z (unused), pools..., y
             a[15].copy_(torch.ops.kvbuffer.mamba2_verify(*a[:7], *a[8:15], flush_at))
+    return run
+
+
+def _drafts_standin(family: str):
+    """(front..., state, state_slots, draft_states, draft_rows, out) on the recurrent verify's op."""
+    def run(*a):
+        if family == "gdn":
+            a[11].copy_(torch.ops.kvbuffer.gdn_recurrent_drafts(*a[:11]))
+        else:  # x, dt, A_log, dt_bias, B, C, D, z (unused), pools..., y
+            a[12].copy_(torch.ops.kvbuffer.mamba2_recurrent_drafts(*a[:7], *a[8:12]))
     return run
 
 
