@@ -24,6 +24,12 @@ from .linear_decode import (F32, _check_family, _front_scratch, _gdn_front, _gdn
 MAX_TOKENS = 16
 
 
+def fits_threads(values: int, threads: int) -> bool:
+    """Whether the front's token rows (T x K values) lay out over the threads: evenly, or each value on
+    several threads when there are fewer values than threads."""
+    return values <= threads or values % threads == 0
+
+
 def _tiles(T, K: int, BV: int, Tn: int) -> SimpleNamespace:
     """A block's state tile S, the products' fragments P and red, and the outputs' shared rows Zs."""
     return SimpleNamespace(S=T.alloc_fragment((K, BV), F32), P=T.alloc_fragment((K, BV), F32),
@@ -38,8 +44,8 @@ def linear_recurrent_drafts(family: str, Hk: int, Hv: int, K: int = 128, V: int 
     check_shape(Hk, Hv, K, V, BV)
     if not 1 <= T_new <= MAX_TOKENS:
         raise ValueError(f"T_new={T_new} must be in [1, {MAX_TOKENS}]")
-    if (T_new * K) % threads:  # the front's (T_new, K) token rows are split evenly over the threads
-        raise ValueError(f"threads={threads} must divide T_new * K = {T_new * K}")
+    if not fits_threads(T_new * K, threads):
+        raise ValueError(f"threads={threads} must divide T_new * K = {T_new * K} (or exceed it)")
     T = _tl()
     B = T.dynamic("batch")
     NS = T.dynamic("num_state_slots")
