@@ -296,16 +296,18 @@ def _family_templates(f: _Family) -> list[Template]:
 
 
 def _drafts_configs(tiles) -> Callable[[], list]:
-    """The recurrent step's tiles for the recurrent verify, up to 64 threads: its front splits the T x K
-    token values evenly over the threads, which any T allows at K >= 64."""
-    return lambda: [c for c in tiles.get_recurrent_configs() if c["threads"] <= 64]
+    """The recurrent step's tiles, for the recurrent verify too (a tile its front cannot lay out for
+    some T fails to build and is skipped by the tuner, as any config that does not compile)."""
+    return tiles.get_recurrent_configs
 
 
 def _drafts_fitted(family: str) -> Callable[[Mapping, int], dict]:
     """The JIT's tunables for a recurrent verify of drafts + 1 tokens (kvbuffer.kernels.lookup)."""
-    from kvbuffer.kernels.lookup import untuned_tunables
+    def fitted(shape, drafts):
+        from kvbuffer.kernels.lookup import untuned_tunables
 
-    return lambda shape, drafts: untuned_tunables(family, "recurrent_drafts", shape["K"], shape["V"], drafts + 1)
+        return untuned_tunables(family, "recurrent_drafts", shape["K"], shape["V"], drafts + 1)
+    return fitted
 
 
 def _drafts_inputs(f: "_Family") -> Callable[..., list]:

@@ -21,7 +21,7 @@ from types import SimpleNamespace
 from .linear_decode import (F32, _check_family, _front_scratch, _gdn_front, _gdn_output, _mamba2_front, _mamba2_output,
                             _tl, check_shape, recurrence)
 
-MAX_TOKENS = 16
+MAX_TOKENS = 17  # the last accepted token and up to 16 drafts (kvbuffer.engine.speculative's limit)
 
 
 def fits_threads(values: int, threads: int) -> bool:

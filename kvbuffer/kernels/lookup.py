@@ -140,7 +140,11 @@ def untuned_tunables(family: str, op: str, K: int, V: int, T: int = 1) -> dict:
         return tiles.default_buffered_tunables(K, V, T)
     if op == "recurrent_drafts":  # the most threads its front can lay T x K token values out over
         fits = importlib.import_module("kvbuffer.tiles.recurrent_drafts").fits_threads
-        return {"BV": min(32, V), "threads": next(n for n in (128, 64, 32) if fits(T * K, n))}
+        threads = next((n for n in (128, 64, 32) if fits(T * K, n)), None)
+        if threads is None:
+            raise ValueError(f"no thread count in (128, 64, 32) lays out {T} tokens x K = {K} for the recurrent "
+                             "verify's front (K a multiple of 32 always fits)")
+        return {"BV": min(32, V), "threads": threads}
     return {"BV": min(32, V), "threads": 128}
 
 

@@ -33,6 +33,7 @@ CASES = {
     "flush": ("gdn_flush", dict(Hk=16, Hv=32, cap=24)),
     # the servers' verify on the recurrence, one state per fed token (tiles/recurrent_drafts.py: the baseline)
     "recurrent_drafts_T5": ("gdn_recurrent_drafts", dict(Hk=16, Hv=32, T_new=5)),
+    "recurrent_drafts_T17": ("gdn_recurrent_drafts", dict(Hk=16, Hv=32, T_new=17)),  # 16 drafts, the engine's most
     "mamba2_recurrent_drafts_T5_one_warp": ("mamba2.mamba2_recurrent_drafts", dict(G=8, H=64, T_new=5, BV=8,
                                                                                    threads=32, has_z=True)),
     "mamba2_recurrent": ("mamba2.mamba2_recurrent", dict(G=8, H=64, has_z=True)),
