@@ -64,12 +64,15 @@ def expect_kind(op: CompiledOp, kind: str) -> None:
         raise TypeError(f"expected a compiled '{kind}' kernel (build_*_{kind}), got {got}")
 
 
-def check_state(op: CompiledOp, state, state_slots, B: int, dev) -> None:
+def check_state(op: CompiledOp, state, state_slots, B: int, dev, *, read_only: bool = False) -> None:
+    """The state pool and the rows' slots; two rows may share a slot only where the kernel never writes
+    the state (`read_only`: the recurrent verify, which writes per-token copies instead)."""
     p = op.params
     check_tensor("state", state, (None, p["Hv"], p["K"], p["V"]), (torch.float32,), dev)
     check_slots("state_slots", state_slots, B, state.shape[0], dev)
     check_tensor("state_slots", state_slots, (B,), (torch.int32,))
-    check_unique("state_slots", state_slots)
+    if not read_only:
+        check_unique("state_slots", state_slots)
     check_contiguous("state", state)
 
 

@@ -83,7 +83,7 @@ def gdn_recurrent_drafts(op: CompiledOp, q, k, v, a, b, A_log, dt_bias, state, s
         raise ShapeError(f"q must be (B, {T_new}, Hk, K) for this kernel, got {getattr(q, 'shape', q)}")
     B = q.shape[0]
     dev = _check_tokens(op, q, k, v, a, b, A_log, dt_bias, (B, T_new))
-    check_state(op, state, state_slots, B, dev)
+    check_state(op, state, state_slots, B, dev, read_only=True)
     check_draft_states(op, draft_states, draft_rows, state, B, T_new)
     o = out_tensor(out, tuple(v.shape), v)
     if B:

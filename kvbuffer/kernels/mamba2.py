@@ -103,7 +103,7 @@ def mamba2_recurrent_drafts(op: CompiledOp, x, dt, A_log, dt_bias, Bm, Cm, D, st
     if x.shape[1] != T_new:
         raise ShapeError(f"x must be (B, {T_new}, H, P) for this kernel, got {tuple(x.shape)}")
     dev = _check_tokens(op, x, dt, A_log, dt_bias, Bm, Cm, D, z, (Bt, T_new))
-    check_state(op, state, state_slots, Bt, dev)
+    check_state(op, state, state_slots, Bt, dev, read_only=True)
     check_draft_states(op, draft_states, draft_rows, state, Bt, T_new)
     y = out_tensor(out, tuple(x.shape), x)
     if Bt:

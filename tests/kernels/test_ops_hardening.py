@@ -91,8 +91,8 @@ def test_two_pools_sharing_memory_are_refused(gap):
         call_op("gdn_verify", call)
 
 
-@pytest.mark.parametrize("name", ["gdn_verify", "mamba2_verify"])
-def test_verify_of_zero_tokens_is_a_shape_error(name):
+@pytest.mark.parametrize("name", ["gdn_verify", "mamba2_verify", "gdn_recurrent_drafts", "mamba2_recurrent_drafts"])
+def test_a_verify_of_zero_tokens_is_a_shape_error(name):
     call = make(name)
     for k in ("q", "k", "v", "a", "b", "x", "dt", "B", "C", "z"):
         if isinstance(call.get(k), torch.Tensor):

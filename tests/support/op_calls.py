@@ -13,9 +13,9 @@ from kvbuffer.reference import core as ref_core
 from kvbuffer.reference import gdn as ref_gdn
 from kvbuffer.reference import mamba2 as ref_mamba2
 
-LINEAR_OPS = ("recurrent_step", "buffered_step", "verify", "flush")
+LINEAR_OPS = ("recurrent_step", "buffered_step", "verify", "flush", "recurrent_drafts")
 OPS = tuple(f"{f}_{op}" for f in ("gdn", "mamba2") for op in LINEAR_OPS) + ("conv1d_update", "conv1d_accept")
-POOLS = ("state", "buf_k", "buf_v", "buf_g", "conv_state")  # what the ops write
+POOLS = ("state", "buf_k", "buf_v", "buf_g", "conv_state", "draft_states")  # what the ops write
 PARAMS = ("A_log", "dt_bias", "D", "bias")
 
 
@@ -46,23 +46,27 @@ def valid_call(name: str, rng: random.Random, gen: torch.Generator) -> dict:
     Hv, K, V = Hk * rng.randint(1, 2), rng.randint(1, 4), rng.randint(1, 4)
     n_state, n_buf, cap = rng.randint(1, 4), rng.randint(1, 4), rng.randint(2, 5)
     B = rng.randint(1, min(n_state, n_buf))
-    T = rng.randint(1, cap) if op == "verify" else 1
+    T = rng.randint(1, cap) if op in ("verify", "recurrent_drafts") else 1
     call = dict(state=r(n_state, Hv, K, V), state_slots=_slots(rng, B, n_state, rng.random() < 0.3))
-    if op != "recurrent_step":
+    if op == "recurrent_drafts":  # a per-token state pool with room for T or more tokens per row
+        n_draft = rng.randint(B, B + 2)
+        call.update(draft_states=r(n_draft, T + rng.randint(0, 1), Hv, K, V),
+                    draft_rows=_slots(rng, B, n_draft, rng.random() < 0.3))
+    elif op != "recurrent_step":
         lengths = torch.tensor([rng.randint(0, cap - T) for _ in range(B)], dtype=torch.int32)
         call.update(buf_k=r(n_buf, cap, Hk, K), buf_v=r(n_buf, cap, Hv, V), buf_g=-r(n_buf, cap, Hv).abs(),
                     buffer_slots=_slots(rng, B, n_buf, False), lengths=lengths)
     if op == "flush":
         call["state_slots"] = _slots(rng, B, n_state, False)
         return call
-    lead = (B,) if op != "verify" else (B, T)
+    lead = (B, T) if op in ("verify", "recurrent_drafts") else (B,)
     if family == "gdn":
         call.update(q=r(*lead, Hk, K), k=r(*lead, Hk, K), v=r(*lead, Hv, V), a=r(*lead, Hv), b=r(*lead, Hv),
                     A_log=r(Hv), dt_bias=r(Hv))
     else:
         call.update(x=r(*lead, Hv, V), dt=r(*lead, Hv), A_log=r(Hv), dt_bias=r(Hv), B=r(*lead, Hk, K),
                     C=r(*lead, Hk, K), D=r(Hv), z=r(*lead, Hv, V) if rng.random() < 0.5 else None)
-    if op != "recurrent_step":
+    if op in ("buffered_step", "verify"):
         call["flush_at"] = 0
     return call
 
@@ -82,6 +86,7 @@ REFERENCE = {
     "gdn_verify": ref_gdn.verify, "gdn_flush": ref_core.flush,
     "mamba2_recurrent_step": ref_mamba2.recurrent_step, "mamba2_buffered_step": ref_mamba2.buffered_step,
     "mamba2_verify": ref_mamba2.verify, "mamba2_flush": ref_core.flush,
+    "gdn_recurrent_drafts": ref_gdn.recurrent_drafts, "mamba2_recurrent_drafts": ref_mamba2.recurrent_drafts,
     "conv1d_update": _conv_reference, "conv1d_accept": ref_conv.conv_accept,
 }  # op name -> the kvbuffer.reference function it exposes (called with the op's keyword arguments)
 
