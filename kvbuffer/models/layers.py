@@ -153,10 +153,13 @@ def route_to_experts(x, top_idx, top_w, first, down, act, accumulate_dtype=None)
     `accumulate_dtype` (default x's).
     """
     E, k = first.shape[0], top_idx.shape[1]
-    experts, order = torch.sort(top_idx.reshape(-1), stable=True)
+    # the expert ids as the narrowest integers that hold them: a radix sort's passes scale with the key's
+    # bits, and topk's int64 ids made the sort a visible share of a MoE step at large batch
+    ids = torch.int16 if E <= torch.iinfo(torch.int16).max else torch.int32
+    experts, order = torch.sort(top_idx.reshape(-1).to(ids), stable=True)
     # where each expert's rows end: one search of the sorted ids (not torch.bincount: on CUDA it
     # reads the largest id back to the host to size its output)
-    offs = torch.searchsorted(experts, torch.arange(1, E + 1, device=x.device), out_int32=True)
+    offs = torch.searchsorted(experts, torch.arange(1, E + 1, device=x.device, dtype=ids), out_int32=True)
     token_of = order // k
     y = _per_expert_matmul(act(_per_expert_matmul(x[token_of], first, offs)), down, offs)
     acc = accumulate_dtype or x.dtype
