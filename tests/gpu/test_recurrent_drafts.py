@@ -49,25 +49,26 @@ def _share_a_slot(slots):
         slots[5] = slots[4]
 
 
-def _reference(step, T, state, slots, rows):
-    """(outputs (B, T, ...), states after each token (B, T, ...)): the reference recurrent step run token by
-    token on an fp64 copy of each row's state (zeros for a row without one)."""
+def _reference(step, T, state, slots, rows, drafts):
+    """(outputs (B, T, ...), the worst relative error of the drafts' states): the reference recurrent step
+    run token by token on an fp64 copy of each row's state (zeros for a row without one), each token's
+    state compared as it is made (a stack of T fp64 states would not fit beside a B = 257 Mamba-2 pool)."""
     B = slots.shape[0]
     scratch = torch.zeros((B,) + tuple(state.shape[1:]), dtype=torch.float64, device=state.device)
     has = slots >= 0
     scratch[has] = state[slots[has].long()].double()
     live = torch.where(rows >= 0, torch.arange(B, dtype=torch.int32, device=state.device), -1).to(torch.int32)
-    outs, states = [], []
+    real = rows >= 0
+    outs, err = [], 0.0
     for t in range(T):
         outs.append(step(t, scratch, live))
-        states.append(scratch.clone())
-    return torch.stack(outs, 1), torch.stack(states, 1)
+        err = max(err, rel_err(drafts[rows[real].long(), t], scratch[real]))
+    return torch.stack(outs, 1), err
 
 
-def _check(tag, out, drafts_after, drafts_before, o64, s64, rows, T):
+def _check(tag, out, drafts_after, drafts_before, o64, es, rows, T):
     real = rows >= 0
     eo = rel_err(out[real], o64[real])
-    es = rel_err(drafts_after[rows[real].long(), :T], s64[real])
     record(f"{tag}/o", eo)
     record(f"{tag}/states", es)
     assert eo < OUT_TOL and es < STATE_TOL, (eo, es)
@@ -98,8 +99,8 @@ def test_gdn_recurrent_drafts(B, T, tile):
     def step(t, scratch, live):
         return gdn_ref.recurrent_step(q64[:, t], k64[:, t], v64[:, t], g64[:, t], beta64[:, t], scratch, live)
 
-    o64, s64 = _reference(step, T, before, slots, rows)
-    _check(f"drafts/gdn/B{B}/T{T}/{tile}", out, drafts, drafts_before, o64, s64, rows, T)
+    o64, es = _reference(step, T, before, slots, rows, drafts)
+    _check(f"drafts/gdn/B{B}/T{T}/{tile}", out, drafts, drafts_before, o64, es, rows, T)
     assert bits_equal(before, state), "the pool's state must not be written"
 
 
@@ -127,8 +128,8 @@ def test_mamba2_recurrent_drafts(B, T, tile):
         return m2_ref.recurrent_step(d(x[:, t]), d(dt[:, t]), A_log, dt_bias, d(Bm[:, t]), d(Cm[:, t]), D, scratch,
                                      live, z=d(z[:, t]))
 
-    o64, s64 = _reference(step, T, before, slots, rows)
-    _check(f"drafts/m2/B{B}/T{T}/{tile}", out, drafts, drafts_before, o64, s64, rows, T)
+    o64, es = _reference(step, T, before, slots, rows, drafts)
+    _check(f"drafts/m2/B{B}/T{T}/{tile}", out, drafts, drafts_before, o64, es, rows, T)
     assert bits_equal(before, state), "the pool's state must not be written"
 
 
