@@ -32,6 +32,9 @@ from .presets import resolve_model
 @click.option("--speculative", type=click.Choice(["ngram", "mtp"]), default=None,
               help="Speculative decoding: n-gram prompt lookup, or the checkpoint's MTP head.")
 @click.option("--draft-tokens", default=4, show_default=True, type=click.IntRange(1, 16))
+@click.option("--disable-speculation-above", default=None, type=click.IntRange(min=1),
+              help="With --speculative ngram: steps with more running requests decode plainly (a verify's GEMMs "
+                   "turn compute-bound at large batch, where speculating costs more than it saves).")
 @click.option("--device", default=None, help="cpu, cuda, cuda:1 ... (default: cuda when available).")
 @click.option("--dtype", type=click.Choice(["float32", "bfloat16", "float16"]), default=None)
 @click.option("--cuda-graphs/--no-cuda-graphs", default=True, show_default=True)
@@ -39,12 +42,14 @@ from .presets import resolve_model
 @click.option("--log-level", type=click.Choice(["debug", "info", "warning", "error"]), default="info",
               show_default=True)
 def serve(model, preset, host, port, served_model_name, mode, chunk_size, max_batch, max_states, max_len,
-          max_prefill_tokens, max_waiting, speculative, draft_tokens, device, dtype, cuda_graphs, compile_,
-          log_level):
+          max_prefill_tokens, max_waiting, speculative, draft_tokens, disable_speculation_above, device, dtype,
+          cuda_graphs, compile_, log_level):
     """Serve a model over HTTP with OpenAI's completions and chat completions API.
 
     SIGTERM (or Ctrl-C) stops taking requests, lets those in flight finish, then exits.
     """
+    if disable_speculation_above is not None and speculative is None:
+        raise click.UsageError("--disable-speculation-above needs --speculative ngram")
     try:
         import uvicorn
 
@@ -68,7 +73,8 @@ def serve(model, preset, host, port, served_model_name, mode, chunk_size, max_ba
         name = served_model_name or source.name
     llm = LLM(source if preset else str(source), device=device, dtype=torch_dtype, mode=mode, chunk_size=chunk_size,
               max_batch=max_batch, max_states=max_states, max_len=max_len, max_prefill_tokens=max_prefill_tokens,
-              speculative={"method": speculative, "num_draft_tokens": draft_tokens} if speculative else None,
+              speculative={"method": speculative, "num_draft_tokens": draft_tokens,
+                           "disable_above_batch": disable_speculation_above} if speculative else None,
               cuda_graphs="auto" if cuda_graphs else False, compile=compile_)
     if llm.compiled:  # compile now, not in the middle of the first requests (LLM.warm_up)
         click.echo("kvbuffer serve: compiling the decode step before serving (minutes for a large model)",

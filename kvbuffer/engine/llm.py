@@ -453,8 +453,13 @@ class LLM:
         stats = self._stats
         t0, before = time.perf_counter(), len(events)
         fed = len(running)  # the rows of the forward whose tokens this call emits
-        if self.speculative is not None:
-            self._speculative_step(running, events)
+        if self._speculates(running):
+            if self._inflight is not None:  # a plain overlapped step ran before: its tokens join the contexts
+                self._settle(events)
+                running = [r for r in running if r.finish_reason is None]
+                fed = len(running)
+            if running:
+                self._speculative_step(running, events)
         elif self.overlap and all(r.picked_on_device for r in running):
             fed = self._overlapped_step(running, events)
         else:
@@ -477,6 +482,12 @@ class LLM:
         stats.step_tokens.append(emitted)
         stats.step_rows.append(fed)
         stats.peak_batch = max(stats.peak_batch, len(running))
+
+    def _speculates(self, running) -> bool:
+        """Whether this step verifies drafts: with a speculative config, unless more requests run than
+        its disable_above_batch (those steps decode plainly; the n-gram drafter reads only the context)."""
+        spec = self.speculative
+        return spec is not None and (spec.disable_above_batch is None or len(running) <= spec.disable_above_batch)
 
     def _overlapped_step(self, running, events) -> int:
         """Queue this step (its picks left on the device), then emit the step in flight's tokens

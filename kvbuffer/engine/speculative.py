@@ -28,6 +28,10 @@ class SpeculativeConfig:
     num_draft_tokens: int
     ngram_max: int = 3  # longest suffix the n-gram drafter tries to match
     ngram_min: int = 1
+    # Steps with more running requests decode plainly (None: always speculate). A verify feeds T + 1
+    # tokens per request, so past some batch its GEMMs turn compute-bound and a step of accepted drafts
+    # costs more than the plain steps it replaces; where depends on the GPU, the model and the acceptance.
+    disable_above_batch: int | None = None
 
     def __post_init__(self):
         if self.method not in METHODS:
@@ -36,6 +40,15 @@ class SpeculativeConfig:
             value = getattr(self, name)
             if not is_int(value):
                 raise TypeError(f"speculative {name} must be an int, got {type(value).__name__} {value!r}")
+        limit = self.disable_above_batch
+        if limit is not None and not is_int(limit):
+            raise TypeError(f"speculative disable_above_batch must be an int or None, got {type(limit).__name__} "
+                            f"{limit!r}")
+        if limit is not None and limit < 1:
+            raise ValueError(f"speculative disable_above_batch must be >= 1, got {limit}")
+        if limit is not None and self.method == "mtp":
+            raise ValueError("speculative disable_above_batch needs method 'ngram': the MTP head drafts from "
+                             "every step's hidden states, which a plain decode step does not keep")
         if not 1 <= self.num_draft_tokens <= 16:
             raise ValueError(f"num_draft_tokens must be in [1, 16], got {self.num_draft_tokens}")
         if not 1 <= self.ngram_min <= self.ngram_max:
@@ -49,7 +62,7 @@ class SpeculativeConfig:
         if not isinstance(d, Mapping):
             raise TypeError(f"speculative must be a dict such as {{'method': 'ngram', 'num_draft_tokens': 4}} "
                             f"or None, got {type(d).__name__} {d!r}")
-        unknown = set(d) - {"method", "num_draft_tokens", "ngram_max", "ngram_min"}
+        unknown = set(d) - {"method", "num_draft_tokens", "ngram_max", "ngram_min", "disable_above_batch"}
         if unknown:
             raise ValueError(f"unknown speculative options {sorted(unknown, key=str)}")
         missing = {"method", "num_draft_tokens"} - set(d)

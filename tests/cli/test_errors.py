@@ -85,6 +85,11 @@ def test_generate_usage_errors(case):
     _one_error_line(r, 2, text)
 
 
+def test_serve_speculation_limit_without_speculation_is_a_usage_error():
+    r = CliRunner().invoke(main, ["serve", "--preset", "tiny-qwen", "--disable-speculation-above", "4"])
+    _one_error_line(r, 2, "--disable-speculation-above needs --speculative ngram")
+
+
 @pytest.mark.parametrize("make, text", [(_binary, "is not UTF-8 text"), (_nul, "is a binary file"),
                                         (_empty, "has no prompts")], ids=["binary", "nul bytes", "empty"])
 def test_bad_prompts_files(tmp_path, make, text):

@@ -33,6 +33,15 @@ LLM_CASES = {
     "speculative ngram_min > ngram_max": (
         dict(speculative={"method": "ngram", "num_draft_tokens": 2, "ngram_min": 3, "ngram_max": 2}), ValueError,
         "ngram_min <= ngram_max, got ngram_min=3, ngram_max=2"),
+    "speculative disable_above_batch 0": (
+        dict(speculative={"method": "ngram", "num_draft_tokens": 2, "disable_above_batch": 0}), ValueError,
+        "disable_above_batch must be >= 1, got 0"),
+    "speculative disable_above_batch float": (
+        dict(speculative={"method": "ngram", "num_draft_tokens": 2, "disable_above_batch": 8.0}), TypeError,
+        "disable_above_batch must be an int or None, got float"),
+    "speculative disable_above_batch with mtp": (
+        dict(speculative={"method": "mtp", "num_draft_tokens": 2, "disable_above_batch": 8}), ValueError,
+        "disable_above_batch needs method 'ngram'"),
     "speculative without count": (dict(speculative={"method": "ngram"}), ValueError, "lacks \\['num_draft_tokens'\\]"),
     "memory_budget string": (dict(memory_budget="1GiB"), TypeError, "memory_budget must be an int, got str"),
     "memory_budget 1e15 float": (dict(memory_budget=1e15), TypeError, "memory_budget must be an int, got float"),

@@ -54,7 +54,8 @@ LLM_ARGS = st.fixed_dictionaries({}, optional={
     "max_prefill_tokens": _maybe(st.integers(1, 32)),
     "speculative": _maybe(st.fixed_dictionaries(
         {"method": st.sampled_from(["ngram", "mtp", "eagle"]), "num_draft_tokens": _maybe(st.integers(1, 4))},
-        optional={"ngram_min": _maybe(st.integers(1, 3)), "ngram_max": _maybe(st.integers(1, 3))})),
+        optional={"ngram_min": _maybe(st.integers(1, 3)), "ngram_max": _maybe(st.integers(1, 3)),
+                  "disable_above_batch": _maybe(st.integers(1, 4), st.sampled_from([0, 2.0, "8"]))})),
     "memory_budget": _maybe(st.integers(10**6, 10**8), st.one_of(WILD, st.just(10**18), st.just(1e15))),
     "kernels": _maybe(st.sampled_from([False, "auto"]), st.sampled_from([True, 1, "yes", None])),
     "cuda_graphs": _maybe(st.sampled_from([False, "auto"]), st.sampled_from([True, 0, "no", None])),

@@ -56,6 +56,23 @@ def test_speculative_greedy_equals_plain(checkpoints, model_type, mode, T, patte
     assert llm.runner.caches.requests.num_free == 4  # every slot released
 
 
+@pytest.mark.parametrize("overlap", [False, True])
+@pytest.mark.parametrize("mode", ["kvbuffer", "recurrent"])
+def test_speculation_off_above_a_batch_keeps_greedy_output(checkpoints, mode, overlap):
+    """disable_above_batch 3 with 4 slots and 6 prompts: the first four decode plainly (overlapped or not),
+    the last two speculate; every output is plain decoding's and only the last two's tokens were verified."""
+    path, refs = checkpoints("qwen3_5_text")
+    llm = LLM(str(path), device="cpu", mode=mode, chunk_size=C, max_batch=4, overlap=overlap,
+              speculative={"method": "ngram", "num_draft_tokens": 3, "disable_above_batch": 3})
+    llm.drafter = ScriptedDrafter(refs, "all", llm.vocab_size)
+    prompts = PROMPTS + PROMPTS[:2]
+    outs = llm.generate(prompts, max_new_tokens=NEW, stop_token_ids=[])
+    assert [o.token_ids for o in outs] == [c for _, c in refs] + [c for _, c in refs[:2]]
+    assert 0 < llm.spec_stats["emitted"] <= 2 * (NEW - 1 + 3), "only the two requests that ran alone speculated"
+    assert llm.acceptance["acceptance_rate"] == 1.0 and llm.acceptance["tokens_per_step"] > 1.0
+    assert llm.runner.caches.requests.num_free == 4
+
+
 @pytest.mark.parametrize("model_type", TYPES)
 def test_ngram_drafter_end_to_end(checkpoints, model_type):
     """The real drafter on a repetitive prompt: same tokens as plain decoding."""

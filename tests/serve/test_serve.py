@@ -200,9 +200,10 @@ def test_bad_chat_messages(server):
 @pytest.fixture(scope="module")
 def small_server():
     """Four slots and four places in the queue: the queue overflows, then SIGTERM drains it. The other
-    mode, with speculative decoding: greedy outputs stay those of plain LLM.generate."""
+    mode, with speculative decoding up to two running requests (plain steps above): greedy outputs stay
+    those of plain LLM.generate."""
     s = ServerProcess(*CPU, "--max-batch", "4", "--max-waiting", "4", "--max-len", str(MAX_LEN), "--mode", "recurrent",
-               "--speculative", "ngram", "--draft-tokens", "3", timeout=90)
+               "--speculative", "ngram", "--draft-tokens", "3", "--disable-speculation-above", "2", timeout=90)
     yield s
     s.kill()
 
