@@ -56,14 +56,18 @@ def test_speculative_greedy_equals_plain(checkpoints, model_type, mode, T, patte
     assert llm.runner.caches.requests.num_free == 4  # every slot released
 
 
+@pytest.mark.parametrize("graphs", [False, True], ids=["eager", "graph-shaped"])
 @pytest.mark.parametrize("overlap", [False, True])
 @pytest.mark.parametrize("mode", ["kvbuffer", "recurrent"])
-def test_speculation_off_above_a_batch_keeps_greedy_output(checkpoints, mode, overlap):
-    """disable_above_batch 3 with 4 slots and 6 prompts: the first four decode plainly (overlapped or not),
-    the last two speculate; every output is plain decoding's and only the last two's tokens were verified."""
+def test_speculation_off_above_a_batch_keeps_greedy_output(checkpoints, mode, overlap, graphs):
+    """disable_above_batch 3 with 4 slots and 6 prompts: the first four decode plainly (overlapped or not;
+    eagerly, or as padded and bucketed graph replays compute them), the last two speculate; every output
+    is plain decoding's and only the last two's tokens were verified."""
     path, refs = checkpoints("qwen3_5_text")
     llm = LLM(str(path), device="cpu", mode=mode, chunk_size=C, max_batch=4, overlap=overlap,
               speculative={"method": "ngram", "num_draft_tokens": 3, "disable_above_batch": 3})
+    if graphs:
+        llm.runner.use_graphs(True, capture=False)
     llm.drafter = ScriptedDrafter(refs, "all", llm.vocab_size)
     prompts = PROMPTS + PROMPTS[:2]
     outs = llm.generate(prompts, max_new_tokens=NEW, stop_token_ids=[])
