@@ -20,13 +20,13 @@ def jit():
     ops.allow_jit(None)
 
 
-def _llm(kind, mode, *, graphs, capture=True, T=0, **kw):
+def _llm(kind, mode, *, graphs, capture=True, T=0, spec_options=None, max_batch=4, **kw):
     from tests.support.tiny_models import tiny_model
 
     from kvbuffer import LLM
 
-    spec = {"method": "ngram", "num_draft_tokens": T} if T else None
-    llm = LLM(tiny_model(kind), device="cuda", dtype=torch.bfloat16, mode=mode, chunk_size=C, max_batch=4,
+    spec = {"method": "ngram", "num_draft_tokens": T, **(spec_options or {})} if T else None
+    llm = LLM(tiny_model(kind), device="cuda", dtype=torch.bfloat16, mode=mode, chunk_size=C, max_batch=max_batch,
               max_len=96, kernels=True, cuda_graphs=False, speculative=spec, max_prefill_tokens=8, **kw)
     if graphs:
         llm.runner.use_graphs(True, capture=capture)
@@ -72,6 +72,20 @@ def test_graphed_speculative_greedy_equals_plain(kind, mode):
     llm = _llm(kind, mode, graphs=True, T=4)
     compare_greedy(_run(llm, refs), plain, tol=0.15)
     assert llm.acceptance["acceptance_rate"] > 0
+
+
+@pytest.mark.parametrize("mode", ["kvbuffer", "recurrent"])
+def test_speculation_off_above_a_batch_on_graphs(mode):
+    """disable_above_batch 1, two slots, three prompts: the first two decode plainly (graphed, overlapped),
+    the last one alone speculates (graphed verify); greedy output is plain decoding's up to bf16 near ties."""
+    from tests.gpu.test_ops_and_engine import compare_greedy
+
+    plain = _run(_llm("qwen3_5", mode, graphs=True))
+    refs = [(p, o.token_ids) for p, o in zip(PROMPTS, plain)]
+    llm = _llm("qwen3_5", mode, graphs=True, T=4, spec_options={"disable_above_batch": 1}, max_batch=2)
+    compare_greedy(_run(llm, refs), plain, tol=0.15)
+    assert 0 < llm.spec_stats["emitted"] <= 20 + 4, "only the request that ran alone speculated"
+    assert llm.runner.graphs.graphs, "the plain steps replayed captured graphs"
 
 
 @pytest.mark.parametrize("mode", ["kvbuffer", "recurrent"])
