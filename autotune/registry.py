@@ -289,16 +289,12 @@ def _family_templates(f: _Family) -> list[Template]:
         Template(f"{f.name}_recurrent", f.name, recurrent, f.tiles.get_recurrent_configs, recurrent_defaults,
                  f.recurrent_inputs, f.recurrent_reference, _run, src, uses_chunk=False,
                  fitted=_value_tile_fitted(recurrent_defaults)),
-        Template(f"{f.name}_recurrent_drafts", f.name, recurrent_drafts, _drafts_configs(f.tiles), recurrent_defaults,
-                 _drafts_inputs(f), _drafts_reference(f), _run, src, uses_chunk=False, layouts=True, min_drafts=1,
-                 fitted=_drafts_fitted(f.name)),
+        # the recurrent step's tiles (one its front cannot lay out for some T fails to build, and the tuner
+        # skips it as any config that does not compile)
+        Template(f"{f.name}_recurrent_drafts", f.name, recurrent_drafts, f.tiles.get_recurrent_configs,
+                 recurrent_defaults, _drafts_inputs(f), _drafts_reference(f), _run, src, uses_chunk=False, layouts=True,
+                 min_drafts=1, fitted=_drafts_fitted(f.name)),
     ]
-
-
-def _drafts_configs(tiles) -> Callable[[], list]:
-    """The recurrent step's tiles, for the recurrent verify too (a tile its front cannot lay out for
-    some T fails to build and is skipped by the tuner, as any config that does not compile)."""
-    return tiles.get_recurrent_configs
 
 
 def _drafts_fitted(family: str) -> Callable[[Mapping, int], dict]:

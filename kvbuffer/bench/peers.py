@@ -130,8 +130,9 @@ class PeersBackend(KernelBackend):
         states in its kernel): each token's state, in the peer's own layout, copied to the request's
         per-draft states after its step."""
         real = draft_rows >= 0
-        scratch = state[state_slots.clamp(min=0).long()].clone()
-        scratch = torch.cat([scratch, scratch[:1]])  # a pad slot of the scratch pool for padding rows
+        rows_states = state_slots.clamp(min=0).long()
+        # the rows' states gathered once (an indexed read copies), plus a pad slot for padding rows
+        scratch = state[torch.cat([rows_states, rows_states[:1]])]
         rows = torch.where(real, torch.arange(draft_rows.shape[0], dtype=torch.int32, device=scratch.device),
                            torch.full_like(draft_rows, -1))
         slots = draft_rows.clamp(min=0).long()

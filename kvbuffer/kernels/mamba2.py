@@ -28,8 +28,8 @@ def build_mamba2_recurrent(G: int, H: int, N: int = 128, P: int = 64, **tunables
 
 def build_mamba2_recurrent_drafts(G: int, H: int, N: int = 128, P: int = 64, *, T_new: int, **tunables) -> CompiledOp:
     """Compile the recurrent verify of T_new fed tokens, one state per token (the servers' scheme)."""
-    return build_template("recurrent_drafts", "mamba2_recurrent_drafts", dict(G=G, H=H, N=N, P=P, T_new=T_new,
-                                                                              **tunables), "mamba2", _aliases(G, H, N, P))
+    params = dict(G=G, H=H, N=N, P=P, T_new=T_new, **tunables)
+    return build_template("recurrent_drafts", "mamba2_recurrent_drafts", params, "mamba2", _aliases(G, H, N, P))
 
 
 def build_mamba2_buffered(G: int, H: int, N: int = 128, P: int = 64, *, cap: int, T_new: int = 1,

@@ -277,9 +277,9 @@ def attention_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
 
 _BY_NAME = {
     "gdn_recurrent_step": gdn_recurrent_step, "gdn_buffered_step": gdn_buffered_step, "gdn_verify": gdn_verify,
-    "gdn_flush": gdn_flush, "gdn_recurrent_drafts": gdn_recurrent_drafts, "mamba2_recurrent_step": mamba2_recurrent_step,
-    "mamba2_buffered_step": mamba2_buffered_step, "mamba2_verify": mamba2_verify, "mamba2_flush": mamba2_flush,
-    "mamba2_recurrent_drafts": mamba2_recurrent_drafts,
+    "gdn_flush": gdn_flush, "gdn_recurrent_drafts": gdn_recurrent_drafts,
+    "mamba2_recurrent_step": mamba2_recurrent_step, "mamba2_buffered_step": mamba2_buffered_step,
+    "mamba2_verify": mamba2_verify, "mamba2_flush": mamba2_flush, "mamba2_recurrent_drafts": mamba2_recurrent_drafts,
     "conv1d_update": conv1d_update, "conv1d_accept": conv1d_accept, "attention_decode": attention_decode,
 }
 OPS = tuple(_BY_NAME)

@@ -66,7 +66,7 @@ def _linear_mix(inputs: LinearInputs, batch: ForwardBatch, caches: ModelCaches, 
 def _recurrent_verify(inputs: LinearInputs, batch, caches, layer):
     """The servers' way to verify T drafts: run the recurrence through them, storing the state after
     each one in the request's per-draft states (one launch: Backend.recurrent_drafts); the engine
-    copies the accepted one back (see commit_draft_states). Padding rows (slot -1) write nothing."""
+    copies the accepted one back (engine/commit.py). Padding rows (slot -1) write nothing."""
     if caches.draft_states is None:
         raise ValueError("recurrent-mode verify needs caches built with draft_states=True")
     return batch.backend.recurrent_drafts(inputs, caches.states.layer(layer), batch.state_slots,
