@@ -89,7 +89,9 @@ def _engine_options(f):
         click.option("--modes", default="kvbuffer,recurrent", show_default=True,
                      help="Engine modes to compare: kvbuffer, recurrent, peers (the recurrent scheme on the "
                           "servers' kernels: FLA, mamba_ssm)."),
-        click.option("--prompt-len", default=128, show_default=True, type=click.IntRange(min=1)),
+        click.option("--prompt-len", default=128, show_default=True, type=click.IntRange(min=1),
+                     help="Prompt tokens. decode staggers them over one chunk (prompt-len .. prompt-len + "
+                          "chunk-size - 1), so each step flushes 1/chunk-size of the rows, as a server does."),
         click.option("--new-tokens", default=32, show_default=True, type=click.IntRange(min=2)),
         click.option("--chunk-size", default=16, show_default=True, type=click.IntRange(min=1)),
         click.option("--kernels", default="auto", show_default=True, type=click.Choice(["auto", "true", "false"])),

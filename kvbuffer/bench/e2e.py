@@ -3,9 +3,10 @@
 Models are random-weight (bf16 on CUDA) with a preset's layer and head shapes (kvbuffer.presets),
 built directly on the device; the numbers measure the serving path, not the model's quality.
 
-decode: B requests of `prompt_len` random tokens, `new_tokens` greedy tokens each; reported are the
-median decode step and the throughput it gives (prefill excluded; the first step, which captures
-the CUDA graph, left out), for each mode in the same process.
+decode: B requests of `prompt_len` .. `prompt_len` + C - 1 random tokens (so each step flushes 1/C of
+the rows, as a server's staggered requests do: `random_prompts`), `new_tokens` greedy tokens each;
+reported are the median decode step and the throughput it gives (prefill excluded; the first step,
+which captures the CUDA graph, left out), for each mode in the same process.
 
 spec: speculative decoding with T drafts from kvbuffer.bench.drafter (the model's own greedy
 continuation, each draft right with probability alpha), so acceptance is what alpha makes it and
@@ -86,9 +87,15 @@ def _greedy_far_from_ties(model, g) -> None:
         model.lm_head.weight.copy_(embedding.weight)
 
 
-def random_prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int]]:
+def random_prompts(n: int, length: int, vocab: int, seed: int, spread: int = 1) -> list[list[int]]:
+    """n prompts of random tokens; prompt i has length + i % spread tokens.
+
+    With spread = the chunk size C, the rows' buffer fills (prompt length mod C) are spread evenly, so
+    every decode step flushes 1/C of the rows, as in a server whose requests arrived at different
+    times. Equal lengths put every row at the same fill: all rows flush in the same step, once every
+    C steps, and a median step leaves the flushes out."""
     g = torch.Generator().manual_seed(seed)
-    return [torch.randint(0, vocab, (length,), generator=g).tolist() for _ in range(n)]
+    return [torch.randint(0, vocab, (length + i % spread,), generator=g).tolist() for i in range(n)]
 
 
 def release(device) -> None:
@@ -272,9 +279,9 @@ def bench_decode(model, *, batches, modes=MODES, prompt_len=128, new_tokens=32, 
     rows = []
     modes = [m for m in modes if not _skipped(m, model)]
     for B in batches:
-        prompts = random_prompts(B, prompt_len, model.config.vocab_size, seed=B)
+        prompts = random_prompts(B, prompt_len, model.config.vocab_size, seed=B, spread=chunk_size)
         for mode in modes:
-            llm = _engine(model, device=device, mode=mode, batch=B, max_len=prompt_len + new_tokens + 8,
+            llm = _engine(model, device=device, mode=mode, batch=B, max_len=prompt_len + chunk_size + new_tokens + 8,
                           chunk_size=chunk_size, kernels=kernels, cuda_graphs=cuda_graphs, compile=compile)
             row = dict(batch=B, mode=mode, temperature=temperature, top_p=top_p,
                        **_decode_row(llm, prompts, device=device, new_tokens=new_tokens, sampling=sampling))
@@ -421,6 +428,8 @@ def run(what: str, *, preset: str, device: str = "cuda", dtype=None, out_dir=Non
     print(f"{preset}: built in {time.time() - t0:.0f} s", flush=True)
     result = new_result(what, preset, device=device, dtype=dtype,
                         args={k: list(v) if isinstance(v, tuple) else v for k, v in options.items()})
+    if what == "decode":
+        result["prompts"] = "lengths prompt_len + i % chunk_size: each step flushes 1/chunk_size of the rows"
     settings = "_" + "-".join(options["settings"]) if "settings" in options else ""  # one file per setting run
     settings += "_sampled" if options.get("temperature") else ""  # beside the greedy run's file
     path = results.result_path(out_dir or results.DEFAULT_DIR, f"e2e_{what}{settings}_{preset}", result)

@@ -212,3 +212,21 @@ def test_tuned_without_a_record_names_the_tune_command(tmp_path, monkeypatch):
     with pytest.raises(ArtifactError, match="kvbuffer tune --gpu h200"):
         local_tuning(make_shape(**kernels.heads_of("qwen3.5-9b")))
     assert not any(tmp_path.iterdir())  # looking wrote nothing
+
+
+def test_decode_prompts_spread_the_fills_over_a_chunk():
+    """Equal prompt lengths would flush every row in the same step (once every C steps), and the
+    median step would leave the flushes out; staggered lengths flush 1/C of the rows each step."""
+    C = 16
+    prompts = e2e.random_prompts(2 * C + 3, 128, 1000, seed=0, spread=C)
+    fills = [len(p) % C for p in prompts]
+    assert sorted(set(fills)) == list(range(C))
+    assert max(fills.count(f) for f in range(C)) - min(fills.count(f) for f in range(C)) <= 1
+    assert [len(p) for p in e2e.random_prompts(3, 12, 1000, seed=0)] == [12, 12, 12]
+
+
+def test_decode_bench_runs_staggered_prompts():
+    model = e2e.random_model("tiny-qwen", "cpu", torch.float32)
+    rows = e2e.bench_decode(model, batches=(5,), modes=("kvbuffer",), prompt_len=6, new_tokens=5, chunk_size=4,
+                            device="cpu", kernels=False, cuda_graphs=False, compile=False)
+    assert [r["batch"] for r in rows] == [5] and rows[0]["step_ms"] > 0
