@@ -366,6 +366,8 @@ def bench_spec(model, *, settings=("equal", "capacity"), batches=(1, 16, 64, 256
                                   chunk_size=chunk_size)
             plan[("capacity", mode)] = [(min(n, max_requests), n)]
     largest = max(B for runs in plan.values() for B, _ in runs)
+    # equal lengths here: the rates are throughputs over whole runs, which count every flush step, and
+    # rows that accept different numbers of drafts leave step with different fills anyway
     prompts = random_prompts(largest, prompt_len, vocab, seed=drafts)
     refs = greedy_references(model, prompts, tokens=new_tokens + drafts + 2, device=device, chunk_size=chunk_size,
                              kernels=kernels, cuda_graphs=cuda_graphs, compile=compile)
