@@ -94,6 +94,8 @@ def random_prompts(n: int, length: int, vocab: int, seed: int, spread: int = 1) 
     every decode step flushes 1/C of the rows, as in a server whose requests arrived at different
     times. Equal lengths put every row at the same fill: all rows flush in the same step, once every
     C steps, and a median step leaves the flushes out."""
+    if spread < 1:
+        raise ValueError(f"spread must be >= 1, got {spread}")
     g = torch.Generator().manual_seed(seed)
     return [torch.randint(0, vocab, (length + i % spread,), generator=g).tolist() for i in range(n)]
 
@@ -367,7 +369,7 @@ def bench_spec(model, *, settings=("equal", "capacity"), batches=(1, 16, 64, 256
             plan[("capacity", mode)] = [(min(n, max_requests), n)]
     largest = max(B for runs in plan.values() for B, _ in runs)
     # equal lengths here: the rates are throughputs over whole runs, which count every flush step, and
-    # rows that accept different numbers of drafts leave step with different fills anyway
+    # rows that accept different numbers of drafts soon sit at different fills anyway
     prompts = random_prompts(largest, prompt_len, vocab, seed=drafts)
     refs = greedy_references(model, prompts, tokens=new_tokens + drafts + 2, device=device, chunk_size=chunk_size,
                              kernels=kernels, cuda_graphs=cuda_graphs, compile=compile)

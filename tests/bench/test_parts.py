@@ -223,6 +223,8 @@ def test_decode_prompts_spread_the_fills_over_a_chunk():
     assert sorted(set(fills)) == list(range(C))
     assert max(fills.count(f) for f in range(C)) - min(fills.count(f) for f in range(C)) <= 1
     assert [len(p) for p in e2e.random_prompts(3, 12, 1000, seed=0)] == [12, 12, 12]
+    with pytest.raises(ValueError, match="spread"):
+        e2e.random_prompts(3, 12, 1000, seed=0, spread=0)
 
 
 def test_decode_bench_runs_staggered_prompts():
