@@ -12,8 +12,8 @@ the recurrent step takes a token axis of 1.
 from ..reference.core import LOG_DECAY_FLOOR
 from .linear_decode import _tl, check_shape as _check_shape, pow2 as _pow2  # noqa: F401
 from .recurrent_drafts import linear_recurrent_drafts
-from .simt_parts import (exp_of_f64, fitted_tunables, flush_weight, mma_layout, mma_products, row_stager,
-                          simt_layout, state_macros)
+from .simt_parts import (L2_PREFETCH_SOURCE, PREFETCH_POINTS, exp_of_f64, fitted_tunables, flush_weight,
+                          mma_layout, mma_products, row_stager, simt_layout, state_macros, state_prefetcher)
 from .linear_decode import (  # noqa: F401  (the tunables lists are part of this module's API)
     L2NORM_EPS,
     SOFTPLUS_THRESHOLD,
@@ -101,7 +101,7 @@ def get_buffered_configs() -> list[dict]:
 
 def gdn_buffered(Hk: int, Hv: int, K: int = 128, V: int = 128, *, cap: int = 16, T_new: int = 1,
                  flush_at: int = 0, BV: int = 64, threads: int = 128, blocks: int = 0, tensor_cores: int = 0,
-                 in_dtype: str = "bfloat16", buf_dtype: str = "bfloat16"):
+                 prefetch: int = 0, in_dtype: str = "bfloat16", buf_dtype: str = "bfloat16"):
     """T_new tokens after each row's n buffered entries: one read of S0, no state write.
 
     Writes the T_new entries (k, delta, G) at buffer positions n .. n+T_new-1 (lengths untouched).
@@ -131,6 +131,7 @@ def gdn_buffered(Hk: int, Hv: int, K: int = 128, V: int = 128, *, cap: int = 16,
     `tensor_cores` = 1 runs phase 3b as TF32 MMAs at fp32 accuracy (simt_parts.mma_products, T_new <= 8):
     a warp holds all K rows of its 32 columns (threads == BV), so the per-warp partial sums and the
     shuffles go away and a verify's 2 T products per column cost 2-3 MMAs per 8 x 8 block of S0.
+    `prefetch` (simt_parts.PREFETCH_POINTS): where the block asks the L2 for its S0 tile first.
 
     Args: q, k, v, a, b, A_log, dt_bias, state, state_slots, buf_k, buf_v, buf_g, buffer_slots,
     lengths, o (module docstring; token axis T present).
@@ -142,6 +143,8 @@ def gdn_buffered(Hk: int, Hv: int, K: int = 128, V: int = 128, *, cap: int = 16,
         raise ValueError(f"flush_at={flush_at} must be in [T_new={T_new}, cap={cap}] (or 0)")
     if tensor_cores and 2 * T_new > 16:
         raise ValueError(f"tensor_cores: the S0 products take at most 16 query rows (T_new <= 8), got T_new={T_new}")
+    if prefetch not in PREFETCH_POINTS:
+        raise ValueError(f"prefetch={prefetch} must be one of {PREFETCH_POINTS}")
     CG, KG, KR, NW = (mma_layout if tensor_cores else simt_layout)(K, BV, threads)
     T = _tl()
     B = T.dynamic("batch")
@@ -158,6 +161,7 @@ def gdn_buffered(Hk: int, Hv: int, K: int = 128, V: int = 128, *, cap: int = 16,
     load_state, s0_products, fused_flush = state_macros(T, KR=KR, CG=CG, C=C, tokens=Tn, queries=T2,
                                                         key_row0=T2)
     tc_products = mma_products(T, KR=KR, queries=T2, split_x=in_dtype == "float32") if tensor_cores else None
+    prefetch_state = state_prefetcher(T, K=K, BV=BV, NT=threads)
     PW = 1 if tensor_cores else NW  # partial sums of S0^T [k, q] per column (one per warp on CUDA cores)
     XR = T2 + cap            # X rows: new k (0..Tn-1), new q (Tn..2Tn-1), buffer keys (2Tn + i)
     NR = Tn + cap            # rows of the Gram (2Tn + n <= Tn + cap)
@@ -196,6 +200,8 @@ def gdn_buffered(Hk: int, Hv: int, K: int = 128, V: int = 128, *, cap: int = 16,
             T.annotate_pass_configs({"tl.disable_thread_storage_sync": True})
             if blocks:  # cap registers so `blocks` blocks fit on an SM (more S0 bytes in flight per SM)
                 T.annotate_min_blocks_per_sm(blocks)
+            if prefetch:
+                T.import_source(L2_PREFETCH_SOURCE)
             tx = T.get_thread_binding()
             X = T.alloc_shared((XR, KP), f32)
             Db = T.alloc_shared((cap, BV), f32)      # buffer deltas (and the new ones for a flush)
@@ -239,6 +245,8 @@ def gdn_buffered(Hk: int, Hv: int, K: int = 128, V: int = 128, *, cap: int = 16,
             sslot = state_slots[bb]
             bslot = buffer_slots[bb]
             n = lengths[bb]
+            if prefetch == 2:
+                prefetch_state(state, sslot, hv, v0, tx)
 
             # ---- phase 0a: the row's own inputs need no slot (their loads overlap the slots' round trip):
             # raw k (X rows 0..Tn-1), raw q (rows Tn..2Tn-1), v, and g_t, beta_t in fp64 (thread t)
@@ -257,6 +265,8 @@ def gdn_buffered(Hk: int, Hv: int, K: int = 128, V: int = 128, *, cap: int = 16,
             if bslot >= 0:
                 # ---- phase 0b: the buffer (entries i < n only; the rest is never read), then the S0 slice
                 # into registers (it streams in while phases 1-3a run; first used in phase 3b)
+                if prefetch == 1:
+                    prefetch_state(state, sslot, hv, v0, tx)
                 stage(X, T2, buf_k, bslot, n, hk, 0, K8, IT_BK, tx, bb8)
                 stage(Db, 0, buf_v, bslot, n, hv, v0, BV8, IT_BV, tx, bb8)
                 for it in T.unroll(IT_G):

@@ -13,7 +13,8 @@ buffer_slots, lengths, y. All arithmetic is fp32 FMA (gates and log decays in fp
 
 from ..reference.core import LOG_DECAY_FLOOR
 from .linear_decode import SOFTPLUS_THRESHOLD, _tl, check_shape
-from .simt_parts import exp_of_f64, flush_weight, row_stager, simt_layout, state_macros
+from .simt_parts import (L2_PREFETCH_SOURCE, PREFETCH_POINTS, exp_of_f64, flush_weight, row_stager, simt_layout,
+                          state_macros, state_prefetcher)
 
 
 # (BV, threads, blocks) for N = 128, P = 64; blocks > 0 caps registers (__launch_bounds__ min blocks/SM) so
@@ -41,7 +42,7 @@ def get_simt_configs(K: int = 128) -> list[dict]:
 
 
 def mamba2_buffered_simt(G: int, H: int, N: int = 128, P: int = 64, *, cap: int = 16, T_new: int = 1,
-                         flush_at: int = 0, BV: int = 64, threads: int = 128, blocks: int = 0,
+                         flush_at: int = 0, BV: int = 64, threads: int = 128, blocks: int = 0, prefetch: int = 0,
                          in_dtype: str = "bfloat16", buf_dtype: str = "bfloat16", has_z: bool = False):
     """T_new Mamba-2 tokens after each row's n buffered entries: one read of S0, no state write.
 
@@ -64,12 +65,15 @@ def mamba2_buffered_simt(G: int, H: int, N: int = 128, P: int = 64, *, cap: int 
          warp summed by shuffles, warps in shared memory.
       4. One thread per value column: y_t = exp(G_t) S0^T C_t + history + D x_t (* silu(z_t)); the new
          values are written.
+    `prefetch` (simt_parts.PREFETCH_POINTS): where the block asks the L2 for its S0 tile first.
     """
     check_shape(G, H, N, P, BV)
     if not 1 <= T_new <= cap:
         raise ValueError(f"T_new={T_new} must be in [1, cap={cap}]")
     if flush_at and not T_new <= flush_at <= cap:
         raise ValueError(f"flush_at={flush_at} must be in [T_new={T_new}, cap={cap}] (or 0)")
+    if prefetch not in PREFETCH_POINTS:
+        raise ValueError(f"prefetch={prefetch} must be one of {PREFETCH_POINTS}")
     K, V = N, P
     CG, KG, KR, NW = simt_layout(K, BV, threads)
     T = _tl()
@@ -84,6 +88,7 @@ def mamba2_buffered_simt(G: int, H: int, N: int = 128, P: int = 64, *, cap: int 
                                                         key_row0=Tn)
     NT = threads
     stage = row_stager(T, NT)
+    prefetch_state = state_prefetcher(T, K=K, BV=BV, NT=NT)
     XR = Tn + cap            # X rows: C_t (0..Tn-1), keys in buffer order (Tn + e, e < n + Tn <= cap)
     KP = K + 4               # padded row: float4 reads of 32 different rows hit distinct banks
     KS = K // NW             # N slice of one warp in the Gram
@@ -121,6 +126,8 @@ def mamba2_buffered_simt(G: int, H: int, N: int = 128, P: int = 64, *, cap: int 
             T.annotate_pass_configs({"tl.disable_thread_storage_sync": True})
             if blocks:
                 T.annotate_min_blocks_per_sm(blocks)
+            if prefetch:
+                T.import_source(L2_PREFETCH_SOURCE)
             tx = T.get_thread_binding()
             X = T.alloc_shared((XR, KP), f32)
             Db = T.alloc_shared((cap, BV), f32)      # buffer values (and the new ones for a flush)
@@ -156,6 +163,8 @@ def mamba2_buffered_simt(G: int, H: int, N: int = 128, P: int = 64, *, cap: int 
             sslot = state_slots[bb]
             bslot = buffer_slots[bb]
             n = lengths[bb]
+            if prefetch == 2:
+                prefetch_state(state, sslot, hv, v0, tx)
 
             # ---- phase 0a: the row's own inputs need no slot: C_t (X rows 0..Tn-1), x and z of this
             # thread's value column, dt_t and g_t in fp64 (thread t)
@@ -174,6 +183,8 @@ def mamba2_buffered_simt(G: int, H: int, N: int = 128, P: int = 64, *, cap: int 
             if bslot >= 0:
                 # ---- phase 0b: the buffer (entries i < n only; the rest is never read) and the new keys
                 # behind it, then the S0 slice into registers (streams in while phases 1-3a run)
+                if prefetch == 1:
+                    prefetch_state(state, sslot, hv, v0, tx)
                 stage(X, Tn, buf_k, bslot, n, hk, 0, K8, IT_BK, tx, bb8)
                 stage(X, Tn + n, Bm, bb, Tn, hk, 0, K8, IT_TOK, tx, tb)
                 stage(Db, 0, buf_v, bslot, n, hv, v0, BV8, IT_BV, tx, bb8)

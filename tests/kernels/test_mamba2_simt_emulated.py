@@ -48,6 +48,13 @@ CASES = {
     "small_batch_verify5_BV8": (
         dict(G=2, H=4, N=64, P=32, cap=21, T_new=5, flush_at=0, BV=8, threads=64),
         [0, 11, 1], [2], []),
+    # the S0 tile's L2 prefetch (a no-op on the host: the injected source and call sites build, results unchanged)
+    "prefetch_before_buffer_nemotron_tile": (
+        dict(G=2, H=4, N=128, P=64, cap=17, T_new=1, flush_at=16, BV=64, threads=64, has_z=True, prefetch=1),
+        [15, 0, 1, 15, 7], [1], [4]),
+    "prefetch_at_start_verify4": (
+        dict(G=2, H=4, N=64, P=32, cap=20, T_new=4, flush_at=0, BV=32, threads=64, prefetch=2),
+        [0, 16, 1, 15, 3], [2], [4]),
 }
 # decays at the extremes on every token (head: A_log): g = -inf on head 0, g ~ -1e38 on head 1 (sums overflow
 # fp32); the case's own gates elsewhere
