@@ -13,7 +13,8 @@ from ..reference.core import LOG_DECAY_FLOOR
 from .linear_decode import _tl, check_shape as _check_shape, pow2 as _pow2  # noqa: F401
 from .recurrent_drafts import linear_recurrent_drafts
 from .simt_parts import (L2_PREFETCH_SOURCE, PREFETCH_POINTS, exp_of_f64, fitted_tunables, flush_weight,
-                          mma_layout, mma_products, row_stager, simt_layout, state_macros, state_prefetcher)
+                          mma_layout, mma_products, query_products, row_stager, simt_layout, state_macros,
+                          state_prefetcher)
 from .linear_decode import (  # noqa: F401  (the tunables lists are part of this module's API)
     L2NORM_EPS,
     SOFTPLUS_THRESHOLD,
@@ -101,7 +102,7 @@ def get_buffered_configs() -> list[dict]:
 
 def gdn_buffered(Hk: int, Hv: int, K: int = 128, V: int = 128, *, cap: int = 16, T_new: int = 1,
                  flush_at: int = 0, BV: int = 64, threads: int = 128, blocks: int = 0, tensor_cores: int = 0,
-                 prefetch: int = 0, in_dtype: str = "bfloat16", buf_dtype: str = "bfloat16"):
+                 prefetch: int = 0, lean: int = 0, in_dtype: str = "bfloat16", buf_dtype: str = "bfloat16"):
     """T_new tokens after each row's n buffered entries: one read of S0, no state write.
 
     Writes the T_new entries (k, delta, G) at buffer positions n .. n+T_new-1 (lengths untouched).
@@ -132,6 +133,10 @@ def gdn_buffered(Hk: int, Hv: int, K: int = 128, V: int = 128, *, cap: int = 16,
     a warp holds all K rows of its 32 columns (threads == BV), so the per-warp partial sums and the
     shuffles go away and a verify's 2 T products per column cost 2-3 MMAs per 8 x 8 block of S0.
     `prefetch` (simt_parts.PREFETCH_POINTS): where the block asks the L2 for its S0 tile first.
+    `lean` = 1 keeps fewer values live beside S0 through phase 3b (CUDA cores, T_new >= 2): the 2 T
+    products run in two halves (half the accumulators), and v and the phase-3a history sums wait in
+    shared memory for phase 4 instead of in registers. Under the three-blocks register cap a
+    verify otherwise spills (ptxas: 160 bytes a thread at 5 tokens).
 
     Args: q, k, v, a, b, A_log, dt_bias, state, state_slots, buf_k, buf_v, buf_g, buffer_slots,
     lengths, o (module docstring; token axis T present).
@@ -145,6 +150,8 @@ def gdn_buffered(Hk: int, Hv: int, K: int = 128, V: int = 128, *, cap: int = 16,
         raise ValueError(f"tensor_cores: the S0 products take at most 16 query rows (T_new <= 8), got T_new={T_new}")
     if prefetch not in PREFETCH_POINTS:
         raise ValueError(f"prefetch={prefetch} must be one of {PREFETCH_POINTS}")
+    if lean not in (0, 1) or (lean and (tensor_cores or T_new < 2)):
+        raise ValueError(f"lean={lean} must be 0, or 1 for a CUDA-core kernel of T_new >= 2 tokens")
     CG, KG, KR, NW = (mma_layout if tensor_cores else simt_layout)(K, BV, threads)
     T = _tl()
     B = T.dynamic("batch")
@@ -162,6 +169,9 @@ def gdn_buffered(Hk: int, Hv: int, K: int = 128, V: int = 128, *, cap: int = 16,
                                                         key_row0=T2)
     tc_products = mma_products(T, KR=KR, queries=T2, split_x=in_dtype == "float32") if tensor_cores else None
     prefetch_state = state_prefetcher(T, K=K, BV=BV, NT=threads)
+    half = Tn if lean else 2 * Tn  # query rows of phase 3b's first pass (the k's, then the q's)
+    first_products = query_products(T, KR=KR, CG=CG, queries=half, barrier=not lean)
+    second_products = query_products(T, KR=KR, CG=CG, queries=2 * Tn - half, query0=half)
     PW = 1 if tensor_cores else NW  # partial sums of S0^T [k, q] per column (one per warp on CUDA cores)
     XR = T2 + cap            # X rows: new k (0..Tn-1), new q (Tn..2Tn-1), buffer keys (2Tn + i)
     NR = Tn + cap            # rows of the Gram (2Tn + n <= Tn + cap)
@@ -218,6 +228,8 @@ def gdn_buffered(Hk: int, Hv: int, K: int = 128, V: int = 128, *, cap: int = 16,
             cq = T.alloc_shared((Tn,), f32)          # exp(G_t) K**-0.5 / |q_t|
             rks = T.alloc_shared((Tn,), f32)         # 1 / |k_t|
             FW = T.alloc_shared((cap,), f32)         # flush weights exp(G_C - G_e)
+            # lean: v_t, then the history sums (k's, q's) per value column, parked for phase 4
+            Hs = T.alloc_shared((3 * Tn, BV), f32) if lean else None
 
             Sr = T.alloc_local((KR * 4,), f32)
             acc = T.alloc_local((16 if tensor_cores else T2 * 4,), f32)
@@ -254,7 +266,10 @@ def gdn_buffered(Hk: int, Hv: int, K: int = 128, V: int = 128, *, cap: int = 16,
             stage(X, Tn, q, bb, Tn, hk, 0, K8, IT_TOK, tx, tb)
             if tx < BV:
                 for t in T.unroll(Tn):
-                    vr[t] = T.cast(v[bb, t, hv, v0 + tx], f32)
+                    if lean:
+                        Hs[t, tx] = T.cast(v[bb, t, hv, v0 + tx], f32)
+                    else:
+                        vr[t] = T.cast(v[bb, t, hv, v0 + tx], f32)
             if tx < Tn:
                 dacc[0] = T.cast(a[bb, tx, hv], f64) + T.cast(dt_bias[hv], f64)
                 # clamped as in reference.core.clamp_log_decay: G stays finite at any gate
@@ -360,6 +375,10 @@ def gdn_buffered(Hk: int, Hv: int, K: int = 128, V: int = 128, *, cap: int = 16,
                         for t in T.unroll(Tn):
                             hk_[t] = hk_[t] + W[0, t, i] * Db[i, tx]
                             hq_[t] = hq_[t] + W[1, t, i] * Db[i, tx]
+                    if lean:
+                        for t in T.unroll(Tn):
+                            Hs[Tn + t, tx] = hk_[t]
+                            Hs[2 * Tn + t, tx] = hq_[t]
                 # the new entries' keys and G (lengths are the host's business)
                 if bv == 0:
                     if tx < Tn:
@@ -380,11 +399,19 @@ def gdn_buffered(Hk: int, Hv: int, K: int = 128, V: int = 128, *, cap: int = 16,
                 # ---- phase 3b: S0^T [k_raw, q_raw] over this thread's rows (normalised later by ck, cq)
                 if tensor_cores:
                     tc_products(acc, Sr, X, Ps, rg, w, lane, fa, fb, bits)
+                elif lean:
+                    first_products(acc, Sr, X, xv, Ps, rg, cg, w, lane)
+                    second_products(acc, Sr, X, xv, Ps, rg, cg, w, lane)
                 else:
                     s0_products(acc, Sr, X, xv, Ps, rg, cg, w, lane)
 
                 # ---- phase 4: one thread per value column: forward substitution, outputs, new deltas
                 if tx < BV:
+                    if lean:
+                        for t in T.unroll(Tn):
+                            vr[t] = Hs[t, tx]
+                            hk_[t] = Hs[Tn + t, tx]
+                            hq_[t] = Hs[2 * Tn + t, tx]
                     for t in T.unroll(Tn):
                         acc[t] = 0.0
                         acc[Tn + t] = 0.0

@@ -137,22 +137,14 @@ def state_prefetcher(T, *, K: int, BV: int, NT: int):
     return prefetch_state
 
 
-def state_macros(T, *, KR: int, CG: int, C: int, tokens: int, queries: int, key_row0: int):
-    """(load_state, s0_products, fused_flush) TileLang macros for one template's constants."""
+def query_products(T, *, KR: int, CG: int, queries: int, query0: int = 0, barrier: bool = True):
+    """A TileLang macro: products(acc, Sr, X, xv, Ps, rg, cg, w, lane) writes S0^T X[q] over this
+    thread's rows for the query rows q = query0 .. query0 + queries - 1; the row groups of a warp are
+    summed by shuffles, each warp's partials go to Ps[w, q, column]; with `barrier`, a block barrier
+    ends it. acc holds 4 * queries values, so a verify that runs its queries in two calls (the first
+    without the barrier) keeps half the accumulators live."""
     RV = rows_per_vector(KR)
     RGW = 32 // CG if CG < 32 else 1  # row groups per warp
-    f32 = "float32"
-
-    @T.macro
-    def load_state(Sr, state, sslot, hv, rg, cg, v0):
-        """This thread's S0 rows as float4 loads (zeros for a row without a state)."""
-        if sslot >= 0:
-            for rr in T.unroll(KR):
-                for c in T.vectorized(4):
-                    Sr[rr * 4 + c] = state[sslot, hv, rg * KR + rr, v0 + cg * 4 + c]
-        else:
-            for rr in T.unroll(KR * 4):
-                Sr[rr] = 0.0
 
     @T.macro
     def add_lanes(acc, distance):
@@ -161,15 +153,13 @@ def state_macros(T, *, KR: int, CG: int, C: int, tokens: int, queries: int, key_
             acc[i] = acc[i] + T.shfl_xor(acc[i], distance)
 
     @T.macro
-    def s0_products(acc, Sr, X, xv, Ps, rg, cg, w, lane):
-        """S0^T X[q] over this thread's rows for every query row q; the row groups of a warp summed
-        by shuffles, each warp's partials to Ps[w, q, column]; ends with a block barrier."""
+    def products(acc, Sr, X, xv, Ps, rg, cg, w, lane):
         for i in T.unroll(queries * 4):
             acc[i] = 0.0
         for r4 in T.unroll(KR // RV):
             for cc in T.unroll(queries):
                 for e in T.vectorized(RV):
-                    xv[e] = X[cc, rg * KR + r4 * RV + e]
+                    xv[e] = X[query0 + cc, rg * KR + r4 * RV + e]
                 for e in T.unroll(RV):
                     for c in T.unroll(4):
                         acc[cc * 4 + c] = acc[cc * 4 + c] + Sr[(r4 * RV + e) * 4 + c] * xv[e]
@@ -187,8 +177,30 @@ def state_macros(T, *, KR: int, CG: int, C: int, tokens: int, queries: int, key_
         if lane < CG:
             for cc in T.unroll(queries):
                 for c in T.vectorized(4):
-                    Ps[w, cc, cg * 4 + c] = acc[cc * 4 + c]
-        T.sync_threads()
+                    Ps[w, query0 + cc, cg * 4 + c] = acc[cc * 4 + c]
+        if barrier:
+            T.sync_threads()
+
+    return products
+
+
+def state_macros(T, *, KR: int, CG: int, C: int, tokens: int, queries: int, key_row0: int):
+    """(load_state, s0_products, fused_flush) TileLang macros for one template's constants."""
+    RV = rows_per_vector(KR)
+    f32 = "float32"
+
+    @T.macro
+    def load_state(Sr, state, sslot, hv, rg, cg, v0):
+        """This thread's S0 rows as float4 loads (zeros for a row without a state)."""
+        if sslot >= 0:
+            for rr in T.unroll(KR):
+                for c in T.vectorized(4):
+                    Sr[rr * 4 + c] = state[sslot, hv, rg * KR + rr, v0 + cg * 4 + c]
+        else:
+            for rr in T.unroll(KR * 4):
+                Sr[rr] = 0.0
+
+    s0_products = query_products(T, KR=KR, CG=CG, queries=queries)
 
     @T.macro
     def fused_flush(Sr, X, xv, yv, Db, FW, Gd, gacc, state, sslot, hv, rg, cg, v0):

@@ -55,6 +55,10 @@ CASES = {  # name: (kernel params, fill, B, null state row, padding row)
                                                      prefetch=1), 15, 3, None, 2),
     "prefetch_at_start_verify4": (dict(Hk=2, Hv=4, cap=24, T_new=4, flush_at=0, BV=32, threads=128, prefetch=2),
                                   5, 3, 1, 2),
+    # lean: the products in two halves, v and the history sums parked in shared memory until phase 4
+    "lean_verify5_shuffles": (dict(Hk=2, Hv=4, cap=21, T_new=5, flush_at=0, BV=32, threads=128, lean=1), 11, 3, 1, 2),
+    "lean_prefill2_fused_flush": (dict(Hk=2, Hv=4, cap=17, T_new=2, flush_at=16, BV=64, threads=128, lean=1),
+                                  14, 3, None, 2),
 }
 # gate inputs a at the extremes (row, token): +inf, and 3e38 on consecutive tokens; the rows' buffers also hold
 # an earlier step at the clamp (G drops by 128 mid-buffer)
@@ -63,6 +67,7 @@ EXTREME_CASES = {
     "extreme_verify4": ("verify4_shuffles_BV32", {(0, 1): "inf", (1, 1): "huge", (1, 2): "huge", (1, 3): "huge"}),
     "extreme_step_fused_flush": ("step_fused_flush_BV64", {(0, 0): "inf", (1, 0): "huge"}),
     "extreme_tensor_cores_verify5": ("tensor_cores_verify5_BV32", {(0, 1): "inf", (1, 2): "huge", (1, 3): "huge"}),
+    "extreme_lean_verify5": ("lean_verify5_shuffles", {(0, 1): "inf", (1, 2): "huge", (1, 3): "huge"}),
 }
 
 

@@ -206,3 +206,15 @@ def test_the_state_prefetch_builds_where_asked(arch, module, name, params):
     assert calls == {0: 0, 1: 1, 2: 1}
     with pytest.raises(ValueError, match="prefetch=3"):
         template(**params, prefetch=3)
+
+
+def test_lean_takes_cuda_core_kernels_of_several_tokens():
+    """`lean` splits a verify's products in two halves and parks per-column values in shared memory: for
+    the CUDA-core products of two or more tokens only."""
+    from kvbuffer.tiles.gdn import gdn_buffered
+
+    base = dict(Hk=2, Hv=4, cap=21, flush_at=0, BV=32, threads=32)
+    gdn_buffered(**base, T_new=5, lean=1)
+    for bad in (dict(T_new=1, lean=1), dict(T_new=5, lean=1, tensor_cores=1), dict(T_new=5, lean=2)):
+        with pytest.raises(ValueError, match="lean"):
+            gdn_buffered(**base, **bad)
