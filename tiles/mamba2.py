@@ -72,22 +72,22 @@ def get_buffered_configs() -> list[dict]:
 def mamba2_buffered(G: int, H: int, N: int = 128, P: int = 64, *, cap: int = 16, T_new: int = 1,
                     flush_at: int = 0, BV: int = 64, threads: int = 64, in_dtype: str = "bfloat16",
                     buf_dtype: str = "bfloat16", has_z: bool = False, variant: str = "simt", blocks: int = 6,
-                    prefetch: int = 0):
+                    prefetch: int = 0, heads: int = 1):
     """T_new Mamba-2 tokens after each row's n buffered entries (step, verify, prefill chunk; fused flush at C).
 
     variant "simt" (default): tiles/mamba2_simt.py (`blocks` caps its registers, `prefetch` asks the L2
-    for the S0 tile first); "reduce": tiles/linear_decode.py, which has neither (pass blocks=0). One ABI
-    for both.
+    for the S0 tile first, `heads` > 1 serves several heads of a group per block); "reduce":
+    tiles/linear_decode.py, which has none of them (pass blocks=0). One ABI for both.
     """
     if variant == "simt":
         return mamba2_buffered_simt(G, H, N, P, cap=cap, T_new=T_new, flush_at=flush_at, BV=BV, threads=threads,
-                                    blocks=blocks, prefetch=prefetch, in_dtype=in_dtype, buf_dtype=buf_dtype,
-                                    has_z=has_z)
+                                    blocks=blocks, prefetch=prefetch, heads=heads, in_dtype=in_dtype,
+                                    buf_dtype=buf_dtype, has_z=has_z)
     if variant != "reduce":
         raise ValueError(f"variant must be one of {VARIANTS}, got {variant!r}")
-    if blocks or prefetch:
-        raise ValueError(f"blocks={blocks}, prefetch={prefetch}: tunables of the 'simt' variant only; pass 0 with "
-                         "'reduce'")
+    if blocks or prefetch or heads != 1:
+        raise ValueError(f"blocks={blocks}, prefetch={prefetch}, heads={heads}: tunables of the 'simt' variant only "
+                         "(pass 0, 0, 1 with 'reduce')")
     return linear_buffered("mamba2", G, H, N, P, cap=cap, T_new=T_new, flush_at=flush_at, BV=BV,
                            threads=threads, in_dtype=in_dtype, buf_dtype=buf_dtype, has_z=has_z)
 

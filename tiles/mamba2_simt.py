@@ -43,7 +43,7 @@ def get_simt_configs(K: int = 128) -> list[dict]:
 
 def mamba2_buffered_simt(G: int, H: int, N: int = 128, P: int = 64, *, cap: int = 16, T_new: int = 1,
                          flush_at: int = 0, BV: int = 64, threads: int = 128, blocks: int = 0, prefetch: int = 0,
-                         in_dtype: str = "bfloat16", buf_dtype: str = "bfloat16", has_z: bool = False):
+                         heads: int = 1, in_dtype: str = "bfloat16", buf_dtype: str = "bfloat16", has_z: bool = False):
     """T_new Mamba-2 tokens after each row's n buffered entries: one read of S0, no state write.
 
     Writes the T_new entries (B, dt * x, G) at buffer positions n .. n+T_new-1 (lengths untouched).
@@ -66,6 +66,9 @@ def mamba2_buffered_simt(G: int, H: int, N: int = 128, P: int = 64, *, cap: int 
       4. One thread per value column: y_t = exp(G_t) S0^T C_t + history + D x_t (* silu(z_t)); the new
          values are written.
     `prefetch` (simt_parts.PREFETCH_POINTS): where the block asks the L2 for its S0 tile first.
+    `heads` > 1: one block serves that many heads of one group, `threads` threads each. The heads of a
+    group share B and C, so the block stages the keys and computes the Gram once for all of them;
+    gates, values, history and S0 stay per head.
     """
     check_shape(G, H, N, P, BV)
     if not 1 <= T_new <= cap:
@@ -74,8 +77,13 @@ def mamba2_buffered_simt(G: int, H: int, N: int = 128, P: int = 64, *, cap: int 
         raise ValueError(f"flush_at={flush_at} must be in [T_new={T_new}, cap={cap}] (or 0)")
     if prefetch not in PREFETCH_POINTS:
         raise ValueError(f"prefetch={prefetch} must be one of {PREFETCH_POINTS}")
+    if heads < 1 or (H // G) % heads or (heads > 1 and threads % 32):
+        raise ValueError(f"heads={heads} must divide the {H // G} heads of a group (and threads={threads} be whole "
+                         "warps when > 1)")
     K, V = N, P
-    CG, KG, KR, NW = simt_layout(K, BV, threads)
+    CG, KG, KR, NW1 = simt_layout(K, BV, threads)  # one head's layout (NW1 warps)
+    HB = heads
+    NW = NW1 * HB            # the block's warps (the Gram's K slices)
     T = _tl()
     B = T.dynamic("batch")
     NS = T.dynamic("num_state_slots")
@@ -84,22 +92,23 @@ def mamba2_buffered_simt(G: int, H: int, N: int = 128, P: int = 64, *, cap: int 
     f32, f64 = "float32", "float64"
     Tn = T_new
     C = flush_at
-    load_state, s0_products, fused_flush = state_macros(T, KR=KR, CG=CG, C=C, tokens=Tn, queries=Tn,
-                                                        key_row0=Tn)
-    NT = threads
+    load_state, s0_products, flush_rows = state_macros(T, KR=KR, CG=CG, C=C, tokens=Tn, queries=Tn,
+                                                       key_row0=Tn, head_rows=True)
+    NT1 = threads
+    NT = NT1 * HB
     stage = row_stager(T, NT)
-    prefetch_state = state_prefetcher(T, K=K, BV=BV, NT=NT)
+    prefetch_state = state_prefetcher(T, K=K, BV=BV, NT=NT1)
     XR = Tn + cap            # X rows: C_t (0..Tn-1), keys in buffer order (Tn + e, e < n + Tn <= cap)
     KP = K + 4               # padded row: float4 reads of 32 different rows hit distinct banks
     KS = K // NW             # N slice of one warp in the Gram
     K8, BV8 = K // 8, BV // 8
     round_keys = in_dtype != buf_dtype  # the fused flush folds the new keys as stored
     ceil = lambda a, b: -(-a // b)  # noqa: E731
-    IT_TOK, IT_BK, IT_BV, IT_G = ceil(Tn * K8, NT), ceil(cap * K8, NT), ceil(cap * BV8, NT), ceil(cap, NT)
-    IT_ROWS, IT_KN, IT_OUT = ceil(cap, 32), ceil(Tn * K, NT), ceil(Tn * BV, NT)
+    IT_TOK, IT_BK, IT_BV, IT_G = ceil(Tn * K8, NT), ceil(cap * K8, NT), ceil(cap * BV8, NT), ceil(cap, NT1)
+    IT_ROWS, IT_KN, IT_OUT = ceil(cap, 32), ceil(Tn * K, NT), ceil(Tn * BV, NT1)
     NA, NE = Tn * cap, Tn    # phase-2 tasks: W, exp(G_t), then C flush weights
     NTASK = NA + NE + C
-    IT_TASK = ceil(NTASK, NT)
+    IT_TASK = ceil(NTASK, NT1)  # per head
 
     @T.prim_func
     def mamba2_buffered_simt_step(
@@ -120,7 +129,7 @@ def mamba2_buffered_simt(G: int, H: int, N: int = 128, P: int = 64, *, cap: int 
         lengths: T.Tensor((B,), "int32"),
         y: T.Tensor((B, Tn, H, V), in_dtype),
     ):
-        with T.Kernel(V // BV, H, B, threads=NT) as (bv, hv, bb):
+        with T.Kernel(V // BV, H // HB, B, threads=NT) as (bv, hb, bb):
             # the block barriers below are all there is (TileLang's inserted ones would sit in
             # thread-divergent branches)
             T.annotate_pass_configs({"tl.disable_thread_storage_sync": True})
@@ -130,16 +139,17 @@ def mamba2_buffered_simt(G: int, H: int, N: int = 128, P: int = 64, *, cap: int 
                 T.import_source(L2_PREFETCH_SOURCE)
             tx = T.get_thread_binding()
             X = T.alloc_shared((XR, KP), f32)
-            Db = T.alloc_shared((cap, BV), f32)      # buffer values (and the new ones for a flush)
-            Gb = T.alloc_shared((cap,), f32)
-            gld = T.alloc_shared((Tn,), f64)         # g_t
-            dts = T.alloc_shared((Tn,), f64)         # dt_t
-            Gd = T.alloc_shared((Tn,), f64)          # G_t = G_{n-1} + g_0 + ... + g_t
-            Pd = T.alloc_shared((NW, cap, Tn), f32)  # Gram partial sums per warp
-            Ps = T.alloc_shared((NW, Tn, BV), f32)   # S0^T C_t partial sums per warp
-            W = T.alloc_shared((Tn, cap), f32)       # exp(G_t - G_e) (k_e . C_t), e <= n + t
-            Es = T.alloc_shared((Tn,), f32)          # exp(G_t)
-            FW = T.alloc_shared((cap,), f32)         # flush weights exp(G_C - G_e)
+            # per head (rows j cap .. or j Tn .. for the block's head j): Db, Gb, FW, gld, dts, Gd, W, Es
+            Db = T.alloc_shared((HB * cap, BV), f32)  # buffer values (and the new ones for a flush)
+            Gb = T.alloc_shared((HB * cap,), f32)
+            gld = T.alloc_shared((HB * Tn,), f64)     # g_t
+            dts = T.alloc_shared((HB * Tn,), f64)     # dt_t
+            Gd = T.alloc_shared((HB * Tn,), f64)      # G_t = G_{n-1} + g_0 + ... + g_t
+            Pd = T.alloc_shared((NW, cap, Tn), f32)   # Gram partial sums per warp (shared by the heads)
+            Ps = T.alloc_shared((NW, Tn, BV), f32)    # S0^T C_t partial sums per warp (a head's warps)
+            W = T.alloc_shared((HB * Tn, cap), f32)   # exp(G_t - G_e) (k_e . C_t), e <= n + t
+            Es = T.alloc_shared((HB * Tn,), f32)      # exp(G_t)
+            FW = T.alloc_shared((HB * cap,), f32)     # flush weights exp(G_C - G_e)
 
             Sr = T.alloc_local((KR * 4,), f32)
             acc = T.alloc_local((Tn * 4,), f32)
@@ -154,43 +164,51 @@ def mamba2_buffered_simt(G: int, H: int, N: int = 128, P: int = 64, *, cap: int 
             vn = T.alloc_local((Tn,), f32)
             hq = T.alloc_local((Tn,), f32)
 
-            hk = hv // r
+            j = tx // NT1 if HB > 1 else 0   # this thread's head in the block
+            t1 = tx % NT1 if HB > 1 else tx  # and its thread in that head's layout
+            hv = hb * HB + j if HB > 1 else hb
+            hk = hb * HB // r
+            jt, jc = j * Tn, j * cap         # the head's first row in the per-head arrays
             v0 = bv * BV
-            cg = tx % CG
-            rg = tx // CG
+            cg = t1 % CG
+            rg = t1 // CG
             lane = tx % 32
             w = tx // 32
             sslot = state_slots[bb]
             bslot = buffer_slots[bb]
             n = lengths[bb]
             if prefetch == 2:
-                prefetch_state(state, sslot, hv, v0, tx)
+                prefetch_state(state, sslot, hv, v0, t1)
 
             # ---- phase 0a: the row's own inputs need no slot: C_t (X rows 0..Tn-1), x and z of this
             # thread's value column, dt_t and g_t in fp64 (thread t)
             stage(X, 0, Cm, bb, Tn, hk, 0, K8, IT_TOK, tx, tb)
-            if tx < BV:
+            if t1 < BV:
                 for t in T.unroll(Tn):
-                    xr[t] = T.cast(x[bb, t, hv, v0 + tx], f32)
+                    xr[t] = T.cast(x[bb, t, hv, v0 + t1], f32)
                     if has_z:
-                        zr[t] = T.cast(z[bb, t, hv, v0 + tx], f32)
-            if tx < Tn:
-                dacc[0] = T.cast(dt[bb, tx, hv], f64) + T.cast(dt_bias[hv], f64)
+                        zr[t] = T.cast(z[bb, t, hv, v0 + t1], f32)
+            if t1 < Tn:
+                dacc[0] = T.cast(dt[bb, t1, hv], f64) + T.cast(dt_bias[hv], f64)
                 dacc[1] = T.if_then_else(dacc[0] > SOFTPLUS_THRESHOLD, dacc[0], T.log1p(T.exp(dacc[0])))
-                dts[tx] = dacc[1]
-                gld[tx] = T.max(-T.exp(T.cast(A_log[hv], f64)) * dacc[1], LOG_DECAY_FLOOR)  # clamp_log_decay
+                dts[jt + t1] = dacc[1]
+                gld[jt + t1] = T.max(-T.exp(T.cast(A_log[hv], f64)) * dacc[1], LOG_DECAY_FLOOR)  # clamp_log_decay
 
             if bslot >= 0:
                 # ---- phase 0b: the buffer (entries i < n only; the rest is never read) and the new keys
                 # behind it, then the S0 slice into registers (streams in while phases 1-3a run)
                 if prefetch == 1:
-                    prefetch_state(state, sslot, hv, v0, tx)
+                    prefetch_state(state, sslot, hv, v0, t1)
                 stage(X, Tn, buf_k, bslot, n, hk, 0, K8, IT_BK, tx, bb8)
                 stage(X, Tn + n, Bm, bb, Tn, hk, 0, K8, IT_TOK, tx, tb)
-                stage(Db, 0, buf_v, bslot, n, hv, v0, BV8, IT_BV, tx, bb8)
+                if HB > 1:
+                    for jj in T.unroll(HB):
+                        stage(Db, jj * cap, buf_v, bslot, n, hb * HB + jj, v0, BV8, IT_BV, tx, bb8)
+                else:
+                    stage(Db, 0, buf_v, bslot, n, hv, v0, BV8, IT_BV, tx, bb8)
                 for it in T.unroll(IT_G):
-                    if it * NT + tx < n:
-                        Gb[it * NT + tx] = buf_g[bslot, it * NT + tx, hv]
+                    if it * NT1 + t1 < n:
+                        Gb[jc + it * NT1 + t1] = buf_g[bslot, it * NT1 + t1, hv]
                 load_state(Sr, state, sslot, hv, rg, cg, v0)
                 T.sync_threads()
 
@@ -209,18 +227,18 @@ def mamba2_buffered_simt(G: int, H: int, N: int = 128, P: int = 64, *, cap: int 
                                     gacc[cc] = gacc[cc] + xv[e] * yv[e]
                         for cc in T.unroll(Tn):
                             Pd[w, lane + 32 * rb, cc] = gacc[cc]
-                if tx < Tn:
-                    dacc[2] = T.if_then_else(n > 0, T.cast(Gb[T.max(n - 1, 0)], f64), T.cast(0.0, f64))
+                if t1 < Tn:
+                    dacc[2] = T.if_then_else(n > 0, T.cast(Gb[jc + T.max(n - 1, 0)], f64), T.cast(0.0, f64))
                     for s in T.unroll(Tn):
-                        if s <= tx:
-                            dacc[2] = dacc[2] + gld[s]
-                    Gd[tx] = dacc[2]
+                        if s <= t1:
+                            dacc[2] = dacc[2] + gld[jt + s]
+                    Gd[jt + t1] = dacc[2]
                 T.sync_threads()
 
                 # ---- phase 2: scalars, one task per thread; decays exp(G_t - G_e) in fp64 arithmetic without
                 # fp64 transcendentals (simt_parts.exp_of_f64)
                 for it in T.unroll(IT_TASK):
-                    idx = it * NT + tx
+                    idx = it * NT1 + t1
                     if idx < NA:
                         te = idx % cap
                         tt = idx // cap
@@ -228,34 +246,34 @@ def mamba2_buffered_simt(G: int, H: int, N: int = 128, P: int = 64, *, cap: int 
                             gacc[0] = 0.0
                             for ww in T.unroll(NW):
                                 gacc[0] = gacc[0] + Pd[ww, te, tt]
-                            W[tt, te] = exp_of_f64(T, Gd[tt] - T.if_then_else(
-                                te < n, T.cast(Gb[T.min(te, cap - 1)], f64),
-                                Gd[T.max(T.min(te - n, Tn - 1), 0)])) * gacc[0]
+                            W[jt + tt, te] = exp_of_f64(T, Gd[jt + tt] - T.if_then_else(
+                                te < n, T.cast(Gb[jc + T.min(te, cap - 1)], f64),
+                                Gd[jt + T.max(T.min(te - n, Tn - 1), 0)])) * gacc[0]
                     elif idx < NA + NE:
-                        Es[idx - NA] = exp_of_f64(T, Gd[idx - NA])
+                        Es[jt + idx - NA] = exp_of_f64(T, Gd[jt + idx - NA])
                     elif idx < NTASK:
                         te = idx - NA - NE
                         if n + Tn == C:
-                            FW[te] = flush_weight(T, Gd, Gb, te, n, Tn, cap)
+                            FW[jc + te] = flush_weight(T, Gd, Gb, te, n, Tn, cap, jt, jc)
                 T.sync_threads()
 
                 # ---- phase 3a: one thread per value column: the history over the buffer and new entries
-                if tx < BV:
+                if t1 < BV:
                     for t in T.unroll(Tn):
-                        vn[t] = T.cast(T.cast(dts[t], f64) * T.cast(xr[t], f64), f32)
+                        vn[t] = T.cast(T.cast(dts[jt + t], f64) * T.cast(xr[t], f64), f32)
                         hq[t] = 0.0
                     for i in T.serial(n):
                         for t in T.unroll(Tn):
-                            hq[t] = hq[t] + W[t, i] * Db[i, tx]
+                            hq[t] = hq[t] + W[jt + t, i] * Db[jc + i, t1]
                     for t in T.unroll(Tn):
                         for s in T.unroll(Tn):
                             if s <= t:
-                                hq[t] = hq[t] + W[t, n + s] * vn[s]
+                                hq[t] = hq[t] + W[jt + t, n + s] * vn[s]
                 # the new entries' keys and G (lengths are the host's business)
                 if bv == 0:
-                    if tx < Tn:
-                        buf_g[bslot, n + tx, hv] = T.cast(Gd[tx], f32)
-                    if hv % r == 0:
+                    if t1 < Tn:
+                        buf_g[bslot, n + t1, hv] = T.cast(Gd[jt + t1], f32)
+                    if hb * HB % r == 0:  # the group's keys, once: by the block of its first head
                         for it in T.unroll(IT_KN):
                             idx = it * NT + tx
                             if idx < Tn * K:
@@ -272,26 +290,26 @@ def mamba2_buffered_simt(G: int, H: int, N: int = 128, P: int = 64, *, cap: int 
                 s0_products(acc, Sr, X, xv, Ps, rg, cg, w, lane)
 
                 # ---- phase 4: one thread per value column: outputs and the new values
-                if tx < BV:
+                if t1 < BV:
                     for t in T.unroll(Tn):
                         acc[t] = 0.0
-                        for ww in T.unroll(NW):
-                            acc[t] = acc[t] + Ps[ww, t, tx]
-                        acc[t] = Es[t] * acc[t] + hq[t] + D[hv] * xr[t]
+                        for ww in T.unroll(NW1):  # this head's warps
+                            acc[t] = acc[t] + Ps[j * NW1 + ww, t, t1]
+                        acc[t] = Es[jt + t] * acc[t] + hq[t] + D[hv] * xr[t]
                         if has_z:
                             acc[t] = acc[t] * zr[t] / (1.0 + T.exp(-zr[t]))
-                        y[bb, t, hv, v0 + tx] = T.cast(acc[t], in_dtype)
-                        buf_v[bslot, n + t, hv, v0 + tx] = T.cast(vn[t], buf_dtype)
+                        y[bb, t, hv, v0 + t1] = T.cast(acc[t], in_dtype)
+                        buf_v[bslot, n + t, hv, v0 + t1] = T.cast(vn[t], buf_dtype)
                         if C > 0:
-                            Db[n + t, tx] = T.cast(T.cast(vn[t], buf_dtype), f32)
+                            Db[jc + n + t, t1] = T.cast(T.cast(vn[t], buf_dtype), f32)
 
                 # ---- fused flush: S0 <- exp(G_C) S0 + sum_e exp(G_C - G_e) k_e v_e^T (entries as stored)
                 if C > 0:
                     if n + Tn == C and sslot >= 0:
-                        fused_flush(Sr, X, xv, yv, Db, FW, Gd, gacc, state, sslot, hv, rg, cg, v0)
+                        flush_rows(Sr, X, xv, yv, Db, FW, Gd, gacc, state, sslot, hv, rg, cg, v0, jc, jt)
             else:
                 for it in T.unroll(IT_OUT):
-                    idx = it * NT + tx
+                    idx = it * NT1 + t1
                     if idx < Tn * BV:
                         y[bb, idx // BV, hv, v0 + idx % BV] = T.cast(0.0, in_dtype)
 

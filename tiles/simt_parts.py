@@ -66,11 +66,12 @@ def exp_of_f64(T, d):
     return T.exp2(T.cast(t - m, "float32")) * T.exp2(T.cast(m, "float32"))
 
 
-def flush_weight(T, Gd, Gb, te, n, tokens: int, cap: int):
+def flush_weight(T, Gd, Gb, te, n, tokens: int, cap: int, g0=0, b0=0):
     """exp(G_C - G_e) for entry te of a buffer that reaches C in this launch: e < n are the stored entries
-    (G in Gb, fp32), the rest the launch's new tokens (G in Gd, fp64); G_C is the last new token's."""
-    return exp_of_f64(T, Gd[tokens - 1] - T.if_then_else(
-        te < n, T.cast(Gb[T.min(te, cap - 1)], "float64"), Gd[T.max(T.min(te - n, tokens - 1), 0)]))
+    (G in Gb from b0, fp32), the rest the launch's new tokens (G in Gd from g0, fp64); G_C is the last
+    new token's. The offsets pick one head's rows where a block holds several."""
+    return exp_of_f64(T, Gd[g0 + tokens - 1] - T.if_then_else(
+        te < n, T.cast(Gb[b0 + T.min(te, cap - 1)], "float64"), Gd[g0 + T.max(T.min(te - n, tokens - 1), 0)]))
 
 
 def rows_per_vector(KR: int) -> int:
@@ -184,8 +185,11 @@ def query_products(T, *, KR: int, CG: int, queries: int, query0: int = 0, barrie
     return products
 
 
-def state_macros(T, *, KR: int, CG: int, C: int, tokens: int, queries: int, key_row0: int):
-    """(load_state, s0_products, fused_flush) TileLang macros for one template's constants."""
+def state_macros(T, *, KR: int, CG: int, C: int, tokens: int, queries: int, key_row0: int,
+                 head_rows: bool = False):
+    """(load_state, s0_products, fused_flush) TileLang macros for one template's constants. With
+    `head_rows`, fused_flush takes two more arguments, the first row of this thread's head in Db (and
+    FW) and in Gd, for a block that holds several heads' rows there."""
     RV = rows_per_vector(KR)
     f32 = "float32"
 
@@ -203,27 +207,32 @@ def state_macros(T, *, KR: int, CG: int, C: int, tokens: int, queries: int, key_
     s0_products = query_products(T, KR=KR, CG=CG, queries=queries)
 
     @T.macro
-    def fused_flush(Sr, X, xv, yv, Db, FW, Gd, gacc, state, sslot, hv, rg, cg, v0):
-        """S0 <- exp(G_C) S0 + sum_e FW[e] k_e v_e^T over the C entries as stored (keys in X from
-        key_row0, values in Db), written back to the state."""
+    def flush_rows(Sr, X, xv, yv, Db, FW, Gd, gacc, state, sslot, hv, rg, cg, v0, d0, g0):
+        """S0 <- exp(G_C) S0 + sum_e FW[d0 + e] k_e v_e^T over the C entries as stored (keys in X from
+        key_row0, values in Db from row d0; G_C = Gd[g0 + tokens - 1]), written back to the state."""
         T.sync_threads()
-        gacc[0] = T.cast(T.exp(Gd[tokens - 1]), f32)
+        gacc[0] = T.cast(T.exp(Gd[g0 + tokens - 1]), f32)
         for i in T.unroll(KR * 4):
             Sr[i] = Sr[i] * gacc[0]
         for e in T.serial(C):
             for c in T.vectorized(4):
-                yv[c] = Db[e, cg * 4 + c]
+                yv[c] = Db[d0 + e, cg * 4 + c]
             for r4 in T.unroll(KR // RV):
                 for c in T.vectorized(RV):
                     xv[c] = X[key_row0 + e, rg * KR + r4 * RV + c]
                 for rr in T.unroll(RV):
                     for c in T.unroll(4):
-                        Sr[(r4 * RV + rr) * 4 + c] = Sr[(r4 * RV + rr) * 4 + c] + FW[e] * xv[rr] * yv[c]
+                        Sr[(r4 * RV + rr) * 4 + c] = Sr[(r4 * RV + rr) * 4 + c] + FW[d0 + e] * xv[rr] * yv[c]
         for rr in T.unroll(KR):
             for c in T.vectorized(4):
                 state[sslot, hv, rg * KR + rr, v0 + cg * 4 + c] = Sr[rr * 4 + c]
 
-    return load_state, s0_products, fused_flush
+    @T.macro
+    def fused_flush(Sr, X, xv, yv, Db, FW, Gd, gacc, state, sslot, hv, rg, cg, v0):
+        """flush_rows of a block with one head's rows (from row 0)."""
+        flush_rows(Sr, X, xv, yv, Db, FW, Gd, gacc, state, sslot, hv, rg, cg, v0, 0, 0)
+
+    return load_state, s0_products, flush_rows if head_rows else fused_flush
 
 
 TF32_HI_MASK = 0xFFFFE000  # an fp32 with its low 13 mantissa bits cleared is exactly a TF32 value

@@ -55,12 +55,23 @@ CASES = {
     "prefetch_at_start_verify4": (
         dict(G=2, H=4, N=64, P=32, cap=20, T_new=4, flush_at=0, BV=32, threads=64, prefetch=2),
         [0, 16, 1, 15, 3], [2], [4]),
+    # several heads of a group per block (`heads`): the keys and the Gram shared, the rest per head
+    "two_heads_step_fused_flush_nemotron_tile_z": (
+        dict(G=2, H=4, N=128, P=64, cap=17, T_new=1, flush_at=16, BV=64, threads=64, has_z=True, heads=2),
+        [15, 0, 1, 15, 7], [1], [4]),
+    "two_heads_verify4_no_flush_full_buffer": (
+        dict(G=2, H=4, N=64, P=32, cap=20, T_new=4, flush_at=0, BV=32, threads=64, heads=2),
+        [0, 16, 1, 15, 3], [2], [4]),
+    "four_heads_prefill2_fused_flush_BV16": (
+        dict(G=1, H=4, N=64, P=32, cap=9, T_new=2, flush_at=8, BV=16, threads=64, has_z=True, heads=4),
+        [6, 0, 1], [1], []),
 }
 # decays at the extremes on every token (head: A_log): g = -inf on head 0, g ~ -1e38 on head 1 (sums overflow
 # fp32); the case's own gates elsewhere
 EXTREME_CASES = {
     "extreme_step_fused_flush": ("step_fused_flush_nemotron_tile_z", {0: float("inf"), 1: 88.0}),
     "extreme_verify4": ("verify4_no_flush_full_buffer", {0: float("inf"), 1: 88.0}),
+    "extreme_two_heads_step_fused_flush": ("two_heads_step_fused_flush_nemotron_tile_z", {0: float("inf"), 1: 88.0}),
 }
 
 
@@ -107,7 +118,8 @@ def test_mamba2_simt_template_emulated(case, tmp_path):
     rk, rv, rg = (torch.nan_to_num(t.clone(), nan=0.0) for t in (bk, bv, bg))
     y = torch.full_like(x, float("nan"))
 
-    emu((P // params["BV"], H, B), params["threads"], x=x, dt=dt, A_log=A_log, dt_bias=dt_bias, Bm=Bm, Cm=Cm, D=D,
+    heads = params.get("heads", 1)  # a block serves that many heads, `threads` threads each
+    emu((P // params["BV"], H // heads, B), params["threads"] * heads, x=x, dt=dt, A_log=A_log, dt_bias=dt_bias, Bm=Bm, Cm=Cm, D=D,
         z=z if has_z else x, state=state, state_slots=ss, buf_k=bk, buf_v=bv, buf_g=bg, buffer_slots=bs,
         lengths=ln, y=y, batch=B, num_buffer_slots=nb, num_state_slots=ns)
 

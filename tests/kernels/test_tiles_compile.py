@@ -218,3 +218,17 @@ def test_lean_takes_cuda_core_kernels_of_several_tokens():
     for bad in (dict(T_new=1, lean=1), dict(T_new=5, lean=1, tensor_cores=1), dict(T_new=5, lean=2)):
         with pytest.raises(ValueError, match="lean"):
             gdn_buffered(**base, **bad)
+
+
+@pytest.mark.parametrize("arch", ["sm_80", "sm_90a"])
+def test_a_mamba2_block_serves_several_heads_of_a_group(arch):
+    """`heads`: one block per that many heads of a group (the keys and Gram staged once), `threads` each."""
+    from kvbuffer.tiles import compile_template
+    from kvbuffer.tiles.mamba2 import mamba2_buffered
+
+    params = dict(G=8, H=64, N=128, P=64, cap=17, T_new=1, flush_at=16, BV=64, threads=64, blocks=3)
+    kernel = compile_template(mamba2_buffered(**params, heads=2), {"kind": "cuda", "arch": arch})
+    assert "__launch_bounds__(128" in kernel.get_kernel_source()  # two heads' threads
+    for bad in (dict(heads=3), dict(heads=2, threads=48, BV=16), dict(heads=2, variant="reduce", blocks=0)):
+        with pytest.raises(ValueError, match="heads"):
+            mamba2_buffered(**{**params, **bad})
