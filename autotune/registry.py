@@ -263,7 +263,8 @@ def _family_templates(f: _Family) -> list[Template]:
 
     defaults = builder_defaults(f.buffered, f.tunables)
     def fitted(T: int | None):  # the JIT's tunables for the same kernel (kvbuffer.kernels.lookup.jit_tunables)
-        return lambda shape, drafts: f.tiles.default_buffered_tunables(shape["K"], shape["V"], T or drafts + 1)
+        return lambda shape, drafts: f.tiles.default_buffered_tunables(shape["K"], shape["V"], T or drafts + 1,
+                                                                        shape["Hv"] // shape["Hk"])
     folding = _buffered_reference(f.reference_module, f.front, f.first_pool, flush=True)
 
     def variant(name, T, fused, reference, **extra):
@@ -336,10 +337,10 @@ def _drafts_reference(f: "_Family") -> Callable[..., dict]:
 def _offered(configs: Callable[[], list], T: int | None) -> Callable[[], list]:
     """The configs tuned for a kernel of T tokens (None: a verify): all of them, except that the decode
     step (T = 1) is not offered the tensor-core S0 products, which only pay for wide verifies (on the
-    H200 the step ran 1.4x slower with them; docs/kernels.md)."""
+    H200 the step ran 1.4x slower with them; docs/kernels.md), nor GDN's `lean`, which needs two tokens."""
     if T != 1:
         return configs
-    return lambda: [c for c in configs() if not c.get("tensor_cores")]
+    return lambda: [c for c in configs() if not c.get("tensor_cores") and not c.get("lean")]
 
 
 def _value_tile_fitted(defaults: Mapping) -> Callable[[Mapping, int], dict]:
@@ -404,7 +405,7 @@ def mamba2_templates() -> list[Template]:
     m = importlib.import_module(MAMBA2_TILES)
     return _family_templates(_Family(
         "mamba2", m, m.mamba2_buffered, m.mamba2_flush, _m2_dims, _m2_tokens, offset=0, front=lambda a: a[:7],
-        first_pool=8, configs=m.get_buffered_configs, tunables=("variant", "BV", "threads", "blocks"),
+        first_pool=8, configs=m.get_buffered_configs, tunables=("variant", "BV", "threads", "blocks", "heads"),
         recurrent=m.mamba2_recurrent, recurrent_inputs=_m2_recurrent_inputs,
         recurrent_reference=_m2_recurrent_reference, recurrent_drafts=m.mamba2_recurrent_drafts))
 

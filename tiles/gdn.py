@@ -12,9 +12,8 @@ the recurrent step takes a token axis of 1.
 from ..reference.core import LOG_DECAY_FLOOR
 from .linear_decode import _tl, check_shape as _check_shape, pow2 as _pow2  # noqa: F401
 from .recurrent_drafts import linear_recurrent_drafts
-from .simt_parts import (L2_PREFETCH_SOURCE, PREFETCH_POINTS, exp_of_f64, fitted_tunables, flush_weight,
-                          mma_layout, mma_products, query_products, row_stager, simt_layout, state_macros,
-                          state_prefetcher)
+from .simt_parts import (exp_of_f64, fitted_tunables, flush_weight, mma_layout, mma_products, query_products,
+                          row_stager, simt_layout, state_macros)
 from .linear_decode import (  # noqa: F401  (the tunables lists are part of this module's API)
     L2NORM_EPS,
     SOFTPLUS_THRESHOLD,
@@ -65,17 +64,19 @@ BUFFERED_BEST = {"BV": 128, "threads": 128, "blocks": 3}
 # Tokens per row at which an untuned kernel runs the S0 products on tensor cores (the 8-token prefill
 # chunk, a verify of 7 drafts): on the H200 that was faster than CUDA cores at every batch from 1 to
 # 1024, while for 5 tokens it lost from B = 16 on (benchmarks/results/gdn_variants_*); the MMA takes at
-# most 8 tokens.
+# most 8 tokens. Below it an untuned verify runs `lean` (gdn_buffered): 1.01-1.02x at 5 tokens, B = 1 ..
+# 1024 (benchmarks/results/gdn_lean_ab_*).
 TENSOR_CORE_TOKENS = 8
 
 
-def default_buffered_tunables(K: int = 128, V: int = 128, T: int = 1) -> dict:
+def default_buffered_tunables(K: int = 128, V: int = 128, T: int = 1, group: int = 1) -> dict:
     """The tunables an untuned (JIT) buffered kernel of T tokens per row gets: BUFFERED_BEST where the
-    head dims allow, with its S0 products on tensor cores at T = TENSOR_CORE_TOKENS."""
+    head dims allow, with its S0 products on tensor cores at T = TENSOR_CORE_TOKENS and `lean` below
+    it (T >= 2). `group` (value heads per key head) is unused: a GDN block serves one head."""
     best = fitted_tunables(K, V, BUFFERED_BEST)
-    if T == TENSOR_CORE_TOKENS and best == BUFFERED_BEST:
-        return best | {"tensor_cores": 1}
-    return best
+    if best != BUFFERED_BEST or T == 1:
+        return best
+    return best | ({"tensor_cores": 1} if T == TENSOR_CORE_TOKENS else {"lean": 1})
 
 
 # (BV, blocks) of the tensor-core layout (threads = BV, a warp per 32 columns; tiles.simt_parts.mma_layout):
@@ -95,14 +96,16 @@ def get_buffered_configs() -> list[dict]:
         out.append({"BV": bv, "threads": th, **({"blocks": blocks} if blocks else {})})
     tc = [{"BV": bv, "threads": bv, **({"blocks": blocks} if blocks else {}), "tensor_cores": 1}
           for bv, blocks in TENSOR_CORE_CONFIGS]
+    lean = [BUFFERED_BEST | {"lean": 1}]
     # the first tensor-core config fourth (after the small-batch one), so `kvbuffer tune --max-configs 4`
-    # times it for a verify (the registry does not offer them to the step, where they never won)
-    return out[:3] + tc[:1] + out[3:] + tc[1:]
+    # times it for a verify, and the lean BUFFERED_BEST fifth (the registry offers neither to the step:
+    # tensor cores never won there, and lean needs two tokens or more)
+    return out[:3] + tc[:1] + lean + out[3:] + tc[1:]
 
 
 def gdn_buffered(Hk: int, Hv: int, K: int = 128, V: int = 128, *, cap: int = 16, T_new: int = 1,
                  flush_at: int = 0, BV: int = 64, threads: int = 128, blocks: int = 0, tensor_cores: int = 0,
-                 prefetch: int = 0, lean: int = 0, in_dtype: str = "bfloat16", buf_dtype: str = "bfloat16"):
+                 lean: int = 0, in_dtype: str = "bfloat16", buf_dtype: str = "bfloat16"):
     """T_new tokens after each row's n buffered entries: one read of S0, no state write.
 
     Writes the T_new entries (k, delta, G) at buffer positions n .. n+T_new-1 (lengths untouched).
@@ -132,7 +135,6 @@ def gdn_buffered(Hk: int, Hv: int, K: int = 128, V: int = 128, *, cap: int = 16,
     `tensor_cores` = 1 runs phase 3b as TF32 MMAs at fp32 accuracy (simt_parts.mma_products, T_new <= 8):
     a warp holds all K rows of its 32 columns (threads == BV), so the per-warp partial sums and the
     shuffles go away and a verify's 2 T products per column cost 2-3 MMAs per 8 x 8 block of S0.
-    `prefetch` (simt_parts.PREFETCH_POINTS): where the block asks the L2 for its S0 tile first.
     `lean` = 1 keeps fewer values live beside S0 through phase 3b (CUDA cores, T_new >= 2): the 2 T
     products run in two halves (half the accumulators), and v and the phase-3a history sums wait in
     shared memory for phase 4 instead of in registers. Under the three-blocks register cap a
@@ -148,8 +150,6 @@ def gdn_buffered(Hk: int, Hv: int, K: int = 128, V: int = 128, *, cap: int = 16,
         raise ValueError(f"flush_at={flush_at} must be in [T_new={T_new}, cap={cap}] (or 0)")
     if tensor_cores and 2 * T_new > 16:
         raise ValueError(f"tensor_cores: the S0 products take at most 16 query rows (T_new <= 8), got T_new={T_new}")
-    if prefetch not in PREFETCH_POINTS:
-        raise ValueError(f"prefetch={prefetch} must be one of {PREFETCH_POINTS}")
     if lean not in (0, 1) or (lean and (tensor_cores or T_new < 2)):
         raise ValueError(f"lean={lean} must be 0, or 1 for a CUDA-core kernel of T_new >= 2 tokens")
     CG, KG, KR, NW = (mma_layout if tensor_cores else simt_layout)(K, BV, threads)
@@ -168,7 +168,6 @@ def gdn_buffered(Hk: int, Hv: int, K: int = 128, V: int = 128, *, cap: int = 16,
     load_state, s0_products, fused_flush = state_macros(T, KR=KR, CG=CG, C=C, tokens=Tn, queries=T2,
                                                         key_row0=T2)
     tc_products = mma_products(T, KR=KR, queries=T2, split_x=in_dtype == "float32") if tensor_cores else None
-    prefetch_state = state_prefetcher(T, K=K, BV=BV, NT=threads)
     half = Tn if lean else 2 * Tn  # query rows of phase 3b's first pass (the k's, then the q's)
     first_products = query_products(T, KR=KR, CG=CG, queries=half, barrier=not lean)
     second_products = query_products(T, KR=KR, CG=CG, queries=2 * Tn - half, query0=half)
@@ -210,8 +209,6 @@ def gdn_buffered(Hk: int, Hv: int, K: int = 128, V: int = 128, *, cap: int = 16,
             T.annotate_pass_configs({"tl.disable_thread_storage_sync": True})
             if blocks:  # cap registers so `blocks` blocks fit on an SM (more S0 bytes in flight per SM)
                 T.annotate_min_blocks_per_sm(blocks)
-            if prefetch:
-                T.import_source(L2_PREFETCH_SOURCE)
             tx = T.get_thread_binding()
             X = T.alloc_shared((XR, KP), f32)
             Db = T.alloc_shared((cap, BV), f32)      # buffer deltas (and the new ones for a flush)
@@ -257,8 +254,6 @@ def gdn_buffered(Hk: int, Hv: int, K: int = 128, V: int = 128, *, cap: int = 16,
             sslot = state_slots[bb]
             bslot = buffer_slots[bb]
             n = lengths[bb]
-            if prefetch == 2:
-                prefetch_state(state, sslot, hv, v0, tx)
 
             # ---- phase 0a: the row's own inputs need no slot (their loads overlap the slots' round trip):
             # raw k (X rows 0..Tn-1), raw q (rows Tn..2Tn-1), v, and g_t, beta_t in fp64 (thread t)
@@ -280,8 +275,6 @@ def gdn_buffered(Hk: int, Hv: int, K: int = 128, V: int = 128, *, cap: int = 16,
             if bslot >= 0:
                 # ---- phase 0b: the buffer (entries i < n only; the rest is never read), then the S0 slice
                 # into registers (it streams in while phases 1-3a run; first used in phase 3b)
-                if prefetch == 1:
-                    prefetch_state(state, sslot, hv, v0, tx)
                 stage(X, T2, buf_k, bslot, n, hk, 0, K8, IT_BK, tx, bb8)
                 stage(Db, 0, buf_v, bslot, n, hv, v0, BV8, IT_BV, tx, bb8)
                 for it in T.unroll(IT_G):

@@ -45,14 +45,20 @@ def mamba2_recurrent_drafts(G: int, H: int, N: int = 128, P: int = 64, *, T_new:
                                    has_z=has_z)
 
 
-# the winner at both Nemotron-3 shapes on the H200 (benchmarks/results/mamba2_*): the signature's defaults
-BUFFERED_BEST = {"variant": "simt", "BV": 64, "threads": 64, "blocks": 6}
+# The winner at both Nemotron-3 shapes on the H200 (the signature's defaults): two heads of a group per
+# block, 64 threads each, three blocks per SM. Against one head per block (ONE_HEAD_BEST, the winner
+# before) it ran 1.06-1.13x on the step and 1.02-1.09x on the 5-token verify at B = 1 .. 1024
+# (benchmarks/results/mamba2_heads_ab_*): the heads share B and C, so a block stages the keys and
+# computes the Gram once for both.
+ONE_HEAD_BEST = {"variant": "simt", "BV": 64, "threads": 64, "blocks": 6, "heads": 1}
+BUFFERED_BEST = {"variant": "simt", "BV": 64, "threads": 64, "blocks": 3, "heads": 2}
 
 
-def default_buffered_tunables(N: int = 128, P: int = 64, T: int = 1) -> dict:
-    """The tunables an untuned (JIT) buffered kernel gets: BUFFERED_BEST where the head dims allow, at
-    any T (tokens per row; Mamba-2 has no tensor-core variant to switch to)."""
-    return fitted_tunables(N, P, BUFFERED_BEST)
+def default_buffered_tunables(N: int = 128, P: int = 64, T: int = 1, group: int = 1) -> dict:
+    """The tunables an untuned (JIT) buffered kernel gets: BUFFERED_BEST where the head dims allow and
+    its heads divide the `group` (heads per group, H / G), else ONE_HEAD_BEST; at any T (tokens per row;
+    Mamba-2 has no tensor-core variant to switch to)."""
+    return fitted_tunables(N, P, BUFFERED_BEST if group % BUFFERED_BEST["heads"] == 0 else ONE_HEAD_BEST)
 
 
 def get_buffered_configs() -> list[dict]:
@@ -60,8 +66,8 @@ def get_buffered_configs() -> list[dict]:
     first N): the default (BUFFERED_BEST) first, then the generic template's default, so N >= 2 always
     times both variants."""
     simt = [BUFFERED_BEST] + [c for c in get_simt_configs() if c != BUFFERED_BEST]
-    reduce = [{"variant": "reduce", **c, "blocks": 0} for c in _reduce_configs()]
-    first = {"variant": "reduce", "BV": 64, "threads": 128, "blocks": 0}
+    reduce = [{"variant": "reduce", **c, "blocks": 0, "heads": 1} for c in _reduce_configs()]
+    first = {"variant": "reduce", "BV": 64, "threads": 128, "blocks": 0, "heads": 1}
     reduce = [first] + [c for c in reduce if c != first]
     out = []
     for i in range(max(len(reduce), len(simt))):
@@ -71,23 +77,23 @@ def get_buffered_configs() -> list[dict]:
 
 def mamba2_buffered(G: int, H: int, N: int = 128, P: int = 64, *, cap: int = 16, T_new: int = 1,
                     flush_at: int = 0, BV: int = 64, threads: int = 64, in_dtype: str = "bfloat16",
-                    buf_dtype: str = "bfloat16", has_z: bool = False, variant: str = "simt", blocks: int = 6,
-                    prefetch: int = 0, heads: int = 1):
+                    buf_dtype: str = "bfloat16", has_z: bool = False, variant: str = "simt", blocks: int = 3,
+                    heads: int = 2):
     """T_new Mamba-2 tokens after each row's n buffered entries (step, verify, prefill chunk; fused flush at C).
 
-    variant "simt" (default): tiles/mamba2_simt.py (`blocks` caps its registers, `prefetch` asks the L2
-    for the S0 tile first, `heads` > 1 serves several heads of a group per block); "reduce":
-    tiles/linear_decode.py, which has none of them (pass blocks=0). One ABI for both.
+    variant "simt" (default): tiles/mamba2_simt.py (`blocks` caps its registers, `heads` > 1 serves
+    several heads of a group per block); "reduce": tiles/linear_decode.py, which has neither (pass
+    blocks=0, heads=1). One ABI for both.
     """
     if variant == "simt":
         return mamba2_buffered_simt(G, H, N, P, cap=cap, T_new=T_new, flush_at=flush_at, BV=BV, threads=threads,
-                                    blocks=blocks, prefetch=prefetch, heads=heads, in_dtype=in_dtype,
+                                    blocks=blocks, heads=heads, in_dtype=in_dtype,
                                     buf_dtype=buf_dtype, has_z=has_z)
     if variant != "reduce":
         raise ValueError(f"variant must be one of {VARIANTS}, got {variant!r}")
-    if blocks or prefetch or heads != 1:
-        raise ValueError(f"blocks={blocks}, prefetch={prefetch}, heads={heads}: tunables of the 'simt' variant only "
-                         "(pass 0, 0, 1 with 'reduce')")
+    if blocks or heads != 1:
+        raise ValueError(f"blocks={blocks}, heads={heads}: tunables of the 'simt' variant only (pass 0 and 1 "
+                         "with 'reduce')")
     return linear_buffered("mamba2", G, H, N, P, cap=cap, T_new=T_new, flush_at=flush_at, BV=BV,
                            threads=threads, in_dtype=in_dtype, buf_dtype=buf_dtype, has_z=has_z)
 

@@ -13,8 +13,7 @@ buffer_slots, lengths, y. All arithmetic is fp32 FMA (gates and log decays in fp
 
 from ..reference.core import LOG_DECAY_FLOOR
 from .linear_decode import SOFTPLUS_THRESHOLD, _tl, check_shape
-from .simt_parts import (L2_PREFETCH_SOURCE, PREFETCH_POINTS, exp_of_f64, flush_weight, row_stager, simt_layout,
-                          state_macros, state_prefetcher)
+from .simt_parts import exp_of_f64, flush_weight, row_stager, simt_layout, state_macros
 
 
 # (BV, threads, blocks) for N = 128, P = 64; blocks > 0 caps registers (__launch_bounds__ min blocks/SM) so
@@ -28,21 +27,27 @@ from .simt_parts import (L2_PREFETCH_SOURCE, PREFETCH_POINTS, exp_of_f64, flush_
 SMALL_BATCH_CONFIGS = ((16, 64, 0), (16, 128, 0), (8, 64, 0))
 SIMT_CONFIGS = ((64, 128, 0), (64, 64, 6), SMALL_BATCH_CONFIGS[0], (64, 64, 0), (32, 64, 10), (64, 128, 5),
                 (32, 64, 0), (64, 256, 0), (32, 128, 0)) + SMALL_BATCH_CONFIGS[1:]
+# (BV, threads per head, blocks, heads): several heads of a group per block (the keys and the Gram once).
+# Two heads, three blocks: 128 threads and 168 registers like (64, 64, 6), the winner at every batch on
+# the H200 (benchmarks/results/mamba2_heads_ab_*). Four heads in one block was faster still at B <= 4 and
+# slower from B = 16; it is not offered until the GPU tests cover it.
+GROUPED_CONFIGS = ((64, 64, 3, 2),)
 
 
 def get_simt_configs(K: int = 128) -> list[dict]:
+    """The grouped configs first, then one head per block (every config names its heads)."""
     out = []
-    for bv, th, blocks in SIMT_CONFIGS:
+    for bv, th, blocks, heads in GROUPED_CONFIGS + tuple(c + (1,) for c in SIMT_CONFIGS):
         try:
             simt_layout(K, bv, th)
         except ValueError:
             continue
-        out.append({"variant": "simt", "BV": bv, "threads": th, "blocks": blocks})
+        out.append({"variant": "simt", "BV": bv, "threads": th, "blocks": blocks, "heads": heads})
     return out
 
 
 def mamba2_buffered_simt(G: int, H: int, N: int = 128, P: int = 64, *, cap: int = 16, T_new: int = 1,
-                         flush_at: int = 0, BV: int = 64, threads: int = 128, blocks: int = 0, prefetch: int = 0,
+                         flush_at: int = 0, BV: int = 64, threads: int = 128, blocks: int = 0,
                          heads: int = 1, in_dtype: str = "bfloat16", buf_dtype: str = "bfloat16", has_z: bool = False):
     """T_new Mamba-2 tokens after each row's n buffered entries: one read of S0, no state write.
 
@@ -65,7 +70,6 @@ def mamba2_buffered_simt(G: int, H: int, N: int = 128, P: int = 64, *, cap: int 
          warp summed by shuffles, warps in shared memory.
       4. One thread per value column: y_t = exp(G_t) S0^T C_t + history + D x_t (* silu(z_t)); the new
          values are written.
-    `prefetch` (simt_parts.PREFETCH_POINTS): where the block asks the L2 for its S0 tile first.
     `heads` > 1: one block serves that many heads of one group, `threads` threads each. The heads of a
     group share B and C, so the block stages the keys and computes the Gram once for all of them;
     gates, values, history and S0 stay per head.
@@ -75,8 +79,6 @@ def mamba2_buffered_simt(G: int, H: int, N: int = 128, P: int = 64, *, cap: int 
         raise ValueError(f"T_new={T_new} must be in [1, cap={cap}]")
     if flush_at and not T_new <= flush_at <= cap:
         raise ValueError(f"flush_at={flush_at} must be in [T_new={T_new}, cap={cap}] (or 0)")
-    if prefetch not in PREFETCH_POINTS:
-        raise ValueError(f"prefetch={prefetch} must be one of {PREFETCH_POINTS}")
     if heads < 1 or (H // G) % heads or (heads > 1 and threads % 32):
         raise ValueError(f"heads={heads} must divide the {H // G} heads of a group (and threads={threads} be whole "
                          "warps when > 1)")
@@ -97,7 +99,6 @@ def mamba2_buffered_simt(G: int, H: int, N: int = 128, P: int = 64, *, cap: int 
     NT1 = threads
     NT = NT1 * HB
     stage = row_stager(T, NT)
-    prefetch_state = state_prefetcher(T, K=K, BV=BV, NT=NT1)
     XR = Tn + cap            # X rows: C_t (0..Tn-1), keys in buffer order (Tn + e, e < n + Tn <= cap)
     KP = K + 4               # padded row: float4 reads of 32 different rows hit distinct banks
     KS = K // NW             # N slice of one warp in the Gram
@@ -135,8 +136,6 @@ def mamba2_buffered_simt(G: int, H: int, N: int = 128, P: int = 64, *, cap: int 
             T.annotate_pass_configs({"tl.disable_thread_storage_sync": True})
             if blocks:
                 T.annotate_min_blocks_per_sm(blocks)
-            if prefetch:
-                T.import_source(L2_PREFETCH_SOURCE)
             tx = T.get_thread_binding()
             X = T.alloc_shared((XR, KP), f32)
             # per head (rows j cap .. or j Tn .. for the block's head j): Db, Gb, FW, gld, dts, Gd, W, Es
@@ -177,8 +176,6 @@ def mamba2_buffered_simt(G: int, H: int, N: int = 128, P: int = 64, *, cap: int 
             sslot = state_slots[bb]
             bslot = buffer_slots[bb]
             n = lengths[bb]
-            if prefetch == 2:
-                prefetch_state(state, sslot, hv, v0, t1)
 
             # ---- phase 0a: the row's own inputs need no slot: C_t (X rows 0..Tn-1), x and z of this
             # thread's value column, dt_t and g_t in fp64 (thread t)
@@ -197,8 +194,6 @@ def mamba2_buffered_simt(G: int, H: int, N: int = 128, P: int = 64, *, cap: int 
             if bslot >= 0:
                 # ---- phase 0b: the buffer (entries i < n only; the rest is never read) and the new keys
                 # behind it, then the S0 slice into registers (streams in while phases 1-3a run)
-                if prefetch == 1:
-                    prefetch_state(state, sslot, hv, v0, t1)
                 stage(X, Tn, buf_k, bslot, n, hk, 0, K8, IT_BK, tx, bb8)
                 stage(X, Tn + n, Bm, bb, Tn, hk, 0, K8, IT_TOK, tx, tb)
                 if HB > 1:

@@ -40,7 +40,8 @@ def mma_layout(K: int, BV: int, threads: int) -> tuple[int, int, int, int]:
 
 def fitted_tunables(K: int, V: int, best: dict) -> dict:
     """`best` (measured at the models' head dims) when a K x V head admits it; otherwise the largest BV
-    that divides V, with 2 * BV threads and no register cap (blocks = 0; the small-head shape the GPU tests run)."""
+    that divides V, with 2 * BV threads, no register cap (blocks = 0) and one head per block (the
+    small-head shape the GPU tests run)."""
     try:
         if V % best["BV"] == 0:
             simt_layout(K, best["BV"], best["threads"])
@@ -48,7 +49,8 @@ def fitted_tunables(K: int, V: int, best: dict) -> dict:
     except ValueError:
         pass
     bv = next(b for b in (64, 32, 16) if V % b == 0)
-    return {k: v for k, v in best.items() if k == "variant"} | {"BV": bv, "threads": min(128, 2 * bv), "blocks": 0}
+    return ({k: v for k, v in best.items() if k == "variant"} | {"BV": bv, "threads": min(128, 2 * bv), "blocks": 0}
+            | ({"heads": 1} if "heads" in best else {}))
 
 
 LOG2E = 1.4426950408889634
@@ -97,45 +99,6 @@ def row_stager(T, NT: int):
                     dst[dst_row0 + idx // cols8, (idx % cols8) * 8 + c] = T.cast(reg[c], "float32")
 
     return stage
-
-
-# The `prefetch` tunable of the thread-level buffered templates: where a block asks the L2 for its S0
-# tile before the float4 loads into registers. 0: never; 1: at the start of phase 0b, before the
-# buffer is staged (the loads into registers follow the buffer's); 2: at the block's start, once the
-# state slot is read. A prefetch takes no registers, so the DRAM fetch starts a round trip or two
-# earlier without delaying the buffer's loads (issuing the register loads that early lost:
-# docs/kernels.md, "An order that lost").
-PREFETCH_POINTS = (0, 1, 2)
-
-# sm_90+: one bulk prefetch per row (TMA); older: one prefetch per 128-byte line. A no-op on the host,
-# where the CPU emulator compiles the kernels.
-L2_PREFETCH_SOURCE = r"""
-__device__ __forceinline__ void kvb_prefetch_l2(const void* p, int bytes) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" :: "l"(p), "r"(bytes) : "memory");
-#elif defined(__CUDA_ARCH__)
-  for (int i = 0; i < bytes; i += 128) asm volatile("prefetch.global.L2 [%0];" :: "l"((const char*)p + i));
-#endif
-}
-"""
-
-
-def state_prefetcher(T, *, K: int, BV: int, NT: int):
-    """A TileLang macro: prefetch_state(state, sslot, hv, v0, tx) asks the L2 for the block's K x BV
-    tile of state[sslot, hv], one request per row of BV fp32 columns, rows spread over the NT threads
-    (nothing for a row without a state). The template must import L2_PREFETCH_SOURCE."""
-    if (BV * 4) % 16:
-        raise ValueError(f"prefetch: a row of BV={BV} fp32 columns is not a multiple of 16 bytes")
-
-    @T.macro
-    def prefetch_state(state, sslot, hv, v0, tx):
-        if sslot >= 0:
-            for it in T.unroll(-(-K // NT)):
-                if it * NT + tx < K:
-                    T.call_extern("handle", "kvb_prefetch_l2", T.address_of(state[sslot, hv, it * NT + tx, v0]),
-                                  BV * 4)
-
-    return prefetch_state
 
 
 def query_products(T, *, KR: int, CG: int, queries: int, query0: int = 0, barrier: bool = True):

@@ -262,7 +262,7 @@ def kernel_configs(heads: Mapping, given: Mapping | None = None) -> dict:
 
     fam, K, V = heads["family"], heads["K"], heads["V"]
     given = dict(given or {})
-    step = given.get("buffered", untuned_tunables(fam, "buffered", K, V))
+    step = given.get("buffered", untuned_tunables(fam, "buffered", K, V, group=heads["Hv"] // heads["Hk"]))
     return {"recurrent": untuned_tunables(fam, "recurrent", K, V), "buffered": step, "verify": step} | given
 
 

@@ -128,16 +128,17 @@ def _load_artifact(key: KernelKey, shape: dict, template: str, batch: int) -> Co
     return _LOADED[name]
 
 
-def untuned_tunables(family: str, op: str, K: int, V: int, T: int = 1) -> dict:
+def untuned_tunables(family: str, op: str, K: int, V: int, T: int = 1, group: int = 1) -> dict:
     """The tunables a linear kernel gets when nothing was tuned (the JIT, and the kernel benchmarks
     without --configs).
 
     Buffered kernels of T tokens per row: the template's measured best, narrowed for small head dims
-    (tiles.<family>.default_buffered_tunables). The recurrent step and the flush: BV = 32 (at most V).
+    (tiles.<family>.default_buffered_tunables; `group` is Hv / Hk, the value heads that share a key head,
+    which a Mamba-2 block may serve together). The recurrent step and the flush: BV = 32 (at most V).
     """
     if op == "buffered":
         tiles = importlib.import_module(f"kvbuffer.tiles.{family}")
-        return tiles.default_buffered_tunables(K, V, T)
+        return tiles.default_buffered_tunables(K, V, T, group)
     if op == "recurrent_drafts":  # the most threads its front can lay T x K token values out over
         fits = importlib.import_module("kvbuffer.tiles.recurrent_drafts").fits_threads
         threads = next((n for n in (128, 64, 32) if fits(T * K, n)), None)
@@ -151,7 +152,7 @@ def untuned_tunables(family: str, op: str, K: int, V: int, T: int = 1) -> dict:
 def jit_tunables(key: KernelKey) -> dict:
     """untuned_tunables for the kernel `key` names."""
     dims = key.dims.record_fields()
-    return untuned_tunables(key.family, key.op, dims["K"], dims["V"], key.T)
+    return untuned_tunables(key.family, key.op, dims["K"], dims["V"], key.T, dims["Hv"] // dims["Hk"])
 
 
 def jit(key: KernelKey) -> CompiledOp:

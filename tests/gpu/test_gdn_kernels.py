@@ -38,6 +38,14 @@ FUSED_FLUSH_STATE_TOL = 3e-5  # a step that folds its buffer: fp32 rank-C update
 BATCHES = [1, 3, 64, 257]
 # the S0 products on CUDA cores (the template's defaults) or on tensor cores (tiles.simt_parts.mma_products)
 PRODUCTS = {"simt": {}, "tensor_cores": {"BV": 128, "threads": 128, "blocks": 3, "tensor_cores": 1}}
+# verifies also run `lean` (two tokens or more; an untuned verify's default below the tensor-core width)
+VERIFY_PRODUCTS = {**PRODUCTS, "lean": {"BV": 128, "threads": 128, "blocks": 3, "lean": 1}}
+VERIFY_CASES = [(T, p) for T in range(1, 9) for p in VERIFY_PRODUCTS if T > 1 or p != "lean"]
+
+
+def step_tunables(products: str) -> dict:
+    """The step a verify of `products` is followed by: the same tile (a step has no lean form)."""
+    return {k: v for k, v in VERIFY_PRODUCTS[products].items() if k != "lean"}
 
 
 # the recurrent step's value tiles: the default, the H200 tuner's winners (B = 1, B <= 16, B >= 64;
@@ -165,13 +173,12 @@ def test_buffered_step(heads, B, fill):
     _check_entries(r, 1, tag)
 
 
-@pytest.mark.parametrize("products", PRODUCTS)
-@pytest.mark.parametrize("T", range(1, 9))
+@pytest.mark.parametrize("T,products", VERIFY_CASES)
 @pytest.mark.parametrize("fill", [0, 1, C - 1, C])
 @pytest.mark.parametrize("B", [1, 3, 4, 16, 64, 257])
 def test_verify(B, fill, T, products):
     Hk, Hv = HEADS["ratio2"]
-    op = buffered_op(Hk, Hv, T, 0, **PRODUCTS[products])
+    op = buffered_op(Hk, Hv, T, 0, **VERIFY_PRODUCTS[products])
     r = _run_buffered_pair(op, Hk, Hv, B, T, fill, 3000 + 11 * T + fill, flush_at=0)
     tag = f"verify/{products}/T{T}/B{B}/n{fill}"
     eo = rel_err(r["out"], r["o64"])
@@ -216,7 +223,7 @@ def test_verify_heads(heads, T):
     _check_entries(r, T, f"verify/{heads}/T{T}/B257")
 
 
-@pytest.mark.parametrize("products", PRODUCTS)
+@pytest.mark.parametrize("products", VERIFY_PRODUCTS)
 @pytest.mark.parametrize("m", range(0, 5))
 def test_verify_accept_then_step(m, products):
     """Verify 4 drafts, accept m (lengths += m), then decode one token: matches the reference path."""
@@ -227,14 +234,15 @@ def test_verify_accept_then_step(m, products):
     q, k, v, a, b, A_log, dt_bias = tokens(B, T + 1, Hk, Hv, gen=g)
     rs, rk, rv, rg = state.double(), _clean(bk), _clean(bv), _clean(bg)
     d = lambda t: t[:, :T].contiguous()  # noqa: E731
-    gdn_verify(buffered_op(Hk, Hv, T, 0, **PRODUCTS[products]), d(q), d(k), d(v), d(a), d(b), A_log, dt_bias,
+    gdn_verify(buffered_op(Hk, Hv, T, 0, **VERIFY_PRODUCTS[products]), d(q), d(k), d(v), d(a), d(b), A_log, dt_bias,
                state, ss, bk, bv, bg, bs, ln)
     q64, k64, g64, beta64 = front64(q, k, a, b, A_log, dt_bias)
     ref.verify(q64[:, :T], k64[:, :T], v[:, :T].double(), g64[:, :T], beta64[:, :T], rs, ss, rk, rv, rg, bs, ln)
     ln2 = ln + m
     out = torch.full_like(v[:, T], float("nan"))
     e = lambda t: t[:, T].contiguous()  # noqa: E731
-    gdn_buffered_step(buffered_op(Hk, Hv, 1, C, **PRODUCTS[products]), e(q), e(k), e(v), e(a), e(b), A_log, dt_bias,
+    step = buffered_op(Hk, Hv, 1, C, **step_tunables(products))
+    gdn_buffered_step(step, e(q), e(k), e(v), e(a), e(b), A_log, dt_bias,
                       state, ss, bk, bv, bg, bs, ln2, out=out)
     o64 = ref.buffered_step(q64[:, T], k64[:, T], v[:, T].double(), g64[:, T], beta64[:, T], rs, ss,
                             rk, rv, rg, bs, ln2, flush_at=C)
@@ -331,7 +339,7 @@ def test_extreme_gates_follow_recurrent():
     assert worst_buf < 2e-2 and es < 1e-2 and worst_rec < OUT_TOL, (worst_buf, es, worst_rec)
 
 
-@pytest.mark.parametrize("products", PRODUCTS)
+@pytest.mark.parametrize("products", VERIFY_PRODUCTS)
 def test_extreme_gates_in_drafts(products):
     """A 4-draft verify whose drafts carry gate inputs +inf and 3e38: matches the fp64 reference verify."""
     Hk, Hv = HEADS["ratio2"]
@@ -342,7 +350,7 @@ def test_extreme_gates_in_drafts(products):
     a[0, 1], a[1, 2:] = float("inf"), 3e38
     rs, rk, rv, rg = state.double(), _clean(bk), _clean(bv), _clean(bg)
     out = torch.full_like(v, float("nan"))
-    gdn_verify(buffered_op(Hk, Hv, T, 0, **PRODUCTS[products]), q, k, v, a, b, A_log, dt_bias, state, ss, bk, bv, bg, bs,
+    gdn_verify(buffered_op(Hk, Hv, T, 0, **VERIFY_PRODUCTS[products]), q, k, v, a, b, A_log, dt_bias, state, ss, bk, bv, bg, bs,
                ln, out=out)
     q64, k64, g64, beta64 = front64(q, k, a, b, A_log, dt_bias)
     o64 = ref.verify(q64, k64, v.double(), g64, beta64, rs, ss, rk, rv, rg, bs, ln)

@@ -4,7 +4,8 @@ Mirrors test_gdn_kernels: fresh random inputs per case, NaN-poisoned outputs, Na
 fill in the buffer (a kernel reading past lengths[b] fails), pool slots outside the batch bit-exact.
 Shapes: Nemotron-3 Nano (8 groups, 64 heads x P 64, N 128) and Super (8 groups, 128 heads).
 The buffered kernels run in both variants of tiles/mamba2.py: "simt" (tiles/mamba2_simt.py, the
-thread-level template and the default; results recorded under m2simt/...) and "reduce" (the generic template).
+thread-level template and the default, two heads of a group per block; results recorded under m2simt/...)
+and "reduce" (the generic template).
 """
 
 from __future__ import annotations
@@ -61,7 +62,7 @@ def recurrent_op(G, H, has_z=True, tile=()):
 
 @functools.cache
 def buffered_op(G, H, T_new=1, flush_at=C, has_z=True, variant="reduce"):
-    extra = {"variant": variant, **({"threads": 128, "blocks": 0} if variant == "reduce" else {})}
+    extra = {"variant": variant, **({"threads": 128, "blocks": 0, "heads": 1} if variant == "reduce" else {})}
     return build_mamba2_buffered(G, H, N, P, cap=CAP, T_new=T_new, flush_at=flush_at, has_z=has_z, **extra)
 
 
@@ -340,7 +341,7 @@ def test_small_batch_configs(cfg, B, T):
     G, H = SHAPES["nano"]
     fill, flush_at = (C - 1, C) if T == 1 else (C - 5, 0)
     op = build_mamba2_buffered(G, H, N, P, cap=CAP, T_new=T, flush_at=flush_at, has_z=True, variant="simt",
-                               blocks=0, **cfg)
+                               blocks=0, heads=1, **cfg)
     r = _run_pair(op, G, H, B, T, fill, 3800 + 13 * B + T + cfg["BV"], flush_at=flush_at)
     tag = f"m2simt/small_batch/BV{cfg['BV']}-threads{cfg['threads']}/B{B}/T{T}"
     ey, es = rel_err(r["out"], r["y64"]), rel_err(r["state"], r["s64"])

@@ -48,13 +48,6 @@ CASES = {  # name: (kernel params, fill, B, null state row, padding row)
     # the buffer and folds it, 16 MMA query rows
     "tensor_cores_prefill8_fused_flush": (dict(Hk=2, Hv=4, cap=17, T_new=8, flush_at=16, BV=32, threads=32,
                                                tensor_cores=1), 8, 3, None, 2),
-    # the S0 tile's L2 prefetch (tiles.simt_parts.PREFETCH_POINTS; a no-op on the host, so these check that
-    # the injected source and its call sites build and leave every result alone); BV 64 with 64 threads
-    # gives a thread two of the K rows
-    "prefetch_before_buffer_step_fused_flush": (dict(Hk=2, Hv=4, cap=17, T_new=1, flush_at=16, BV=64, threads=64,
-                                                     prefetch=1), 15, 3, None, 2),
-    "prefetch_at_start_verify4": (dict(Hk=2, Hv=4, cap=24, T_new=4, flush_at=0, BV=32, threads=128, prefetch=2),
-                                  5, 3, 1, 2),
     # lean: the products in two halves, v and the history sums parked in shared memory until phase 4
     "lean_verify5_shuffles": (dict(Hk=2, Hv=4, cap=21, T_new=5, flush_at=0, BV=32, threads=128, lean=1), 11, 3, 1, 2),
     "lean_prefill2_fused_flush": (dict(Hk=2, Hv=4, cap=17, T_new=2, flush_at=16, BV=64, threads=128, lean=1),

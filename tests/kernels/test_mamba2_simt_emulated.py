@@ -25,36 +25,30 @@ from kvbuffer.gpus import get_gpu  # noqa: E402  (the generated CUDA these tests
 from tests.support.simt_emulator import Emulated  # noqa: E402
 from tests.support.gdn_cases import bits_equal as _bits, rel_err as _rel  # noqa: E402  (shared with the GPU tests)
 
-# name: (kernel params, per-row fills, rows with no state (-1), padding rows (buffer slot -1))
+# name: (kernel params, per-row fills, rows with no state (-1), padding rows (buffer slot -1)); every case names
+# its heads per block (the template's default is two)
 CASES = {
     # the Nemotron-3 tile (N 128, P 64): rows at C-1 fold their buffer in the step that fills it
     "step_fused_flush_nemotron_tile_z": (
-        dict(G=2, H=4, N=128, P=64, cap=17, T_new=1, flush_at=16, BV=64, threads=128, has_z=True),
+        dict(G=2, H=4, N=128, P=64, cap=17, T_new=1, flush_at=16, BV=64, threads=128, heads=1, has_z=True),
         [15, 0, 1, 15, 7], [1], [4]),
     # drafts after fills 0, 1, C-1, C (C = 16 nominal; the last one also fills the buffer to cap)
     "verify4_no_flush_full_buffer": (
-        dict(G=2, H=4, N=64, P=32, cap=20, T_new=4, flush_at=0, BV=32, threads=64),
+        dict(G=2, H=4, N=64, P=32, cap=20, T_new=4, flush_at=0, BV=32, threads=64, heads=1),
         [0, 16, 1, 15, 3], [2], [4]),
     "prefill2_fused_flush_BV16_shuffles": (
-        dict(G=1, H=2, N=64, P=32, cap=9, T_new=2, flush_at=8, BV=16, threads=64, has_z=True),
+        dict(G=1, H=2, N=64, P=32, cap=9, T_new=2, flush_at=8, BV=16, threads=64, heads=1, has_z=True),
         [6, 0, 1], [1], []),
     "prefill8_fused_flush_fp32_inputs": (
-        dict(G=1, H=2, N=32, P=32, cap=9, T_new=8, flush_at=8, BV=32, threads=64, in_dtype="float32"),
+        dict(G=1, H=2, N=32, P=32, cap=9, T_new=8, flush_at=8, BV=32, threads=64, heads=1, in_dtype="float32"),
         [0, 0], [], [1]),
     # the small-batch value tiles (tiles.mamba2_simt.SMALL_BATCH_CONFIGS)
     "small_batch_step_fused_flush_BV16": (
-        dict(G=2, H=4, N=128, P=64, cap=17, T_new=1, flush_at=16, BV=16, threads=64, has_z=True),
+        dict(G=2, H=4, N=128, P=64, cap=17, T_new=1, flush_at=16, BV=16, threads=64, heads=1, has_z=True),
         [15, 0, 1, 7], [1], [3]),
     "small_batch_verify5_BV8": (
-        dict(G=2, H=4, N=64, P=32, cap=21, T_new=5, flush_at=0, BV=8, threads=64),
+        dict(G=2, H=4, N=64, P=32, cap=21, T_new=5, flush_at=0, BV=8, threads=64, heads=1),
         [0, 11, 1], [2], []),
-    # the S0 tile's L2 prefetch (a no-op on the host: the injected source and call sites build, results unchanged)
-    "prefetch_before_buffer_nemotron_tile": (
-        dict(G=2, H=4, N=128, P=64, cap=17, T_new=1, flush_at=16, BV=64, threads=64, has_z=True, prefetch=1),
-        [15, 0, 1, 15, 7], [1], [4]),
-    "prefetch_at_start_verify4": (
-        dict(G=2, H=4, N=64, P=32, cap=20, T_new=4, flush_at=0, BV=32, threads=64, prefetch=2),
-        [0, 16, 1, 15, 3], [2], [4]),
     # several heads of a group per block (`heads`): the keys and the Gram shared, the rest per head
     "two_heads_step_fused_flush_nemotron_tile_z": (
         dict(G=2, H=4, N=128, P=64, cap=17, T_new=1, flush_at=16, BV=64, threads=64, has_z=True, heads=2),

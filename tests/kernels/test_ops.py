@@ -177,18 +177,26 @@ def test_missing_artifact_without_jit_names_the_tune_command(monkeypatch, tmp_pa
 
 
 def test_jit_tunables_are_the_measured_best_narrowed_for_small_heads():
-    def key(family, op, v):
-        dims = (GDNDims if family == "gdn" else Mamba2Dims)(2, 4, 128, v)
-        return KernelKey(family, op, dims, "bfloat16", "bfloat16", cap=9, T=1, C=8)
+    def key(family, op, v, T=1, heads=4):
+        dims = (GDNDims if family == "gdn" else Mamba2Dims)(2, heads, 128, v)
+        return KernelKey(family, op, dims, "bfloat16", "bfloat16", cap=9, T=T, C=8)
 
     assert lookup.jit_tunables(key("gdn", "buffered", 128)) == {"BV": 128, "threads": 128, "blocks": 3}
     assert lookup.jit_tunables(key("gdn", "buffered", 64)) == {"BV": 64, "threads": 128, "blocks": 0}
     assert lookup.jit_tunables(key("gdn", "buffered", 32)) == {"BV": 32, "threads": 64, "blocks": 0}
     assert lookup.jit_tunables(key("gdn", "buffered", 16)) == {"BV": 16, "threads": 32, "blocks": 0}
+    # verifies below the tensor-core width run lean, at it on tensor cores
+    assert lookup.jit_tunables(key("gdn", "buffered", 128, T=5)) == {"BV": 128, "threads": 128, "blocks": 3,
+                                                                  "lean": 1}
+    assert lookup.jit_tunables(key("gdn", "buffered", 128, T=8))["tensor_cores"] == 1
+    assert lookup.jit_tunables(key("gdn", "buffered", 64, T=5)) == {"BV": 64, "threads": 128, "blocks": 0}
+    # Mamba-2: two heads of a group per block, where the group's heads are even
     assert lookup.jit_tunables(key("mamba2", "buffered", 64)) == {"variant": "simt", "BV": 64, "threads": 64,
-                                                               "blocks": 6}
+                                                               "blocks": 3, "heads": 2}
+    assert lookup.jit_tunables(key("mamba2", "buffered", 64, heads=2)) == {"variant": "simt", "BV": 64,
+                                                                        "threads": 64, "blocks": 6, "heads": 1}
     assert lookup.jit_tunables(key("mamba2", "buffered", 32)) == {"variant": "simt", "BV": 32, "threads": 64,
-                                                               "blocks": 0}
+                                                               "blocks": 0, "heads": 1}
     assert lookup.jit_tunables(key("gdn", "flush", 16)) == {"BV": 16, "threads": 128}
     assert lookup.jit_tunables(key("mamba2", "recurrent", 64)) == {"BV": 32, "threads": 128}
 
