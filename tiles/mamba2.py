@@ -45,8 +45,9 @@ def mamba2_recurrent_drafts(G: int, H: int, N: int = 128, P: int = 64, *, T_new:
                                    has_z=has_z)
 
 
-# The winner at both Nemotron-3 shapes on the H200 (the signature's defaults): two heads of a group per
-# block, 64 threads each, three blocks per SM. Against one head per block (ONE_HEAD_BEST, the winner
+# The winner at both Nemotron-3 shapes on the H200: two heads of a group per block, 64 threads each,
+# three blocks per SM. The signature's defaults stay ONE_HEAD_BEST, the winner before, so tunables
+# recorded without `heads` keep meaning the kernel they were measured as. Against one head per block (ONE_HEAD_BEST, the winner
 # before) it ran 1.06-1.13x on the step and 1.02-1.09x on the 5-token verify at B = 1 .. 1024
 # (benchmarks/results/mamba2_heads_ab_*): the heads share B and C, so a block stages the keys and
 # computes the Gram once for both.
@@ -77,8 +78,8 @@ def get_buffered_configs() -> list[dict]:
 
 def mamba2_buffered(G: int, H: int, N: int = 128, P: int = 64, *, cap: int = 16, T_new: int = 1,
                     flush_at: int = 0, BV: int = 64, threads: int = 64, in_dtype: str = "bfloat16",
-                    buf_dtype: str = "bfloat16", has_z: bool = False, variant: str = "simt", blocks: int = 3,
-                    heads: int = 2):
+                    buf_dtype: str = "bfloat16", has_z: bool = False, variant: str = "simt", blocks: int = 6,
+                    heads: int = 1):
     """T_new Mamba-2 tokens after each row's n buffered entries (step, verify, prefill chunk; fused flush at C).
 
     variant "simt" (default): tiles/mamba2_simt.py (`blocks` caps its registers, `heads` > 1 serves

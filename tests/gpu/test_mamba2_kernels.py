@@ -62,7 +62,11 @@ def recurrent_op(G, H, has_z=True, tile=()):
 
 @functools.cache
 def buffered_op(G, H, T_new=1, flush_at=C, has_z=True, variant="reduce"):
-    extra = {"variant": variant, **({"threads": 128, "blocks": 0, "heads": 1} if variant == "reduce" else {})}
+    """The generic template's kernel, or the thread-level one with the untuned default (two heads per block)."""
+    from kvbuffer.tiles.mamba2 import default_buffered_tunables
+
+    extra = ({"variant": "reduce", "threads": 128, "blocks": 0, "heads": 1} if variant == "reduce"
+             else default_buffered_tunables(N, P, T_new, H // G))
     return build_mamba2_buffered(G, H, N, P, cap=CAP, T_new=T_new, flush_at=flush_at, has_z=has_z, **extra)
 
 

@@ -26,7 +26,7 @@ from tests.support.simt_emulator import Emulated  # noqa: E402
 from tests.support.gdn_cases import bits_equal as _bits, rel_err as _rel  # noqa: E402  (shared with the GPU tests)
 
 # name: (kernel params, per-row fills, rows with no state (-1), padding rows (buffer slot -1)); every case names
-# its heads per block (the template's default is two)
+# its heads per block
 CASES = {
     # the Nemotron-3 tile (N 128, P 64): rows at C-1 fold their buffer in the step that fills it
     "step_fused_flush_nemotron_tile_z": (

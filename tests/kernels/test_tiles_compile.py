@@ -90,7 +90,7 @@ FAMILY_KERNELS = {
     "mamba2_recurrent_z": ("mamba2.mamba2_recurrent", dict(G=1, H=2, N=32, P=32, BV=16, threads=64, has_z=True)),
     "gdn_recurrent_drafts": ("gdn_recurrent_drafts", dict(Hk=1, Hv=2, K=32, V=32, T_new=2, BV=16, threads=64)),
     "mamba2_buffered_simt": ("mamba2.mamba2_buffered", dict(G=1, H=2, N=32, P=32, cap=9, T_new=1, flush_at=8,
-                                                           BV=32, threads=64, blocks=0)),
+                                                           BV=32, threads=64, blocks=0, heads=2)),
     "mamba2_buffered_reduce": ("mamba2.mamba2_buffered", dict(G=1, H=2, N=32, P=32, cap=9, T_new=1, flush_at=8,
                                                              BV=32, threads=64, blocks=0, heads=1, variant="reduce")),
     "mamba2_flush": ("mamba2.mamba2_flush", dict(G=1, H=2, N=32, P=32, cap=9, BV=16, threads=64)),
@@ -132,7 +132,7 @@ def test_configs_are_listed():
         cfgs = fn()
         assert cfgs and all({"BV", "threads"} <= set(c) for c in cfgs)
     # Mamba-2 buffered: both variants, the default (thread-level, the H200 winner) first and the generic
-    # one second (`kvbuffer tune --max-configs 2` times both); the first config is the signature's default
+    # one second (`kvbuffer tune --max-configs 2` times both)
 
     # the recurrent step: its default first, and the measured winners of every bucket within --max-configs 4
     for fn, builder in ((gdn.get_recurrent_configs, gdn.gdn_recurrent), (mamba2.get_recurrent_configs,
@@ -144,8 +144,11 @@ def test_configs_are_listed():
     m2 = mamba2.get_buffered_configs()
     assert m2[0] == mamba2.BUFFERED_BEST and m2[1]["variant"] == "reduce"
     assert {c["variant"] for c in m2} == set(mamba2.VARIANTS)
+    # every config names its heads and blocks: the signature's defaults (one head per block, the winner
+    # before) are what a tunables dict recorded without them was measured as
     params = inspect.signature(mamba2.mamba2_buffered).parameters
-    assert {k: params[k].default for k in m2[0]} == m2[0]
+    assert {k: params[k].default for k in mamba2.ONE_HEAD_BEST} == mamba2.ONE_HEAD_BEST
+    assert all({"heads", "blocks"} <= set(c) for c in m2)
 
 
 def test_tensor_core_configs_are_offered_to_verifies_only():
