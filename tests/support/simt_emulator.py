@@ -33,8 +33,6 @@ typedef unsigned int uint;
 #define __launch_bounds__(a, b)
 #define __restrict__
 #define __align__(x)
-#define __device__
-#define __forceinline__ inline
 struct dim3_ { int x, y, z; };
 thread_local dim3_ threadIdx;
 dim3_ blockIdx;
@@ -121,13 +119,6 @@ extern "C" void launch(void** ptrs, int* ints, float* floats, int gx, int gy, in
 """
 
 
-def _injected(cuda_source: str) -> str:
-    """The helper functions a template injects (T.import_source), which precede TileLang's own preamble;
-    their device-only parts sit under __CUDA_ARCH__, which the host build leaves undefined."""
-    starts = [i for i in (cuda_source.find("#if defined(_MSC_VER)"), cuda_source.find("#include")) if i >= 0]
-    return cuda_source[:min(starts)] if starts else ""
-
-
 class Emulated:
     """A compiled CPU stand-in for one kernel; call with the grid, the block size and named arguments."""
 
@@ -142,8 +133,7 @@ class Emulated:
         args = [f"({p.rsplit(' ', 1)[0].replace('__restrict__', '').strip()})ptrs[{i}]" if ptr
                 else f"floats[{i}]" if real else f"ints[{i}]"
                 for i, (p, ptr, real) in enumerate(zip(params, self.pointer, self.real))]
-        code = (PRELUDE + _injected(cuda_source) + body.replace('extern "C" ', "")
-                + LAUNCH.replace("KERNEL_CALL", f"{sig.group(1)}({', '.join(args)})"))
+        code = PRELUDE + body.replace('extern "C" ', "") + LAUNCH.replace("KERNEL_CALL", f"{sig.group(1)}({', '.join(args)})")
         workdir = workdir or tempfile.gettempdir()
         so = os.path.join(workdir, f"kvb_emu_{hashlib.sha1(code.encode()).hexdigest()[:16]}.so")
         if not os.path.exists(so):
