@@ -46,11 +46,11 @@ def mamba2_recurrent_drafts(G: int, H: int, N: int = 128, P: int = 64, *, T_new:
 
 
 # The winner at both Nemotron-3 shapes on the H200: two heads of a group per block, 64 threads each,
-# three blocks per SM. The signature's defaults stay ONE_HEAD_BEST, the winner before, so tunables
-# recorded without `heads` keep meaning the kernel they were measured as. Against one head per block (ONE_HEAD_BEST, the winner
-# before) it ran 1.06-1.13x on the step and 1.02-1.09x on the 5-token verify at B = 1 .. 1024
-# (benchmarks/results/mamba2_heads_ab_*): the heads share B and C, so a block stages the keys and
-# computes the Gram once for both.
+# three blocks per SM. The heads share B and C, so a block stages the keys and computes the Gram once
+# for both; against one head per block (ONE_HEAD_BEST, the winner before) it ran 1.06-1.13x on the
+# step and 1.02-1.09x on the 5-token verify at B = 1 .. 1024 (benchmarks/results/mamba2_heads_ab_*).
+# The signature's defaults stay ONE_HEAD_BEST, so tunables recorded without `heads` keep naming the
+# kernel they were measured as.
 ONE_HEAD_BEST = {"variant": "simt", "BV": 64, "threads": 64, "blocks": 6, "heads": 1}
 BUFFERED_BEST = {"variant": "simt", "BV": 64, "threads": 64, "blocks": 3, "heads": 2}
 
