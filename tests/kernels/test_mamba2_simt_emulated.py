@@ -56,6 +56,9 @@ CASES = {
     "two_heads_verify4_no_flush_full_buffer": (
         dict(G=2, H=4, N=64, P=32, cap=20, T_new=4, flush_at=0, BV=32, threads=64, heads=2),
         [0, 16, 1, 15, 3], [2], [4]),
+    "four_heads_step_fused_flush_nemotron_tile_z": (
+        dict(G=2, H=8, N=128, P=64, cap=17, T_new=1, flush_at=16, BV=64, threads=64, has_z=True, heads=4),
+        [15, 0, 1, 15, 7], [1], [4]),
     "four_heads_prefill2_fused_flush_BV16": (
         dict(G=1, H=4, N=64, P=32, cap=9, T_new=2, flush_at=8, BV=16, threads=64, has_z=True, heads=4),
         [6, 0, 1], [1], []),
