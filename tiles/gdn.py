@@ -427,7 +427,7 @@ def gdn_buffered(Hk: int, Hv: int, K: int = 128, V: int = 128, *, cap: int = 16,
                 # ---- fused flush: S0 <- exp(G_C) S0 + sum_e exp(G_C - G_e) k_e delta_e^T (entries as stored)
                 if C > 0:
                     if n + Tn == C and sslot >= 0:
-                        fused_flush(Sr, X, xv, yv, Db, FW, Gd, gacc, state, sslot, hv, rg, cg, v0)
+                        fused_flush(Sr, X, xv, yv, Db, FW, Gd, gacc, state, sslot, hv, rg, cg, v0, 0, 0)
             else:
                 for it in T.unroll(IT_OUT):
                     idx = it * NT + tx

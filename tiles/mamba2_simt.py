@@ -94,8 +94,8 @@ def mamba2_buffered_simt(G: int, H: int, N: int = 128, P: int = 64, *, cap: int 
     f32, f64 = "float32", "float64"
     Tn = T_new
     C = flush_at
-    load_state, s0_products, flush_rows = state_macros(T, KR=KR, CG=CG, C=C, tokens=Tn, queries=Tn,
-                                                       key_row0=Tn, head_rows=True)
+    load_state, s0_products, fused_flush = state_macros(T, KR=KR, CG=CG, C=C, tokens=Tn, queries=Tn,
+                                                        key_row0=Tn)
     NT1 = threads
     NT = NT1 * HB
     stage = row_stager(T, NT)
@@ -301,7 +301,7 @@ def mamba2_buffered_simt(G: int, H: int, N: int = 128, P: int = 64, *, cap: int 
                 # ---- fused flush: S0 <- exp(G_C) S0 + sum_e exp(G_C - G_e) k_e v_e^T (entries as stored)
                 if C > 0:
                     if n + Tn == C and sslot >= 0:
-                        flush_rows(Sr, X, xv, yv, Db, FW, Gd, gacc, state, sslot, hv, rg, cg, v0, jc, jt)
+                        fused_flush(Sr, X, xv, yv, Db, FW, Gd, gacc, state, sslot, hv, rg, cg, v0, jc, jt)
             else:
                 for it in T.unroll(IT_OUT):
                     idx = it * NT1 + t1

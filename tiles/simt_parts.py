@@ -148,11 +148,10 @@ def query_products(T, *, KR: int, CG: int, queries: int, query0: int = 0, barrie
     return products
 
 
-def state_macros(T, *, KR: int, CG: int, C: int, tokens: int, queries: int, key_row0: int,
-                 head_rows: bool = False):
-    """(load_state, s0_products, fused_flush) TileLang macros for one template's constants. With
-    `head_rows`, fused_flush takes two more arguments, the first row of this thread's head in Db (and
-    FW) and in Gd, for a block that holds several heads' rows there."""
+def state_macros(T, *, KR: int, CG: int, C: int, tokens: int, queries: int, key_row0: int):
+    """(load_state, s0_products, fused_flush) TileLang macros for one template's constants. fused_flush's
+    last two arguments are the first row of this thread's head in Db (and FW) and in Gd: 0 for a block
+    of one head, the head's offset where a block holds several heads' rows."""
     RV = rows_per_vector(KR)
     f32 = "float32"
 
@@ -170,7 +169,7 @@ def state_macros(T, *, KR: int, CG: int, C: int, tokens: int, queries: int, key_
     s0_products = query_products(T, KR=KR, CG=CG, queries=queries)
 
     @T.macro
-    def flush_rows(Sr, X, xv, yv, Db, FW, Gd, gacc, state, sslot, hv, rg, cg, v0, d0, g0):
+    def fused_flush(Sr, X, xv, yv, Db, FW, Gd, gacc, state, sslot, hv, rg, cg, v0, d0, g0):
         """S0 <- exp(G_C) S0 + sum_e FW[d0 + e] k_e v_e^T over the C entries as stored (keys in X from
         key_row0, values in Db from row d0; G_C = Gd[g0 + tokens - 1]), written back to the state."""
         T.sync_threads()
@@ -190,12 +189,7 @@ def state_macros(T, *, KR: int, CG: int, C: int, tokens: int, queries: int, key_
             for c in T.vectorized(4):
                 state[sslot, hv, rg * KR + rr, v0 + cg * 4 + c] = Sr[rr * 4 + c]
 
-    @T.macro
-    def fused_flush(Sr, X, xv, yv, Db, FW, Gd, gacc, state, sslot, hv, rg, cg, v0):
-        """flush_rows of a block with one head's rows (from row 0)."""
-        flush_rows(Sr, X, xv, yv, Db, FW, Gd, gacc, state, sslot, hv, rg, cg, v0, 0, 0)
-
-    return load_state, s0_products, flush_rows if head_rows else fused_flush
+    return load_state, s0_products, fused_flush
 
 
 TF32_HI_MASK = 0xFFFFE000  # an fp32 with its low 13 mantissa bits cleared is exactly a TF32 value
