@@ -7,7 +7,9 @@ K = ssm_state_size, V = head_dim) and dtype (activations and buffer entries).
 The short conv in front of those layers has a shape of its own (family 'conv1d', see conv_shape):
 its channels are q, k, v (GDN) or x, B, C (Mamba-2), 2 * Hk * K + Hv * V in both families. The
 model's softmax-attention layers have theirs (family 'attention', see config_attention_shape): query
-and KV heads, head dim, and the dtypes of the activations and the KV cache.
+and KV heads, head dim, and the dtypes of the activations and the KV cache. Its projections without
+a bias, one shape per distinct weight matrix (family 'gemv', see config_gemv_shapes), run on the
+one-token kernel in a forward of one token.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ import json
 from pathlib import Path
 
 from kvbuffer import presets
-from kvbuffer.kernels.keys import attention_shape
+from kvbuffer.kernels.keys import attention_shape, gemv_shape
 from kvbuffer.tuning import make_conv_shape, make_shape
 
 DEFAULT_DTYPE = "bfloat16"
@@ -108,3 +110,34 @@ def preset_attention_shape(name: str, dtype: str = DEFAULT_DTYPE) -> dict | None
 def checkpoint_attention_shape(path: str | Path, dtype: str | None = None) -> dict | None:
     path = Path(path)
     return config_attention_shape(json.loads((path / "config.json" if path.is_dir() else path).read_text()), dtype)
+
+
+def config_gemv_shapes(cfg: dict, dtype: str | None = None) -> list[dict]:
+    """The one-token projection shapes of the model a transformers-style config declares: every
+    distinct (rows, columns) of its bias-free projection weights (kvbuffer.models.layers.one_row_linears),
+    read off the model built on the meta device (no memory, and no copy of its layer shapes here).
+    None (an empty list) for a model in another dtype than the kernel's (bf16, fp16)."""
+    import torch
+
+    from kvbuffer.tiles.gemv import DTYPES
+
+    from kvbuffer.models.layers import one_row_linears
+    from kvbuffer.models.loader import build_model
+
+    text = cfg.get("text_config") or cfg
+    dtype = dtype or text.get("dtype") or text.get("torch_dtype") or cfg.get("torch_dtype") or DEFAULT_DTYPE
+    if dtype not in DTYPES:
+        return []
+    with torch.device("meta"):
+        model = build_model(cfg)
+    sizes = dict.fromkeys(tuple(m.weight.shape) for m in one_row_linears(model))
+    return [gemv_shape(N, K, dtype) for N, K in sizes]
+
+
+def preset_gemv_shapes(name: str, dtype: str = DEFAULT_DTYPE) -> list[dict]:
+    return config_gemv_shapes(presets.get(name.lower()).hf_config(), dtype)
+
+
+def checkpoint_gemv_shapes(path: str | Path, dtype: str | None = None) -> list[dict]:
+    path = Path(path)
+    return config_gemv_shapes(json.loads((path / "config.json" if path.is_dir() else path).read_text()), dtype)

@@ -16,7 +16,8 @@ Registered now, per layout: the decode kernels of tiles/gdn.py and tiles/mamba2.
 with the flush fused at C, stand-alone flush), the prefill chunks the engine cuts prompts into
 (T = 8, 4, 2 tokens, flush fused at C) and the verify of T drafts plus the last token; the
 recurrent step once. The short conv's kernels are in kvbuffer.autotune.conv_templates (family
-"conv1d"), decode attention's in kvbuffer.autotune.attention_templates (family "attention").
+"conv1d"), decode attention's in kvbuffer.autotune.attention_templates (family "attention"), the
+one-token projection's in kvbuffer.autotune.gemv_templates (family "gemv").
 TileLang and torch are imported only inside the callables.
 """
 
@@ -411,12 +412,13 @@ def mamba2_templates() -> list[Template]:
 
 
 def templates(family: str | None = None) -> list[Template]:
-    """Every registered template (optionally of one family: "gdn", "mamba2", "conv1d" or "attention")."""
+    """Every registered template (optionally of one family: "gdn", "mamba2", "conv1d", "attention" or "gemv")."""
     from .attention_templates import attention_templates
     from .conv_templates import conv_templates
+    from .gemv_templates import gemv_templates
 
     found = gdn_templates()
     if importlib.util.find_spec(MAMBA2_TILES) is not None:
         found += mamba2_templates()
-    found += conv_templates() + attention_templates()
+    found += conv_templates() + attention_templates() + gemv_templates()
     return [t for t in found if family in (None, t.family)]

@@ -17,7 +17,8 @@ def _ints(text: str, option: str) -> tuple[int, ...]:
     return tuple(sorted(set(positive_ints(text, option))))
 
 
-CHUNK_FREE = ("conv1d", "attention")  # families whose kernels do not depend on the chunk size C
+CHUNK_FREE = ("conv1d", "attention", "gemv")  # families whose kernels do not depend on the chunk size C
+ONE_ROW = ("gemv",)  # families only a one-token forward runs: timed at B = 1 alone
 
 
 def _table(rows: list[tuple]) -> None:
@@ -26,10 +27,11 @@ def _table(rows: list[tuple]) -> None:
         click.echo("  ".join(str(c).ljust(w) for c, w in zip(row, widths)).rstrip())
 
 
-def _resolve_shapes(model, heads, family, dtype, conv: bool, attention: bool = False) -> list[dict]:
+def _resolve_shapes(model, heads, family, dtype, conv: bool, attention: bool = False, gemv: bool = False) -> list[dict]:
     """The head shapes to build, each once: a model's or --heads' linear-layer shape, (with `conv`)
-    its short conv's and (with `attention`, a model only) its attention layers' decode kernels;
-    neither given: every bundled preset's. dtype None: a checkpoint's own, else bfloat16."""
+    its short conv's, (with `attention`, a model only) its attention layers' decode kernels and (with
+    `gemv`, a model only) its projections' one-row kernels; neither given: every bundled preset's.
+    dtype None: a checkpoint's own, else bfloat16."""
     from pathlib import Path
 
     from ..autotune import models
@@ -41,6 +43,7 @@ def _resolve_shapes(model, heads, family, dtype, conv: bool, attention: bool = F
             shape = models.checkpoint_shape(model, dtype)
             pairs = [(shape, models.checkpoint_conv_shape(model, shape))]
             softmax = [models.checkpoint_attention_shape(model, dtype)]
+            projections = models.checkpoint_gemv_shapes(model, dtype) if gemv else []
         else:
             if heads:
                 linear, names = [models.parse_heads(heads, family, dtype or models.DEFAULT_DTYPE)], []
@@ -49,10 +52,12 @@ def _resolve_shapes(model, heads, family, dtype, conv: bool, attention: bool = F
                 linear = [models.preset_shape(name, dtype or models.DEFAULT_DTYPE) for name in names]
             pairs = [(shape, models.conv_shape(shape)) for shape in linear]
             softmax = [models.preset_attention_shape(name, dtype or models.DEFAULT_DTYPE) for name in names]
+            projections = [p for name in names if gemv
+                           for p in models.preset_gemv_shapes(name, dtype or models.DEFAULT_DTYPE)]
     except (ValueError, KeyError, OSError) as e:
         raise click.BadParameter(str(e), param_hint="--model/--heads") from None
     shapes = [linear for linear, _ in pairs] + ([c for _, c in pairs] if conv else []) \
-        + ([a for a in softmax if a is not None] if attention else [])
+        + ([a for a in softmax if a is not None] if attention else []) + projections
     return list({tuple(sorted(s.items())): s for s in shapes}.values())
 
 
@@ -129,21 +134,24 @@ def _templates(shapes: list[dict], kernels: str | None) -> list[tuple[dict, list
               help="Also build the short conv's kernels (shape from the model, or 2*Hk*K + Hv*V channels).")
 @click.option("--attention/--no-attention", default=True, show_default=True,
               help="Also build the model's decode attention kernels (its attention layers' heads; not with --heads).")
+@click.option("--gemv/--no-gemv", default=True, show_default=True,
+              help="Also build the one-row kernel of each of the model's projection shapes (a one-token "
+              "forward's; not with --heads).")
 @click.option("--kernels", help="Comma-separated template names (default: every template of the family, "
-              "its conv and the model's attention).")
+              "its conv, the model's attention and its projections).")
 @click.option("--build-only", is_flag=True, help="Compile defaults without measuring, even on the named GPU.")
 @click.option("--max-configs", type=int, default=None, help="Try at most this many configs per template.")
 @click.option("--cache-dir", type=click.Path(file_okay=False), default=None,
               help="Cache root [default: $KVBUFFER_CACHE_DIR, else $XDG_CACHE_HOME/kvbuffer].")
 def tune(gpu, list_gpus, model, heads, family, dtype, chunk_sizes, batch_buckets, draft_tokens, conv, attention,
-         kernels, build_only, max_configs, cache_dir):
+         gemv, kernels, build_only, max_configs, cache_dir):
     """Compile kernels for a GPU and head shape into the artifact cache, measuring them if the GPU is here.
 
     Without the named GPU, each kernel is compiled for its arch with default tunables and recorded
     as untuned. With it, every config is checked against the reference, timed per batch bucket,
     and the winners and a chunk-size policy are recorded as tuned. The linear layers' kernels and
-    the short conv's get one tuning record each. With neither --model nor --heads, every bundled
-    preset's head shapes are built.
+    the short conv's get one tuning record each (so do the attention layers and each projection
+    shape). With neither --model nor --heads, every bundled preset's head shapes are built.
     """
     from ..gpus import catalogue_table
 
@@ -153,7 +161,7 @@ def tune(gpu, list_gpus, model, heads, family, dtype, chunk_sizes, batch_buckets
     from ..autotune.cache import ArtifactCache
     from ..kernels.autobuild import nvcc_problem
 
-    shapes = _resolve_shapes(model, heads, family, dtype, conv, attention)
+    shapes = _resolve_shapes(model, heads, family, dtype, conv, attention, gemv)
     target, present = _resolve_gpu(gpu)
     chunks, buckets = _ints(chunk_sizes, "--chunk-sizes"), _ints(batch_buckets, "--batch-buckets")
     drafts = _drafts(draft_tokens)
@@ -164,8 +172,8 @@ def tune(gpu, list_gpus, model, heads, family, dtype, chunk_sizes, batch_buckets
     cache = ArtifactCache(cache_dir)
     for i, (one_shape, tpls) in enumerate(found):
         step = f"[{i + 1}/{len(found)}] " if len(found) > 1 else ""
-        _tune_shape(cache, target, present and not build_only, one_shape, tpls, chunks, buckets, drafts, max_configs,
-                    step)
+        _tune_shape(cache, target, present and not build_only, one_shape, tpls, chunks,
+                    (1,) if one_shape["family"] in ONE_ROW else buckets, drafts, max_configs, step)
 
 
 def _tune_shape(cache, target, measuring, shape, tpls, chunks, buckets, drafts, max_configs, step="") -> None:
@@ -212,6 +220,8 @@ def _tune_shape(cache, target, measuring, shape, tpls, chunks, buckets, drafts, 
 
 
 def _shape_text(shape) -> str:
+    if shape["family"] == "gemv":
+        return f"gemv N={shape['N']} K={shape['K']} {shape['dtype']}"
     if shape["family"] == "attention":
         return f"attention H={shape['H']} Hkv={shape['Hkv']} D={shape['D']} {shape['dtype']} cache {shape['kv_dtype']}"
     if shape["family"] == "conv1d":
@@ -224,9 +234,12 @@ def traffic_bytes(kernel: str, shape: dict, C: int, B: int) -> float | None:
     """The fewest DRAM bytes a call moves (fp32 states, 2-byte entries), to report achieved bandwidth;
     None for kernels this model does not cover (verify, prefill chunks, the conv).
 
+    One-row projection: its weight, once.
     Recurrent step: read + write every state. Buffered step: read every state, write it in the 1/C
     of rows that flush, read on average C/2 buffer entries. Flush: read + write, read C entries.
     """
+    if shape["family"] == "gemv":
+        return 2.0 * shape["N"] * shape["K"]
     if not kernel.endswith(("recurrent", "buffered_step", "flush")):
         return None
     state = 4 * shape["Hv"] * shape["K"] * shape["V"]

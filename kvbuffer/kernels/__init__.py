@@ -3,7 +3,7 @@
     keys.py       KernelKey (family, op, the family's own dims), PREFILL_CHUNKS, tune templates
     lookup.py     artifact-else-JIT lookup with one in-process cache (allow_jit, kernel_for, clear_kernels)
     compiled.py   CompiledOp, the compile step and the checks every launcher shares
-    gdn.py, mamba2.py, conv.py, attention.py   compile (`build_*`) and validated launch per family
+    gdn.py, mamba2.py, conv.py, attention.py, gemv.py   compile (`build_*`) and validated launch per family
     launch.py     a custom op's CUDA call: lookup + launch (checked, or direct for engine-built rows)
     torch_ops.py  the torch.library registrations (CPU reference, CUDA launch, fakes)
 
@@ -25,7 +25,8 @@ from .gdn import (
     gdn_recurrent_step,
     gdn_verify,
 )
-from .keys import PREFILL_CHUNKS, AttnDims, ConvDims, GDNDims, KernelKey, Mamba2Dims
+from .gemv import build_gemv, gemv
+from .keys import PREFILL_CHUNKS, AttnDims, ConvDims, GDNDims, GemvDims, KernelKey, Mamba2Dims
 from .lookup import allow_jit, clear_kernels, jit_allowed, kernel_for
 from .mamba2 import (
     build_mamba2_buffered,
@@ -41,7 +42,7 @@ from .mamba2 import (
 OPS = torch_ops.OPS
 
 __all__ = [
-    "OPS", "PREFILL_CHUNKS", "AttnDims", "CompiledOp", "ConvDims", "GDNDims", "KernelKey", "Mamba2Dims",
+    "OPS", "PREFILL_CHUNKS", "AttnDims", "CompiledOp", "ConvDims", "GDNDims", "GemvDims", "KernelKey", "Mamba2Dims",
     "allow_jit", "clear_kernels", "jit_allowed", "kernel_for",
     "build_gdn_buffered", "build_gdn_flush", "build_gdn_recurrent",
     "gdn_buffered_step", "gdn_flush", "gdn_prefill", "gdn_recurrent_step", "gdn_verify",
@@ -49,4 +50,5 @@ __all__ = [
     "mamba2_flush", "mamba2_prefill", "mamba2_recurrent_step", "mamba2_verify",
     "build_conv1d_accept", "build_conv1d_update", "conv1d_accept", "conv1d_update",
     "attention_decode", "attention_reference", "build_attention_combine", "build_attention_decode",
+    "build_gemv", "gemv",
 ]

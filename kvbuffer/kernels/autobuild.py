@@ -14,7 +14,8 @@ kernels an engine launches are not in the artifact cache and JIT is off:
 
 Decode attention's kernels are built the same way on their first use (`ensure_attention_kernels`,
 called by the kernel Backend when the attention layers first run): the engine's caches do not name
-the query heads, the calls do.
+the query heads, the calls do. The one-token projection kernels are built when the engine is
+(`ensure_gemv_kernels`, from kvbuffer.engine.one_row): the model's weights name their shapes.
 
 KVBUFFER_BUILD_KERNELS=0 turns the build off (a server that must not compile at start-up).
 
@@ -114,6 +115,22 @@ def ensure_attention_kernels(key: KernelKey, stream=None) -> str | None:
         drafts = key.layouts()[0][1]
         req = tuner.TuneRequest(gpu, key.record_shapes()[0], (1,), tuner.BATCH_BUCKETS, (0, drafts) if drafts else (0,))
         _build_untuned([(req, "attention")], "attention kernels", gpu, command, stream)
+    return why
+
+
+def ensure_gemv_kernels(keys: list[KernelKey], stream=None) -> str | None:
+    """Build the one-row projection kernels of `keys` (kvbuffer.kernels.launch.gemv_key) for the local
+    GPU, untuned, one tuning record per weight shape; None once built, else one line saying why not
+    and what to run."""
+    if not keys:
+        return None
+    where, why = _local_build(keys[0], "projection kernels")
+    if why is None:
+        from ..autotune import tuner
+
+        gpu, command = where
+        requests = [(tuner.TuneRequest(gpu, key.record_shapes()[0], (1,), (1,)), "gemv") for key in keys]
+        _build_untuned(requests, "projection kernels", gpu, command, stream)
     return why
 
 

@@ -1,9 +1,10 @@
 """What one compiled kernel is specialised for (`KernelKey`), and what that key means to the cache.
 
 One key type serves every family: Gated DeltaNet ("gdn"), Mamba-2 ("mamba2"), the short conv
-("conv1d") and decode attention over the KV cache ("attention"). Its `op` names the kernel within
-the family; its `dims` carry the family's own dimension names (GDN's Hk, Hv, K, V; Mamba-2's G, H,
-N, P; the conv's D, W, span; attention's H, Hkv, D). Batch, pool and cache sizes are dynamic, so
+("conv1d"), decode attention over the KV cache ("attention") and the one-token projections
+("gemv"). Its `op` names the kernel within the family; its `dims` carry the family's own dimension
+names (GDN's Hk, Hv, K, V; Mamba-2's G, H, N, P; the conv's D, W, span; attention's H, Hkv, D; a
+projection's N, K). Batch, pool and cache sizes are dynamic, so
 they are not part of a key. From a key follow: the `kvbuffer tune` template
 that builds it, the tuning record shapes it is stored under, the buffer layouts it fits, and the
 command that builds it. PREFILL_CHUNKS, the prompt-chunk lengths the engine feeds the kernels and
@@ -26,6 +27,7 @@ CONV_UPDATE_KINDS = {"advance": "conv_advance", "verify": "conv_verify"}  # Comp
 ATTENTION_OPS = ("decode", "combine")  # the per-split pass over the cache, and the merge of the splits
 ATTENTION_MAX_TOKENS = 8  # new tokens per row the attention kernels take: a decode step up to a verify of 7 drafts
 ATTENTION_HEAD_DIMS = (32, 64, 128, 256)  # D / 32 elements a lane
+GEMV_OPS = ("gemv",)  # y = x W^T at one token
 ATTENTION_REGISTER_BUDGET = 64  # fp32 registers a lane spends on its query rows (and as many on their accumulators)
 DTYPE_NAMES = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}
 
@@ -94,21 +96,34 @@ def attention_shape(H: int, Hkv: int, D: int, dtype: str, kv_dtype: str) -> dict
     return {"family": "attention", "H": int(H), "Hkv": int(Hkv), "D": int(D), "dtype": dtype, "kv_dtype": kv_dtype}
 
 
-Dims = Union[GDNDims, Mamba2Dims, ConvDims, AttnDims]
-_DIMS = {"gdn": GDNDims, "mamba2": Mamba2Dims, "conv1d": ConvDims, "attention": AttnDims}
-_OPS = {"gdn": LINEAR_OPS, "mamba2": LINEAR_OPS, "conv1d": CONV_OPS, "attention": ATTENTION_OPS}
+@dataclass(frozen=True)
+class GemvDims:
+    N: int  # output features (rows of the weight)
+    K: int  # input features
+
+
+def gemv_shape(N: int, K: int, dtype: str) -> dict:
+    """The tuning record shape of the one-token projection kernel: the weight's rows and columns, and
+    the dtype of the weight, the input and the output."""
+    return {"family": "gemv", "N": int(N), "K": int(K), "dtype": dtype}
+
+
+Dims = Union[GDNDims, Mamba2Dims, ConvDims, AttnDims, GemvDims]
+_DIMS = {"gdn": GDNDims, "mamba2": Mamba2Dims, "conv1d": ConvDims, "attention": AttnDims, "gemv": GemvDims}
+_OPS = {"gdn": LINEAR_OPS, "mamba2": LINEAR_OPS, "conv1d": CONV_OPS, "attention": ATTENTION_OPS, "gemv": GEMV_OPS}
 
 
 @dataclass(frozen=True)
 class KernelKey:
     """One compiled kernel's specialisation.
 
-    family: "gdn" | "mamba2" | "conv1d" | "attention". op: "recurrent" | "buffered" | "flush" (linear
-    families), "advance" | "verify" | "accept" (conv1d), "decode" | "combine" (attention). in_dtype:
-    activations (conv: x and the pool; attention: q and the output; "" for a linear flush).
+    family: "gdn" | "mamba2" | "conv1d" | "attention" | "gemv". op: "recurrent" | "buffered" | "flush"
+    (linear families), "advance" | "verify" | "accept" (conv1d), "decode" | "combine" (attention),
+    "gemv". in_dtype: activations (conv: x and the pool; attention: q and the output; gemv: x, the
+    weight and the output; "" for a linear flush).
     buf_dtype: buffer entries (attention: the KV cache; "" for the recurrent step and the conv).
     w_dtype: the conv's weight and bias ("" otherwise). cap: buffer entries per slot. T: tokens per
-    row (conv advance: 0 = any count). C: flush_at (0: no fused flush).
+    row (conv advance: 0 = any count; gemv: rows of x). C: flush_at (0: no fused flush).
     """
 
     family: str
@@ -146,6 +161,8 @@ class KernelKey:
         if self.family == "attention":
             d = self.dims
             return [attention_shape(d.H, d.Hkv, d.D, self.in_dtype, self.buf_dtype)]
+        if self.family == "gemv":
+            return [gemv_shape(self.dims.N, self.dims.K, self.in_dtype)]
         if self.family != "conv1d":
             return [{"family": self.family, **self.dims.record_fields(), "dtype": self.dtype}]  # make_shape's form
         D, W = self.dims.D, self.dims.W
@@ -160,8 +177,11 @@ class KernelKey:
         The decode step and prefill chunks name C (flush_at), so drafts = cap - C - 1; a verify (no
         flush) is fed drafts + 1 = T tokens, so drafts = T - 1 and C = cap - T; a flush fits every
         split of its capacity (the first one built is used). Conv kernels serve every C: their
-        layout is the drafts their span makes room for; attention's, the drafts its T - 1 are.
+        layout is the drafts their span makes room for; attention's, the drafts its T - 1 are; a
+        projection fits every layout.
         """
+        if self.family == "gemv":
+            return [(None, 0)]
         if self.family == "attention":
             return [(None, self.T - 1)]
         if self.family == "conv1d":
@@ -185,7 +205,10 @@ class KernelKey:
         and the flush, all without z and with activations and entries of one dtype. conv1d: with
         SiLU, the step, the any-length prompt, the verify of all T drafts + 1 and the accept.
         attention: the decode step (T = 1) and the verify of T - 1 drafts + 1, each with its combine.
+        gemv: the one-row product (a forward of one token).
         """
+        if self.family == "gemv":
+            return "gemv" if self.T == 1 else None
         if self.family == "attention":
             if not 1 <= self.T <= ATTENTION_MAX_TOKENS:
                 return None
@@ -216,7 +239,7 @@ class KernelKey:
 
     def tune_command(self) -> str:
         """The `kvbuffer tune` command that builds this kernel (`<gpu>` left for the caller)."""
-        if self.family in ("conv1d", "attention"):
+        if self.family in ("conv1d", "attention", "gemv"):
             drafts = self.layouts()[0][1]
             return "kvbuffer tune --gpu <gpu> --model <model>" + (f" --draft-tokens {drafts}" if drafts > 0 else "")
         layouts = self.layouts()
@@ -233,6 +256,8 @@ class KernelKey:
         """The CompiledOp.kind the launchers expect for this kernel."""
         if self.family == "attention":
             return f"attention_{self.op}"
+        if self.family == "gemv":
+            return "gemv"
         if self.family != "conv1d":
             return self.op
         return CONV_UPDATE_KINDS.get(self.op, "conv_accept")
@@ -240,6 +265,8 @@ class KernelKey:
     def launch_params(self, tunables: dict) -> dict:
         """The compile-time parameters kvbuffer.kernels' launchers validate against."""
         d = self.dims
+        if self.family == "gemv":
+            return dict(tunables, N=d.N, K=d.K, rows=self.T, dtype=self.in_dtype)
         if self.family == "attention":
             p = dict(tunables, H=d.H, D=d.D, T_len=self.T, dtype=self.in_dtype, T=self.T)
             return p if self.op == "combine" else dict(p, Hkv=d.Hkv, kv_dtype=self.buf_dtype)

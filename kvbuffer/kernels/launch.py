@@ -2,7 +2,7 @@
 
 Each function here takes the custom op's arguments (kvbuffer.kernels.torch_ops registers them as
 the ops' CUDA implementations) plus `checked`: True runs the validating launcher of
-kvbuffer.kernels.gdn / .mamba2 / .conv / .attention first; False launches directly, skipping the checks that
+kvbuffer.kernels.gdn / .mamba2 / .conv / .attention / .gemv first; False launches directly, skipping the checks that
 read the device back (slot ranges, duplicate slots, buffer room, the fill rules), which stall the
 launch queue. Callers that built the slots and lengths themselves (the engine's kernel Backend)
 pass False; shapes, dtypes and contiguity are still checked by the compiled kernels' entry. A
@@ -18,7 +18,8 @@ import torch
 from ..errors import DTypeError
 from . import attention as attn
 from . import conv, gdn, mamba2
-from .keys import AttnDims, ConvDims, GDNDims, KernelKey, Mamba2Dims, check_conv_mode, dtype_name
+from . import gemv as one_row
+from .keys import AttnDims, ConvDims, GDNDims, GemvDims, KernelKey, Mamba2Dims, check_conv_mode, dtype_name
 from .lookup import kernel_for
 
 
@@ -222,6 +223,22 @@ def attention_decode(q, k_cache, v_cache, slots, cached, scale, context_len=0, *
                             splits=splits, checked=checked and not capturing())
 
 
+# ----------------------------------------------------------------------------------------------
+# a projection at one token
+
+
+def gemv_key(x, weight) -> KernelKey:
+    """The kernel a gemv call needs: the weight's shape and dtype, x's rows."""
+    return KernelKey("gemv", "gemv", GemvDims(weight.shape[0], weight.shape[1]), dtype_name(weight), T=x.shape[0])
+
+
+def gemv(x, weight, *, checked=True):
+    """x (rows, K) . weight (N, K)^T on the one-row projection kernel (the tensors' checks always run:
+    they read no device memory)."""
+    op = kernel_for(gemv_key(x, weight))
+    return _on_torch_stream(one_row.gemv, op, x, weight)
+
+
 CUDA_LAUNCHES = {
     "gdn_recurrent_step": gdn_recurrent_step, "gdn_buffered_step": gdn_buffered_step, "gdn_verify": gdn_verify,
     "gdn_flush": functools.partial(flush, "gdn"), "gdn_recurrent_drafts": gdn_recurrent_drafts,
@@ -229,6 +246,7 @@ CUDA_LAUNCHES = {
     "mamba2_verify": mamba2_verify, "mamba2_flush": functools.partial(flush, "mamba2"),
     "mamba2_recurrent_drafts": mamba2_recurrent_drafts,
     "conv1d_update": conv1d_update, "conv1d_accept": conv1d_accept, "attention_decode": attention_decode,
+    "gemv": gemv,
 }  # op name -> the CUDA implementation of torch.ops.kvbuffer.<name>
 
 

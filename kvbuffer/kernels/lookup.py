@@ -1,6 +1,6 @@
 """Find the compiled kernel for a KernelKey: the artifact cache, else a JIT compile, else an error.
 
-One lookup and one in-process cache for every family (GDN, Mamba-2, conv1d, attention):
+One lookup and one in-process cache for every family (GDN, Mamba-2, conv1d, attention, gemv):
 
 1. the artifact cache (kvbuffer.artifacts; built by `kvbuffer tune`; nothing is compiled), else
 2. a JIT compile with TileLang for the local GPU (kvbuffer.kernels' `build_*`), only when allowed:
@@ -85,7 +85,7 @@ def _from_artifacts(key: KernelKey, batch: int) -> CompiledOp:
         raise ArtifactError(f"`kvbuffer tune` builds no {key.op} kernel for {key} (it builds the recurrent step and, for "
                             "buffers of C + T + 1 entries, decode steps, prefill chunks, verifies of T + 1 tokens "
                             "and flushes; for the conv, the SiLU step, prompt, verify and accept; for attention, "
-                            "1 .. 8 new tokens per row)")
+                            "1 .. 8 new tokens per row; for a projection, one row)")
     errors = []
     for shape in key.record_shapes():
         try:
@@ -158,7 +158,11 @@ def jit_tunables(key: KernelKey) -> dict:
 def jit(key: KernelKey) -> CompiledOp:
     """Compile the kernel for `key` with TileLang for the local GPU (imports the compile side)."""
     from . import attention, conv, gdn, mamba2
+    from .gemv import build_gemv
 
+    if key.family == "gemv":
+        defaults = importlib.import_module("kvbuffer.tiles.gemv").DEFAULT
+        return build_gemv(key.dims.N, key.dims.K, key.T, dtype=key.in_dtype, **defaults)
     if key.family == "attention":
         d = key.dims
         if key.op == "combine":

@@ -12,6 +12,7 @@
     torch.ops.kvbuffer.conv1d_update(x, conv_state, slots, weight, bias=None, kind="advance", silu=True) -> out
     torch.ops.kvbuffer.conv1d_accept(conv_state, slots, accepted, width)
     torch.ops.kvbuffer.attention_decode(q, k_cache, v_cache, slots, cached, scale, context_len=0) -> out
+    torch.ops.kvbuffer.gemv(x, weight) -> x (rows, K) . weight (N, K)^T, (rows, N)
 
 Semantics, shapes and slot rules are kvbuffer.reference's (gdn / mamba2 / core / conv); `flush_at`
 = C > 0 folds a row whose buffer reaches C entries with these tokens into its state in the same
@@ -24,7 +25,8 @@ conv1d_update's `kind` is the conv mode (torch's auto-functionalization reserves
 conv1d_accept keeps the first accepted[b] drafts of each row. attention_decode reads the KV cache
 (its T new tokens already written) and mutates nothing; context_len bounds the rows' positions on
 the host (0: the cache's max_len) and only sets how the CUDA kernel splits them
-(kvbuffer.kernels.attention).
+(kvbuffer.kernels.attention). gemv is F.linear without a bias for a few rows (a forward of one
+token): on CUDA a weight-streaming kernel, faster than torch's GEMM at that size.
 
 CPU: the pure-torch reference (with its checks). CUDA: kvbuffer.kernels.launch, which looks the
 compiled kernel up (kvbuffer.kernels.lookup: artifact, else JIT when allowed, else ArtifactError)
@@ -181,6 +183,8 @@ def _meta_checks(name: str, args: dict) -> None:
     empty memory for it would be a silently wrong result.
     """
     check_same_device(args)
+    if name == "gemv":
+        return _gemv_checks(args["x"], args["weight"])
     if name == "attention_decode":
         return attention_batch_checks(args["q"], args["k_cache"], args["v_cache"], args["slots"], args["cached"])
     if name.startswith("conv1d"):
@@ -230,6 +234,8 @@ def _fake(name: str, output: str | None):
     def fake(*args, **kwargs):
         bound = _bind(name, args, kwargs)
         _meta_checks(name, bound)
+        if name == "gemv":
+            return bound["x"].new_empty(bound["x"].shape[0], bound["weight"].shape[0])
         return None if output is None else torch.empty_like(bound[output])
     return fake
 
@@ -272,6 +278,18 @@ def attention_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     return attention_reference(q, k_cache, v_cache, slots, cached, scale).contiguous()
 
 
+@torch.library.custom_op("kvbuffer::gemv", mutates_args=(), device_types="cpu")
+def gemv(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """torch.nn.functional.linear(x, weight): x (rows, K), weight (N, K) of one dtype -> (rows, N)."""
+    _meta_checks("gemv", dict(x=x, weight=weight))
+    return torch.nn.functional.linear(x, weight)
+
+
+def _gemv_checks(x: torch.Tensor, weight: torch.Tensor) -> None:
+    check_tensor("x", x, (None, None))
+    check_tensor("weight", weight, (None, x.shape[1]), (x.dtype,))
+
+
 # ----------------------------------------------------------------------------------------------
 # CUDA: the kernel layer's launches (validated; direct under CUDA-graph capture)
 
@@ -281,10 +299,12 @@ _BY_NAME = {
     "mamba2_recurrent_step": mamba2_recurrent_step, "mamba2_buffered_step": mamba2_buffered_step,
     "mamba2_verify": mamba2_verify, "mamba2_flush": mamba2_flush, "mamba2_recurrent_drafts": mamba2_recurrent_drafts,
     "conv1d_update": conv1d_update, "conv1d_accept": conv1d_accept, "attention_decode": attention_decode,
+    "gemv": gemv,
 }
 OPS = tuple(_BY_NAME)
 _OUTPUTS = {name: ("x" if name.startswith("mamba2") else "v") for name in OPS}
-_OUTPUTS.update(gdn_flush=None, mamba2_flush=None, conv1d_update="x", conv1d_accept=None, attention_decode="q")
+_OUTPUTS.update(gdn_flush=None, mamba2_flush=None, conv1d_update="x", conv1d_accept=None, attention_decode="q",
+                gemv=None)
 _PARAMS = {name: tuple(inspect.signature(op._init_fn).parameters.values()) for name, op in _BY_NAME.items()}
 
 

@@ -15,7 +15,7 @@ import dataclasses
 import torch
 from torch import nn
 
-from .layers import RMSNorm
+from .layers import Linear, RMSNorm
 
 
 class MultiTokenPredictor(nn.Module):
@@ -24,7 +24,7 @@ class MultiTokenPredictor(nn.Module):
         from .qwen3_5 import DecoderLayer
 
         H = cfg.hidden_size
-        self.fc = nn.Linear(2 * H, H, bias=False)
+        self.fc = Linear(2 * H, H, bias=False)
         self.pre_fc_norm_embedding = RMSNorm(H, cfg.rms_norm_eps, zero_centered=True)
         self.pre_fc_norm_hidden = RMSNorm(H, cfg.rms_norm_eps, zero_centered=True)
         # one full-attention layer, MoE when the model's MLPs are; it indexes its own KV cache (layer 0)

@@ -21,7 +21,7 @@ from torch import nn
 
 from ..pools import LinearLayerShape
 from ..runtime import mixing
-from .layers import PackedLinear, cache_layout, fp32, rms_normalize, route_to_experts
+from .layers import Linear, PackedLinear, cache_layout, fp32, rms_normalize, route_to_experts
 
 MODEL_TYPES = ("nemotron_h",)
 
@@ -200,13 +200,13 @@ class Mamba2Mixer(nn.Module):
         super().__init__()
         self.cfg, self.linear_index = cfg, linear_index
         Hm, D, I = cfg.mamba_num_heads, cfg.conv_dim, cfg.mamba_intermediate
-        self.in_proj = nn.Linear(cfg.hidden_size, I + D + Hm, bias=cfg.use_bias)
+        self.in_proj = Linear(cfg.hidden_size, I + D + Hm, bias=cfg.use_bias)
         self.conv1d = nn.Conv1d(D, D, cfg.conv_kernel, groups=D, bias=cfg.use_conv_bias)
         self.dt_bias = nn.Parameter(torch.ones(Hm))
         self.A_log = nn.Parameter(torch.zeros(Hm))
         self.D = nn.Parameter(torch.ones(Hm))
         self.norm = GroupedGatedRMSNorm(I, I // cfg.n_groups, cfg.layer_norm_epsilon)
-        self.out_proj = nn.Linear(I, cfg.hidden_size, bias=cfg.use_bias)
+        self.out_proj = Linear(I, cfg.hidden_size, bias=cfg.use_bias)
 
     def forward(self, h, batch, caches):
         c = self.cfg
@@ -231,7 +231,7 @@ class Attention(nn.Module):
         self.cfg, self.attn_index = cfg, attn_index
         H, n, kv, d = cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
         self.qkv_proj = PackedLinear(H, {"q_proj": n * d, "k_proj": kv * d, "v_proj": kv * d})
-        self.o_proj = nn.Linear(n * d, H, bias=False)
+        self.o_proj = Linear(n * d, H, bias=False)
 
     def forward(self, h, batch, caches):
         B, T, _ = h.shape
@@ -246,8 +246,8 @@ class MLP(nn.Module):
 
     def __init__(self, hidden: int, intermediate: int, act: str, bias: bool):
         super().__init__()
-        self.up_proj = nn.Linear(hidden, intermediate, bias=bias)
-        self.down_proj = nn.Linear(intermediate, hidden, bias=bias)
+        self.up_proj = Linear(hidden, intermediate, bias=bias)
+        self.down_proj = Linear(intermediate, hidden, bias=bias)
         self.act = _ACTIVATIONS[act]
 
     def forward(self, x):
@@ -329,8 +329,8 @@ class MoE(nn.Module):
         self.shared_experts = MLP(cfg.hidden_size, cfg.moe_shared_expert_intermediate_size, cfg.mlp_hidden_act,
                                   cfg.mlp_bias)
         if cfg.moe_latent_size is not None:  # Nemotron-3 Super: experts work in a smaller latent space
-            self.fc1_latent_proj = nn.Linear(cfg.hidden_size, dim, bias=cfg.mlp_bias)
-            self.fc2_latent_proj = nn.Linear(dim, cfg.hidden_size, bias=cfg.mlp_bias)
+            self.fc1_latent_proj = Linear(cfg.hidden_size, dim, bias=cfg.mlp_bias)
+            self.fc2_latent_proj = Linear(dim, cfg.hidden_size, bias=cfg.mlp_bias)
 
     def forward(self, x):
         h = x.reshape(-1, x.shape[-1])
@@ -383,7 +383,7 @@ class NemotronHForCausalLM(nn.Module):
         super().__init__()
         self.config = cfg
         self.model = Backbone(cfg)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embeddings.weight
 
@@ -440,7 +440,7 @@ class MTPBlock(Block):
         H, eps = cfg.hidden_size, cfg.layer_norm_epsilon
         if first:
             self.enorm, self.hnorm = RMSNorm(H, eps), RMSNorm(H, eps)
-            self.eh_proj = nn.Linear(2 * H, H, bias=False)
+            self.eh_proj = Linear(2 * H, H, bias=False)
         if last:
             self.final_layernorm = RMSNorm(H, eps)
 

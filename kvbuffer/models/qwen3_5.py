@@ -13,7 +13,7 @@ from torch import nn
 
 from ..pools import LinearLayerShape
 from ..runtime import mixing
-from .layers import (GatedMLP, GatedRMSNorm, PackedLinear, RMSNorm, SoftmaxTopKMoE, apply_rotary, cache_layout, fp32,
+from .layers import (GatedMLP, GatedRMSNorm, Linear, PackedLinear, RMSNorm, SoftmaxTopKMoE, apply_rotary, cache_layout, fp32,
                      rotary_cos_sin)
 
 MODEL_TYPES = ("qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text", "qwen3_next")
@@ -120,7 +120,7 @@ class GatedDeltaNetMixer(nn.Module):
         self.dt_bias = nn.Parameter(torch.ones(Hv))
         self.A_log = nn.Parameter(torch.zeros(Hv))
         self.norm = GatedRMSNorm(Vd, cfg.rms_norm_eps)
-        self.out_proj = nn.Linear(Hv * Vd, H, bias=False)
+        self.out_proj = Linear(Hv * Vd, H, bias=False)
 
     def _projections(self, x):
         """(qkv (B, T, conv_dim), z (B, T, Hv, V), b, a (B, T, Hv)) in the unfused layout."""
@@ -159,7 +159,7 @@ class GatedAttention(nn.Module):
         self.cfg, self.attn_index = cfg, attn_index
         H, n, kv, d = cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
         self.qkv_proj = PackedLinear(H, {"q_proj": 2 * n * d, "k_proj": kv * d, "v_proj": kv * d})  # q with its gate
-        self.o_proj = nn.Linear(n * d, H, bias=False)
+        self.o_proj = Linear(n * d, H, bias=False)
         self.q_norm = RMSNorm(d, cfg.rms_norm_eps, zero_centered=True)
         self.k_norm = RMSNorm(d, cfg.rms_norm_eps, zero_centered=True)
 
@@ -228,7 +228,7 @@ class Qwen35ForCausalLM(nn.Module):
         super().__init__()
         self.config = cfg
         self.model = Backbone(cfg)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 

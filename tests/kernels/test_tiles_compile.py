@@ -81,7 +81,7 @@ def test_template_compiles_for_sm90a(case):
 
 ARCHS = sorted({gpu.arch for gpu in CATALOGUE})  # every arch `kvbuffer tune --list-gpus` offers
 # one small kernel per template family: GDN and Mamba-2 recurrent / buffered (both Mamba-2 variants) / flush,
-# the conv1d update and accept
+# the conv1d update and accept, the one-row projection
 FAMILY_KERNELS = {
     "gdn_recurrent": ("gdn_recurrent", dict(Hk=1, Hv=2, K=32, V=32, BV=16, threads=64)),
     "gdn_buffered_verify2_fused_flush": ("gdn_buffered", dict(Hk=1, Hv=2, K=32, V=32, cap=9, T_new=2, flush_at=8,
@@ -96,6 +96,7 @@ FAMILY_KERNELS = {
     "mamba2_flush": ("mamba2.mamba2_flush", dict(G=1, H=2, N=32, P=32, cap=9, BV=16, threads=64)),
     "conv1d_update": ("conv1d.conv1d_update", dict(D=256, W=4, span=6, T_len=2, mode="verify")),
     "conv1d_accept": ("conv1d.conv1d_accept", dict(D=256, W=4, span=6)),
+    "gemv_ragged": ("gemv.gemv", dict(N=37, K=2688)),
 }
 
 

@@ -249,14 +249,17 @@ def test_tune_without_a_model_builds_every_preset_shape_once(monkeypatch, tmp_pa
     linear = {tuple(sorted(preset_shape(name).items())) for name in models.PRESETS}
     convs = {tuple(sorted(models.conv_shape(dict(s)).items())) for s in linear}
     softmax = {tuple(sorted(models.preset_attention_shape(name).items())) for name in models.PRESETS}
+    projections = {tuple(sorted(p.items())) for name in models.PRESETS for p in models.preset_gemv_shapes(name)}
     headers = [line for line in result.output.splitlines() if "building (untuned)" in line]
-    n = len(linear) + len(convs) + len(softmax)
+    n = len(linear) + len(convs) + len(softmax) + len(projections)
     assert len(headers) == n and len(linear) + len(convs) == 10  # three presets share one linear head shape
     assert sum("attention H=" in h for h in headers) == len(softmax) >= 2
+    assert sum("gemv N=" in h for h in headers) == len(projections) >= 12
     assert [h.split("]")[0] for h in headers] == [f"[{i}/{n}" for i in range(1, n + 1)]
     assert sum("1/1] gdn_toy C=8: built" in line for line in result.output.splitlines()) == 3
     rows = [line.split()[-1] for line in result.output.splitlines() if line.startswith(("gdn_toy", "mamba2_toy",
-                                                                                         "conv1d_toy", "attention_toy"))]
+                                                                                         "conv1d_toy", "attention_toy",
+                                                                                         "gemv_toy"))]
     assert len(rows) == len(set(rows)) == n
     assert len(ArtifactCache(tmp_path).manifest()["tunings"]) == n
     assert "INFO" not in result.output

@@ -1,0 +1,53 @@
+"""The one-token projection kernel (tiles/gemv.py) as a tuner template, family "gemv".
+
+Its shape is kvbuffer.kernels.keys.gemv_shape: {"family": "gemv", "N": output features, "K": input
+features, "dtype"}; one per distinct weight matrix of a model's linear layers without bias
+(kvbuffer.autotune.models.model_gemv_shapes). It depends on no chunk size and no buffer layout, and
+only a one-token forward runs it, so the tuner's batch buckets all time the same one-row product
+(the winner is the same in each).
+
+    gemv    y (1, N) = x (1, K) . W^T
+
+Inputs: x and W drawn N(0, 1) and N(0, 1 / K), so outputs are O(1). The check compares against the
+product in fp64.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+
+from .registry import Template, _compile, _run, source_digest
+
+GEMV_TILES = "kvbuffer.tiles.gemv"
+
+
+def _tiles():
+    return importlib.import_module(GEMV_TILES)
+
+
+def _build(shape, chunk_size, *, target, **t):
+    return _compile(_tiles().gemv(shape["N"], shape["K"], 1, dtype=shape["dtype"], **t), target)
+
+
+def _inputs(shape, batch, chunk_size, device, gen):
+    import torch
+
+    dt = getattr(torch, shape["dtype"])
+    N, K = shape["N"], shape["K"]
+    x = torch.randn(1, K, generator=gen, device=device).to(dt)
+    w = (torch.randn(N, K, generator=gen, device=device) * K ** -0.5).to(dt)
+    return [x, w, torch.empty(1, N, device=device, dtype=dt)]
+
+
+def _reference(shape, chunk_size, args):
+    x, w = args[0], args[1]
+    return {2: x.double() @ w.double().T}
+
+
+def gemv_templates() -> list[Template]:
+    if importlib.util.find_spec(GEMV_TILES) is None:
+        return []
+    tiles = _tiles()
+    return [Template("gemv", "gemv", _build, tiles.get_configs, dict(tiles.DEFAULT), _inputs, _reference, _run,
+                     source_digest(), uses_chunk=False)]
