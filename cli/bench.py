@@ -136,13 +136,16 @@ def _profile_option(f):
               help="Sample every request at this temperature (0: greedy).")
 @click.option("--top-p", default=1.0, show_default=True, type=click.FloatRange(0.0, 1.0, min_open=True),
               help="Nucleus mass for the sampled requests.")
+@click.option("--gemv", default="auto", show_default=True, type=click.Choice(["auto", "true", "false"]),
+              help="One-token forwards' projections on the one-row kernel (LLM(gemv=...)); the peers row "
+                   "always runs torch's GEMM.")
 @_profile_option
 def decode(preset, modes, prompt_len, new_tokens, chunk_size, kernels, cuda_graphs, compile_, out, batches,
-           temperature, top_p, profile_batch):
+           temperature, top_p, gemv, profile_batch):
     """Decode throughput and step latency, kvbuffer vs the recurrent scheme, random-weight model."""
     _engine_run("decode", preset, modes, kernels, cuda_graphs, compile_, out, prompt_len=prompt_len,
                 new_tokens=new_tokens, chunk_size=chunk_size, batches=positive_ints(batches, "--batches"),
-                temperature=temperature, top_p=top_p, profile_batch=profile_batch)
+                temperature=temperature, top_p=top_p, gemv=_flag(gemv), profile_batch=profile_batch)
 
 
 @bench.command("spec")

@@ -23,8 +23,9 @@ attention, everything else) per step.
 Mode "peers" (kvbuffer.bench.peers) is the recurrent scheme on the kernels today's servers call
 (FLA's fused recurrent GDN update, mamba_ssm's selective_state_update; speculative decoding keeps one
 state per fed token): the baseline vLLM and SGLang users have. Where the family's package is
-missing, its rows are skipped with one line. `compile` is LLM(compile=...): compare "auto" (on CUDA
-with graphs) against False for the fused step's effect.
+missing, its rows are skipped with one line; its projections run on torch's GEMM, as the servers'
+do. `compile` is LLM(compile=...): compare "auto" (on CUDA with graphs) against False for the fused
+step's effect; `gemv` is LLM(gemv=...): compare "auto" against False for the one-row projections'.
 """
 
 from __future__ import annotations
@@ -234,11 +235,13 @@ def peers_missing(model) -> str | None:
     return None
 
 
-def _engine(model, *, device, mode, batch, max_len, chunk_size, kernels, cuda_graphs, compile="auto", drafts=0):
+def _engine(model, *, device, mode, batch, max_len, chunk_size, kernels, cuda_graphs, compile="auto", drafts=0,
+            gemv="auto"):
     spec = {"method": "ngram", "num_draft_tokens": drafts} if drafts else None
     states = reserve_pad_slot(batch) if mode == PEERS else None
     llm = LLM(model, device=device, mode=_scheme(mode), chunk_size=chunk_size, max_batch=batch, max_len=max_len,
-              max_states=states, kernels=kernels, cuda_graphs=cuda_graphs, compile=compile, speculative=spec)
+              max_states=states, kernels=kernels, cuda_graphs=cuda_graphs, compile=compile, speculative=spec,
+              gemv=False if mode == PEERS else gemv)
     if mode == PEERS:
         llm.backend = llm.runner.backend = PeersBackend(**{f"{f}_update": fn for f, fn in load_peers().items()})
     return llm
@@ -269,12 +272,12 @@ def _decode_row(llm, prompts, *, device, new_tokens, sampling: dict | None = Non
                 first_step_s=st.step_seconds[0],
                 step_ms_mean=1e3 * sum(secs) / len(secs), steps=len(secs), peak_batch=st.peak_batch,
                 kernels=bool(llm.kernels), cuda_graphs=bool(llm.cuda_graphs and llm.runner.graphs.enabled),
-                compiled=llm.runner.compiled is not None, unbuffered_rows=llm.runner.unbuffered_rows)
+                compiled=llm.runner.compiled is not None, unbuffered_rows=llm.runner.unbuffered_rows, gemv=llm.gemv)
 
 
 def bench_decode(model, *, batches, modes=MODES, prompt_len=128, new_tokens=32, chunk_size=16, device="cuda",
                  kernels="auto", cuda_graphs="auto", compile="auto", profile_batch=0, temperature=0.0, top_p=1.0,
-                 on_row=lambda rows: None) -> list[dict]:
+                 gemv="auto", on_row=lambda rows: None) -> list[dict]:
     """Decode rows per batch and mode; temperature > 0 samples every request (unseeded), which is what
     most serving traffic does: its tokens are drawn after each step rather than picked inside it."""
     sampling = {} if temperature == 0.0 else dict(temperature=temperature, top_p=top_p)
@@ -284,7 +287,7 @@ def bench_decode(model, *, batches, modes=MODES, prompt_len=128, new_tokens=32, 
         prompts = random_prompts(B, prompt_len, model.config.vocab_size, seed=B, spread=chunk_size)
         for mode in modes:
             llm = _engine(model, device=device, mode=mode, batch=B, max_len=prompt_len + chunk_size + new_tokens + 8,
-                          chunk_size=chunk_size, kernels=kernels, cuda_graphs=cuda_graphs, compile=compile)
+                          chunk_size=chunk_size, kernels=kernels, cuda_graphs=cuda_graphs, compile=compile, gemv=gemv)
             row = dict(batch=B, mode=mode, temperature=temperature, top_p=top_p,
                        **_decode_row(llm, prompts, device=device, new_tokens=new_tokens, sampling=sampling))
             print(f"decode B={B:4d} {mode:9s} {row['decode_tokens_per_s']:10.1f} tok/s {row['step_ms']:8.2f} ms/step"

@@ -30,6 +30,7 @@ from .sampling import (SamplingParams, check_drawn, pick_rows, sample_rows, samp
                        token_logprob)
 from .scheduler import Scheduler
 from .drafters import MTPDrafter, NgramDrafter
+from .one_row import use_one_row_kernel
 from .options import check_generate_args, check_int, check_llm_args
 from .overlap import InflightStep, ends_at_length, plan_feed, use_overlap
 from .speculative import SpeculativeConfig, accept_drafts, accept_sampled
@@ -168,6 +169,10 @@ class LLM:
         overlap: queue each decode step before reading the last one's tokens back, so the
         host's work hides behind the GPU's (kvbuffer.engine.overlap; the outputs are the same, a
         step()'s tokens arrive one step later): True, False or "auto" (on CUDA).
+        gemv: run one-token forwards' projections (a B = 1 decode step's) on kvbuffer's one-row kernel,
+            which streams the weights faster than torch's GEMM at one row (kvbuffer.engine.one_row):
+            True, False or "auto" (with the compiled kernels, where each projection's kernel loads or
+            builds); `self.gemv` says how many projections take it.
         unbuffered_rows: kvbuffer mode's decode steps of at most this many rows fold their buffers
         into their states and step the recurrence directly (kvbuffer.engine.runner.ModelRunner), where
         the states are too few for the buffer to pay; "auto": on the kernels, what `kvbuffer tune`
@@ -178,7 +183,8 @@ class LLM:
                  max_batch: int = 16, max_states: int | None = None, max_len: int = 2048,
                  max_prefill_tokens: int = 1024, tokenizer=None, speculative: dict | None = None,
                  memory_budget: int | None = None, kernels: bool | str = "auto", cuda_graphs: bool | str = "auto",
-                 compile: bool | str = False, overlap: bool | str = "auto", unbuffered_rows: int | str = "auto"):
+                 compile: bool | str = False, overlap: bool | str = "auto", unbuffered_rows: int | str = "auto",
+                 gemv: bool | str = "auto"):
         check_llm_args(model, device=device, dtype=dtype, chunk_size=chunk_size, max_batch=max_batch, max_states=max_states, max_len=max_len, max_prefill_tokens=max_prefill_tokens, speculative=speculative, memory_budget=memory_budget, kernels=kernels, cuda_graphs=cuda_graphs)  # noqa: E501
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
@@ -218,6 +224,7 @@ class LLM:
                             requests=max_batch, states=max_states or max_batch)
         self.backend, self.kernels_reason = self._use_kernels(kernels, spec, mode)
         self.kernels = self.backend.kernels
+        self.gemv = use_one_row_kernel(model, gemv, self.kernels)
         buffer_dtype = kernel_dtype(self.dtype) if self.kernels else None
         self.cuda_graphs = self._use_graphs(cuda_graphs, spec)
         self.compiled = use_compile(compile, self.device, self.cuda_graphs)
