@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from kvbuffer import ops
-from kvbuffer.kernels import build_gemv, gemv, launch
+from kvbuffer.kernels import build_gemv, gemv, launch, lookup
 
 pytestmark = pytest.mark.gpu
 
@@ -115,5 +115,5 @@ def test_engine_one_row_kernel_follows_torch_gemm(kind, compiled):
     n = len(one_row_linears(llm.model))
     assert llm.gemv == f"{n} of {n} projections" and n >= 3
     got = llm.generate(PROMPTS, max_new_tokens=24, return_logits=True)
-    assert any(k.family == "gemv" for k in launch.lookup.loaded_keys())
+    assert any(k.family == "gemv" for k in lookup.loaded_keys())
     compare_greedy(got, want, tol=0.1)
