@@ -18,7 +18,7 @@ import json
 from pathlib import Path
 
 from kvbuffer import presets
-from kvbuffer.kernels.keys import attention_shape, gemv_shape
+from kvbuffer.kernels.keys import attention_shape, gemv_fits, gemv_shape
 from kvbuffer.tuning import make_conv_shape, make_shape
 
 DEFAULT_DTYPE = "bfloat16"
@@ -46,10 +46,17 @@ def checkpoint_shape(path: str | Path, dtype: str | None = None) -> dict:
     return config_shape(json.loads(cfg_path.read_text()), dtype, source=str(cfg_path))
 
 
+def config_dtype(cfg: dict, dtype: str | None = None) -> str:
+    """`dtype` if given, else the dtype a transformers-style config names (its text config's first),
+    else bfloat16."""
+    text = cfg.get("text_config") or cfg
+    return dtype or text.get("dtype") or text.get("torch_dtype") or cfg.get("torch_dtype") or DEFAULT_DTYPE
+
+
 def config_shape(cfg: dict, dtype: str | None = None, source: str = "config") -> dict:
     """The linear-attention head shape a transformers-style config dict declares."""
     text = cfg.get("text_config") or cfg  # Qwen3.5 checkpoints are vision-language models
-    dtype = dtype or text.get("dtype") or text.get("torch_dtype") or cfg.get("torch_dtype") or DEFAULT_DTYPE
+    dtype = config_dtype(cfg, dtype)
     if "linear_num_value_heads" in text:
         return make_shape("gdn", text["linear_num_key_heads"], text["linear_num_value_heads"],
                           text["linear_key_head_dim"], text["linear_value_head_dim"], dtype)
@@ -98,7 +105,7 @@ def config_attention_shape(cfg: dict, dtype: str | None = None) -> dict | None:
         or "*" in (text.get("hybrid_override_pattern") or "")
     if not (has_attention and heads and kv_heads):
         return None
-    dtype = dtype or text.get("dtype") or text.get("torch_dtype") or cfg.get("torch_dtype") or DEFAULT_DTYPE
+    dtype = config_dtype(cfg, dtype)
     head_dim = text.get("head_dim") or text["hidden_size"] // heads
     return attention_shape(heads, kv_heads, head_dim, dtype, dtype)
 
@@ -112,26 +119,28 @@ def checkpoint_attention_shape(path: str | Path, dtype: str | None = None) -> di
     return config_attention_shape(json.loads((path / "config.json" if path.is_dir() else path).read_text()), dtype)
 
 
-def config_gemv_shapes(cfg: dict, dtype: str | None = None) -> list[dict]:
-    """The one-token projection shapes of the model a transformers-style config declares: every
-    distinct (rows, columns) of its bias-free projection weights (kvbuffer.models.layers.one_row_linears),
-    read off the model built on the meta device (no memory, and no copy of its layer shapes here).
-    None (an empty list) for a model in another dtype than the kernel's (bf16, fp16)."""
+def config_projection_counts(cfg: dict) -> dict[tuple[int, int], int]:
+    """(N, K) -> how many of the model's bias-free projections (kvbuffer.models.layers.one_row_linears)
+    have a weight of that shape, read off the model built on the meta device (no memory, and no copy
+    of its layer shapes here)."""
     import torch
-
-    from kvbuffer.tiles.gemv import DTYPES
 
     from kvbuffer.models.layers import one_row_linears
     from kvbuffer.models.loader import build_model
 
-    text = cfg.get("text_config") or cfg
-    dtype = dtype or text.get("dtype") or text.get("torch_dtype") or cfg.get("torch_dtype") or DEFAULT_DTYPE
-    if dtype not in DTYPES:
-        return []
     with torch.device("meta"):
         model = build_model(cfg)
-    sizes = dict.fromkeys(tuple(m.weight.shape) for m in one_row_linears(model))
-    return [gemv_shape(N, K, dtype) for N, K in sizes]
+    counts: dict[tuple[int, int], int] = {}
+    for m in one_row_linears(model):
+        counts[tuple(m.weight.shape)] = counts.get(tuple(m.weight.shape), 0) + 1
+    return counts
+
+
+def config_gemv_shapes(cfg: dict, dtype: str | None = None) -> list[dict]:
+    """The one-token projection shapes of the model a transformers-style config declares: one per
+    distinct weight shape the one-row kernel takes (none for a model in another dtype than bf16, fp16)."""
+    dtype = config_dtype(cfg, dtype)
+    return [gemv_shape(N, K, dtype) for N, K in config_projection_counts(cfg) if gemv_fits(K, dtype)]
 
 
 def preset_gemv_shapes(name: str, dtype: str = DEFAULT_DTYPE) -> list[dict]:

@@ -20,27 +20,14 @@ import torch
 import torch.nn.functional as F
 
 
-def projection_counts(model: str) -> dict:
-    """(N, K) -> how many of the preset's bias-free projections have that weight shape."""
-    from kvbuffer import presets
-    from kvbuffer.models.layers import one_row_linears
-    from kvbuffer.models.loader import build_model
-
-    with torch.device("meta"):
-        built = build_model(presets.get(model).hf_config())
-    counts: dict = {}
-    for m in one_row_linears(built):
-        counts[tuple(m.weight.shape)] = counts.get(tuple(m.weight.shape), 0) + 1
-    return counts
-
-
 def run(model: str, rows: int) -> list[dict]:
-    from kvbuffer.autotune.models import preset_gemv_shapes
+    from kvbuffer import presets
+    from kvbuffer.autotune.models import config_projection_counts, preset_gemv_shapes
     from kvbuffer.bench.timing import copy_bandwidth, graph_median, l2_bytes, sets_to_exceed
     from kvbuffer.kernels import launch
 
     copy = copy_bandwidth()
-    counts = projection_counts(model)
+    counts = config_projection_counts(presets.get(model).hf_config())
     out = []
     for shape in preset_gemv_shapes(model):
         N, K, dt = shape["N"], shape["K"], getattr(torch, shape["dtype"])

@@ -19,8 +19,8 @@ rows is compile-time (1 for a decode step; a few more for the tests and the benc
 
 # no `from __future__ import annotations`: TileLang evaluates the T.Tensor annotations
 
-DTYPES = ("bfloat16", "float16")
-CHUNK = 8  # elements of a 16-byte load
+from ..kernels.keys import GEMV_CHUNK as CHUNK, GEMV_DTYPES as DTYPES  # the rule the runtime checks too
+
 F32 = "float32"
 
 # the untuned default: close to every measured shape's winner (docs/kernels.md, "One-token projections")

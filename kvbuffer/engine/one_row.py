@@ -17,12 +17,12 @@ import torch
 
 from ..errors import ArtifactError
 from ..kernels import autobuild, launch, lookup
+from ..kernels.keys import dtype_name, gemv_fits
 from ..models.layers import one_row_linears
 
 log = logging.getLogger("kvbuffer")
 
 OPTIONS = (True, False, "auto")
-DTYPES = (torch.bfloat16, torch.float16)
 
 
 def use_one_row_kernel(model: torch.nn.Module, option, kernels: bool) -> str:
@@ -41,8 +41,8 @@ def use_one_row_kernel(model: torch.nn.Module, option, kernels: bool) -> str:
         if option is True:
             raise ValueError("gemv=True needs the compiled kernels (kernels=True on a CUDA device)")
         return "the linear layers run on the reference ops"
-    fits = [m for m in mods if m.weight.is_cuda and m.weight.dtype in DTYPES and m.weight.shape[1] % 8 == 0]
-    keys = {m: launch.gemv_key(m.weight[:1], m.weight) for m in fits}
+    fits = [m for m in mods if m.weight.is_cuda and gemv_fits(m.weight.shape[1], dtype_name(m.weight))]
+    keys = {m: launch.gemv_key(m.weight) for m in fits}
     missing = _missing(set(keys.values()))
     if missing and not lookup.jit_allowed():
         unbuilt = autobuild.ensure_gemv_kernels(sorted(missing, key=str))

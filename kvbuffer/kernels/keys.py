@@ -28,6 +28,8 @@ ATTENTION_OPS = ("decode", "combine")  # the per-split pass over the cache, and 
 ATTENTION_MAX_TOKENS = 8  # new tokens per row the attention kernels take: a decode step up to a verify of 7 drafts
 ATTENTION_HEAD_DIMS = (32, 64, 128, 256)  # D / 32 elements a lane
 GEMV_OPS = ("gemv",)  # y = x W^T at one token
+GEMV_DTYPES = ("bfloat16", "float16")  # the one-row kernel's dtypes (weight, input and output alike)
+GEMV_CHUNK = 8  # elements of its 16-byte loads: K must be a multiple
 ATTENTION_REGISTER_BUDGET = 64  # fp32 registers a lane spends on its query rows (and as many on their accumulators)
 DTYPE_NAMES = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}
 
@@ -100,6 +102,11 @@ def attention_shape(H: int, Hkv: int, D: int, dtype: str, kv_dtype: str) -> dict
 class GemvDims:
     N: int  # output features (rows of the weight)
     K: int  # input features
+
+
+def gemv_fits(K: int, dtype: str) -> bool:
+    """Whether the one-row kernel takes a weight of K columns in `dtype` (a name, "bfloat16")."""
+    return dtype in GEMV_DTYPES and K % GEMV_CHUNK == 0
 
 
 def gemv_shape(N: int, K: int, dtype: str) -> dict:

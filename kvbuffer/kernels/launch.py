@@ -227,15 +227,15 @@ def attention_decode(q, k_cache, v_cache, slots, cached, scale, context_len=0, *
 # a projection at one token
 
 
-def gemv_key(x, weight) -> KernelKey:
-    """The kernel a gemv call needs: the weight's shape and dtype, x's rows."""
-    return KernelKey("gemv", "gemv", GemvDims(weight.shape[0], weight.shape[1]), dtype_name(weight), T=x.shape[0])
+def gemv_key(weight, rows: int = 1) -> KernelKey:
+    """The kernel a gemv call of `rows` rows needs: the weight's shape and dtype."""
+    return KernelKey("gemv", "gemv", GemvDims(weight.shape[0], weight.shape[1]), dtype_name(weight), T=rows)
 
 
 def gemv(x, weight, *, checked=True):
     """x (rows, K) . weight (N, K)^T on the one-row projection kernel (the tensors' checks always run:
     they read no device memory)."""
-    op = kernel_for(gemv_key(x, weight))
+    op = kernel_for(gemv_key(weight, x.shape[0]))
     return _on_torch_stream(one_row.gemv, op, x, weight)
 
 

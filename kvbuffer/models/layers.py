@@ -11,6 +11,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..kernels import launch
+
 
 def rms_normalize(x: torch.Tensor, eps: float, weight: torch.Tensor | None = None) -> torch.Tensor:
     """x / rms(x) over the last dim, times an optional weight, computed in fp32 and returned in x's dtype.
@@ -85,8 +87,6 @@ def project(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, on
     streams the weight faster than torch's GEMM does at one row: a B = 1 decode step is four fifths
     projections. The same product to the output's rounding (fp32 accumulation in another order)."""
     if one_row and bias is None and x.numel() == x.shape[-1] and x.dtype == weight.dtype:
-        from ..kernels import launch
-
         y = launch.engine_rows("gemv", x.reshape(1, -1).contiguous(), weight)
         return y.view(*x.shape[:-1], weight.shape[0])
     return F.linear(x, weight, bias)
