@@ -13,8 +13,9 @@ kernels an engine launches are not in the artifact cache and JIT is off:
 - otherwise: nothing is built, and the reason is one line naming the command that builds them.
 
 Decode attention's kernels are built the same way on their first use (`ensure_attention_kernels`,
-called by the kernel Backend when the attention layers first run): the engine's caches do not name
-the query heads, the calls do. The one-token projection kernels are built when the engine is
+called by the kernel Backend when the attention layers first run, and by the launcher when a
+compiled forward's first call of a new token count, a verify's, finds them missing): the engine's
+caches do not name the query heads, the calls do. The one-token projection kernels are built when the engine is
 (`ensure_gemv_kernels`, from kvbuffer.engine.one_row): the model's weights name their shapes.
 
 KVBUFFER_BUILD_KERNELS=0 turns the build off (a server that must not compile at start-up).

@@ -15,8 +15,9 @@ import functools
 
 import torch
 
-from ..errors import DTypeError
+from ..errors import ArtifactError, DTypeError
 from . import attention as attn
+from . import autobuild
 from . import conv, gdn, mamba2
 from . import gemv as one_row
 from .keys import AttnDims, ConvDims, GDNDims, GemvDims, KernelKey, Mamba2Dims, check_conv_mode, dtype_name
@@ -215,12 +216,26 @@ def attention_decode(q, k_cache, v_cache, slots, cached, scale, context_len=0, *
     """Attention of q's T new tokens over each row's cache, read in place; context_len (0: the cache's
     max_len) bounds the rows' positions on the host and sets the split count."""
     B = q.shape[0]
-    op = kernel_for(attention_key("decode", q, k_cache), B)
+    op = _attention_kernel(attention_key("decode", q, k_cache), B)
     device = q.device.index if q.device.index is not None else torch.cuda.current_device()
     splits = attn.splits_for(attn.decode_blocks(op, B), context_len or k_cache.shape[1], _sm_count(device))
-    combine = kernel_for(attention_key("combine", q, k_cache), B) if splits > 1 else None
+    combine = _attention_kernel(attention_key("combine", q, k_cache), B) if splits > 1 else None
     return _on_torch_stream(attn.attention_decode, op, combine, q, k_cache, v_cache, slots, cached, scale,
                             splits=splits, checked=checked and not capturing())
+
+
+def _attention_kernel(key: KernelKey, batch: int):
+    """kernel_for, building the attention kernels of `key`'s token count once into the artifact cache
+    when they are missing (autobuild.ensure_attention_kernels), outside a CUDA-graph capture. The
+    kernel Backend's eager check does that for a forward's first call, but a compiled forward skips
+    it, so a verify whose kernels were never built would otherwise fail its warm-up, and the engine
+    would drop the compiled forward for every step."""
+    try:
+        return kernel_for(key, batch)
+    except ArtifactError:
+        if capturing() or autobuild.ensure_attention_kernels(key) is not None:
+            raise
+        return kernel_for(key, batch)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -256,3 +256,37 @@ def test_reference_backend_never_attends_in_place():
     q, kc = torch.zeros(B, 1, H, D, dtype=bf16), torch.zeros(NS, ML, HKV, D, dtype=bf16)
     assert not REFERENCE.attends_in_place(q, kc)
     assert not KernelBackend().attends_in_place(q, kc)  # CPU tensors: the torch path, nothing looked up
+
+
+@pytest.mark.parametrize("capture,built", [(False, True), (False, False), (True, True)],
+                         ids=["builds-and-loads", "cannot-build", "inside-a-capture"])
+def test_missing_attention_kernels_are_built_once_outside_a_capture(monkeypatch, capture, built):
+    """A compiled forward's first verify reaches the launcher without the Backend's eager check: a
+    missing kernel is built into the artifact cache (outside a capture) and loaded; otherwise the
+    ArtifactError stands."""
+    from kvbuffer.errors import ArtifactError
+
+    key = KernelKey("attention", "decode", AttnDims(H, HKV, D), "bfloat16", "bfloat16", T=5)
+    cache, asked = {}, []
+
+    def kernel_for(k, batch):
+        if k not in cache:
+            raise ArtifactError(f"no compiled kernel for {k}")
+        return cache[k]
+
+    def ensure(k):
+        asked.append(k)
+        if built:
+            cache[k] = "op"
+            return None
+        return "no compiled attention kernels; build them with `kvbuffer tune ...`"
+
+    monkeypatch.setattr(launch, "kernel_for", kernel_for)
+    monkeypatch.setattr(launch, "capturing", lambda: capture)
+    monkeypatch.setattr(launch.autobuild, "ensure_attention_kernels", ensure)
+    if capture or not built:
+        with pytest.raises(ArtifactError, match="no compiled kernel"):
+            launch._attention_kernel(key, 1)
+    else:
+        assert launch._attention_kernel(key, 1) == "op"
+    assert asked == ([] if capture else [key])
