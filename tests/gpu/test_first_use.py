@@ -45,3 +45,37 @@ def test_generate_builds_the_demo_kernels_once_then_loads_them(tmp_path):
     assert "building" not in second.stderr and "note:" not in second.stderr, second.stderr
     assert "linear layers on kernels" in second.stderr, second.stderr
     assert second.stdout == first.stdout  # greedy, same kernels: the same text
+
+
+def test_compiled_verify_builds_its_missing_attention_kernels(tmp_path, monkeypatch):
+    """An artifact cache with the decode step's attention kernels but no verify's (a plain run filled
+    it): a compiled speculative engine's first verify builds the verify pair (outside the CUDA-graph
+    capture; the Backend's eager check is skipped under torch.compile) and keeps its compiled forward,
+    instead of dropping it for every later step."""
+    import torch
+
+    from kvbuffer import LLM, ops
+    from kvbuffer.kernels import lookup
+    from tests.gpu.test_engine_perf import PROMPTS, _run
+    from tests.support.tiny_models import tiny_model
+
+    monkeypatch.setenv("KVBUFFER_CACHE_DIR", str(tmp_path))
+    for name in ("KVBUFFER_JIT", "KVBUFFER_BUILD_KERNELS"):
+        monkeypatch.delenv(name, raising=False)
+    ops.allow_jit(False)
+    lookup.clear_kernels()
+    torch._dynamo.reset()
+    kw = dict(device="cuda", dtype=torch.bfloat16, chunk_size=8, max_batch=4, max_len=96, kernels=True)
+    try:
+        plain = LLM(tiny_model("qwen3_5", head_dim=64), **kw)
+        refs = [(p, o.token_ids) for p, o in zip(PROMPTS, _run(plain))]
+        assert {k.T for k in lookup.loaded_keys() if k.family == "attention"} == {1}
+        lookup.clear_kernels()
+        spec = LLM(tiny_model("qwen3_5", head_dim=64), compile=True,
+                   speculative={"method": "ngram", "num_draft_tokens": 3}, **kw)
+        _run(spec, refs)
+        assert spec.runner.compiled is not None, "the compiled forward was dropped"
+        assert any(k.family == "attention" and k.T == 4 for k in lookup.loaded_keys())
+    finally:
+        ops.allow_jit(None)
+        lookup.clear_kernels()
