@@ -13,6 +13,11 @@ tune's artifacts makes that tune fail instead of leaving a record that points at
 staging directory whose owner process is gone (a killed tune), or older than STALE_STAGING_S, is
 removed by `clear`; one a live writer is still building in is kept. Every path removed is one
 kvbuffer.artifacts resolved inside the cache root; a symlink is unlinked, never followed.
+
+`prune` removes only the artifacts no tuning record names: the builds a re-tune or a template
+change superseded (the artifact key hashes the templates, so every kvbuffer upgrade that edits one
+leaves the old builds behind). It takes the same lock and keeps what was built in the last
+PRUNE_GRACE_S, so a tune still measuring keeps the artifacts its record will name.
 """
 
 from __future__ import annotations
@@ -39,6 +44,9 @@ from kvbuffer.errors import ArtifactError
 from .policy import merge_records
 
 STALE_STAGING_S = 24 * 3600  # a build takes seconds to minutes; a staging dir this old is abandoned
+# `prune` keeps an unnamed artifact this young: a tune publishes its artifacts first and its tuning
+# record when its last kernel is measured, which for a whole model takes minutes
+PRUNE_GRACE_S = 3600
 _STAGING_OWNER = re.compile(r".+\.(\d+)\.[0-9a-f]{8}")  # <name>.<pid>.<random>, as _staging names it
 
 
@@ -252,13 +260,18 @@ class ArtifactCache(ArtifactStore):
 
     # -- maintenance
     def entries(self) -> list[dict]:
-        """One row per artifact and tuning record, with whether its files verify."""
+        """One row per artifact and tuning record, with whether its files verify and, for an artifact,
+        whether a tuning record names it (`used`; None where a record cannot be read)."""
         manifest, rows = self.manifest(), []
+        try:
+            named = self._named_artifacts(manifest)
+        except ArtifactError:
+            named = None
         for name, e in sorted(manifest["artifacts"].items()):
             size = sum(self._size(rel) for rel in e["files"])
             rows.append({"type": "artifact", "name": name, "status": e["status"], "gpu": e.get("gpu"),
                          "arch": e.get("arch"), "kernel": e.get("kernel"), "bytes": size,
-                         "ok": self._is_valid(name)})
+                         "ok": self._is_valid(name), "used": None if named is None else name in named})
         for name, e in sorted(manifest["tunings"].items()):
             rows.append({"type": "tuning", "name": name, "status": e["status"], "gpu": e.get("gpu"),
                          "arch": None, "kernel": None, "bytes": None, "ok": self._tuning_ok(name)})
@@ -290,6 +303,43 @@ class ArtifactCache(ArtifactStore):
             for section, name in gone:  # names are checked by the manifest: one component under root
                 _remove(self.artifact_dir(name) if section == "artifacts" else self.tuning_path(name))
         return len(gone)
+
+    def prune(self, grace_s: float = PRUNE_GRACE_S) -> tuple[int, int]:
+        """Remove the artifacts no tuning record names that were built more than `grace_s` seconds ago,
+        and abandoned staging directories; returns (artifacts removed, bytes freed). A tuning record
+        that cannot be read is an ArtifactError and nothing is removed: what it names is unknown."""
+        with self.lock():
+            self._clean_staging(STALE_STAGING_S)
+            manifest = self.manifest()
+            named, now = self._named_artifacts(manifest), time.time()
+            gone = [name for name in manifest["artifacts"] if name not in named
+                    and now - self._built_at(name) >= grace_s]
+            freed = sum(self._size(rel) for name in gone for rel in manifest["artifacts"][name]["files"])
+            for name in gone:
+                del manifest["artifacts"][name]
+            self._write_manifest(manifest)
+            for name in gone:  # names are checked by the manifest: one component under root
+                _remove(self.artifact_dir(name))
+        return len(gone), freed
+
+    def _named_artifacts(self, manifest: dict) -> set[str]:
+        """The artifacts the tuning records' winners name."""
+        named = set()
+        for name in manifest["tunings"]:
+            try:
+                named |= {w["artifact"] for w in self.tuning(name)["winners"]}
+            except (ArtifactError, OSError, ValueError) as e:
+                raise ArtifactError(f"tuning record {name} cannot be read ({str(e).splitlines()[0]}), so the "
+                                    "artifacts it names are unknown and nothing was pruned; `kvbuffer cache "
+                                    "clear` empties the cache") from None
+        return named
+
+    def _built_at(self, name: str) -> float:
+        """When artifact `name` was published (its directory's mtime; 0 if it is gone)."""
+        try:
+            return self.artifact_dir(name).lstat().st_mtime
+        except OSError:
+            return 0.0
 
     def _clean_staging(self, stale_after: float) -> None:
         """Remove staging dirs whose writer is gone or that are older than `stale_after` seconds."""

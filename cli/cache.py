@@ -1,4 +1,4 @@
-"""`kvbuffer cache ls|path|clear|export|import`: inspect, clear and move the compiled-artifact cache."""
+"""`kvbuffer cache ls|path|clear|prune|export|import`: inspect, clear, prune and move the compiled-artifact cache."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ _CACHE_DIR = click.option("--cache-dir", type=click.Path(file_okay=False), defau
 
 @click.group()
 def cache():
-    """Inspect, clear, export or import the compiled-artifact cache."""
+    """Inspect, clear, prune, export or import the compiled-artifact cache."""
 
 
 @cache.command()
@@ -52,6 +52,11 @@ def ls(cache_dir, as_json):
     if bad:
         click.echo(f"{bad} corrupt entr{'y' if bad == 1 else 'ies'}: rebuild with `kvbuffer tune --gpu ...`"
                    " (corrupt files are replaced, never loaded)")
+    unused = [r for r in rows if r["type"] == "artifact" and r["used"] is False]
+    if unused:
+        mib = sum(r["bytes"] or 0 for r in unused) / 2**20
+        click.echo(f"{len(unused)} artifact{'s' * (len(unused) != 1)} ({mib:.1f} MiB) named by no tuning record "
+                   "(superseded by a re-tune or a kvbuffer upgrade): `kvbuffer cache prune` removes them")
 
 
 @cache.command()
@@ -68,6 +73,19 @@ def clear(cache_dir, gpu, yes):
         click.confirm(f"delete {what} in {store.root}?", abort=True)
     n = store.clear(gpu)
     click.echo(f"removed {n} entr{'y' if n == 1 else 'ies'} from {store.root}")
+
+
+@cache.command()
+@_CACHE_DIR
+@click.option("--keep-hours", type=click.FloatRange(min=0), default=1.0, show_default=True,
+              help="Keep unnamed artifacts built this recently (a tune still measuring names its artifacts last).")
+def prune(cache_dir, keep_hours):
+    """Delete the artifacts no tuning record names (builds a re-tune or an upgrade superseded)."""
+    from ..autotune.cache import ArtifactCache
+
+    store = ArtifactCache(cache_dir)
+    n, freed = store.prune(keep_hours * 3600)
+    click.echo(f"removed {n} unused artifact{'s' * (n != 1)} ({freed / 2**20:.1f} MiB) from {store.root}")
 
 
 def _summary(report, verb: str, where) -> str:

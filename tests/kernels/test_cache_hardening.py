@@ -296,3 +296,48 @@ def test_a_record_pointing_at_another_kinds_artifact_is_refused(root, fake_gpu, 
                      versions=artifacts.runtime_versions())
     with pytest.raises(ArtifactError, match="the tuning record names it for gdn_recurrent"):
         kernel_for(KernelKey("gdn", "recurrent", GDNDims(16, 32, 128, 128), "bfloat16"))
+
+
+# ----------------------------------------------------------------------------------------------
+# prune: only what no tuning record names, never a running tune's, never outside the root
+
+
+def _age(cache: ArtifactCache, name: str, seconds: float) -> None:
+    past = time.time() - seconds
+    os.utime(cache.artifact_dir(name), (past, past))
+
+
+def test_prune_removes_only_old_artifacts_no_record_names(root):
+    cache = ArtifactCache(root)
+    kept = put(cache, make_key())
+    superseded = put(cache, make_key(source="an older template"))
+    building = put(cache, make_key(source="a tune still measuring"))
+    cache.put_tuning("t", record_for([winner("gdn_flush", kept, 16)]), gpu="h200", shape=SHAPE, versions={})
+    for name in (kept, superseded):
+        _age(cache, name, 2 * 3600)
+    assert {r["name"]: r["used"] for r in cache.entries() if r["type"] == "artifact"} == {
+        kept: True, superseded: False, building: False}
+    listing = cli("cache", "ls", "--cache-dir", str(root)).output
+    assert "2 artifacts" in listing and "`kvbuffer cache prune`" in listing
+
+    result = cli("cache", "prune", "--cache-dir", str(root))
+    assert result.exit_code == 0 and "removed 1 unused artifact " in result.output, result.output
+    assert set(cache.manifest()["artifacts"]) == {kept, building}
+    assert not cache.artifact_dir(superseded).exists() and cache.artifact_dir(kept).exists()
+    cache.verify(kept)  # what the record names is intact
+    n, freed = cache.prune(grace_s=0)  # no grace: the unnamed fresh build goes too
+    assert n == 1 and freed > 0
+    assert set(cache.manifest()["artifacts"]) == {kept}
+    assert sentinel_intact(root)
+
+
+def test_prune_with_an_unreadable_record_removes_nothing(root):
+    cache = ArtifactCache(root)
+    named = put(cache, make_key())
+    other = put(cache, make_key(source="an older template"))
+    cache.put_tuning("t", record_for([winner("gdn_flush", named, 16)]), gpu="h200", shape=SHAPE, versions={})
+    cache.tuning_path("t").write_text("{not json")
+    _age(cache, other, 2 * 3600)
+    one_error_line(cli("cache", "prune", "--cache-dir", str(root)), "cannot be read")
+    assert set(cache.manifest()["artifacts"]) == {named, other}
+    assert "named by no tuning record" not in cli("cache", "ls", "--cache-dir", str(root)).output
