@@ -343,7 +343,8 @@ def _spec_row(llm, prompts, refs, *, alpha, drafts, device, new_tokens, vocab, p
                acceptance=st["accepted"] / st["proposed"] if st["proposed"] else 0.0,
                expected_acceptance=expected_accepted(alpha, drafts) / drafts,
                tokens_per_step=st["emitted"] / st["request_steps"] if st["request_steps"] else 0.0,
-               diverged_requests=len(llm.drafter.diverged), kernels=bool(llm.kernels))
+               diverged_requests=len(llm.drafter.diverged), kernels=bool(llm.kernels),
+               compiled=llm.runner.compiled is not None)  # False also where a capture failure dropped it
     if profile:  # the verify steps; the reference continuations are long enough for new_tokens
         row["profile"] = profile_steps(llm, prompts, device=device, step="verify_greedy", steps=4, skip=1,
                                        max_new_tokens=new_tokens)
@@ -397,7 +398,8 @@ def bench_spec(model, *, settings=("equal", "capacity"), batches=(1, 16, 64, 256
                 print(f"spec {setting:8s} B={B:4d} {mode:9s} alpha={alpha:.1f} "
                       f"{row['decode_tokens_per_s']:10.1f} tok/s (all steps {row['decode_tokens_per_s_all_steps']:.1f}) "
                       f"acceptance {row['acceptance']:.2f} "
-                      f"({row['tokens_per_step']:.2f} tokens/step)", flush=True)
+                      f"({row['tokens_per_step']:.2f} tokens/step){'' if row['compiled'] else ', uncompiled'}",
+                      flush=True)
                 on_row(rows)
             del llm
             release(device)

@@ -46,6 +46,7 @@ def test_spec_benchmark_equal_batch_and_capacity(tmp_path, preset, alphas):
     for r in spec:
         assert r["acceptance"] == (1.0 if r["alpha"] == 1.0 else 0.0), r
         assert r["tokens_per_step"] == pytest.approx(3.0 if r["alpha"] == 1.0 else 1.0, abs=0.7)
+        assert r["compiled"] is False  # on the CPU nothing is compiled; the row says so
     cap = {r["mode"]: r for r in spec if r["setting"] == "capacity"}
     assert cap["kvbuffer"]["planned_requests"] > cap["recurrent"]["planned_requests"]
     for r in cap.values():

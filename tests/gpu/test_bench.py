@@ -51,4 +51,4 @@ def test_engine_benchmarks_on_tiny_models(tmp_path):
                    settings=("equal",), batches=(3,), alphas=(1.0,), drafts=3, prompt_len=20, new_tokens=12,
                    chunk_size=8)
     for row in (r for r in spec["rows"] if r.get("alpha") == 1.0):
-        assert row["acceptance"] == 1.0 and row["diverged_requests"] == 0
+        assert row["acceptance"] == 1.0 and row["diverged_requests"] == 0 and row["compiled"] in (True, False)
