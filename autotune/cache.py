@@ -261,12 +261,11 @@ class ArtifactCache(ArtifactStore):
     # -- maintenance
     def entries(self) -> list[dict]:
         """One row per artifact and tuning record, with whether its files verify and, for an artifact,
-        whether a tuning record names it (`used`; None where a record cannot be read)."""
+        whether a tuning record names it (`used`; None where a record cannot be read). Each record is
+        read once."""
         manifest, rows = self.manifest(), []
-        try:
-            named = self._named_artifacts(manifest)
-        except ArtifactError:
-            named = None
+        records = self._read_records(manifest)
+        named = None if any(isinstance(r, str) for r in records.values()) else _named(records)
         for name, e in sorted(manifest["artifacts"].items()):
             size = sum(self._size(rel) for rel in e["files"])
             rows.append({"type": "artifact", "name": name, "status": e["status"], "gpu": e.get("gpu"),
@@ -274,7 +273,7 @@ class ArtifactCache(ArtifactStore):
                          "ok": self._is_valid(name), "used": None if named is None else name in named})
         for name, e in sorted(manifest["tunings"].items()):
             rows.append({"type": "tuning", "name": name, "status": e["status"], "gpu": e.get("gpu"),
-                         "arch": None, "kernel": None, "bytes": None, "ok": self._tuning_ok(name)})
+                         "arch": None, "kernel": None, "bytes": None, "ok": isinstance(records[name], dict)})
         return rows
 
     def _size(self, rel: str) -> int:
@@ -297,11 +296,7 @@ class ArtifactCache(ArtifactStore):
                 return self._reset()
             gone = [("artifacts", n) for n, e in manifest["artifacts"].items() if gpu in (None, e.get("gpu"))]
             gone += [("tunings", n) for n, e in manifest["tunings"].items() if gpu in (None, e.get("gpu"))]
-            for section, name in gone:
-                del manifest[section][name]
-            self._write_manifest(manifest)
-            for section, name in gone:  # names are checked by the manifest: one component under root
-                _remove(self.artifact_dir(name) if section == "artifacts" else self.tuning_path(name))
+            self._drop(manifest, gone)
         return len(gone)
 
     def prune(self, grace_s: float = PRUNE_GRACE_S) -> tuple[int, int]:
@@ -311,28 +306,37 @@ class ArtifactCache(ArtifactStore):
         with self.lock():
             self._clean_staging(STALE_STAGING_S)
             manifest = self.manifest()
-            named, now = self._named_artifacts(manifest), time.time()
+            records = self._read_records(manifest)
+            bad = next(((name, why) for name, why in records.items() if isinstance(why, str)), None)
+            if bad is not None:
+                raise ArtifactError(f"tuning record {bad[0]} cannot be read ({bad[1]}), so the artifacts it names "
+                                    "are unknown and nothing was pruned; `kvbuffer cache clear` empties the cache")
+            named, now = _named(records), time.time()
             gone = [name for name in manifest["artifacts"] if name not in named
                     and now - self._built_at(name) >= grace_s]
             freed = sum(self._size(rel) for name in gone for rel in manifest["artifacts"][name]["files"])
-            for name in gone:
-                del manifest["artifacts"][name]
-            self._write_manifest(manifest)
-            for name in gone:  # names are checked by the manifest: one component under root
-                _remove(self.artifact_dir(name))
+            self._drop(manifest, [("artifacts", name) for name in gone])
         return len(gone), freed
 
-    def _named_artifacts(self, manifest: dict) -> set[str]:
-        """The artifacts the tuning records' winners name."""
-        named = set()
+    def _drop(self, manifest: dict, gone: list[tuple[str, str]]) -> None:
+        """Remove (section, name) entries from the manifest, write it, then delete their files (call
+        with the lock held). Names are checked by the manifest: one component under the root."""
+        for section, name in gone:
+            del manifest[section][name]
+        self._write_manifest(manifest)
+        for section, name in gone:
+            _remove(self.artifact_dir(name) if section == "artifacts" else self.tuning_path(name))
+
+    def _read_records(self, manifest: dict) -> dict:
+        """Each tuning record of the manifest, read and checked once: name -> the record, or the first
+        line of why it cannot be read."""
+        out = {}
         for name in manifest["tunings"]:
             try:
-                named |= {w["artifact"] for w in self.tuning(name)["winners"]}
+                out[name] = self.tuning(name)
             except (ArtifactError, OSError, ValueError) as e:
-                raise ArtifactError(f"tuning record {name} cannot be read ({str(e).splitlines()[0]}), so the "
-                                    "artifacts it names are unknown and nothing was pruned; `kvbuffer cache "
-                                    "clear` empties the cache") from None
-        return named
+                out[name] = str(e).splitlines()[0] if str(e) else type(e).__name__
+        return out
 
     def _built_at(self, name: str) -> float:
         """When artifact `name` was published (its directory's mtime; 0 if it is gone)."""
@@ -363,6 +367,11 @@ class ArtifactCache(ArtifactStore):
             _remove(self.root / sub)
         self._write_manifest(empty_manifest())
         return 0
+
+
+def _named(records: dict) -> set[str]:
+    """The artifacts the winners of readable tuning records name."""
+    return {w["artifact"] for r in records.values() if isinstance(r, dict) for w in r["winners"]}
 
 
 def _record_artifact(manifest: dict, key: ArtifactKey, files: dict | None, status: str) -> None:
