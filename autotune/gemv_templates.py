@@ -1,4 +1,4 @@
-"""The one-token projection kernel (tiles/gemv.py) as a tuner template, family "gemv".
+"""The one-token projection kernels (tiles/gemv.py) as tuner templates, families "gemv" and "experts".
 
 Its shape is kvbuffer.kernels.keys.gemv_shape: {"family": "gemv", "N": output features, "K": input
 features, "dtype"}; one per distinct weight matrix of a model's linear layers without bias
@@ -6,8 +6,12 @@ features, "dtype"}; one per distinct weight matrix of a model's linear layers wi
 only a one-token forward runs it, so the tuner's batch buckets all time the same one-row product
 (the winner is the same in each).
 
-    gemv    y (1, N) = x (1, K) . W^T
+    gemv            y (1, N) = x (1, K) . W^T
+    gemv_experts    y (1, J, N) = x (1, K) . W[e_j]^T for J distinct experts of a (J, N, K) stack
 
+The experts kernel's shape is kvbuffer.kernels.keys.experts_shape (one expert's N, K and the dtype;
+one per distinct expert weight of a model's routed experts, kvbuffer.autotune.models); it is timed
+with EXPERTS_TIMED experts chosen, a mixture-of-experts layer's top-k at one token.
 Inputs: x and W drawn N(0, 1) and N(0, 1 / K), so outputs are O(1). The check compares against the
 product in fp64.
 """
@@ -45,9 +49,34 @@ def _reference(shape, chunk_size, args):
     return {2: x.double() @ w.double().T}
 
 
+EXPERTS_TIMED = 8  # experts a timed call reads (Nemotron-3 takes 6 per token, Qwen3.5's MoE models 8)
+
+
+def _build_experts(shape, chunk_size, *, target, **t):
+    return _compile(_tiles().gemv_experts(shape["N"], shape["K"], dtype=shape["dtype"], **t), target)
+
+
+def _experts_inputs(shape, batch, chunk_size, device, gen):
+    import torch
+
+    dt = getattr(torch, shape["dtype"])
+    N, K, J = shape["N"], shape["K"], EXPERTS_TIMED
+    x = torch.randn(1, K, generator=gen, device=device).to(dt)
+    w = (torch.randn(J, N, K, generator=gen, device=device) * K ** -0.5).to(dt)
+    ids = torch.randperm(J, generator=gen, device=device)[None]
+    return [x, w, ids, torch.empty(1, J, N, device=device, dtype=dt)]
+
+
+def _experts_reference(shape, chunk_size, args):
+    x, w, ids = args[0], args[1], args[2]
+    return {3: (w[ids[0]].double() @ x.double()[0]).unsqueeze(0)}  # (1, J, N)
+
+
 def gemv_templates() -> list[Template]:
     if importlib.util.find_spec(GEMV_TILES) is None:
         return []
     tiles = _tiles()
     return [Template("gemv", "gemv", _build, tiles.get_configs, dict(tiles.DEFAULT), _inputs, _reference, _run,
-                     source_digest(), uses_chunk=False)]
+                     source_digest(), uses_chunk=False),
+            Template("gemv_experts", "experts", _build_experts, tiles.get_configs, dict(tiles.DEFAULT),
+                     _experts_inputs, _experts_reference, _run, source_digest(), uses_chunk=False)]

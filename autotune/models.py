@@ -8,8 +8,9 @@ The short conv in front of those layers has a shape of its own (family 'conv1d',
 its channels are q, k, v (GDN) or x, B, C (Mamba-2), 2 * Hk * K + Hv * V in both families. The
 model's softmax-attention layers have theirs (family 'attention', see config_attention_shape): query
 and KV heads, head dim, and the dtypes of the activations and the KV cache. Its projections without
-a bias, one shape per distinct weight matrix (family 'gemv', see config_gemv_shapes), run on the
-one-token kernel in a forward of one token.
+a bias, one shape per distinct weight matrix (family 'gemv', see config_gemv_shapes), and its routed
+experts, one shape per distinct expert weight (family 'experts'), run on the one-token kernels in a
+forward of one token.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import json
 from pathlib import Path
 
 from kvbuffer import presets
-from kvbuffer.kernels.keys import attention_shape, gemv_fits, gemv_shape
+from kvbuffer.kernels.keys import attention_shape, experts_shape, gemv_fits, gemv_shape
 from kvbuffer.tuning import make_conv_shape, make_shape
 
 DEFAULT_DTYPE = "bfloat16"
@@ -136,11 +137,26 @@ def config_projection_counts(cfg: dict) -> dict[tuple[int, int], int]:
     return counts
 
 
+def config_expert_shapes(cfg: dict) -> set[tuple[int, int]]:
+    """(N, K) of each distinct expert weight of the model's routed experts (kvbuffer.models.layers.
+    one_row_experts), read off the model built on the meta device."""
+    import torch
+
+    from kvbuffer.models.layers import one_row_experts
+    from kvbuffer.models.loader import build_model
+
+    with torch.device("meta"):
+        model = build_model(cfg)
+    return {tuple(w.shape[1:]) for m in one_row_experts(model) for w in m.expert_weights()}
+
+
 def config_gemv_shapes(cfg: dict, dtype: str | None = None) -> list[dict]:
     """The one-token projection shapes of the model a transformers-style config declares: one per
-    distinct weight shape the one-row kernel takes (none for a model in another dtype than bf16, fp16)."""
+    distinct weight shape the one-row kernel takes (family "gemv"), and one per distinct expert weight
+    of its routed experts (family "experts"); none for a model in another dtype than bf16, fp16."""
     dtype = config_dtype(cfg, dtype)
-    return [gemv_shape(N, K, dtype) for N, K in config_projection_counts(cfg) if gemv_fits(K, dtype)]
+    out = [gemv_shape(N, K, dtype) for N, K in config_projection_counts(cfg) if gemv_fits(K, dtype)]
+    return out + [experts_shape(N, K, dtype) for N, K in sorted(config_expert_shapes(cfg)) if gemv_fits(K, dtype)]
 
 
 def preset_gemv_shapes(name: str, dtype: str = DEFAULT_DTYPE) -> list[dict]:

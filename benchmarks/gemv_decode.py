@@ -29,7 +29,7 @@ def run(model: str, rows: int) -> list[dict]:
     copy = copy_bandwidth()
     counts = config_projection_counts(presets.get(model).hf_config())
     out = []
-    for shape in preset_gemv_shapes(model):
+    for shape in (s for s in preset_gemv_shapes(model) if s["family"] == "gemv"):
         N, K, dt = shape["N"], shape["K"], getattr(torch, shape["dtype"])
         nbytes = N * K * dt.itemsize
         sets = sets_to_exceed(nbytes, 2 * l2_bytes())

@@ -17,8 +17,8 @@ def _ints(text: str, option: str) -> tuple[int, ...]:
     return tuple(sorted(set(positive_ints(text, option))))
 
 
-CHUNK_FREE = ("conv1d", "attention", "gemv")  # families whose kernels do not depend on the chunk size C
-ONE_ROW = ("gemv",)  # families only a one-token forward runs: timed at B = 1 alone
+CHUNK_FREE = ("conv1d", "attention", "gemv", "experts")  # families whose kernels do not depend on the chunk size C
+ONE_ROW = ("gemv", "experts")  # families only a one-token forward runs: timed at B = 1 alone
 
 
 def _table(rows: list[tuple]) -> None:
@@ -220,8 +220,8 @@ def _tune_shape(cache, target, measuring, shape, tpls, chunks, buckets, drafts, 
 
 
 def _shape_text(shape) -> str:
-    if shape["family"] == "gemv":
-        return f"gemv N={shape['N']} K={shape['K']} {shape['dtype']}"
+    if shape["family"] in ONE_ROW:
+        return f"{shape['family']} N={shape['N']} K={shape['K']} {shape['dtype']}"
     if shape["family"] == "attention":
         return f"attention H={shape['H']} Hkv={shape['Hkv']} D={shape['D']} {shape['dtype']} cache {shape['kv_dtype']}"
     if shape["family"] == "conv1d":
@@ -234,12 +234,17 @@ def traffic_bytes(kernel: str, shape: dict, C: int, B: int) -> float | None:
     """The fewest DRAM bytes a call moves (fp32 states, 2-byte entries), to report achieved bandwidth;
     None for kernels this model does not cover (verify, prefill chunks, the conv).
 
-    One-row projection: its weight, once.
+    One-row projection: its weight, once; the experts kernel: the weights of the experts it is timed
+    with (kvbuffer.autotune.gemv_templates.EXPERTS_TIMED), once.
     Recurrent step: read + write every state. Buffered step: read every state, write it in the 1/C
     of rows that flush, read on average C/2 buffer entries. Flush: read + write, read C entries.
     """
     if shape["family"] == "gemv":
         return 2.0 * shape["N"] * shape["K"]
+    if shape["family"] == "experts":
+        from kvbuffer.autotune.gemv_templates import EXPERTS_TIMED
+
+        return 2.0 * shape["N"] * shape["K"] * EXPERTS_TIMED
     if not kernel.endswith(("recurrent", "buffered_step", "flush")):
         return None
     state = 4 * shape["Hv"] * shape["K"] * shape["V"]

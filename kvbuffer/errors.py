@@ -26,6 +26,10 @@ class SlotError(KVBufferError, IndexError):
     """A slot index is out of range, not allocated, freed twice, or used where a real slot is needed."""
 
 
+class ExpertIndexError(KVBufferError, IndexError):
+    """An expert id outside the experts a weight holds."""
+
+
 class PoolExhaustedError(KVBufferError, RuntimeError):
     """No free slot is left in a pool; the caller should wait for one to be freed."""
 

@@ -7,14 +7,21 @@ bandwidth; this template keeps every load in flight from the start (measured aga
 docs/kernels.md, "One-token projections"). It is what kvbuffer runs for a one-token forward (a B = 1
 decode step), where the projections are most of the step.
 
+Two kernels share the streaming loop:
+- `gemv`: x (rows, K), weight (N, K), y (rows, N); rows is compile-time (1 for a decode step; a few
+  more for the tests and the benchmark).
+- `gemv_experts`: a mixture-of-experts layer at one token, each of a row's top-k experts through its
+  own weight: x (S, K), weight (E, N, K), expert (S, J) int64, y (S, J, N) with
+  y[s, j] = x[s] . weight[expert[s, j]]^T. S, J and E are dynamic. It reads only the chosen
+  experts' weights, with no sort, gather or grouped-GEMM set-up in front (torch's grouped GEMM
+  streams them at under half the copy bandwidth at one token).
+
 Layout: a warp owns `per_warp` consecutive output columns (weight rows); lane l reads 16-byte chunks
 l, l + 32, l + 64, ... of each of those rows, `unroll` chunks a row at a time, all issued before the
 first multiply, so a warp keeps per_warp x unroll x 512 bytes in flight. Products accumulate in
 fp32 per lane; a warp shuffle sums the lanes; lane 0 writes. K need not be a multiple of the 256
 elements a warp reads per pass: chunks past the row's end are read clamped and weigh zero.
-
-Tensor ABI (contiguous): x (rows, K), weight (N, K), y (rows, N), all in `dtype` (bf16 or fp16);
-rows is compile-time (1 for a decode step; a few more for the tests and the benchmark).
+All tensors contiguous, in `dtype` (bf16 or fp16) but the expert ids.
 """
 
 # no `from __future__ import annotations`: TileLang evaluates the T.Tensor annotations
@@ -56,17 +63,55 @@ def get_configs() -> list[dict]:
     return out
 
 
+def _streamed_products(T, N: int, K: int, rows: int, per_warp: int, unroll: int, dtype: str, stacked: bool):
+    """The macro both kernels run: acc[m * per_warp + r] = x[x0 + m] . W[n0 + r] summed over the warp
+    (every lane holds the sums), W = weight[e] when `stacked` (a 3-D weight), else weight."""
+    R, M, V = per_warp, rows, CHUNK
+    chunks = K // V                      # 16-byte chunks a weight row has
+    U = min(unroll, -(-chunks // 32))    # chunks a lane reads per row and pass
+    passes = -(-chunks // (32 * U))
+    ragged = chunks % (32 * U) != 0      # the last pass reads past the row's end (clamped, weighed 0)
+
+    @T.macro
+    def products(acc, wr, xr, x, weight, e, x0, n0, lane):
+        for i in T.unroll(M * R):
+            acc[i] = 0.0
+        for p in T.serial(passes):
+            # every load of the pass first, so they are all in flight together
+            for u in T.unroll(U):
+                c = T.min((p * U + u) * 32 + lane, chunks - 1) if ragged else (p * U + u) * 32 + lane
+                for r in T.unroll(R):
+                    for v in T.vectorized(V):
+                        if stacked:
+                            wr[(u * R + r) * V + v] = weight[e, T.min(n0 + r, N - 1), c * V + v]
+                        else:
+                            wr[(u * R + r) * V + v] = weight[T.min(n0 + r, N - 1), c * V + v]
+                for m in T.unroll(M):
+                    for v in T.vectorized(V):
+                        xr[(u * M + m) * V + v] = x[x0 + m, c * V + v]
+            for u in T.unroll(U):
+                for m in T.unroll(M):
+                    for v in T.unroll(V):
+                        xv = T.cast(xr[(u * M + m) * V + v], F32)
+                        if ragged:
+                            xv = T.if_then_else((p * U + u) * 32 + lane < chunks, xv, T.float32(0))
+                        for r in T.unroll(R):
+                            acc[m * R + r] = acc[m * R + r] + T.cast(wr[(u * R + r) * V + v], F32) * xv
+        for i in T.unroll(M * R):
+            for k in T.unroll(5):
+                acc[i] = acc[i] + T.shfl_xor(acc[i], 16 >> k)
+
+    return products, U * R * V, U * M * V
+
+
 def gemv(N: int, K: int, rows: int = 1, *, per_warp: int = 2, threads: int = 128, unroll: int = 16,
          dtype: str = "bfloat16"):
     """y (rows, N) = x (rows, K) . weight (N, K)^T, fp32 accumulation. Args: x, weight, y."""
     check_gemv(N, K, rows, per_warp=per_warp, threads=threads, unroll=unroll, dtype=dtype)
     T = _tl()
-    R, M, E = per_warp, rows, CHUNK
-    chunks = K // E                      # 16-byte chunks a weight row has
-    U = min(unroll, -(-chunks // 32))    # chunks a lane reads per row and pass
-    passes = -(-chunks // (32 * U))
-    ragged = chunks % (32 * U) != 0      # the last pass reads past the row's end (clamped, weighed 0)
+    R, M = per_warp, rows
     per_block = threads // 32 * R
+    products, w_regs, x_regs = _streamed_products(T, N, K, M, R, unroll, dtype, stacked=False)
 
     @T.prim_func
     def gemv_kernel(x: T.Tensor((M, K), dtype), weight: T.Tensor((N, K), dtype), y: T.Tensor((M, N), dtype)):
@@ -75,31 +120,9 @@ def gemv(N: int, K: int, rows: int = 1, *, per_warp: int = 2, threads: int = 128
             lane = tx % 32
             n0 = bx * per_block + tx // 32 * R
             acc = T.alloc_local((M * R,), F32)
-            wr = T.alloc_local((U * R * E,), dtype)
-            xr = T.alloc_local((U * M * E,), dtype)
-            for i in T.unroll(M * R):
-                acc[i] = 0.0
-            for p in T.serial(passes):
-                # every load of the pass first, so they are all in flight together
-                for u in T.unroll(U):
-                    c = T.min((p * U + u) * 32 + lane, chunks - 1) if ragged else (p * U + u) * 32 + lane
-                    for r in T.unroll(R):
-                        for e in T.vectorized(E):
-                            wr[(u * R + r) * E + e] = weight[T.min(n0 + r, N - 1), c * E + e]
-                    for m in T.unroll(M):
-                        for e in T.vectorized(E):
-                            xr[(u * M + m) * E + e] = x[m, c * E + e]
-                for u in T.unroll(U):
-                    for m in T.unroll(M):
-                        for e in T.unroll(E):
-                            xv = T.cast(xr[(u * M + m) * E + e], F32)
-                            if ragged:
-                                xv = T.if_then_else((p * U + u) * 32 + lane < chunks, xv, T.float32(0))
-                            for r in T.unroll(R):
-                                acc[m * R + r] = acc[m * R + r] + T.cast(wr[(u * R + r) * E + e], F32) * xv
-            for i in T.unroll(M * R):
-                for k in T.unroll(5):
-                    acc[i] = acc[i] + T.shfl_xor(acc[i], 16 >> k)
+            wr = T.alloc_local((w_regs,), dtype)
+            xr = T.alloc_local((x_regs,), dtype)
+            products(acc, wr, xr, x, weight, 0, 0, n0, lane)
             if lane == 0:
                 for m in T.unroll(M):
                     for r in T.unroll(R):
@@ -107,3 +130,34 @@ def gemv(N: int, K: int, rows: int = 1, *, per_warp: int = 2, threads: int = 128
                             y[m, n0 + r] = T.cast(acc[m * R + r], dtype)
 
     return gemv_kernel
+
+
+def gemv_experts(N: int, K: int, *, per_warp: int = 2, threads: int = 128, unroll: int = 16,
+                 dtype: str = "bfloat16"):
+    """y (S, J, N): y[s, j] = x[s] . weight[expert[s, j]]^T for x (S, K), weight (E, N, K) and the
+    int64 expert ids (S, J), fp32 accumulation; one block row per (s, j). Args: x, weight, expert, y."""
+    check_gemv(N, K, 1, per_warp=per_warp, threads=threads, unroll=unroll, dtype=dtype)
+    T = _tl()
+    R = per_warp
+    per_block = threads // 32 * R
+    S, J, E = T.dynamic("rows"), T.dynamic("experts_per_row"), T.dynamic("experts")
+    products, w_regs, x_regs = _streamed_products(T, N, K, 1, R, unroll, dtype, stacked=True)
+
+    @T.prim_func
+    def gemv_experts_kernel(x: T.Tensor((S, K), dtype), weight: T.Tensor((E, N, K), dtype),
+                            expert: T.Tensor((S, J), "int64"), y: T.Tensor((S, J, N), dtype)):
+        with T.Kernel(T.ceildiv(N, per_block), S * J, threads=threads) as (bx, by):
+            tx = T.get_thread_binding()
+            lane = tx % 32
+            s, j = by // J, by % J
+            n0 = bx * per_block + tx // 32 * R
+            acc = T.alloc_local((R,), F32)
+            wr = T.alloc_local((w_regs,), dtype)
+            xr = T.alloc_local((x_regs,), dtype)
+            products(acc, wr, xr, x, weight, expert[s, j], s, n0, lane)
+            if lane == 0:
+                for r in T.unroll(R):
+                    if n0 + r < N:
+                        y[s, j, n0 + r] = T.cast(acc[r], dtype)
+
+    return gemv_experts_kernel

@@ -120,9 +120,9 @@ def ensure_attention_kernels(key: KernelKey, stream=None) -> str | None:
 
 
 def ensure_gemv_kernels(keys: list[KernelKey], stream=None) -> str | None:
-    """Build the one-row projection kernels of `keys` (kvbuffer.kernels.launch.gemv_key) for the local
-    GPU, untuned, one tuning record per weight shape; None once built, else one line saying why not
-    and what to run."""
+    """Build the one-row projection kernels of `keys` (kvbuffer.kernels.launch.gemv_key and
+    gemv_experts_key) for the local GPU, untuned, one tuning record per weight shape; None once
+    built, else one line saying why not and what to run."""
     if not keys:
         return None
     where, why = _local_build(keys[0], "projection kernels")
@@ -130,7 +130,8 @@ def ensure_gemv_kernels(keys: list[KernelKey], stream=None) -> str | None:
         from ..autotune import tuner
 
         gpu, command = where
-        requests = [(tuner.TuneRequest(gpu, key.record_shapes()[0], (1,), (1,)), "gemv") for key in keys]
+        requests = [(tuner.TuneRequest(gpu, shape, (1,), (1,)), shape["family"])
+                    for shape in (key.record_shapes()[0] for key in keys)]
         _build_untuned(requests, "projection kernels", gpu, command, stream)
     return why
 

@@ -1,4 +1,6 @@
-"""The one-token projection y = x W^T on its compiled TileLang kernel: compile (`build_gemv`) and validated launch.
+"""The one-token projections on their compiled TileLang kernels: compile (`build_gemv`, `build_gemv_experts`)
+and validated launch. `gemv`: y = x W^T; `gemv_experts`: each row through each of its chosen experts' W
+(a mixture-of-experts layer at one token).
 
 At one token a projection is bound by reading its weight; tiles/gemv.py streams it faster than
 torch's GEMM does at that size. Semantics are `torch.nn.functional.linear(x, weight)` without a bias,
@@ -11,6 +13,7 @@ from __future__ import annotations
 import torch
 
 from ..checks import check_tensor
+from ..errors import ExpertIndexError
 from .compiled import ACT_DTYPES, CompiledOp, build_template, check_contiguous, check_on_cuda, expect_kind, out_tensor
 
 
@@ -32,4 +35,35 @@ def gemv(op: CompiledOp, x: torch.Tensor, weight: torch.Tensor, out: torch.Tenso
         check_contiguous(name, t)
     out = out_tensor(out, (p["rows"], p["N"]), x)
     op.fn(x, weight, out)
+    return out
+
+
+def build_gemv_experts(N: int, K: int, *, dtype: str = "bfloat16", **tunables) -> CompiledOp:
+    """Compile y[s, j] = x[s] . W[expert[s, j]]^T for experts' weights (E, N, K), any E, rows and k."""
+    return build_template("gemv_experts", "gemv_experts", dict(N=N, K=K, dtype=dtype, **tunables), module="gemv")
+
+
+def gemv_experts(op: CompiledOp, x: torch.Tensor, weight: torch.Tensor, expert: torch.Tensor,
+                 out: torch.Tensor | None = None, *, checked: bool = True) -> torch.Tensor:
+    """x (S, K), weight (E, N, K), expert (S, J) int64 -> (S, J, N): each row through each of its J
+    experts' weights. `checked` also reads the ids back to check they name experts (a sync); the
+    kernel itself reads an id outside [0, E) as an expert of zero weights."""
+    expect_kind(op, "gemv_experts")
+    p = op.params
+    dev = x.device if isinstance(x, torch.Tensor) else None
+    dt = ACT_DTYPES[p["dtype"]]
+    check_tensor("x", x, (None, p["K"]), (dt,), dev)
+    check_on_cuda("x", dev)
+    check_tensor("weight", weight, (None, p["N"], p["K"]), (dt,), dev)
+    check_tensor("expert", expert, (x.shape[0], None), (torch.int64,), dev)
+    for name, t in (("x", x), ("weight", weight), ("expert", expert)):
+        check_contiguous(name, t)
+    if checked and expert.numel():
+        lo, hi = int(expert.min()), int(expert.max())
+        if lo < 0 or hi >= weight.shape[0]:
+            raise ExpertIndexError(f"expert holds id {lo if lo < 0 else hi}, outside [0, {weight.shape[0]}) "
+                                   "(the experts weight's first dimension)")
+    out = out_tensor(out, (x.shape[0], expert.shape[1], p["N"]), x)
+    if out.numel():
+        op.fn(x, weight, expert, out)
     return out

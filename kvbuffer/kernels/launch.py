@@ -254,6 +254,18 @@ def gemv(x, weight, *, checked=True):
     return _on_torch_stream(one_row.gemv, op, x, weight)
 
 
+def gemv_experts_key(weight) -> KernelKey:
+    """The kernel a gemv_experts call needs: one expert's weight shape (N, K) and the dtype."""
+    return KernelKey("gemv", "experts", GemvDims(weight.shape[1], weight.shape[2]), dtype_name(weight))
+
+
+def gemv_experts(x, weight, expert, *, checked=True):
+    """Each row of x through each of its experts' weights (expert (S, J) ids) on the one-row kernel;
+    `checked` reads the ids back to check their range (never inside a CUDA-graph capture)."""
+    op = kernel_for(gemv_experts_key(weight))
+    return _on_torch_stream(one_row.gemv_experts, op, x, weight, expert, checked=checked and not capturing())
+
+
 CUDA_LAUNCHES = {
     "gdn_recurrent_step": gdn_recurrent_step, "gdn_buffered_step": gdn_buffered_step, "gdn_verify": gdn_verify,
     "gdn_flush": functools.partial(flush, "gdn"), "gdn_recurrent_drafts": gdn_recurrent_drafts,
@@ -261,7 +273,7 @@ CUDA_LAUNCHES = {
     "mamba2_verify": mamba2_verify, "mamba2_flush": functools.partial(flush, "mamba2"),
     "mamba2_recurrent_drafts": mamba2_recurrent_drafts,
     "conv1d_update": conv1d_update, "conv1d_accept": conv1d_accept, "attention_decode": attention_decode,
-    "gemv": gemv,
+    "gemv": gemv, "gemv_experts": gemv_experts,
 }  # op name -> the CUDA implementation of torch.ops.kvbuffer.<name>
 
 

@@ -158,10 +158,12 @@ def jit_tunables(key: KernelKey) -> dict:
 def jit(key: KernelKey) -> CompiledOp:
     """Compile the kernel for `key` with TileLang for the local GPU (imports the compile side)."""
     from . import attention, conv, gdn, mamba2
-    from .gemv import build_gemv
+    from .gemv import build_gemv, build_gemv_experts
 
     if key.family == "gemv":
         defaults = importlib.import_module("kvbuffer.tiles.gemv").DEFAULT
+        if key.op == "experts":
+            return build_gemv_experts(key.dims.N, key.dims.K, dtype=key.in_dtype, **defaults)
         return build_gemv(key.dims.N, key.dims.K, key.T, dtype=key.in_dtype, **defaults)
     if key.family == "attention":
         d = key.dims

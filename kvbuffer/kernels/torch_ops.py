@@ -13,6 +13,7 @@
     torch.ops.kvbuffer.conv1d_accept(conv_state, slots, accepted, width)
     torch.ops.kvbuffer.attention_decode(q, k_cache, v_cache, slots, cached, scale, context_len=0) -> out
     torch.ops.kvbuffer.gemv(x, weight) -> x (rows, K) . weight (N, K)^T, (rows, N)
+    torch.ops.kvbuffer.gemv_experts(x, weight, expert) -> (S, J, N): x[s] . weight[expert[s, j]]^T
 
 Semantics, shapes and slot rules are kvbuffer.reference's (gdn / mamba2 / core / conv); `flush_at`
 = C > 0 folds a row whose buffer reaches C entries with these tokens into its state in the same
@@ -26,7 +27,9 @@ conv1d_accept keeps the first accepted[b] drafts of each row. attention_decode r
 (its T new tokens already written) and mutates nothing; context_len bounds the rows' positions on
 the host (0: the cache's max_len) and only sets how the CUDA kernel splits them
 (kvbuffer.kernels.attention). gemv is F.linear without a bias for a few rows (a forward of one
-token): on CUDA a weight-streaming kernel, faster than torch's GEMM at that size.
+token): on CUDA a weight-streaming kernel, faster than torch's GEMM at that size. gemv_experts is
+the same product through each row's chosen experts (weight (E, N, K), int64 ids (S, J)): a
+mixture-of-experts layer at one token, reading only the chosen experts' weights.
 
 CPU: the pure-torch reference (with its checks). CUDA: kvbuffer.kernels.launch, which looks the
 compiled kernel up (kvbuffer.kernels.lookup: artifact, else JIT when allowed, else ArtifactError)
@@ -46,7 +49,7 @@ from typing import Optional
 import torch
 
 from ..checks import INDEX_DTYPES, check_same_device, check_slots, check_tensor, check_unique
-from ..errors import BufferOverflowError
+from ..errors import BufferOverflowError, ExpertIndexError
 from ..reference import conv as ref_conv
 from ..reference import core as ref_core
 from ..reference import gdn as ref_gdn
@@ -185,6 +188,8 @@ def _meta_checks(name: str, args: dict) -> None:
     check_same_device(args)
     if name == "gemv":
         return _gemv_checks(args["x"], args["weight"])
+    if name == "gemv_experts":
+        return _gemv_experts_checks(args["x"], args["weight"], args["expert"])
     if name == "attention_decode":
         return attention_batch_checks(args["q"], args["k_cache"], args["v_cache"], args["slots"], args["cached"])
     if name.startswith("conv1d"):
@@ -236,6 +241,8 @@ def _fake(name: str, output: str | None):
         _meta_checks(name, bound)
         if name == "gemv":
             return bound["x"].new_empty(bound["x"].shape[0], bound["weight"].shape[0])
+        if name == "gemv_experts":
+            return bound["x"].new_empty(*bound["expert"].shape, bound["weight"].shape[1])
         return None if output is None else torch.empty_like(bound[output])
     return fake
 
@@ -290,6 +297,23 @@ def _gemv_checks(x: torch.Tensor, weight: torch.Tensor) -> None:
     check_tensor("weight", weight, (None, x.shape[1]), (x.dtype,))
 
 
+@torch.library.custom_op("kvbuffer::gemv_experts", mutates_args=(), device_types="cpu")
+def gemv_experts(x: torch.Tensor, weight: torch.Tensor, expert: torch.Tensor) -> torch.Tensor:
+    """x (S, K), weight (E, N, K) of x's dtype, expert (S, J) int64 ids in [0, E) -> (S, J, N), row s
+    through each of its experts: out[s, j] = linear(x[s], weight[expert[s, j]])."""
+    _meta_checks("gemv_experts", dict(x=x, weight=weight, expert=expert))
+    if expert.numel() and (int(expert.min()) < 0 or int(expert.max()) >= weight.shape[0]):
+        raise ExpertIndexError(f"expert ids must be in [0, {weight.shape[0]}), got "
+                               f"{int(expert.min())} .. {int(expert.max())}")
+    return torch.einsum("sk,sjnk->sjn", x, weight[expert]).contiguous()
+
+
+def _gemv_experts_checks(x: torch.Tensor, weight: torch.Tensor, expert: torch.Tensor) -> None:
+    check_tensor("x", x, (None, None))
+    check_tensor("weight", weight, (None, None, x.shape[1]), (x.dtype,))
+    check_tensor("expert", expert, (x.shape[0], None), (torch.int64,))
+
+
 # ----------------------------------------------------------------------------------------------
 # CUDA: the kernel layer's launches (validated; direct under CUDA-graph capture)
 
@@ -299,12 +323,12 @@ _BY_NAME = {
     "mamba2_recurrent_step": mamba2_recurrent_step, "mamba2_buffered_step": mamba2_buffered_step,
     "mamba2_verify": mamba2_verify, "mamba2_flush": mamba2_flush, "mamba2_recurrent_drafts": mamba2_recurrent_drafts,
     "conv1d_update": conv1d_update, "conv1d_accept": conv1d_accept, "attention_decode": attention_decode,
-    "gemv": gemv,
+    "gemv": gemv, "gemv_experts": gemv_experts,
 }
 OPS = tuple(_BY_NAME)
 _OUTPUTS = {name: ("x" if name.startswith("mamba2") else "v") for name in OPS}
 _OUTPUTS.update(gdn_flush=None, mamba2_flush=None, conv1d_update="x", conv1d_accept=None, attention_decode="q",
-                gemv=None)
+                gemv=None, gemv_experts=None)
 _PARAMS = {name: tuple(inspect.signature(op._init_fn).parameters.values()) for name, op in _BY_NAME.items()}
 
 

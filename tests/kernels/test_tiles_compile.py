@@ -97,6 +97,7 @@ FAMILY_KERNELS = {
     "conv1d_update": ("conv1d.conv1d_update", dict(D=256, W=4, span=6, T_len=2, mode="verify")),
     "conv1d_accept": ("conv1d.conv1d_accept", dict(D=256, W=4, span=6)),
     "gemv_ragged": ("gemv.gemv", dict(N=37, K=2688)),
+    "gemv_experts": ("gemv.gemv_experts", dict(N=37, K=2688)),
 }
 
 
