@@ -6,7 +6,10 @@ one-row kernel (tiles/gemv.py) streams them faster than torch's GEMM does at one
 (kvbuffer.models.layers.one_row_linears) whose kernel loads: from the artifact cache, or built there
 once (untuned) when TileLang and nvcc are here (kvbuffer.kernels.autobuild), or JIT-compiled with
 KVBUFFER_JIT=1. A projection whose kernel is not there keeps torch's GEMM; nothing else changes.
-Forwards of more than one token never take it.
+Forwards of more than one token never take it. A mixture-of-experts layer's routed experts take
+the experts kernel (the same loop through each of a token's chosen experts' weights, torch's
+grouped matmul being slower still at a few tokens) in forwards of up to EXPERT_TOKENS tokens, where
+both of its matmuls' kernels load.
 """
 
 from __future__ import annotations
@@ -18,11 +21,16 @@ import torch
 from ..errors import ArtifactError
 from ..kernels import autobuild, launch, lookup
 from ..kernels.keys import dtype_name, gemv_fits
-from ..models.layers import one_row_linears
+from ..models.layers import one_row_experts, one_row_linears
 
 log = logging.getLogger("kvbuffer")
 
 OPTIONS = (True, False, "auto")
+# the most tokens a forward's routed experts run on the experts kernel: each token's experts are read
+# apart (an expert two tokens chose is read twice), and up to 8 tokens that still beats torch's
+# grouped matmul (docs/kernels.md, "One-token projections"); decode steps up to B = 8 and a
+# one-request verify take it
+EXPERT_TOKENS = 8
 
 
 def use_one_row_kernel(model: torch.nn.Module, option, kernels: bool) -> str:
@@ -33,7 +41,8 @@ def use_one_row_kernel(model: torch.nn.Module, option, kernels: bool) -> str:
     if option not in OPTIONS:
         raise ValueError(f"gemv must be True, False or 'auto', got {option!r}")
     mods = one_row_linears(model)
-    for m in mods:
+    experts = one_row_experts(model)
+    for m in (*mods, *experts):
         m.one_row = False
     if option is False:
         return "gemv=False"
@@ -41,9 +50,10 @@ def use_one_row_kernel(model: torch.nn.Module, option, kernels: bool) -> str:
         if option is True:
             raise ValueError("gemv=True needs the compiled kernels (kernels=True on a CUDA device)")
         return "the linear layers run on the reference ops"
-    fits = [m for m in mods if m.weight.is_cuda and gemv_fits(m.weight.shape[1], dtype_name(m.weight))]
-    keys = {m: launch.gemv_key(m.weight) for m in fits}
-    missing = _missing(set(keys.values()))
+    keys = {m: [launch.gemv_key(m.weight)] for m in mods if _fits(m.weight)}
+    keys.update({m: [launch.gemv_experts_key(w) for w in m.expert_weights()] for m in experts
+                 if all(_fits(w) for w in m.expert_weights())})
+    missing = _missing({key for ks in keys.values() for key in ks})
     if missing and not lookup.jit_allowed():
         unbuilt = autobuild.ensure_gemv_kernels(sorted(missing, key=str))
         missing = _missing(missing)
@@ -51,11 +61,19 @@ def use_one_row_kernel(model: torch.nn.Module, option, kernels: bool) -> str:
             log.info("kvbuffer: one-token projections on torch's GEMM where not built (%s)", unbuilt)
     if missing and option is True:
         raise ValueError(f"gemv=True, but {len(missing)} projection kernel(s) neither load nor build here")
-    for m, key in keys.items():
-        m.one_row = key not in missing
+    for m, ks in keys.items():
+        m.one_row = not missing.intersection(ks) and (EXPERT_TOKENS if m in experts else True)
     on = sum(m.one_row for m in mods)
-    log.info("kvbuffer: %d of %d projections run one-token forwards on the one-row kernel", on, len(mods))
-    return f"{on} of {len(mods)} projections"
+    line = f"{on} of {len(mods)} projections"
+    if experts:
+        line += f" and {sum(m.one_row for m in experts)} of {len(experts)} expert layers"
+    log.info("kvbuffer: %s run one-token forwards on the one-row kernels", line)
+    return line
+
+
+def _fits(weight: torch.Tensor) -> bool:
+    """Whether a one-row kernel takes this weight (its last dim is K): on CUDA, in its dtypes and rows."""
+    return weight.is_cuda and gemv_fits(weight.shape[-1], dtype_name(weight))
 
 
 def _missing(keys: set) -> set:

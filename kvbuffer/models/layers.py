@@ -173,15 +173,18 @@ def _per_expert_matmul(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> 
     return torch.cat(parts) if parts else x.new_zeros((0, w.shape[1]))
 
 
-def route_to_experts(x, top_idx, top_w, first, down, act, accumulate_dtype=None):
+def route_to_experts(x, top_idx, top_w, first, down, act, accumulate_dtype=None, one_row=False):
     """Mixture-of-experts dispatch: each token through its top-k experts, weighted and summed.
 
     first (E, O, H) and down (E, H, I) are the experts' stacked weights; `act` maps the first
-    matmul's output (M, O) to the down matmul's input (M, I) (gated: silu(gate) * up). Tokens are
+    matmul's output (..., O) to the down matmul's input (..., I) (gated: silu(gate) * up). Tokens are
     sorted by expert so each matmul is one grouped matmul over all experts (torch._grouped_mm where
     it serves the dtype, else a loop over the experts that got tokens). Contributions are summed in
-    `accumulate_dtype` (default x's).
+    `accumulate_dtype` (default x's). A forward of at most `one_row` tokens (the engine sets 1 where
+    the kernel is built; 0 or False: never) takes `experts_one_token` instead.
     """
+    if x.shape[0] <= one_row and x.dtype == first.dtype == down.dtype:
+        return experts_one_token(x, top_idx, top_w, first, down, act, accumulate_dtype)
     E, k = first.shape[0], top_idx.shape[1]
     # the expert ids as the narrowest integers that hold them: a radix sort's passes scale with the key's
     # bits, and topk's int64 ids made the sort a visible share of a MoE step at large batch
@@ -203,7 +206,37 @@ def route_to_experts(x, top_idx, top_w, first, down, act, accumulate_dtype=None)
     return out.to(x.dtype)
 
 
-class Experts(nn.Module):
+def experts_one_token(x, top_idx, top_w, first, down, act, accumulate_dtype=None):
+    """route_to_experts for a token's k experts on the one-row experts kernel
+    (torch.ops.kvbuffer.gemv_experts): each chosen expert's weights streamed once, no sort, gather or
+    grouped-matmul set-up in front; the same sum to the output's rounding (fp32 accumulation in
+    another order). At one token torch's grouped matmul reads the experts' weights at under half the
+    copy bandwidth (docs/kernels.md, "One-token projections")."""
+    S, k = top_idx.shape
+    h = act(launch.engine_rows("gemv_experts", x.contiguous(), first, top_idx.contiguous()))
+    y = launch.engine_rows("gemv_experts", h.reshape(S * k, -1).contiguous(), down, top_idx.reshape(S * k, 1))
+    y = y.view(S, k, -1) * top_w[..., None]
+    return y.sum(1, dtype=accumulate_dtype or x.dtype).to(x.dtype)
+
+
+class RoutedExperts(nn.Module):
+    """A model's routed experts as stacked weights (`expert_weights`: the first matmul's (E, O, H) and
+    the down matmul's (E, H, I)). `one_row`: the most tokens a forward may have to run on the experts
+    kernel (route_to_experts); the engine sets it (True, one token) where that kernel is built
+    (kvbuffer.engine.one_row)."""
+
+    one_row = False
+
+    def expert_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
+        raise NotImplementedError
+
+
+def one_row_experts(model: nn.Module) -> list[RoutedExperts]:
+    """The routed experts whose one-token forward can run on the one-row experts kernel."""
+    return [m for m in model.modules() if isinstance(m, RoutedExperts)]
+
+
+class Experts(RoutedExperts):
     """Gated routed experts as 3-D tensors: gate_up_proj (E, 2I, H), down_proj (E, H, I)."""
 
     def __init__(self, num_experts: int, hidden: int, intermediate: int, act=F.silu):
@@ -212,13 +245,17 @@ class Experts(nn.Module):
         self.down_proj = nn.Parameter(torch.empty(num_experts, hidden, intermediate))
         self.act = act
 
+    def expert_weights(self):
+        return self.gate_up_proj, self.down_proj
+
     def _gated(self, y):
         gate, up = y.chunk(2, dim=-1)
         return self.act(gate) * up
 
     def forward(self, x, top_idx, top_w):
         """x (N, H); top_idx, top_w (N, k)."""
-        return route_to_experts(x, top_idx, top_w.to(x.dtype), self.gate_up_proj, self.down_proj, self._gated)
+        return route_to_experts(x, top_idx, top_w.to(x.dtype), self.gate_up_proj, self.down_proj, self._gated,
+                                one_row=self.one_row)
 
 
 class SoftmaxTopKMoE(nn.Module):

@@ -21,7 +21,7 @@ from torch import nn
 
 from ..pools import LinearLayerShape
 from ..runtime import mixing
-from .layers import Linear, PackedLinear, cache_layout, fp32, rms_normalize, route_to_experts
+from .layers import Linear, PackedLinear, RoutedExperts, cache_layout, fp32, rms_normalize, route_to_experts
 
 MODEL_TYPES = ("nemotron_h",)
 
@@ -254,7 +254,7 @@ class MLP(nn.Module):
         return self.down_proj(self.act(self.up_proj(x)))
 
 
-class UngatedExperts(nn.Module):
+class UngatedExperts(RoutedExperts):
     """Routed experts as 3-D tensors: up_proj (E, I, H), down_proj (E, H, I); down(act(up(x))) each.
 
     Contributions accumulate in the routing weights' dtype (fp32), as transformers does.
@@ -266,10 +266,13 @@ class UngatedExperts(nn.Module):
         self.down_proj = nn.Parameter(torch.empty(num_experts, dim, intermediate))
         self.act = _ACTIVATIONS[act]
 
+    def expert_weights(self):
+        return self.up_proj, self.down_proj
+
     def forward(self, x, top_idx, top_w):
         """x (N, dim); top_idx, top_w (N, k)."""
         return route_to_experts(x, top_idx, top_w, self.up_proj, self.down_proj, self.act,
-                                accumulate_dtype=top_w.dtype)
+                                accumulate_dtype=top_w.dtype, one_row=self.one_row)
 
 
 class TopKRouter(nn.Module):

@@ -1,0 +1,115 @@
+"""A mixture-of-experts layer at one token: the one-row experts kernel (torch.ops.kvbuffer.gemv_experts,
+what the engine runs with LLM(gemv=...)) against the sorted, grouped path (torch._grouped_mm), both
+through the model's own routed-experts module (kvbuffer.models.layers.route_to_experts), for the
+first MoE layer of a preset model built with random weights.
+
+Correctness first (both paths against the experts' products in fp64), then each timed as a CUDA graph
+of many launches (kvbuffer.bench.timing.graph_median), every launch routed to other experts (a fresh
+random top-k per set, so the experts' weights are read from memory, not L2), achieved bandwidth (the
+chosen experts' weights once) against the measured copy bandwidth, and the time a decode step spends
+in its MoE layers. Writes JSON next to the other results.
+
+    python benchmarks/moe_one_token.py --model nemotron-3-nano --out result.json
+
+Needs a CUDA GPU and TileLang (kernels are taken from the artifact cache, else JIT-compiled).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import torch
+
+
+def first_experts(model: str):
+    """The preset's first routed-experts module with random bf16 weights on the GPU, its top-k and how
+    many such layers a step runs."""
+    from kvbuffer import presets
+    from kvbuffer.models.layers import one_row_experts
+    from kvbuffer.models.loader import build_model
+
+    cfg = presets.get(model).hf_config()
+    with torch.device("meta"):
+        experts = one_row_experts(build_model(cfg))
+    if not experts:
+        raise SystemExit(f"{model} has no routed experts")
+    layer = experts[0].to_empty(device="cuda").to(torch.bfloat16)
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    with torch.no_grad():
+        for w in layer.expert_weights():
+            w.copy_(torch.randn(w.shape, generator=gen, device="cuda") * w.shape[-1] ** -0.5)
+    k = int(cfg.get("num_experts_per_tok") or cfg.get("moe_topk"))
+    return layer, k, len(experts)
+
+
+def run(model: str, rows: int) -> dict:
+    from kvbuffer.bench.timing import copy_bandwidth, graph_median
+
+    copy = copy_bandwidth()
+    layer, k, layers = first_experts(model)
+    first, down = layer.expert_weights()
+    E, H = first.shape[0], down.shape[1]
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    sets = max(8, 2 * E // k)
+    xs = [torch.randn(rows, H, generator=gen, device="cuda").bfloat16() for _ in range(sets)]
+    ids = [torch.stack([torch.randperm(E, generator=gen, device="cuda")[:k] for _ in range(rows)])
+           for _ in range(sets)]
+    ws = [torch.rand(rows, k, generator=gen, device="cuda") for _ in range(sets)]
+
+    def path(one_row: int):
+        def call(i):
+            layer.one_row = one_row
+            return layer(xs[i], ids[i], ws[i].to(torch.float32 if model.startswith("nemotron") else torch.bfloat16))
+        return call
+
+    grouped, kernel = path(0), path(rows)  # the engine takes the kernel at one token; more to see the trend
+    want = _fp64(layer, xs[0], ids[0], ws[0])
+    err = {name: float((fn(0).double() - want).norm() / want.norm()) for name, fn in (("kernel", kernel),
+                                                                                       ("grouped", grouped))}
+    if not err["kernel"] < 1e-2:
+        raise SystemExit(f"{model}: the one-token path is off the fp64 products (relative error {err['kernel']:.2e})")
+    nbytes = rows * k * (first[0].numel() + down[0].numel()) * 2  # at most: distinct experts' weights, once
+    rotated = nbytes * sets
+    tk = graph_median(kernel, sets, rotated_bytes=rotated)
+    tg = graph_median(grouped, sets, rotated_bytes=rotated)
+    row = dict(model=model, rows=rows, top_k=k, experts=E, moe_layers=layers, kernel_us=tk.us, grouped_us=tg.us,
+               speedup=tg.seconds / tk.seconds, kernel_gbs=nbytes / tk.seconds / 1e9,
+               grouped_gbs=nbytes / tg.seconds / 1e9, copy_gbs=copy / 1e9, rel_err=err, timing=tk.method,
+               step_ms=dict(kernel=tk.us * layers / 1e3, grouped=tg.us * layers / 1e3))
+    print(f"{model} rows={rows} top-{k} of {E}: one-token kernel {tk.us:7.1f} us ({row['kernel_gbs']:5.0f} GB/s)  "
+          f"grouped {tg.us:7.1f} us ({row['grouped_gbs']:5.0f} GB/s)  {row['speedup']:4.2f}x; "
+          f"x{layers} layers: {row['step_ms']['kernel']:.2f} against {row['step_ms']['grouped']:.2f} ms a step; "
+          f"copy bandwidth {copy / 1e9:.0f} GB/s", flush=True)
+    return row
+
+
+def _fp64(layer, x, ids, w):
+    """The routed experts' sum, one expert at a time in fp64 (the layer's own activation)."""
+    first, down = (p.double() for p in layer.expert_weights())
+    out = torch.zeros(x.shape, dtype=torch.float64, device=x.device)
+    for s in range(x.shape[0]):
+        for j, e in enumerate(ids[s].tolist()):
+            h = first[e] @ x[s].double()
+            h = layer._gated(h) if hasattr(layer, "_gated") else layer.act(h)
+            out[s] += w[s, j].double() * (down[e] @ h)
+    return out
+
+
+def main() -> None:
+    from kvbuffer import ops
+
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", default="nemotron-3-nano")
+    p.add_argument("--rows", default="1", help="tokens (comma-separated); the engine takes the kernel at one")
+    p.add_argument("--out", default=None)
+    a = p.parse_args()
+    ops.allow_jit(True)
+    rows = [run(a.model, int(r)) for r in a.rows.split(",")]
+    if a.out:
+        with open(a.out, "w") as f:
+            json.dump({"model": a.model, "gpu": torch.cuda.get_device_name(), "rows": rows}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,143 @@
+"""The one-token experts kernel on the CPU: the template (tiles/gemv.py `gemv_experts`) compiled for
+sm_90a and run through tests/support/simt_emulator.py against the products in fp64 (outputs
+NaN-poisoned; Nemotron's ragged K, several rows and experts per row, an id outside the experts); the
+kernel key; the custom op (CPU: the reference) and its fake; route_to_experts' one-token path against
+the grouped one (gated and ungated, the models' accumulation dtypes); the engine switch off CUDA.
+The GPU tests are tests/gpu/test_gemv_experts.py.
+"""
+
+import importlib.util
+import os
+import shutil
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from kvbuffer.errors import DTypeError, ExpertIndexError, ShapeError
+from kvbuffer.kernels import launch
+from kvbuffer.kernels.keys import GemvDims, KernelKey
+
+_BUILD = importlib.util.find_spec("tilelang") is not None and bool(
+    shutil.which("nvcc") or os.path.exists("/usr/local/cuda/bin/nvcc")) and bool(shutil.which("g++"))
+
+
+def _loop(x, w, ids):
+    """The definition, one expert at a time, in fp64: (S, J, N)."""
+    return torch.stack([torch.stack([w[e].double() @ x[s].double() for e in ids[s].tolist()])
+                        for s in range(x.shape[0])])
+
+
+@pytest.mark.tilelang
+@pytest.mark.skipif(not _BUILD, reason="needs TileLang, nvcc and g++")
+@pytest.mark.parametrize("S,J,E,N,K,tunables", [
+    (1, 3, 5, 37, 2688, {}),                                      # Nemotron's K: the last pass is ragged
+    (2, 2, 4, 50, 72, dict(per_warp=4, threads=64, unroll=16)),   # N not a multiple of a block's 8 columns
+    (3, 1, 3, 16, 512, dict(per_warp=1, threads=64, unroll=4)),   # the down projection's form: J = 1, passes
+])
+def test_template_matches_fp64_emulated(S, J, E, N, K, tunables):
+    from kvbuffer.gpus import get_gpu
+    from kvbuffer.tiles import compile_template, gemv
+
+    from tests.support.simt_emulator import Emulated
+
+    t = dict(gemv.DEFAULT, **tunables)
+    emu = Emulated(compile_template(gemv.gemv_experts(N, K, **t), get_gpu("h200").target).get_kernel_source())
+    gen = torch.Generator().manual_seed(N + K + J)
+    x = torch.randn(S, K, generator=gen).to(torch.bfloat16)
+    w = (torch.randn(E, N, K, generator=gen) * K ** -0.5).to(torch.bfloat16)
+    ids = torch.randint(0, E, (S, J), generator=gen)
+    y = torch.full((S, J, N), float("nan")).to(torch.bfloat16)
+    per_block = t["threads"] // 32 * t["per_warp"]
+    emu((-(-N // per_block), S * J, 1), t["threads"], x=x, weight=w, expert=ids, y=y,
+        rows=S, experts_per_row=J, experts=E)
+    ref = _loop(x, w, ids)
+    assert bool(torch.isfinite(y).all())
+    assert float((y.double() - ref).norm() / ref.norm()) < 4e-3
+    bad = ids.clone()
+    bad[0, 0] = E  # outside the experts: read as zero weights, never out of bounds
+    emu((-(-N // per_block), S * J, 1), t["threads"], x=x, weight=w, expert=bad, y=y,
+        rows=S, experts_per_row=J, experts=E)
+    assert bool((y[0, 0] == 0).all())
+
+
+def test_key_names_its_template_record_and_command():
+    w = torch.zeros(6, 32, 64, dtype=torch.bfloat16)
+    key = launch.gemv_experts_key(w)
+    assert key == KernelKey("gemv", "experts", GemvDims(32, 64), "bfloat16")
+    assert key.template() == "gemv_experts" and key.compiled_kind() == "gemv_experts"
+    assert key.record_shapes() == [{"family": "experts", "N": 32, "K": 64, "dtype": "bfloat16"}]
+    assert key.launch_params({"threads": 128}) == dict(threads=128, N=32, K=64, dtype="bfloat16")
+    assert key.tune_command() == "kvbuffer tune --gpu <gpu> --model <model>"
+    assert key != launch.gemv_key(w[0])  # the same weight shape, another kernel
+
+
+def test_custom_op_on_cpu_its_checks_and_its_fake():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    gen = torch.Generator().manual_seed(0)
+    x, w = torch.randn(3, 24, generator=gen), torch.randn(5, 40, 24, generator=gen)
+    ids = torch.tensor([[4, 0], [1, 1], [3, 2]])
+    got = torch.ops.kvbuffer.gemv_experts(x, w, ids)
+    assert got.shape == (3, 2, 40)
+    torch.testing.assert_close(got.double(), _loop(x, w, ids), rtol=1e-5, atol=1e-5)
+    with FakeTensorMode():
+        fake = torch.ops.kvbuffer.gemv_experts(torch.empty(1, 24), torch.empty(5, 40, 24),
+                                               torch.empty(1, 6, dtype=torch.int64))
+        assert fake.shape == (1, 6, 40)
+    with pytest.raises(ExpertIndexError, match=r"expert ids must be in \[0, 5\)"):
+        torch.ops.kvbuffer.gemv_experts(x, w, ids + 1)
+    with pytest.raises(ShapeError, match="weight must have shape"):
+        torch.ops.kvbuffer.gemv_experts(x, w[..., :8], ids)
+    with pytest.raises(DTypeError, match="expert must have dtype"):
+        torch.ops.kvbuffer.gemv_experts(x, w, ids.int())
+    with pytest.raises(ShapeError, match="expert must have shape"):
+        torch.ops.kvbuffer.gemv_experts(x, w, ids[:2])
+
+
+@pytest.mark.parametrize("gated", [True, False], ids=["gated", "ungated"])
+@pytest.mark.parametrize("dtype,acc", [(torch.float32, None), (torch.bfloat16, torch.float32)], ids=["fp32", "bf16"])
+def test_one_token_path_follows_the_grouped_path(gated, dtype, acc):
+    """route_to_experts with `one_row` at one token (torch.ops.kvbuffer.gemv_experts: on the CPU its
+    reference) against the sorted, grouped path, for both experts' forms; more tokens keep the grouped
+    path."""
+    from kvbuffer.models import layers
+
+    gen = torch.Generator().manual_seed(1)
+    E, H, I, k = 8, 64, 32, 3
+    first = (torch.randn(E, 2 * I if gated else I, H, generator=gen) * H ** -0.5).to(dtype)
+    down = (torch.randn(E, H, I, generator=gen) * I ** -0.5).to(dtype)
+    act = (lambda y: F.silu(y[..., :I]) * y[..., I:]) if gated else (lambda y: F.relu(y) ** 2)
+    for tokens in (1, 2):
+        x = torch.randn(tokens, H, generator=gen).to(dtype)
+        idx = torch.stack([torch.randperm(E, generator=gen)[:k] for _ in range(tokens)])
+        w = torch.rand(tokens, k, generator=gen).to(acc or dtype)
+        want = layers.route_to_experts(x, idx, w, first, down, act, acc)
+        got = layers.route_to_experts(x, idx, w, first, down, act, acc, one_row=True)
+        tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-2)
+        torch.testing.assert_close(got, want, **tol)
+        assert got.dtype == x.dtype
+
+
+def test_the_models_expose_their_experts_and_the_switch_stays_off_cpu():
+    from tests.support.tiny_models import tiny_model
+
+    from kvbuffer.engine.one_row import use_one_row_kernel
+    from kvbuffer.models.layers import RoutedExperts, one_row_experts
+
+    model = tiny_model("nemotron_h", layers_block_type=["mamba", "moe", "attention", "mamba", "moe"])
+    experts = one_row_experts(model)
+    assert len(experts) == 2 and all(isinstance(m, RoutedExperts) for m in experts)
+    first, down = experts[0].expert_weights()
+    assert first.shape[1:] == (32, 64) and down.shape[1:] == (64, 32)
+    assert use_one_row_kernel(model, "auto", kernels=False) == "the linear layers run on the reference ops"
+    assert not any(m.one_row for m in experts)
+    assert use_one_row_kernel(model, False, kernels=True) == "gemv=False"
+
+
+def test_tune_shapes_of_a_moe_model_include_its_experts():
+    from kvbuffer.autotune import models
+
+    got = {(s["family"], s["N"], s["K"]) for s in models.preset_gemv_shapes("nemotron-3-nano")}
+    assert {("experts", 1856, 2688), ("experts", 2688, 1856)} <= got
+    assert not any(s["family"] == "experts" for s in models.preset_gemv_shapes("qwen3.5-9b"))
