@@ -183,7 +183,7 @@ def route_to_experts(x, top_idx, top_w, first, down, act, accumulate_dtype=None,
     `accumulate_dtype` (default x's). A forward of at most `one_row` tokens (the engine sets 1 where
     the kernel is built; 0 or False: never) takes `experts_one_token` instead.
     """
-    if x.shape[0] <= one_row and x.dtype == first.dtype == down.dtype:
+    if one_row and x.shape[0] <= one_row and x.dtype == first.dtype == down.dtype:
         return experts_one_token(x, top_idx, top_w, first, down, act, accumulate_dtype)
     E, k = first.shape[0], top_idx.shape[1]
     # the expert ids as the narrowest integers that hold them: a radix sort's passes scale with the key's
@@ -213,7 +213,8 @@ def experts_one_token(x, top_idx, top_w, first, down, act, accumulate_dtype=None
     another order). At one token torch's grouped matmul reads the experts' weights at under half the
     copy bandwidth (docs/kernels.md, "One-token projections")."""
     S, k = top_idx.shape
-    h = act(launch.engine_rows("gemv_experts", x.contiguous(), first, top_idx.contiguous()))
+    top_idx = top_idx.to(torch.int64).contiguous()  # the kernel's id dtype (topk's already: no copy)
+    h = act(launch.engine_rows("gemv_experts", x.contiguous(), first, top_idx))
     y = launch.engine_rows("gemv_experts", h.reshape(S * k, -1).contiguous(), down, top_idx.reshape(S * k, 1))
     y = y.view(S, k, -1) * top_w[..., None]
     return y.sum(1, dtype=accumulate_dtype or x.dtype).to(x.dtype)

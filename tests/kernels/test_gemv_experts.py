@@ -141,3 +141,27 @@ def test_tune_shapes_of_a_moe_model_include_its_experts():
     got = {(s["family"], s["N"], s["K"]) for s in models.preset_gemv_shapes("nemotron-3-nano")}
     assert {("experts", 1856, 2688), ("experts", 2688, 1856)} <= got
     assert not any(s["family"] == "experts" for s in models.preset_gemv_shapes("qwen3.5-9b"))
+
+
+def test_the_switch_off_never_reaches_the_kernel_and_ids_of_any_int_dtype_go_in(monkeypatch):
+    """one_row 0 / False keeps every forward (an empty one too) on the grouped path; the router's ids
+    reach the kernel as int64 whatever integer dtype they come in."""
+    from kvbuffer.models import layers
+
+    gen = torch.Generator().manual_seed(2)
+    first, down = torch.randn(4, 8, 16, generator=gen), torch.randn(4, 16, 8, generator=gen)
+    act = lambda y: F.relu(y) ** 2  # noqa: E731
+    real = launch.engine_rows
+    calls = []
+    monkeypatch.setattr(launch, "engine_rows", lambda name, *a: calls.append(a[2].dtype) or real(name, *a))
+    for off in (0, False):
+        layers.route_to_experts(torch.randn(0, 16), torch.zeros(0, 2, dtype=torch.int64), torch.rand(0, 2),
+                                first, down, act, one_row=off)
+        layers.route_to_experts(torch.randn(1, 16), torch.tensor([[1, 3]]), torch.rand(1, 2), first, down, act,
+                                one_row=off)
+    assert calls == []
+    x, w = torch.randn(1, 16, generator=gen), torch.rand(1, 2, generator=gen)
+    want = layers.route_to_experts(x, torch.tensor([[1, 3]]), w, first, down, act)
+    got = layers.route_to_experts(x, torch.tensor([[1, 3]], dtype=torch.int32), w, first, down, act, one_row=True)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    assert calls == [torch.int64, torch.int64]
