@@ -66,7 +66,7 @@ def use_one_row_kernel(model: torch.nn.Module, option, kernels: bool) -> str:
     on = sum(m.one_row for m in mods)
     line = f"{on} of {len(mods)} projections"
     if experts:
-        line += f" and {sum(m.one_row for m in experts)} of {len(experts)} expert layers"
+        line += f" and {sum(bool(m.one_row) for m in experts)} of {len(experts)} expert layers"
     log.info("kvbuffer: %s run one-token forwards on the one-row kernels", line)
     return line
 
