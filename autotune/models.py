@@ -120,17 +120,23 @@ def checkpoint_attention_shape(path: str | Path, dtype: str | None = None) -> di
     return config_attention_shape(json.loads((path / "config.json" if path.is_dir() else path).read_text()), dtype)
 
 
-def config_projection_counts(cfg: dict) -> dict[tuple[int, int], int]:
-    """(N, K) -> how many of the model's bias-free projections (kvbuffer.models.layers.one_row_linears)
-    have a weight of that shape, read off the model built on the meta device (no memory, and no copy
-    of its layer shapes here)."""
+def _meta_model(cfg: dict):
+    """The model a config declares, built on the meta device: its layer shapes with no memory, and no
+    copy of them here."""
     import torch
 
-    from kvbuffer.models.layers import one_row_linears
     from kvbuffer.models.loader import build_model
 
     with torch.device("meta"):
-        model = build_model(cfg)
+        return build_model(cfg)
+
+
+def config_projection_counts(cfg: dict) -> dict[tuple[int, int], int]:
+    """(N, K) -> how many of the model's bias-free projections (kvbuffer.models.layers.one_row_linears)
+    have a weight of that shape."""
+    from kvbuffer.models.layers import one_row_linears
+
+    model = _meta_model(cfg)
     counts: dict[tuple[int, int], int] = {}
     for m in one_row_linears(model):
         counts[tuple(m.weight.shape)] = counts.get(tuple(m.weight.shape), 0) + 1
@@ -139,15 +145,10 @@ def config_projection_counts(cfg: dict) -> dict[tuple[int, int], int]:
 
 def config_expert_shapes(cfg: dict) -> set[tuple[int, int]]:
     """(N, K) of each distinct expert weight of the model's routed experts (kvbuffer.models.layers.
-    one_row_experts), read off the model built on the meta device."""
-    import torch
-
+    one_row_experts)."""
     from kvbuffer.models.layers import one_row_experts
-    from kvbuffer.models.loader import build_model
 
-    with torch.device("meta"):
-        model = build_model(cfg)
-    return {tuple(w.shape[1:]) for m in one_row_experts(model) for w in m.expert_weights()}
+    return {tuple(w.shape[1:]) for m in one_row_experts(_meta_model(cfg)) for w in m.expert_weights()}
 
 
 def config_gemv_shapes(cfg: dict, dtype: str | None = None) -> list[dict]:

@@ -18,7 +18,7 @@ def _ints(text: str, option: str) -> tuple[int, ...]:
 
 
 CHUNK_FREE = ("conv1d", "attention", "gemv", "experts")  # families whose kernels do not depend on the chunk size C
-ONE_ROW = ("gemv", "experts")  # families only a one-token forward runs: timed at B = 1 alone
+ONE_ROW = ("gemv", "experts")  # families only one-token (experts: few-token) forwards run: timed at B = 1 alone
 
 
 def _table(rows: list[tuple]) -> None:
@@ -135,8 +135,8 @@ def _templates(shapes: list[dict], kernels: str | None) -> list[tuple[dict, list
 @click.option("--attention/--no-attention", default=True, show_default=True,
               help="Also build the model's decode attention kernels (its attention layers' heads; not with --heads).")
 @click.option("--gemv/--no-gemv", default=True, show_default=True,
-              help="Also build the one-row kernel of each of the model's projection shapes (a one-token "
-              "forward's; not with --heads).")
+              help="Also build the one-row kernel of each of the model's projection shapes and routed-expert "
+              "weight shapes (a one-token forward's; not with --heads).")
 @click.option("--kernels", help="Comma-separated template names (default: every template of the family, "
               "its conv, the model's attention and its projections).")
 @click.option("--build-only", is_flag=True, help="Compile defaults without measuring, even on the named GPU.")

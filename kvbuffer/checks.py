@@ -10,7 +10,7 @@ from typing import Sequence
 
 import torch
 
-from .errors import BufferOverflowError, DeviceError, DTypeError, ShapeError, SlotError
+from .errors import BufferOverflowError, DeviceError, DTypeError, ExpertIndexError, ShapeError, SlotError
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 INDEX_DTYPES = (torch.int32, torch.int64)
@@ -37,6 +37,15 @@ def check_tensor(
     if device is not None and t.device != device:
         raise DeviceError(f"{name} is on {t.device}, expected {device} (the pool's device)")
     return t
+
+
+def check_expert_ids(expert: torch.Tensor, num_experts: int) -> None:
+    """Every id of `expert` names one of `num_experts` experts (one read of the ids back)."""
+    if expert.numel():
+        lo, hi = (int(v) for v in torch.aminmax(expert))
+        if lo < 0 or hi >= num_experts:
+            raise ExpertIndexError(f"expert holds id {lo if lo < 0 else hi}, outside [0, {num_experts}) "
+                                   "(the experts weight's first dimension)")
 
 
 def check_slots(name: str, slots: object, batch: int, num_slots: int, device: torch.device) -> torch.Tensor:

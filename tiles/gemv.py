@@ -13,8 +13,10 @@ Two kernels share the streaming loop:
 - `gemv_experts`: a mixture-of-experts layer at one token, each of a row's top-k experts through its
   own weight: x (S, K), weight (E, N, K), expert (S, J) int64, y (S, J, N) with
   y[s, j] = x[s] . weight[expert[s, j]]^T. S, J and E are dynamic. It reads only the chosen
-  experts' weights, with no sort, gather or grouped-GEMM set-up in front (torch's grouped GEMM
-  streams them at under half the copy bandwidth at one token).
+  experts' weights, with no sort, gather or grouped-GEMM set-up in front (docs/kernels.md, "Routed
+  experts at a few tokens"). An id outside [0, E) reads as zero weights: TileLang guards every load
+  of a dynamically shaped tensor (checked on the CPU emulator, tests/kernels/test_gemv_experts.py);
+  the launcher refuses such ids when checked. One block row per (s, j): S * J <= 65535.
 
 Layout: a warp owns `per_warp` consecutive output columns (weight rows); lane l reads 16-byte chunks
 l, l + 32, l + 64, ... of each of those rows, `unroll` chunks a row at a time, all issued before the

@@ -30,7 +30,8 @@ from .sampling import (SamplingParams, check_drawn, pick_rows, sample_rows, samp
                        token_logprob)
 from .scheduler import Scheduler
 from .drafters import MTPDrafter, NgramDrafter
-from .one_row import use_one_row_kernel
+from ..models.layers import one_row_experts
+from .one_row import EXPERT_TOKENS, use_one_row_kernel
 from .options import check_generate_args, check_int, check_llm_args
 from .overlap import InflightStep, ends_at_length, plan_feed, use_overlap
 from .speculative import SpeculativeConfig, accept_drafts, accept_sampled
@@ -170,9 +171,10 @@ class LLM:
         host's work hides behind the GPU's (kvbuffer.engine.overlap; the outputs are the same, a
         step()'s tokens arrive one step later): True, False or "auto" (on CUDA).
         gemv: run one-token forwards' projections (a B = 1 decode step's) on kvbuffer's one-row kernel,
-            which streams the weights faster than torch's GEMM at one row (kvbuffer.engine.one_row):
-            True, False or "auto" (with the compiled kernels, where each projection's kernel loads or
-            builds); `self.gemv` says how many projections take it.
+            which streams the weights faster than torch's GEMM at one row, and routed experts' forwards
+            of up to 8 tokens on its experts kernel (kvbuffer.engine.one_row): True, False or "auto"
+            (with the compiled kernels, where each kernel loads or builds); `self.gemv` says how many
+            projections and expert layers take them.
         unbuffered_rows: kvbuffer mode's decode steps of at most this many rows fold their buffers
         into their states and step the recurrence directly (kvbuffer.engine.runner.ModelRunner), where
         the states are too few for the buffer to pay; "auto": on the kernels, what `kvbuffer tune`
@@ -327,10 +329,14 @@ class LLM:
         the unbuffered steps (rows up to unbuffered_rows; just 1 when that is 1) and the two row
         counts after them of the buffered steps, so that Dynamo has seen every kind of step, and the
         row count and window change, before a request comes; without compile it only captures those
-        CUDA graphs. Speculative verify forwards are not warmed."""
+        CUDA graphs. Where routed experts run few-token forwards on the experts kernel, one more row
+        count past its limit (EXPERT_TOKENS + 1), where they go back to the grouped matmul.
+        Speculative verify forwards are not warmed."""
         spec, unbuffered = self.runner.spec, self.runner.unbuffered_rows
         windows = sorted({context_bucket(1, spec.max_len), context_bucket(CONTEXT_BUCKET + 1, spec.max_len)})
         rows = [*range(1, min(unbuffered, 2) + 1), unbuffered + 1, unbuffered + 2]
+        if any(m.one_row for m in one_row_experts(self.model)):
+            rows.append(EXPERT_TOKENS + 1)
         self.runner.warm_up([n for n in rows if n <= spec.max_requests], windows)
 
     # the step-able engine ----------------------------------------------------------------------

@@ -7,9 +7,9 @@ one-row kernel (tiles/gemv.py) streams them faster than torch's GEMM does at one
 once (untuned) when TileLang and nvcc are here (kvbuffer.kernels.autobuild), or JIT-compiled with
 KVBUFFER_JIT=1. A projection whose kernel is not there keeps torch's GEMM; nothing else changes.
 Forwards of more than one token never take it. A mixture-of-experts layer's routed experts take
-the experts kernel (the same loop through each of a token's chosen experts' weights, torch's
-grouped matmul being slower still at a few tokens) in forwards of up to EXPERT_TOKENS tokens, where
-both of its matmuls' kernels load.
+the experts kernel (the same loop through each of a token's chosen experts' weights; where it
+beats torch's grouped matmul: docs/kernels.md, "Routed experts at a few tokens") in forwards of up
+to EXPERT_TOKENS tokens, where both of its matmuls' kernels load.
 """
 
 from __future__ import annotations
@@ -27,9 +27,9 @@ log = logging.getLogger("kvbuffer")
 
 OPTIONS = (True, False, "auto")
 # the most tokens a forward's routed experts run on the experts kernel: each token's experts are read
-# apart (an expert two tokens chose is read twice), and up to 8 tokens that still beats torch's
-# grouped matmul (docs/kernels.md, "One-token projections"); decode steps up to B = 8 and a
-# one-request verify take it
+# apart (an expert two tokens chose is read twice), so past a few tokens the grouped matmul wins again
+# (the measured crossing: docs/kernels.md, "Routed experts at a few tokens"); decode steps up to B = 8
+# and a one-request verify take it
 EXPERT_TOKENS = 8
 
 

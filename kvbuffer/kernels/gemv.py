@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import torch
 
-from ..checks import check_tensor
-from ..errors import ExpertIndexError
+from ..checks import check_expert_ids, check_tensor
+from ..errors import ShapeError
 from .compiled import ACT_DTYPES, CompiledOp, build_template, check_contiguous, check_on_cuda, expect_kind, out_tensor
 
 
@@ -38,6 +38,9 @@ def gemv(op: CompiledOp, x: torch.Tensor, weight: torch.Tensor, out: torch.Tenso
     return out
 
 
+GRID_ROWS = 65535  # CUDA's limit on a grid's y dimension: the experts kernel's (row, expert) pairs
+
+
 def build_gemv_experts(N: int, K: int, *, dtype: str = "bfloat16", **tunables) -> CompiledOp:
     """Compile y[s, j] = x[s] . W[expert[s, j]]^T for experts' weights (E, N, K), any E, rows and k."""
     return build_template("gemv_experts", "gemv_experts", dict(N=N, K=K, dtype=dtype, **tunables), module="gemv")
@@ -58,11 +61,11 @@ def gemv_experts(op: CompiledOp, x: torch.Tensor, weight: torch.Tensor, expert: 
     check_tensor("expert", expert, (x.shape[0], None), (torch.int64,), dev)
     for name, t in (("x", x), ("weight", weight), ("expert", expert)):
         check_contiguous(name, t)
-    if checked and expert.numel():
-        lo, hi = int(expert.min()), int(expert.max())
-        if lo < 0 or hi >= weight.shape[0]:
-            raise ExpertIndexError(f"expert holds id {lo if lo < 0 else hi}, outside [0, {weight.shape[0]}) "
-                                   "(the experts weight's first dimension)")
+    if expert.numel() > GRID_ROWS:
+        raise ShapeError(f"gemv_experts runs one block row per (row, expert) pair, at most {GRID_ROWS}; got "
+                         f"{x.shape[0]} x {expert.shape[1]} (more tokens are the grouped matmul's)")
+    if checked:
+        check_expert_ids(expert, weight.shape[0])
     out = out_tensor(out, (x.shape[0], expert.shape[1], p["N"]), x)
     if out.numel():
         op.fn(x, weight, expert, out)

@@ -48,8 +48,8 @@ from typing import Optional
 
 import torch
 
-from ..checks import INDEX_DTYPES, check_same_device, check_slots, check_tensor, check_unique
-from ..errors import BufferOverflowError, ExpertIndexError
+from ..checks import INDEX_DTYPES, check_expert_ids, check_same_device, check_slots, check_tensor, check_unique
+from ..errors import BufferOverflowError
 from ..reference import conv as ref_conv
 from ..reference import core as ref_core
 from ..reference import gdn as ref_gdn
@@ -302,9 +302,7 @@ def gemv_experts(x: torch.Tensor, weight: torch.Tensor, expert: torch.Tensor) ->
     """x (S, K), weight (E, N, K) of x's dtype, expert (S, J) int64 ids in [0, E) -> (S, J, N), row s
     through each of its experts: out[s, j] = linear(x[s], weight[expert[s, j]])."""
     _meta_checks("gemv_experts", dict(x=x, weight=weight, expert=expert))
-    if expert.numel() and (int(expert.min()) < 0 or int(expert.max()) >= weight.shape[0]):
-        raise ExpertIndexError(f"expert ids must be in [0, {weight.shape[0]}), got "
-                               f"{int(expert.min())} .. {int(expert.max())}")
+    check_expert_ids(expert, weight.shape[0])
     return torch.einsum("sk,sjnk->sjn", x, weight[expert]).contiguous()
 
 

@@ -180,11 +180,12 @@ def route_to_experts(x, top_idx, top_w, first, down, act, accumulate_dtype=None,
     matmul's output (..., O) to the down matmul's input (..., I) (gated: silu(gate) * up). Tokens are
     sorted by expert so each matmul is one grouped matmul over all experts (torch._grouped_mm where
     it serves the dtype, else a loop over the experts that got tokens). Contributions are summed in
-    `accumulate_dtype` (default x's). A forward of at most `one_row` tokens (the engine sets 1 where
-    the kernel is built; 0 or False: never) takes `experts_one_token` instead.
+    `accumulate_dtype` (default x's). A forward of 1 to `one_row` tokens (the engine sets
+    kvbuffer.engine.one_row.EXPERT_TOKENS where the kernel is built; 0 or False: never) takes
+    `experts_by_row` instead.
     """
-    if one_row and x.shape[0] <= one_row and x.dtype == first.dtype == down.dtype:
-        return experts_one_token(x, top_idx, top_w, first, down, act, accumulate_dtype)
+    if one_row and 0 < x.shape[0] <= one_row and x.dtype == first.dtype == down.dtype:
+        return experts_by_row(x, top_idx, top_w, first, down, act, accumulate_dtype)
     E, k = first.shape[0], top_idx.shape[1]
     # the expert ids as the narrowest integers that hold them: a radix sort's passes scale with the key's
     # bits, and topk's int64 ids made the sort a visible share of a MoE step at large batch
@@ -206,29 +207,33 @@ def route_to_experts(x, top_idx, top_w, first, down, act, accumulate_dtype=None,
     return out.to(x.dtype)
 
 
-def experts_one_token(x, top_idx, top_w, first, down, act, accumulate_dtype=None):
-    """route_to_experts for a token's k experts on the one-row experts kernel
-    (torch.ops.kvbuffer.gemv_experts): each chosen expert's weights streamed once, no sort, gather or
-    grouped-matmul set-up in front; the same sum to the output's rounding (fp32 accumulation in
-    another order). At one token torch's grouped matmul reads the experts' weights at under half the
-    copy bandwidth (docs/kernels.md, "One-token projections")."""
+def experts_by_row(x, top_idx, top_w, first, down, act, accumulate_dtype=None):
+    """route_to_experts for a few tokens, each through its k experts on the one-row experts kernel
+    (torch.ops.kvbuffer.gemv_experts): each chosen expert's weights streamed once per token that chose
+    it, no sort, gather or grouped-matmul set-up in front; the same sum to the output's rounding (fp32
+    accumulation in another order). Why and where it beats the grouped matmul: docs/kernels.md,
+    "Routed experts at a few tokens"."""
     S, k = top_idx.shape
     top_idx = top_idx.to(torch.int64).contiguous()  # the kernel's id dtype (topk's already: no copy)
     h = act(launch.engine_rows("gemv_experts", x.contiguous(), first, top_idx))
-    y = launch.engine_rows("gemv_experts", h.reshape(S * k, -1).contiguous(), down, top_idx.reshape(S * k, 1))
-    y = y.view(S, k, -1) * top_w[..., None]
+    y = launch.engine_rows("gemv_experts", h.reshape(S * k, h.shape[-1]).contiguous(), down,
+                           top_idx.reshape(S * k, 1))
+    y = y.view(S, k, y.shape[-1]) * top_w[..., None]
     return y.sum(1, dtype=accumulate_dtype or x.dtype).to(x.dtype)
 
 
 class RoutedExperts(nn.Module):
     """A model's routed experts as stacked weights (`expert_weights`: the first matmul's (E, O, H) and
-    the down matmul's (E, H, I)). `one_row`: the most tokens a forward may have to run on the experts
-    kernel (route_to_experts); the engine sets it (True, one token) where that kernel is built
-    (kvbuffer.engine.one_row)."""
+    the down matmul's (E, H, I)) with the activation between them (`activate`: (..., O) -> (..., I)).
+    `one_row`: the most tokens a forward may have to run on the experts kernel (route_to_experts); the
+    engine sets it (kvbuffer.engine.one_row.EXPERT_TOKENS) where that kernel is built."""
 
     one_row = False
 
     def expert_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
+        raise NotImplementedError
+
+    def activate(self, y: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
 
 
@@ -249,13 +254,13 @@ class Experts(RoutedExperts):
     def expert_weights(self):
         return self.gate_up_proj, self.down_proj
 
-    def _gated(self, y):
+    def activate(self, y):
         gate, up = y.chunk(2, dim=-1)
         return self.act(gate) * up
 
     def forward(self, x, top_idx, top_w):
         """x (N, H); top_idx, top_w (N, k)."""
-        return route_to_experts(x, top_idx, top_w.to(x.dtype), self.gate_up_proj, self.down_proj, self._gated,
+        return route_to_experts(x, top_idx, top_w.to(x.dtype), self.gate_up_proj, self.down_proj, self.activate,
                                 one_row=self.one_row)
 
 

@@ -269,9 +269,12 @@ class UngatedExperts(RoutedExperts):
     def expert_weights(self):
         return self.up_proj, self.down_proj
 
+    def activate(self, y):
+        return self.act(y)
+
     def forward(self, x, top_idx, top_w):
         """x (N, dim); top_idx, top_w (N, k)."""
-        return route_to_experts(x, top_idx, top_w, self.up_proj, self.down_proj, self.act,
+        return route_to_experts(x, top_idx, top_w, self.up_proj, self.down_proj, self.activate,
                                 accumulate_dtype=top_w.dtype, one_row=self.one_row)
 
 

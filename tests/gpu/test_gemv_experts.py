@@ -81,6 +81,9 @@ def test_bad_calls_raise_before_the_launch():
         gemv_experts(op, x, w, ids.int())
     with pytest.raises(ShapeError, match="contiguous"):
         gemv_experts(op, x, w, ids.T.contiguous().T)
+    many = torch.zeros(8192, 8, dtype=torch.int64, device="cuda")  # 65536 (row, expert) pairs
+    with pytest.raises(ShapeError, match="at most 65535"):
+        gemv_experts(op, torch.zeros(8192, 128, dtype=torch.bfloat16, device="cuda"), w, many)
 
 
 def test_custom_op_in_a_cuda_graph():

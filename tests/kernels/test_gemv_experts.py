@@ -85,7 +85,7 @@ def test_custom_op_on_cpu_its_checks_and_its_fake():
         fake = torch.ops.kvbuffer.gemv_experts(torch.empty(1, 24), torch.empty(5, 40, 24),
                                                torch.empty(1, 6, dtype=torch.int64))
         assert fake.shape == (1, 6, 40)
-    with pytest.raises(ExpertIndexError, match=r"expert ids must be in \[0, 5\)"):
+    with pytest.raises(ExpertIndexError, match=r"id 5, outside \[0, 5\)"):
         torch.ops.kvbuffer.gemv_experts(x, w, ids + 1)
     with pytest.raises(ShapeError, match="weight must have shape"):
         torch.ops.kvbuffer.gemv_experts(x, w[..., :8], ids)
@@ -185,3 +185,33 @@ def test_the_switch_sets_the_experts_token_limit_and_counts_layers(monkeypatch):
     assert [m.one_row for m in one_row_experts(model)] == [one_row.EXPERT_TOKENS] * 2
     assert one_row.use_one_row_kernel(model, False, kernels=True) == "gemv=False"
     assert not any(m.one_row for m in (*one_row_linears(model), *one_row_experts(model)))
+
+
+def test_an_empty_forward_keeps_the_grouped_path_and_warm_up_passes_the_token_limit(monkeypatch):
+    """A forward of no tokens never takes the experts kernel (even with it on); an engine whose
+    experts take it warms one row count past EXPERT_TOKENS, so a compiled step that grows past the
+    limit is not a recompilation in front of running requests."""
+    from tests.support.tiny_models import tiny_model
+
+    from kvbuffer import LLM
+    from kvbuffer.engine.one_row import EXPERT_TOKENS
+    from kvbuffer.models import layers
+
+    first, down = torch.randn(4, 8, 16), torch.randn(4, 16, 8)
+    monkeypatch.setattr(launch, "engine_rows", lambda *a: pytest.fail("the kernel ran for no tokens"))
+    out = layers.route_to_experts(torch.randn(0, 16), torch.zeros(0, 2, dtype=torch.int64), torch.rand(0, 2),
+                                  first, down, lambda y: F.relu(y) ** 2, one_row=EXPERT_TOKENS)
+    assert out.shape == (0, 16)
+    monkeypatch.undo()
+
+    llm = LLM(tiny_model("nemotron_h", layers_block_type=["mamba", "moe", "attention", "mamba", "moe"]),
+              device="cpu", chunk_size=4, max_batch=16, max_len=64)
+    seen = []
+    monkeypatch.setattr(llm.runner, "warm_up", lambda rows, windows: seen.extend(rows))
+    llm.warm_up()
+    assert EXPERT_TOKENS + 1 not in seen  # the experts are off on the CPU
+    for m in layers.one_row_experts(llm.model):
+        m.one_row = EXPERT_TOKENS
+    seen.clear()
+    llm.warm_up()
+    assert EXPERT_TOKENS + 1 in seen
