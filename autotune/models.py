@@ -120,7 +120,7 @@ def checkpoint_attention_shape(path: str | Path, dtype: str | None = None) -> di
     return config_attention_shape(json.loads((path / "config.json" if path.is_dir() else path).read_text()), dtype)
 
 
-def _meta_model(cfg: dict):
+def meta_model(cfg: dict):
     """The model a config declares, built on the meta device: its layer shapes with no memory, and no
     copy of them here."""
     import torch
@@ -136,7 +136,7 @@ def config_projection_counts(cfg: dict) -> dict[tuple[int, int], int]:
     have a weight of that shape."""
     from kvbuffer.models.layers import one_row_linears
 
-    model = _meta_model(cfg)
+    model = meta_model(cfg)
     counts: dict[tuple[int, int], int] = {}
     for m in one_row_linears(model):
         counts[tuple(m.weight.shape)] = counts.get(tuple(m.weight.shape), 0) + 1
@@ -148,7 +148,7 @@ def config_expert_shapes(cfg: dict) -> set[tuple[int, int]]:
     one_row_experts)."""
     from kvbuffer.models.layers import one_row_experts
 
-    return {tuple(w.shape[1:]) for m in one_row_experts(_meta_model(cfg)) for w in m.expert_weights()}
+    return {tuple(w.shape[1:]) for m in one_row_experts(meta_model(cfg)) for w in m.expert_weights()}
 
 
 def config_gemv_shapes(cfg: dict, dtype: str | None = None) -> list[dict]:

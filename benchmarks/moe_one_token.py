@@ -1,4 +1,4 @@
-"""A mixture-of-experts layer at one token: the one-row experts kernel (torch.ops.kvbuffer.gemv_experts,
+"""A mixture-of-experts layer at a few tokens: the one-row experts kernel (torch.ops.kvbuffer.gemv_experts,
 what the engine runs with LLM(gemv=...)) against the sorted, grouped path (torch._grouped_mm), both
 through the model's own routed-experts module (kvbuffer.models.layers.route_to_experts), for the
 first MoE layer of a preset model built with random weights.
@@ -26,12 +26,11 @@ def first_experts(model: str):
     """The preset's first routed-experts module with random bf16 weights on the GPU, its top-k and how
     many such layers a step runs."""
     from kvbuffer import presets
+    from kvbuffer.autotune.models import meta_model
     from kvbuffer.models.layers import one_row_experts
-    from kvbuffer.models.loader import build_model
 
     cfg = presets.get(model).hf_config()
-    with torch.device("meta"):
-        experts = one_row_experts(build_model(cfg))
+    experts = one_row_experts(meta_model(cfg))
     if not experts:
         raise SystemExit(f"{model} has no routed experts")
     layer = experts[0].to_empty(device="cuda").to(torch.bfloat16)
@@ -63,7 +62,7 @@ def run(model: str, rows: int) -> dict:
             return layer(xs[i], ids[i], ws[i])  # fp32 routing weights, as the routers give them
         return call
 
-    grouped, kernel = path(0), path(rows)  # the engine takes the kernel at one token; more to see the trend
+    grouped, kernel = path(0), path(rows)  # the engine takes the kernel up to EXPERT_TOKENS; more to see past it
     want = _fp64(layer, xs[0], ids[0], ws[0])
     err = {name: float((fn(0).double() - want).norm() / want.norm()) for name, fn in (("kernel", kernel),
                                                                                        ("grouped", grouped))}
@@ -101,7 +100,7 @@ def main() -> None:
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default="nemotron-3-nano")
-    p.add_argument("--rows", default="1", help="tokens (comma-separated); the engine takes the kernel at one")
+    p.add_argument("--rows", default="1", help="tokens (comma-separated); the engine takes the kernel up to kvbuffer.engine.one_row.EXPERT_TOKENS")
     p.add_argument("--out", default=None)
     a = p.parse_args()
     ops.allow_jit(True)

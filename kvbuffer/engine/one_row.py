@@ -21,7 +21,7 @@ import torch
 from ..errors import ArtifactError
 from ..kernels import autobuild, launch, lookup
 from ..kernels.keys import dtype_name, gemv_fits
-from ..models.layers import one_row_experts, one_row_linears
+from ..models.layers import RoutedExperts, one_row_experts, one_row_linears
 
 log = logging.getLogger("kvbuffer")
 
@@ -62,7 +62,7 @@ def use_one_row_kernel(model: torch.nn.Module, option, kernels: bool) -> str:
     if missing and option is True:
         raise ValueError(f"gemv=True, but {len(missing)} projection kernel(s) neither load nor build here")
     for m, ks in keys.items():
-        m.one_row = not missing.intersection(ks) and (EXPERT_TOKENS if m in experts else True)
+        m.one_row = not missing.intersection(ks) and (EXPERT_TOKENS if isinstance(m, RoutedExperts) else True)
     on = sum(m.one_row for m in mods)
     line = f"{on} of {len(mods)} projections"
     if experts:
@@ -72,7 +72,7 @@ def use_one_row_kernel(model: torch.nn.Module, option, kernels: bool) -> str:
 
 
 def _fits(weight: torch.Tensor) -> bool:
-    """Whether a one-row kernel takes this weight (its last dim is K): on CUDA, in its dtypes and rows."""
+    """Whether a one-row kernel takes this weight (its last dim is K): on CUDA, in its dtypes, K whole chunks."""
     return weight.is_cuda and gemv_fits(weight.shape[-1], dtype_name(weight))
 
 

@@ -1,6 +1,6 @@
 """The one-token projections on their compiled TileLang kernels: compile (`build_gemv`, `build_gemv_experts`)
 and validated launch. `gemv`: y = x W^T; `gemv_experts`: each row through each of its chosen experts' W
-(a mixture-of-experts layer at one token).
+(a mixture-of-experts layer at a few tokens).
 
 At one token a projection is bound by reading its weight; tiles/gemv.py streams it faster than
 torch's GEMM does at that size. Semantics are `torch.nn.functional.linear(x, weight)` without a bias,

@@ -29,7 +29,7 @@ the host (0: the cache's max_len) and only sets how the CUDA kernel splits them
 (kvbuffer.kernels.attention). gemv is F.linear without a bias for a few rows (a forward of one
 token): on CUDA a weight-streaming kernel, faster than torch's GEMM at that size. gemv_experts is
 the same product through each row's chosen experts (weight (E, N, K), int64 ids (S, J)): a
-mixture-of-experts layer at one token, reading only the chosen experts' weights.
+mixture-of-experts layer at a few tokens, reading only the chosen experts' weights.
 
 CPU: the pure-torch reference (with its checks). CUDA: kvbuffer.kernels.launch, which looks the
 compiled kernel up (kvbuffer.kernels.lookup: artifact, else JIT when allowed, else ArtifactError)
