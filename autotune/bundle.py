@@ -102,14 +102,14 @@ def _exportable(cache: ArtifactStore, gpu: str | None, report: BundleReport) -> 
     for name, entry in sorted(manifest["artifacts"].items()):
         if gpu in (None, entry.get("gpu")):
             try:
-                cache.verify(name)
+                cache.verify(name, manifest)
                 out["artifacts"][name] = entry
             except (ArtifactError, OSError) as e:
                 report.skipped.append(f"{name}: {e}")
     for name, entry in sorted(manifest["tunings"].items()):
         if gpu in (None, entry.get("gpu")):
             try:
-                record = cache.tuning(name)
+                record = cache.tuning(name, manifest)
             except (ArtifactError, OSError) as e:
                 report.skipped.append(f"{name}: {e}")
                 continue
@@ -248,8 +248,8 @@ def _checked(bundle: ArtifactStore):
             if set(entry["files"]) != set(_own_files(section, name)):
                 raise ArtifactError(f"{section[:-1]} {name} lists files other than its own "
                                     f"{_own_files(section, name)}")
-    metas = {name: bundle.verify(name) for name in manifest["artifacts"]}
-    records = {name: bundle.tuning(name) for name in manifest["tunings"]}
+    metas = {name: bundle.verify(name, manifest) for name in manifest["artifacts"]}
+    records = {name: bundle.tuning(name, manifest) for name in manifest["tunings"]}
     for name, record in records.items():
         merge_records(record, record)  # every field a merge into the target's record reads
         for w in record["winners"]:

@@ -130,9 +130,9 @@ class ArtifactCache(ArtifactStore):
             raise self.unwritable(e) from None
         return path
 
-    def _is_valid(self, name: str) -> bool:
+    def _is_valid(self, name: str, manifest: dict | None = None) -> bool:
         try:
-            self.verify(name)
+            self.verify(name, manifest)
             return True
         except (ArtifactError, OSError, ValueError, KeyError):
             return False
@@ -270,7 +270,7 @@ class ArtifactCache(ArtifactStore):
             size = sum(self._size(rel) for rel in e["files"])
             rows.append({"type": "artifact", "name": name, "status": e["status"], "gpu": e.get("gpu"),
                          "arch": e.get("arch"), "kernel": e.get("kernel"), "bytes": size,
-                         "ok": self._is_valid(name), "used": None if named is None else name in named})
+                         "ok": self._is_valid(name, manifest), "used": None if named is None else name in named})
         for name, e in sorted(manifest["tunings"].items()):
             rows.append({"type": "tuning", "name": name, "status": e["status"], "gpu": e.get("gpu"),
                          "arch": None, "kernel": None, "bytes": None, "ok": isinstance(records[name], dict)})
@@ -333,7 +333,7 @@ class ArtifactCache(ArtifactStore):
         out = {}
         for name in manifest["tunings"]:
             try:
-                out[name] = self.tuning(name)
+                out[name] = self.tuning(name, manifest)
             except (ArtifactError, OSError, ValueError) as e:
                 out[name] = str(e).splitlines()[0] if str(e) else type(e).__name__
         return out

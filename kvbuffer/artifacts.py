@@ -359,9 +359,11 @@ class ArtifactStore:
         return self.root / "tunings" / f"{check_entry_name(name, 'tuning record name')}.json"
 
     # -- verification
-    def _check_files(self, section: str, name: str, hint: str) -> dict:
-        """The manifest entry of `name`, after checking that each of its files is there and intact."""
-        entry = self.manifest()[section].get(name)
+    def _check_files(self, section: str, name: str, hint: str, manifest: dict | None = None) -> dict:
+        """The manifest entry of `name`, after checking that each of its files is there and intact.
+        `manifest`: the one a caller looping over entries already read (reading and checking it per
+        entry made a listing quadratic in the entries)."""
+        entry = (manifest or self.manifest())[section].get(name)
         if entry is None:
             raise ArtifactError(f"no {section[:-1]} {name!r} in {self.root / MANIFEST}; {hint}")
         for rel, digest in entry["files"].items():
@@ -377,9 +379,10 @@ class ArtifactStore:
                                     f"{digest[:12]}, file {actual[:12]}): truncated or altered; {hint}")
         return entry
 
-    def verify(self, name: str) -> dict:
-        """Checksums against the manifest, then the meta's key against the directory name; returns meta."""
-        entry = self._check_files("artifacts", name, rebuild_hint(root=self.root))
+    def verify(self, name: str, manifest: dict | None = None) -> dict:
+        """Checksums against the manifest (`manifest`: one the caller read, else the cache's), then the
+        meta's key against the directory name; returns meta."""
+        entry = self._check_files("artifacts", name, rebuild_hint(root=self.root), manifest)
         path = self.artifact_dir(name) / META
         try:
             meta = json.loads(path.read_text())
@@ -445,12 +448,13 @@ class ArtifactStore:
         return Artifact(name, meta, path, module, fn)
 
     # -- tunings
-    def tuning(self, name: str) -> dict:
-        """A tuning record, after its checksum and its structure (kvbuffer.tuning.record_problem)."""
+    def tuning(self, name: str, manifest: dict | None = None) -> dict:
+        """A tuning record, after its checksum (against `manifest`, as in verify) and its structure
+        (kvbuffer.tuning.record_problem)."""
         from .tuning import record_problem
 
         hint = rebuild_hint(root=self.root)
-        self._check_files("tunings", name, hint)
+        self._check_files("tunings", name, hint, manifest)
         return _read_checked_json(self.tuning_path(name), "tuning record", record_problem, hint)
 
     def find_tuning(self, gpu: str, arch: str, shape: Mapping) -> dict:
