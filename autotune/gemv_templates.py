@@ -1,4 +1,5 @@
-"""The one-token projection kernels (tiles/gemv.py) as tuner templates, families "gemv" and "experts".
+"""The projection kernels (tiles/gemv.py, tiles/grouped.py) as tuner templates, families "gemv",
+"experts" and "grouped".
 
 Its shape is kvbuffer.kernels.keys.gemv_shape: {"family": "gemv", "N": output features, "K": input
 features, "dtype"}; one per distinct weight matrix of a model's linear layers without bias
@@ -8,10 +9,14 @@ only a one-token forward runs it, so the tuner's batch buckets all time the same
 
     gemv            y (1, N) = x (1, K) . W^T
     gemv_experts    y (1, J, N) = x (1, K) . W[e_j]^T for J distinct experts of a (J, N, K) stack
+    grouped_experts y (M, N) = x (M, K) . W[e(r)]^T for rows sorted by expert
 
 The experts kernel's shape is kvbuffer.kernels.keys.experts_shape (one expert's N, K and the dtype;
 one per distinct expert weight of a model's routed experts, kvbuffer.autotune.models); it is timed
-with EXPERTS_TIMED experts chosen, a mixture-of-experts layer's top-k at one token.
+with EXPERTS_TIMED experts chosen, a mixture-of-experts layer's top-k at one token. The grouped
+experts kernel's shape is kvbuffer.kernels.keys.grouped_shape (the same fields); it is timed with
+GROUPED_EXPERTS experts of GROUPED_ROWS rows each, a decode step's routed load at a few hundred
+requests (Nemotron-3-Nano at B = 512: ~24 rows for each of 128 experts), in every batch bucket alike.
 Inputs: x and W drawn N(0, 1) and N(0, 1 / K), so outputs are O(1). The check compares against the
 product in fp64.
 """
@@ -23,7 +28,7 @@ import importlib.util
 
 from .registry import Template, _compile, _run, source_digest
 
-GEMV_TILES = "kvbuffer.tiles.gemv"
+GEMV_TILES, GROUPED_TILES = "kvbuffer.tiles.gemv", "kvbuffer.tiles.grouped"
 
 
 def _tiles():
@@ -72,11 +77,39 @@ def _experts_reference(shape, chunk_size, args):
     return {3: (w[ids[0]].double() @ x.double()[0]).unsqueeze(0)}  # (1, J, N)
 
 
+GROUPED_EXPERTS, GROUPED_ROWS = 32, 24  # experts a timed grouped call reads, and the rows each gets
+
+
+def _build_grouped(shape, chunk_size, *, target, **t):
+    tiles = importlib.import_module(GROUPED_TILES)
+    return _compile(tiles.grouped_experts(shape["N"], shape["K"], dtype=shape["dtype"], **t), target)
+
+
+def _grouped_inputs(shape, batch, chunk_size, device, gen):
+    import torch
+
+    dt = getattr(torch, shape["dtype"])
+    N, K, E, R = shape["N"], shape["K"], GROUPED_EXPERTS, GROUPED_ROWS
+    x = torch.randn(E * R, K, generator=gen, device=device).to(dt)
+    w = (torch.randn(E, N, K, generator=gen, device=device) * K ** -0.5).to(dt)
+    ends = torch.arange(R, E * R + 1, R, device=device, dtype=torch.int32)
+    return [x, w, ends, torch.empty(E * R, N, device=device, dtype=dt)]
+
+
+def _grouped_reference(shape, chunk_size, args):
+    x, w = args[0], args[1]
+    E, R = w.shape[0], GROUPED_ROWS
+    return {3: (x.double().view(E, R, -1) @ w.double().transpose(1, 2)).reshape(E * R, -1)}  # (M, N)
+
+
 def gemv_templates() -> list[Template]:
     if importlib.util.find_spec(GEMV_TILES) is None:
         return []
     tiles = _tiles()
+    grouped = importlib.import_module(GROUPED_TILES)
     return [Template("gemv", "gemv", _build, tiles.get_configs, dict(tiles.DEFAULT), _inputs, _reference, _run,
                      source_digest(), uses_chunk=False),
             Template("gemv_experts", "experts", _build_experts, tiles.get_configs, dict(tiles.DEFAULT),
-                     _experts_inputs, _experts_reference, _run, source_digest(), uses_chunk=False)]
+                     _experts_inputs, _experts_reference, _run, source_digest(), uses_chunk=False),
+            Template("grouped_experts", "grouped", _build_grouped, grouped.get_configs, dict(grouped.DEFAULT),
+                     _grouped_inputs, _grouped_reference, _run, source_digest(), uses_chunk=False)]

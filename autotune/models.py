@@ -19,7 +19,7 @@ import json
 from pathlib import Path
 
 from kvbuffer import presets
-from kvbuffer.kernels.keys import attention_shape, experts_shape, gemv_fits, gemv_shape
+from kvbuffer.kernels.keys import attention_shape, experts_shape, gemv_fits, gemv_shape, grouped_fits, grouped_shape
 from kvbuffer.tuning import make_conv_shape, make_shape
 
 DEFAULT_DTYPE = "bfloat16"
@@ -154,10 +154,13 @@ def config_expert_shapes(cfg: dict) -> set[tuple[int, int]]:
 def config_gemv_shapes(cfg: dict, dtype: str | None = None) -> list[dict]:
     """The one-token projection shapes of the model a transformers-style config declares: one per
     distinct weight shape the one-row kernel takes (family "gemv"), and one per distinct expert weight
-    of its routed experts (family "experts"); none for a model in another dtype than bf16, fp16."""
+    of its routed experts for each of the two experts kernels (families "experts" and "grouped"); none
+    for a model in another dtype than bf16, fp16."""
     dtype = config_dtype(cfg, dtype)
     out = [gemv_shape(N, K, dtype) for N, K in config_projection_counts(cfg) if gemv_fits(K, dtype)]
-    return out + [experts_shape(N, K, dtype) for N, K in sorted(config_expert_shapes(cfg)) if gemv_fits(K, dtype)]
+    experts = sorted(config_expert_shapes(cfg))
+    out += [experts_shape(N, K, dtype) for N, K in experts if gemv_fits(K, dtype)]
+    return out + [grouped_shape(N, K, dtype) for N, K in experts if grouped_fits(K, dtype)]
 
 
 def preset_gemv_shapes(name: str, dtype: str = DEFAULT_DTYPE) -> list[dict]:

@@ -137,8 +137,9 @@ def _profile_option(f):
 @click.option("--top-p", default=1.0, show_default=True, type=click.FloatRange(0.0, 1.0, min_open=True),
               help="Nucleus mass for the sampled requests.")
 @click.option("--gemv", default="auto", show_default=True, type=click.Choice(["auto", "true", "false"]),
-              help="One-token forwards' projections, and routed experts' few-token ones, on the one-row "
-                   "kernels (LLM(gemv=...)); the peers row always runs torch's GEMM.")
+              help="One-token forwards' projections and routed experts' few-token ones on the one-row "
+                   "kernels, routed experts' larger ones on the grouped experts kernel (LLM(gemv=...)); the "
+                   "peers row always runs torch's GEMM.")
 @_profile_option
 def decode(preset, modes, prompt_len, new_tokens, chunk_size, kernels, cuda_graphs, compile_, out, batches,
            temperature, top_p, gemv, profile_batch):

@@ -17,8 +17,10 @@ def _ints(text: str, option: str) -> tuple[int, ...]:
     return tuple(sorted(set(positive_ints(text, option))))
 
 
-CHUNK_FREE = ("conv1d", "attention", "gemv", "experts")  # families whose kernels do not depend on the chunk size C
-ONE_ROW = ("gemv", "experts")  # families only one-token (experts: few-token) forwards run: timed at B = 1 alone
+CHUNK_FREE = ("conv1d", "attention", "gemv", "experts", "grouped")  # families whose kernels do not depend on C
+# families timed at one size alone: what one-token (experts: few-token) forwards run, and the grouped
+# experts kernel at one routed load (kvbuffer.autotune.gemv_templates.GROUPED_ROWS)
+ONE_SIZE = ("gemv", "experts", "grouped")
 
 
 def _table(rows: list[tuple]) -> None:
@@ -173,7 +175,7 @@ def tune(gpu, list_gpus, model, heads, family, dtype, chunk_sizes, batch_buckets
     for i, (one_shape, tpls) in enumerate(found):
         step = f"[{i + 1}/{len(found)}] " if len(found) > 1 else ""
         _tune_shape(cache, target, present and not build_only, one_shape, tpls, chunks,
-                    (1,) if one_shape["family"] in ONE_ROW else buckets, drafts, max_configs, step)
+                    (1,) if one_shape["family"] in ONE_SIZE else buckets, drafts, max_configs, step)
 
 
 def _tune_shape(cache, target, measuring, shape, tpls, chunks, buckets, drafts, max_configs, step="") -> None:
@@ -220,7 +222,7 @@ def _tune_shape(cache, target, measuring, shape, tpls, chunks, buckets, drafts, 
 
 
 def _shape_text(shape) -> str:
-    if shape["family"] in ONE_ROW:
+    if shape["family"] in ONE_SIZE:
         return f"{shape['family']} N={shape['N']} K={shape['K']} {shape['dtype']}"
     if shape["family"] == "attention":
         return f"attention H={shape['H']} Hkv={shape['Hkv']} D={shape['D']} {shape['dtype']} cache {shape['kv_dtype']}"
@@ -235,7 +237,8 @@ def traffic_bytes(kernel: str, shape: dict, C: int, B: int) -> float | None:
     None for kernels this model does not cover (verify, prefill chunks, the conv).
 
     One-row projection: its weight, once; the experts kernel: the weights of the experts it is timed
-    with (kvbuffer.autotune.gemv_templates.EXPERTS_TIMED), once.
+    with (kvbuffer.autotune.gemv_templates.EXPERTS_TIMED), once; the grouped experts kernel: its
+    experts' weights once, its rows read and written once (GROUPED_EXPERTS, GROUPED_ROWS).
     Recurrent step: read + write every state. Buffered step: read every state, write it in the 1/C
     of rows that flush, read on average C/2 buffer entries. Flush: read + write, read C entries.
     """
@@ -245,6 +248,10 @@ def traffic_bytes(kernel: str, shape: dict, C: int, B: int) -> float | None:
         from kvbuffer.autotune.gemv_templates import EXPERTS_TIMED
 
         return 2.0 * shape["N"] * shape["K"] * EXPERTS_TIMED
+    if shape["family"] == "grouped":
+        from kvbuffer.autotune.gemv_templates import GROUPED_EXPERTS, GROUPED_ROWS
+
+        return 2.0 * GROUPED_EXPERTS * (shape["N"] * shape["K"] + GROUPED_ROWS * (shape["N"] + shape["K"]))
     if not kernel.endswith(("recurrent", "buffered_step", "flush")):
         return None
     state = 4 * shape["Hv"] * shape["K"] * shape["V"]

@@ -48,6 +48,19 @@ def check_expert_ids(expert: torch.Tensor, num_experts: int) -> None:
                                    "(the experts weight's first dimension)")
 
 
+def check_expert_ends(ends: torch.Tensor, rows: int) -> None:
+    """Rows sorted by expert: `ends` (E,) are where each expert's rows end, non-decreasing from 0 and
+    ending at `rows` (one read of the ends back)."""
+    if ends.numel():
+        first, last = int(ends[0]), int(ends[-1])
+        falls = bool((ends[1:] < ends[:-1]).any()) if ends.numel() > 1 else False
+        if first < 0 or last != rows or falls:
+            raise ExpertIndexError(f"ends must be non-decreasing from >= 0 to the rows of x ({rows}): where each "
+                                   f"expert's rows end; got {first} .. {last}" + (", decreasing" if falls else ""))
+    elif rows:
+        raise ExpertIndexError(f"x has {rows} rows but ends names no expert")
+
+
 def check_slots(name: str, slots: object, batch: int, num_slots: int, device: torch.device) -> torch.Tensor:
     """Slot indices: int32/int64, shape (batch,), each in [-1, num_slots). -1 is the null slot."""
     check_tensor(name, slots, (batch,), INDEX_DTYPES, device)

@@ -171,8 +171,9 @@ class LLM:
         host's work hides behind the GPU's (kvbuffer.engine.overlap; the outputs are the same, a
         step()'s tokens arrive one step later): True, False or "auto" (on CUDA).
         gemv: run one-token forwards' projections (a B = 1 decode step's) on kvbuffer's one-row kernel,
-            which streams the weights faster than torch's GEMM at one row, and routed experts' forwards
-            of up to 8 tokens on its experts kernel (kvbuffer.engine.one_row): True, False or "auto"
+            which streams the weights faster than torch's GEMM at one row, routed experts' forwards
+            of up to 8 tokens on its experts kernel and larger ones on its grouped experts kernel
+            (kvbuffer.engine.one_row): True, False or "auto"
             (with the compiled kernels, where each kernel loads or builds); `self.gemv` says how many
             projections and expert layers take them.
         unbuffered_rows: kvbuffer mode's decode steps of at most this many rows fold their buffers

@@ -9,7 +9,10 @@ KVBUFFER_JIT=1. A projection whose kernel is not there keeps torch's GEMM; nothi
 Forwards of more than one token never take it. A mixture-of-experts layer's routed experts take
 the experts kernel (the same loop through each of a token's chosen experts' weights; where it
 beats torch's grouped matmul: docs/kernels.md, "Routed experts at a few tokens") in forwards of up
-to EXPERT_TOKENS tokens, where both of its matmuls' kernels load.
+to EXPERT_TOKENS tokens, where both of its matmuls' kernels load, and the grouped experts kernel
+(tiles/grouped.py: each chosen expert's weight streamed once for its rows, at the copy bandwidth
+where torch's grouped matmul reaches ~0.7 of it) in forwards of more tokens, where both of those
+load.
 """
 
 from __future__ import annotations
@@ -20,7 +23,7 @@ import torch
 
 from ..errors import ArtifactError
 from ..kernels import autobuild, launch, lookup
-from ..kernels.keys import dtype_name, gemv_fits
+from ..kernels.keys import dtype_name, gemv_fits, grouped_fits
 from ..models.layers import RoutedExperts, one_row_experts, one_row_linears
 
 log = logging.getLogger("kvbuffer")
@@ -44,6 +47,8 @@ def use_one_row_kernel(model: torch.nn.Module, option, kernels: bool) -> str:
     experts = one_row_experts(model)
     for m in (*mods, *experts):
         m.one_row = False
+    for m in experts:
+        m.grouped = False
     if option is False:
         return "gemv=False"
     if not kernels:
@@ -53,7 +58,9 @@ def use_one_row_kernel(model: torch.nn.Module, option, kernels: bool) -> str:
     keys = {m: [launch.gemv_key(m.weight)] for m in mods if _fits(m.weight)}
     keys.update({m: [launch.gemv_experts_key(w) for w in m.expert_weights()] for m in experts
                  if all(_fits(w) for w in m.expert_weights())})
-    missing = _missing({key for ks in keys.values() for key in ks})
+    grouped = {m: [launch.grouped_experts_key(w) for w in m.expert_weights()] for m in experts
+               if all(_fits(w, grouped_fits) for w in m.expert_weights())}
+    missing = _missing({key for ks in (*keys.values(), *grouped.values()) for key in ks})
     if missing and not lookup.jit_allowed():
         unbuilt = autobuild.ensure_gemv_kernels(sorted(missing, key=str))
         missing = _missing(missing)
@@ -63,17 +70,24 @@ def use_one_row_kernel(model: torch.nn.Module, option, kernels: bool) -> str:
         raise ValueError(f"gemv=True, but {len(missing)} projection kernel(s) neither load nor build here")
     for m, ks in keys.items():
         m.one_row = not missing.intersection(ks) and (EXPERT_TOKENS if isinstance(m, RoutedExperts) else True)
+    for m, ks in grouped.items():
+        m.grouped = not missing.intersection(ks)
     on = sum(m.one_row for m in mods)
     line = f"{on} of {len(mods)} projections"
     if experts:
-        line += f" and {sum(bool(m.one_row) for m in experts)} of {len(experts)} expert layers"
-    log.info("kvbuffer: %s run one-token forwards on the one-row kernels", line)
+        line += (f" and {sum(bool(m.one_row) for m in experts)} of {len(experts)} expert layers run one-token "
+                 f"forwards on the one-row kernels, {sum(m.grouped for m in experts)} of {len(experts)} expert "
+                 "layers larger ones on the grouped kernel")
+    else:
+        line += " run one-token forwards on the one-row kernels"
+    log.info("kvbuffer: %s", line)
     return line
 
 
-def _fits(weight: torch.Tensor) -> bool:
-    """Whether a one-row kernel takes this weight (its last dim is K): on CUDA, in its dtypes, K whole chunks."""
-    return weight.is_cuda and gemv_fits(weight.shape[-1], dtype_name(weight))
+def _fits(weight: torch.Tensor, fits=gemv_fits) -> bool:
+    """Whether a projection kernel takes this weight (its last dim is K): on CUDA, in its dtypes, K as
+    `fits` (keys.gemv_fits: whole 16-byte chunks; keys.grouped_fits: whole K steps) asks."""
+    return weight.is_cuda and fits(weight.shape[-1], dtype_name(weight))
 
 
 def _missing(keys: set) -> set:

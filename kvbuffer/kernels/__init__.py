@@ -25,7 +25,7 @@ from .gdn import (
     gdn_recurrent_step,
     gdn_verify,
 )
-from .gemv import build_gemv, build_gemv_experts, gemv, gemv_experts
+from .gemv import build_gemv, build_gemv_experts, build_grouped_experts, gemv, gemv_experts, grouped_experts
 from .keys import PREFILL_CHUNKS, AttnDims, ConvDims, GDNDims, GemvDims, KernelKey, Mamba2Dims
 from .lookup import allow_jit, clear_kernels, jit_allowed, kernel_for
 from .mamba2 import (
@@ -50,5 +50,5 @@ __all__ = [
     "mamba2_flush", "mamba2_prefill", "mamba2_recurrent_step", "mamba2_verify",
     "build_conv1d_accept", "build_conv1d_update", "conv1d_accept", "conv1d_update",
     "attention_decode", "attention_reference", "build_attention_combine", "build_attention_decode",
-    "build_gemv", "gemv", "build_gemv_experts", "gemv_experts",
+    "build_gemv", "gemv", "build_gemv_experts", "gemv_experts", "build_grouped_experts", "grouped_experts",
 ]

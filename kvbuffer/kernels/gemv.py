@@ -1,6 +1,7 @@
-"""The one-token projections on their compiled TileLang kernels: compile (`build_gemv`, `build_gemv_experts`)
-and validated launch. `gemv`: y = x W^T; `gemv_experts`: each row through each of its chosen experts' W
-(a mixture-of-experts layer at a few tokens).
+"""The projections on their compiled TileLang kernels: compile (`build_gemv`, `build_gemv_experts`,
+`build_grouped_experts`) and validated launch. `gemv`: y = x W^T; `gemv_experts`: each row through each
+of its chosen experts' W (a mixture-of-experts layer at a few tokens); `grouped_experts`: rows sorted
+by expert, each through its expert's W (the same layer at any token count, tiles/grouped.py).
 
 At one token a projection is bound by reading its weight; tiles/gemv.py streams it faster than
 torch's GEMM does at that size. Semantics are `torch.nn.functional.linear(x, weight)` without a bias,
@@ -12,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from ..checks import check_expert_ids, check_tensor
+from ..checks import check_expert_ends, check_expert_ids, check_tensor
 from ..errors import ShapeError
 from .compiled import ACT_DTYPES, CompiledOp, build_template, check_contiguous, check_on_cuda, expect_kind, out_tensor
 
@@ -41,6 +42,21 @@ def gemv(op: CompiledOp, x: torch.Tensor, weight: torch.Tensor, out: torch.Tenso
 GRID_ROWS = 65535  # CUDA's limit on a grid's y dimension: the experts kernel's (row, expert) pairs
 
 
+def _check_experts_call(op: CompiledOp, kind: str, x, weight, index_name: str, index, index_shape, index_dtype):
+    """What both experts launchers check: the kernel's kind, x (rows, K) and the experts' weight
+    (E, N, K) in its dtype on CUDA, the routing tensor's shape and dtype, all contiguous."""
+    expect_kind(op, kind)
+    p = op.params
+    dev = x.device if isinstance(x, torch.Tensor) else None
+    dt = ACT_DTYPES[p["dtype"]]
+    check_tensor("x", x, (None, p["K"]), (dt,), dev)
+    check_on_cuda("x", dev)
+    check_tensor("weight", weight, (None, p["N"], p["K"]), (dt,), dev)
+    check_tensor(index_name, index, index_shape, (index_dtype,), dev)
+    for name, t in (("x", x), ("weight", weight), (index_name, index)):
+        check_contiguous(name, t)
+
+
 def build_gemv_experts(N: int, K: int, *, dtype: str = "bfloat16", **tunables) -> CompiledOp:
     """Compile y[s, j] = x[s] . W[expert[s, j]]^T for experts' weights (E, N, K), any E, rows and k."""
     return build_template("gemv_experts", "gemv_experts", dict(N=N, K=K, dtype=dtype, **tunables), module="gemv")
@@ -51,16 +67,8 @@ def gemv_experts(op: CompiledOp, x: torch.Tensor, weight: torch.Tensor, expert: 
     """x (S, K), weight (E, N, K), expert (S, J) int64 -> (S, J, N): each row through each of its J
     experts' weights. `checked` also reads the ids back to check they name experts (a sync); the
     kernel itself reads an id outside [0, E) as an expert of zero weights."""
-    expect_kind(op, "gemv_experts")
+    _check_experts_call(op, "gemv_experts", x, weight, "expert", expert, (x.shape[0], None), torch.int64)
     p = op.params
-    dev = x.device if isinstance(x, torch.Tensor) else None
-    dt = ACT_DTYPES[p["dtype"]]
-    check_tensor("x", x, (None, p["K"]), (dt,), dev)
-    check_on_cuda("x", dev)
-    check_tensor("weight", weight, (None, p["N"], p["K"]), (dt,), dev)
-    check_tensor("expert", expert, (x.shape[0], None), (torch.int64,), dev)
-    for name, t in (("x", x), ("weight", weight), ("expert", expert)):
-        check_contiguous(name, t)
     if expert.numel() > GRID_ROWS:
         raise ShapeError(f"gemv_experts runs one block row per (row, expert) pair, at most {GRID_ROWS}; got "
                          f"{x.shape[0]} x {expert.shape[1]} (more tokens are the grouped matmul's)")
@@ -69,4 +77,29 @@ def gemv_experts(op: CompiledOp, x: torch.Tensor, weight: torch.Tensor, expert: 
     out = out_tensor(out, (x.shape[0], expert.shape[1], p["N"]), x)
     if out.numel():
         op.fn(x, weight, expert, out)
+    return out
+
+
+def build_grouped_experts(N: int, K: int, *, dtype: str = "bfloat16", **tunables) -> CompiledOp:
+    """Compile y[r] = x[r] . W[e(r)]^T for rows sorted by expert and experts' weights (E, N, K), any E
+    and rows (tunables: tiles.grouped.DEFAULT's)."""
+    return build_template("grouped_experts", "grouped_experts", dict(N=N, K=K, dtype=dtype, **tunables),
+                          module="grouped")
+
+
+def grouped_experts(op: CompiledOp, x: torch.Tensor, weight: torch.Tensor, ends: torch.Tensor,
+                    out: torch.Tensor | None = None, *, checked: bool = True) -> torch.Tensor:
+    """x (M, K) sorted by expert, weight (E, N, K), ends (E,) int32 (expert e's rows end at ends[e]) ->
+    (M, N): torch._grouped_mm(x, weight.transpose(1, 2), offs=ends). `checked` also reads the ends back
+    to check they partition x's rows (a sync)."""
+    weight_experts = weight.shape[0] if isinstance(weight, torch.Tensor) and weight.dim() else None
+    _check_experts_call(op, "grouped_experts", x, weight, "ends", ends, (weight_experts,), torch.int32)
+    p = op.params
+    if weight.shape[0] > GRID_ROWS:
+        raise ShapeError(f"grouped_experts runs one block row per expert, at most {GRID_ROWS}; got {weight.shape[0]}")
+    if checked:
+        check_expert_ends(ends, x.shape[0])
+    out = out_tensor(out, (x.shape[0], p["N"]), x)
+    if out.numel():
+        op.fn(x, weight, ends, out)
     return out

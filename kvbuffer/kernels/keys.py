@@ -2,7 +2,9 @@
 
 One key type serves every family: Gated DeltaNet ("gdn"), Mamba-2 ("mamba2"), the short conv
 ("conv1d"), decode attention over the KV cache ("attention") and the one-token projections
-("gemv": y = x W^T, and "experts": the same through each row's chosen experts). Its `op` names the kernel within the family; its `dims` carry the family's own dimension
+("gemv": y = x W^T; "experts": the same through each row's chosen experts; "grouped": rows sorted by
+expert, each expert's rows through its weight). Its `op` names the kernel within the family; its
+`dims` carry the family's own dimension
 names (GDN's Hk, Hv, K, V; Mamba-2's G, H, N, P; the conv's D, W, span; attention's H, Hkv, D; a
 projection's N, K). Batch, pool and cache sizes are dynamic, so
 they are not part of a key. From a key follow: the `kvbuffer tune` template
@@ -27,9 +29,13 @@ CONV_UPDATE_KINDS = {"advance": "conv_advance", "verify": "conv_verify"}  # Comp
 ATTENTION_OPS = ("decode", "combine")  # the per-split pass over the cache, and the merge of the splits
 ATTENTION_MAX_TOKENS = 8  # new tokens per row the attention kernels take: a decode step up to a verify of 7 drafts
 ATTENTION_HEAD_DIMS = (32, 64, 128, 256)  # D / 32 elements a lane
-GEMV_OPS = ("gemv", "experts")  # y = x W^T at one token; the same through each of a row's top-k experts' W
+# the projection kernels by op: y = x W^T at one token; the same through each of a row's top-k experts' W;
+# rows sorted by expert through their expert's W (a mixture-of-experts layer at any token count)
+GEMV_KERNELS = {"gemv": "gemv", "experts": "gemv_experts", "grouped": "grouped_experts"}
+GEMV_OPS = tuple(GEMV_KERNELS)
 GEMV_DTYPES = ("bfloat16", "float16")  # the one-row kernel's dtypes (weight, input and output alike)
 GEMV_CHUNK = 8  # elements of its 16-byte loads: K must be a multiple
+GROUPED_K = 64  # the grouped experts kernel's K step (tiles/grouped.py block_k): K must be a multiple
 ATTENTION_REGISTER_BUDGET = 64  # fp32 registers a lane spends on its query rows (and as many on their accumulators)
 DTYPE_NAMES = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}
 
@@ -109,6 +115,11 @@ def gemv_fits(K: int, dtype: str) -> bool:
     return dtype in GEMV_DTYPES and K % GEMV_CHUNK == 0
 
 
+def grouped_fits(K: int, dtype: str) -> bool:
+    """Whether the grouped experts kernel takes experts' weights of K columns in `dtype`."""
+    return dtype in GEMV_DTYPES and K % GROUPED_K == 0
+
+
 def gemv_shape(N: int, K: int, dtype: str) -> dict:
     """The tuning record shape of the one-token projection kernel: the weight's rows and columns, and
     the dtype of the weight, the input and the output."""
@@ -119,6 +130,15 @@ def experts_shape(N: int, K: int, dtype: str) -> dict:
     """The tuning record shape of the one-token experts kernel: one expert's weight rows and columns
     (any number of experts), and the dtype of the weights, the input and the output."""
     return {"family": "experts", "N": int(N), "K": int(K), "dtype": dtype}
+
+
+def grouped_shape(N: int, K: int, dtype: str) -> dict:
+    """The tuning record shape of the grouped experts kernel: one expert's weight rows and columns
+    (any number of experts and rows), and the dtype of the weights, the input and the output."""
+    return {"family": "grouped", "N": int(N), "K": int(K), "dtype": dtype}
+
+
+_GEMV_SHAPES = {"gemv": gemv_shape, "experts": experts_shape, "grouped": grouped_shape}
 
 
 Dims = Union[GDNDims, Mamba2Dims, ConvDims, AttnDims, GemvDims]
@@ -132,11 +152,12 @@ class KernelKey:
 
     family: "gdn" | "mamba2" | "conv1d" | "attention" | "gemv". op: "recurrent" | "buffered" | "flush"
     (linear families), "advance" | "verify" | "accept" (conv1d), "decode" | "combine" (attention),
-    "gemv" | "experts" (gemv). in_dtype: activations (conv: x and the pool; attention: q and the output;
+    "gemv" | "experts" | "grouped" (gemv). in_dtype: activations (conv: x and the pool; attention: q and the output;
     gemv: x, the weight and the output; "" for a linear flush).
     buf_dtype: buffer entries (attention: the KV cache; "" for the recurrent step and the conv).
     w_dtype: the conv's weight and bias ("" otherwise). cap: buffer entries per slot. T: tokens per
-    row (conv advance: 0 = any count; gemv: rows of x). C: flush_at (0: no fused flush).
+    row (conv advance: 0 = any count; gemv: rows of x, 1 for the experts kernels, whose rows are
+    dynamic). C: flush_at (0: no fused flush).
     """
 
     family: str
@@ -175,8 +196,7 @@ class KernelKey:
             d = self.dims
             return [attention_shape(d.H, d.Hkv, d.D, self.in_dtype, self.buf_dtype)]
         if self.family == "gemv":
-            shape = experts_shape if self.op == "experts" else gemv_shape
-            return [shape(self.dims.N, self.dims.K, self.in_dtype)]
+            return [_GEMV_SHAPES[self.op](self.dims.N, self.dims.K, self.in_dtype)]
         if self.family != "conv1d":
             return [{"family": self.family, **self.dims.record_fields(), "dtype": self.dtype}]  # make_shape's form
         D, W = self.dims.D, self.dims.W
@@ -219,10 +239,11 @@ class KernelKey:
         and the flush, all without z and with activations and entries of one dtype. conv1d: with
         SiLU, the step, the any-length prompt, the verify of all T drafts + 1 and the accept.
         attention: the decode step (T = 1) and the verify of T - 1 drafts + 1, each with its combine.
-        gemv: the one-row product and the experts' one (a forward of one token).
+        gemv: the one-row product, the experts' one (a forward of a few tokens) and the grouped
+        experts' product (any tokens).
         """
         if self.family == "gemv":
-            return ("gemv_experts" if self.op == "experts" else "gemv") if self.T == 1 else None
+            return GEMV_KERNELS[self.op] if self.T == 1 else None
         if self.family == "attention":
             if not 1 <= self.T <= ATTENTION_MAX_TOKENS:
                 return None
@@ -271,7 +292,7 @@ class KernelKey:
         if self.family == "attention":
             return f"attention_{self.op}"
         if self.family == "gemv":
-            return "gemv_experts" if self.op == "experts" else "gemv"
+            return GEMV_KERNELS[self.op]
         if self.family != "conv1d":
             return self.op
         return CONV_UPDATE_KINDS.get(self.op, "conv_accept")
@@ -280,7 +301,7 @@ class KernelKey:
         """The compile-time parameters kvbuffer.kernels' launchers validate against."""
         d = self.dims
         if self.family == "gemv":
-            rows = {} if self.op == "experts" else {"rows": self.T}
+            rows = {"rows": self.T} if self.op == "gemv" else {}
             return dict(tunables, N=d.N, K=d.K, dtype=self.in_dtype, **rows)
         if self.family == "attention":
             p = dict(tunables, H=d.H, D=d.D, T_len=self.T, dtype=self.in_dtype, T=self.T)

@@ -19,7 +19,7 @@ from ..errors import ArtifactError, DTypeError
 from . import attention as attn
 from . import autobuild
 from . import conv, gdn, mamba2
-from . import gemv as one_row
+from . import gemv as projections
 from .keys import AttnDims, ConvDims, GDNDims, GemvDims, KernelKey, Mamba2Dims, check_conv_mode, dtype_name
 from .lookup import kernel_for
 
@@ -251,7 +251,7 @@ def gemv(x, weight, *, checked=True):
     """x (rows, K) . weight (N, K)^T on the one-row projection kernel (the tensors' checks always run:
     they read no device memory)."""
     op = kernel_for(gemv_key(weight, x.shape[0]))
-    return _on_torch_stream(one_row.gemv, op, x, weight)
+    return _on_torch_stream(projections.gemv, op, x, weight)
 
 
 def gemv_experts_key(weight) -> KernelKey:
@@ -263,7 +263,19 @@ def gemv_experts(x, weight, expert, *, checked=True):
     """Each row of x through each of its experts' weights (expert (S, J) ids) on the one-row kernel;
     `checked` reads the ids back to check their range (never inside a CUDA-graph capture)."""
     op = kernel_for(gemv_experts_key(weight))
-    return _on_torch_stream(one_row.gemv_experts, op, x, weight, expert, checked=checked and not capturing())
+    return _on_torch_stream(projections.gemv_experts, op, x, weight, expert, checked=checked and not capturing())
+
+
+def grouped_experts_key(weight) -> KernelKey:
+    """The kernel a grouped_experts call needs: one expert's weight shape (N, K) and the dtype."""
+    return KernelKey("gemv", "grouped", GemvDims(weight.shape[1], weight.shape[2]), dtype_name(weight))
+
+
+def grouped_experts(x, weight, ends, *, checked=True):
+    """Rows of x sorted by expert (expert e's end at ends[e]) through their experts' weights on the
+    grouped experts kernel; `checked` reads the ends back to check them (never inside a capture)."""
+    op = kernel_for(grouped_experts_key(weight))
+    return _on_torch_stream(projections.grouped_experts, op, x, weight, ends, checked=checked and not capturing())
 
 
 CUDA_LAUNCHES = {
@@ -273,7 +285,7 @@ CUDA_LAUNCHES = {
     "mamba2_verify": mamba2_verify, "mamba2_flush": functools.partial(flush, "mamba2"),
     "mamba2_recurrent_drafts": mamba2_recurrent_drafts,
     "conv1d_update": conv1d_update, "conv1d_accept": conv1d_accept, "attention_decode": attention_decode,
-    "gemv": gemv, "gemv_experts": gemv_experts,
+    "gemv": gemv, "gemv_experts": gemv_experts, "grouped_experts": grouped_experts,
 }  # op name -> the CUDA implementation of torch.ops.kvbuffer.<name>
 
 

@@ -158,9 +158,12 @@ def jit_tunables(key: KernelKey) -> dict:
 def jit(key: KernelKey) -> CompiledOp:
     """Compile the kernel for `key` with TileLang for the local GPU (imports the compile side)."""
     from . import attention, conv, gdn, mamba2
-    from .gemv import build_gemv, build_gemv_experts
+    from .gemv import build_gemv, build_gemv_experts, build_grouped_experts
 
     if key.family == "gemv":
+        if key.op == "grouped":
+            defaults = importlib.import_module("kvbuffer.tiles.grouped").DEFAULT
+            return build_grouped_experts(key.dims.N, key.dims.K, dtype=key.in_dtype, **defaults)
         defaults = importlib.import_module("kvbuffer.tiles.gemv").DEFAULT
         if key.op == "experts":
             return build_gemv_experts(key.dims.N, key.dims.K, dtype=key.in_dtype, **defaults)

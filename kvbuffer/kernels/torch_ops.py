@@ -14,6 +14,7 @@
     torch.ops.kvbuffer.attention_decode(q, k_cache, v_cache, slots, cached, scale, context_len=0) -> out
     torch.ops.kvbuffer.gemv(x, weight) -> x (rows, K) . weight (N, K)^T, (rows, N)
     torch.ops.kvbuffer.gemv_experts(x, weight, expert) -> (S, J, N): x[s] . weight[expert[s, j]]^T
+    torch.ops.kvbuffer.grouped_experts(x, weight, ends) -> (M, N): x[r] . weight[e(r)]^T, rows sorted by expert
 
 Semantics, shapes and slot rules are kvbuffer.reference's (gdn / mamba2 / core / conv); `flush_at`
 = C > 0 folds a row whose buffer reaches C entries with these tokens into its state in the same
@@ -29,7 +30,9 @@ the host (0: the cache's max_len) and only sets how the CUDA kernel splits them
 (kvbuffer.kernels.attention). gemv is F.linear without a bias for a few rows (a forward of one
 token): on CUDA a weight-streaming kernel, faster than torch's GEMM at that size. gemv_experts is
 the same product through each row's chosen experts (weight (E, N, K), int64 ids (S, J)): a
-mixture-of-experts layer at a few tokens, reading only the chosen experts' weights.
+mixture-of-experts layer at a few tokens, reading only the chosen experts' weights. grouped_experts
+is torch._grouped_mm(x, weight.transpose(1, 2), offs=ends) for rows sorted by expert (int32 ends,
+expert e's rows ending at ends[e]): the same layer at any token count (kvbuffer.reference.experts).
 
 CPU: the pure-torch reference (with its checks). CUDA: kvbuffer.kernels.launch, which looks the
 compiled kernel up (kvbuffer.kernels.lookup: artifact, else JIT when allowed, else ArtifactError)
@@ -48,10 +51,11 @@ from typing import Optional
 
 import torch
 
-from ..checks import INDEX_DTYPES, check_expert_ids, check_same_device, check_slots, check_tensor, check_unique
+from ..checks import INDEX_DTYPES, check_expert_ends, check_expert_ids, check_same_device, check_slots, check_tensor, check_unique
 from ..errors import BufferOverflowError
 from ..reference import conv as ref_conv
 from ..reference import core as ref_core
+from ..reference import experts as ref_experts
 from ..reference import gdn as ref_gdn
 from ..reference import mamba2 as ref_mamba2
 from . import launch
@@ -190,6 +194,8 @@ def _meta_checks(name: str, args: dict) -> None:
         return _gemv_checks(args["x"], args["weight"])
     if name == "gemv_experts":
         return _gemv_experts_checks(args["x"], args["weight"], args["expert"])
+    if name == "grouped_experts":
+        return _grouped_experts_checks(args["x"], args["weight"], args["ends"])
     if name == "attention_decode":
         return attention_batch_checks(args["q"], args["k_cache"], args["v_cache"], args["slots"], args["cached"])
     if name.startswith("conv1d"):
@@ -243,6 +249,8 @@ def _fake(name: str, output: str | None):
             return bound["x"].new_empty(bound["x"].shape[0], bound["weight"].shape[0])
         if name == "gemv_experts":
             return bound["x"].new_empty(*bound["expert"].shape, bound["weight"].shape[1])
+        if name == "grouped_experts":
+            return bound["x"].new_empty(bound["x"].shape[0], bound["weight"].shape[1])
         return None if output is None else torch.empty_like(bound[output])
     return fake
 
@@ -312,6 +320,21 @@ def _gemv_experts_checks(x: torch.Tensor, weight: torch.Tensor, expert: torch.Te
     check_tensor("expert", expert, (x.shape[0], None), (torch.int64,))
 
 
+@torch.library.custom_op("kvbuffer::grouped_experts", mutates_args=(), device_types="cpu")
+def grouped_experts(x: torch.Tensor, weight: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
+    """x (M, K) sorted by expert, weight (E, N, K) of x's dtype, ends (E,) int32 (expert e's rows end at
+    ends[e], ends[-1] = M) -> (M, N): each row through its expert's weight."""
+    _meta_checks("grouped_experts", dict(x=x, weight=weight, ends=ends))
+    check_expert_ends(ends, x.shape[0])
+    return ref_experts.grouped_matmul(x, weight, ends).contiguous()
+
+
+def _grouped_experts_checks(x: torch.Tensor, weight: torch.Tensor, ends: torch.Tensor) -> None:
+    check_tensor("x", x, (None, None))
+    check_tensor("weight", weight, (None, None, x.shape[1]), (x.dtype,))
+    check_tensor("ends", ends, (weight.shape[0],), (torch.int32,))
+
+
 # ----------------------------------------------------------------------------------------------
 # CUDA: the kernel layer's launches (validated; direct under CUDA-graph capture)
 
@@ -321,12 +344,12 @@ _BY_NAME = {
     "mamba2_recurrent_step": mamba2_recurrent_step, "mamba2_buffered_step": mamba2_buffered_step,
     "mamba2_verify": mamba2_verify, "mamba2_flush": mamba2_flush, "mamba2_recurrent_drafts": mamba2_recurrent_drafts,
     "conv1d_update": conv1d_update, "conv1d_accept": conv1d_accept, "attention_decode": attention_decode,
-    "gemv": gemv, "gemv_experts": gemv_experts,
+    "gemv": gemv, "gemv_experts": gemv_experts, "grouped_experts": grouped_experts,
 }
 OPS = tuple(_BY_NAME)
 _OUTPUTS = {name: ("x" if name.startswith("mamba2") else "v") for name in OPS}
 _OUTPUTS.update(gdn_flush=None, mamba2_flush=None, conv1d_update="x", conv1d_accept=None, attention_decode="q",
-                gemv=None, gemv_experts=None)
+                gemv=None, gemv_experts=None, grouped_experts=None)
 _PARAMS = {name: tuple(inspect.signature(op._init_fn).parameters.values()) for name, op in _BY_NAME.items()}
 
 

@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..kernels import launch
+from ..reference.experts import grouped_matmul
 
 
 def rms_normalize(x: torch.Tensor, eps: float, weight: torch.Tensor | None = None) -> torch.Tensor:
@@ -147,39 +148,15 @@ class GatedMLP(nn.Module):
         return self.down_proj(self.act(gate) * up)
 
 
-def _grouped_ok(x: torch.Tensor, w: torch.Tensor) -> bool:
-    """torch's grouped matmul serves bf16 on CUDA and fp32/bf16 on CPU, with every row 16-byte
-    aligned; anything else loops over the experts."""
-    if not hasattr(torch, "_grouped_mm") or x.dtype != w.dtype:
-        return False
-    if x.dtype not in ((torch.bfloat16,) if x.is_cuda else (torch.float32, torch.bfloat16)):
-        return False
-    return all(n * x.element_size() % 16 == 0 for n in (x.shape[-1], w.shape[1], w.shape[2]))
-
-
-def _per_expert_matmul(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
-    """Rows of x grouped by expert (rows offs[e-1]:offs[e] for expert e) times w[e]^T: (M, O) for w (E, O, H).
-
-    The grouped matmul reads the offsets on the device; only the fallback loop needs them on the
-    host (a sync, so that path cannot be captured in a CUDA graph).
-    """
-    if _grouped_ok(x, w):
-        return torch._grouped_mm(x, w.transpose(1, 2), offs=offs)
-    parts, start = [], 0
-    for e, end in enumerate(offs.tolist()):
-        if end > start:
-            parts.append(F.linear(x[start:end], w[e]))
-        start = end
-    return torch.cat(parts) if parts else x.new_zeros((0, w.shape[1]))
-
-
-def route_to_experts(x, top_idx, top_w, first, down, act, accumulate_dtype=None, one_row=False):
+def route_to_experts(x, top_idx, top_w, first, down, act, accumulate_dtype=None, one_row=False, grouped=False):
     """Mixture-of-experts dispatch: each token through its top-k experts, weighted and summed.
 
     first (E, O, H) and down (E, H, I) are the experts' stacked weights; `act` maps the first
     matmul's output (..., O) to the down matmul's input (..., I) (gated: silu(gate) * up). Tokens are
-    sorted by expert so each matmul is one grouped matmul over all experts (torch._grouped_mm where
-    it serves the dtype, else a loop over the experts that got tokens). Contributions are summed in
+    sorted by expert so each matmul is one grouped matmul over all experts: with `grouped` (the
+    engine sets it where the kernel is built) kvbuffer's grouped experts kernel
+    (torch.ops.kvbuffer.grouped_experts), else torch._grouped_mm where it serves the dtype, else a
+    loop over the experts that got tokens (kvbuffer.reference.experts). Contributions are summed in
     `accumulate_dtype` (default x's). A forward of 1 to `one_row` tokens (the engine sets
     kvbuffer.engine.one_row.EXPERT_TOKENS where the kernel is built; 0 or False: never) takes
     `experts_by_row` instead.
@@ -195,7 +172,11 @@ def route_to_experts(x, top_idx, top_w, first, down, act, accumulate_dtype=None,
     # reads the largest id back to the host to size its output)
     offs = torch.searchsorted(experts, torch.arange(1, E + 1, device=x.device, dtype=ids), out_int32=True)
     token_of = order // k
-    y = _per_expert_matmul(act(_per_expert_matmul(x[token_of], first, offs)), down, offs)
+    if grouped and x.dtype == first.dtype == down.dtype:
+        h = act(launch.engine_rows("grouped_experts", x[token_of], first, offs))
+        y = launch.engine_rows("grouped_experts", h.contiguous(), down, offs)
+    else:
+        y = grouped_matmul(act(grouped_matmul(x[token_of], first, offs)), down, offs)
     acc = accumulate_dtype or x.dtype
     if x.is_cuda:  # each token's k rows back in place, weighted and summed: no atomics, deterministic
         y = y.new_empty(y.shape).index_copy_(0, order, y).view(*top_idx.shape, -1) * top_w[..., None]
@@ -226,9 +207,11 @@ class RoutedExperts(nn.Module):
     """A model's routed experts as stacked weights (`expert_weights`: the first matmul's (E, O, H) and
     the down matmul's (E, H, I)) with the activation between them (`activate`: (..., O) -> (..., I)).
     `one_row`: the most tokens a forward may have to run on the experts kernel (route_to_experts); the
-    engine sets it (kvbuffer.engine.one_row.EXPERT_TOKENS) where that kernel is built."""
+    engine sets it (kvbuffer.engine.one_row.EXPERT_TOKENS) where that kernel is built. `grouped`:
+    forwards of more tokens run on the grouped experts kernel; the engine sets it where that is built."""
 
     one_row = False
+    grouped = False
 
     def expert_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
         raise NotImplementedError
@@ -261,7 +244,7 @@ class Experts(RoutedExperts):
     def forward(self, x, top_idx, top_w):
         """x (N, H); top_idx, top_w (N, k)."""
         return route_to_experts(x, top_idx, top_w.to(x.dtype), self.gate_up_proj, self.down_proj, self.activate,
-                                one_row=self.one_row)
+                                one_row=self.one_row, grouped=self.grouped)
 
 
 class SoftmaxTopKMoE(nn.Module):

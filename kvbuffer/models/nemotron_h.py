@@ -275,7 +275,8 @@ class UngatedExperts(RoutedExperts):
     def forward(self, x, top_idx, top_w):
         """x (N, dim); top_idx, top_w (N, k)."""
         return route_to_experts(x, top_idx, top_w, self.up_proj, self.down_proj, self.activate,
-                                accumulate_dtype=top_w.dtype, one_row=self.one_row)
+                                accumulate_dtype=top_w.dtype, one_row=self.one_row,
+                                grouped=self.grouped)
 
 
 class TopKRouter(nn.Module):

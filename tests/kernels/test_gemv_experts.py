@@ -169,22 +169,26 @@ def test_the_switch_off_never_reaches_the_kernel_and_ids_of_any_int_dtype_go_in(
 
 def test_the_switch_sets_the_experts_token_limit_and_counts_layers(monkeypatch):
     """With every kernel loadable (faked here), use_one_row_kernel puts the projections on the one-row
-    kernel and the routed experts on the experts kernel up to EXPERT_TOKENS tokens, and its line counts
-    expert layers, not tokens."""
+    kernel and the routed experts on the experts kernel up to EXPERT_TOKENS tokens and on the grouped
+    kernel past them, and its line counts expert layers, not tokens."""
     from tests.support.tiny_models import tiny_model
 
     from kvbuffer.engine import one_row
     from kvbuffer.models.layers import one_row_experts, one_row_linears
 
     model = tiny_model("nemotron_h", layers_block_type=["mamba", "moe", "attention", "mamba", "moe"])
-    monkeypatch.setattr(one_row, "_fits", lambda weight: True)
+    monkeypatch.setattr(one_row, "_fits", lambda weight, fits=None: True)
     monkeypatch.setattr(one_row, "_missing", lambda keys: set())
     n = len(one_row_linears(model))
-    assert one_row.use_one_row_kernel(model, "auto", kernels=True) == f"{n} of {n} projections and 2 of 2 expert layers"
+    assert one_row.use_one_row_kernel(model, "auto", kernels=True) == (
+        f"{n} of {n} projections and 2 of 2 expert layers run one-token forwards on the one-row kernels, "
+        "2 of 2 expert layers larger ones on the grouped kernel")
     assert all(m.one_row is True for m in one_row_linears(model))
     assert [m.one_row for m in one_row_experts(model)] == [one_row.EXPERT_TOKENS] * 2
+    assert all(m.grouped is True for m in one_row_experts(model))
     assert one_row.use_one_row_kernel(model, False, kernels=True) == "gemv=False"
     assert not any(m.one_row for m in (*one_row_linears(model), *one_row_experts(model)))
+    assert not any(m.grouped for m in one_row_experts(model))
 
 
 def test_an_empty_forward_keeps_the_grouped_path_and_warm_up_passes_the_token_limit(monkeypatch):

@@ -81,7 +81,7 @@ def test_template_compiles_for_sm90a(case):
 
 ARCHS = sorted({gpu.arch for gpu in CATALOGUE})  # every arch `kvbuffer tune --list-gpus` offers
 # one small kernel per template family: GDN and Mamba-2 recurrent / buffered (both Mamba-2 variants) / flush,
-# the conv1d update and accept, the one-row projection
+# the conv1d update and accept, the one-row projection and experts, the grouped experts
 FAMILY_KERNELS = {
     "gdn_recurrent": ("gdn_recurrent", dict(Hk=1, Hv=2, K=32, V=32, BV=16, threads=64)),
     "gdn_buffered_verify2_fused_flush": ("gdn_buffered", dict(Hk=1, Hv=2, K=32, V=32, cap=9, T_new=2, flush_at=8,
@@ -98,6 +98,7 @@ FAMILY_KERNELS = {
     "conv1d_accept": ("conv1d.conv1d_accept", dict(D=256, W=4, span=6)),
     "gemv_ragged": ("gemv.gemv", dict(N=37, K=2688)),
     "gemv_experts": ("gemv.gemv_experts", dict(N=37, K=2688)),
+    "grouped_experts": ("grouped.grouped_experts", dict(N=100, K=128)),  # N past a block of 128
 }
 
 

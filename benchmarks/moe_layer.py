@@ -1,7 +1,9 @@
-"""A mixture-of-experts layer at a few tokens: the one-row experts kernel (torch.ops.kvbuffer.gemv_experts,
-what the engine runs with LLM(gemv=...)) against the sorted, grouped path (torch._grouped_mm), both
-through the model's own routed-experts module (kvbuffer.models.layers.route_to_experts), for the
-first MoE layer of a preset model built with random weights.
+"""A mixture-of-experts layer on kvbuffer's experts kernels (what the engine runs with LLM(gemv=...)):
+up to EXPERT_TOKENS tokens the one-row experts kernel (torch.ops.kvbuffer.gemv_experts), past them the
+grouped experts kernel (torch.ops.kvbuffer.grouped_experts), against the sorted path on torch's
+grouped matmul (torch._grouped_mm), all through the model's own routed-experts module
+(kvbuffer.models.layers.route_to_experts), for the first MoE layer of a preset model built with
+random weights. `--kernel one_row` or `grouped` forces one kernel at every token count.
 
 Correctness first (both paths against the experts' products in fp64), then each timed as a CUDA graph
 of many launches (kvbuffer.bench.timing.graph_median), every launch routed to other experts (a fresh
@@ -9,7 +11,7 @@ random top-k per set, so the experts' weights are read from memory, not L2), ach
 chosen experts' weights once) against the measured copy bandwidth, and the time a decode step spends
 in its MoE layers. Writes JSON next to the other results.
 
-    python benchmarks/moe_one_token.py --model nemotron-3-nano --out result.json
+    python benchmarks/moe_layer.py --model nemotron-3-nano --rows 1,8,64,512 --out result.json
 
 Needs a CUDA GPU and TileLang (kernels are taken from the artifact cache, else JIT-compiled).
 """
@@ -42,8 +44,9 @@ def first_experts(model: str):
     return layer, k, len(experts)
 
 
-def run(model: str, rows: int) -> dict:
+def run(model: str, rows: int, kernel_choice: str = "auto") -> dict:
     from kvbuffer.bench.timing import copy_bandwidth, graph_median
+    from kvbuffer.engine.one_row import EXPERT_TOKENS
 
     copy = copy_bandwidth()
     layer, k, layers = first_experts(model)
@@ -56,28 +59,34 @@ def run(model: str, rows: int) -> dict:
            for _ in range(sets)]
     ws = [torch.rand(rows, k, generator=gen, device="cuda") for _ in range(sets)]
 
-    def path(one_row: int):
+    def path(one_row: int, grouped_kernel: bool):
         def call(i):
-            layer.one_row = one_row
+            layer.one_row, layer.grouped = one_row, grouped_kernel
             return layer(xs[i], ids[i], ws[i])  # fp32 routing weights, as the routers give them
         return call
 
-    grouped, kernel = path(0), path(rows)  # the engine takes the kernel up to EXPERT_TOKENS; more to see past it
+    if kernel_choice == "auto":
+        kernel_choice = "one_row" if rows <= EXPERT_TOKENS else "grouped"
+    grouped = path(0, False)
+    kernel = path(rows, False) if kernel_choice == "one_row" else path(0, True)
     want = _fp64(layer, xs[0], ids[0], ws[0])
     err = {name: float((fn(0).double() - want).norm() / want.norm()) for name, fn in (("kernel", kernel),
                                                                                        ("grouped", grouped))}
     if not err["kernel"] < 1e-2:
-        raise SystemExit(f"{model}: the one-token path is off the fp64 products (relative error {err['kernel']:.2e})")
-    nbytes = rows * k * (first[0].numel() + down[0].numel()) * 2  # at most: distinct experts' weights, once
+        raise SystemExit(f"{model}: the {kernel_choice} path is off the fp64 products (relative error "
+                         f"{err['kernel']:.2e})")
+    used = sum(int(torch.unique(i).numel()) for i in ids) / sets  # distinct experts a launch reads
+    nbytes = used * (first[0].numel() + down[0].numel()) * 2  # the distinct experts' weights, once
     rotated = nbytes * sets
     tk = graph_median(kernel, sets, rotated_bytes=rotated)
     tg = graph_median(grouped, sets, rotated_bytes=rotated)
-    row = dict(model=model, rows=rows, top_k=k, experts=E, moe_layers=layers, kernel_us=tk.us, grouped_us=tg.us,
+    row = dict(model=model, rows=rows, top_k=k, experts=E, experts_read=used, kernel=kernel_choice,
+               moe_layers=layers, kernel_us=tk.us, grouped_us=tg.us,
                speedup=tg.seconds / tk.seconds, kernel_gbs=nbytes / tk.seconds / 1e9,
                grouped_gbs=nbytes / tg.seconds / 1e9, copy_gbs=copy / 1e9, rel_err=err, timing=tk.method,
                step_ms=dict(kernel=tk.us * layers / 1e3, grouped=tg.us * layers / 1e3))
-    print(f"{model} rows={rows} top-{k} of {E}: one-token kernel {tk.us:7.1f} us ({row['kernel_gbs']:5.0f} GB/s)  "
-          f"grouped {tg.us:7.1f} us ({row['grouped_gbs']:5.0f} GB/s)  {row['speedup']:4.2f}x; "
+    print(f"{model} rows={rows} top-{k} of {E}: {kernel_choice} kernel {tk.us:7.1f} us ({row['kernel_gbs']:5.0f} GB/s)  "
+          f"torch grouped {tg.us:7.1f} us ({row['grouped_gbs']:5.0f} GB/s)  {row['speedup']:4.2f}x; "
           f"x{layers} layers: {row['step_ms']['kernel']:.2f} against {row['step_ms']['grouped']:.2f} ms a step; "
           f"copy bandwidth {copy / 1e9:.0f} GB/s", flush=True)
     return row
@@ -100,12 +109,14 @@ def main() -> None:
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default="nemotron-3-nano")
-    p.add_argument("--rows", default="1", help="tokens (comma-separated); the engine takes the kernel up to kvbuffer.engine.one_row.EXPERT_TOKENS")
+    p.add_argument("--rows", default="1", help="tokens (comma-separated)")
+    p.add_argument("--kernel", default="auto", choices=("auto", "one_row", "grouped"),
+                   help="auto: the engine's choice (the one-row kernel up to kvbuffer.engine.one_row.EXPERT_TOKENS)")
     p.add_argument("--out", default=None)
     a = p.parse_args()
     ops.allow_jit(True)
     with torch.inference_mode():  # as the engine runs its forwards
-        rows = [run(a.model, int(r)) for r in a.rows.split(",")]
+        rows = [run(a.model, int(r), a.kernel) for r in a.rows.split(",")]
     if a.out:
         with open(a.out, "w") as f:
             json.dump({"model": a.model, "gpu": torch.cuda.get_device_name(), "rows": rows}, f, indent=1)
