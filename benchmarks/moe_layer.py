@@ -59,7 +59,7 @@ def run(model: str, rows: int, kernel_choice: str = "auto") -> dict:
            for _ in range(sets)]
     ws = [torch.rand(rows, k, generator=gen, device="cuda") for _ in range(sets)]
 
-    def path(one_row: int, grouped_kernel: bool):
+    def path(one_row: int, grouped_kernel: int):
         def call(i):
             layer.one_row, layer.grouped = one_row, grouped_kernel
             return layer(xs[i], ids[i], ws[i])  # fp32 routing weights, as the routers give them
@@ -67,8 +67,8 @@ def run(model: str, rows: int, kernel_choice: str = "auto") -> dict:
 
     if kernel_choice == "auto":
         kernel_choice = "one_row" if rows <= EXPERT_TOKENS else "grouped"
-    grouped = path(0, False)
-    kernel = path(rows, False) if kernel_choice == "one_row" else path(0, True)
+    grouped = path(0, 0)
+    kernel = path(rows, 0) if kernel_choice == "one_row" else path(0, rows)
     want = _fp64(layer, xs[0], ids[0], ws[0])
     err = {name: float((fn(0).double() - want).norm() / want.norm()) for name, fn in (("kernel", kernel),
                                                                                        ("grouped", grouped))}

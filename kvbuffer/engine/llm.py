@@ -31,7 +31,7 @@ from .sampling import (SamplingParams, check_drawn, pick_rows, sample_rows, samp
 from .scheduler import Scheduler
 from .drafters import MTPDrafter, NgramDrafter
 from ..models.layers import one_row_experts
-from .one_row import EXPERT_TOKENS, use_one_row_kernel
+from .one_row import EXPERT_TOKENS, GROUPED_TOKENS, use_one_row_kernel
 from .options import check_generate_args, check_int, check_llm_args
 from .overlap import InflightStep, ends_at_length, plan_feed, use_overlap
 from .speculative import SpeculativeConfig, accept_drafts, accept_sampled
@@ -331,13 +331,17 @@ class LLM:
         counts after them of the buffered steps, so that Dynamo has seen every kind of step, and the
         row count and window change, before a request comes; without compile it only captures those
         CUDA graphs. Where routed experts run few-token forwards on the experts kernel, one more row
-        count past its limit (EXPERT_TOKENS + 1), where they go back to the grouped matmul.
-        Speculative verify forwards are not warmed."""
+        count past its limit (EXPERT_TOKENS + 1), where they go to the grouped matmul; where they run
+        larger ones on the grouped experts kernel, one past that limit too (GROUPED_TOKENS + 1), where
+        they go to torch's. Speculative verify forwards are not warmed."""
         spec, unbuffered = self.runner.spec, self.runner.unbuffered_rows
         windows = sorted({context_bucket(1, spec.max_len), context_bucket(CONTEXT_BUCKET + 1, spec.max_len)})
         rows = [*range(1, min(unbuffered, 2) + 1), unbuffered + 1, unbuffered + 2]
-        if any(m.one_row for m in one_row_experts(self.model)):
+        experts = one_row_experts(self.model)
+        if any(m.one_row for m in experts):
             rows.append(EXPERT_TOKENS + 1)
+        if any(m.grouped for m in experts):
+            rows.append(GROUPED_TOKENS + 1)
         self.runner.warm_up([n for n in rows if n <= spec.max_requests], windows)
 
     # the step-able engine ----------------------------------------------------------------------

@@ -11,8 +11,8 @@ the experts kernel (the same loop through each of a token's chosen experts' weig
 beats torch's grouped matmul: docs/kernels.md, "Routed experts at a few tokens") in forwards of up
 to EXPERT_TOKENS tokens, where both of its matmuls' kernels load, and the grouped experts kernel
 (tiles/grouped.py: each chosen expert's weight streamed once for its rows, at the copy bandwidth
-where torch's grouped matmul reaches ~0.7 of it) in forwards of more tokens, where both of those
-load.
+where torch's grouped matmul reaches ~0.7 of it) in forwards of more tokens, up to GROUPED_TOKENS,
+where both of those load.
 """
 
 from __future__ import annotations
@@ -34,6 +34,11 @@ OPTIONS = (True, False, "auto")
 # (the measured crossing: docs/kernels.md, "Routed experts at a few tokens"); decode steps up to B = 8
 # and a one-request verify take it
 EXPERT_TOKENS = 8
+# the most tokens a forward's routed experts run on the grouped experts kernel: a block streams its
+# expert's weight once per 32 of the expert's rows, so past a few hundred tokens (tens of rows an
+# expert) it reads the weights twice and torch's grouped matmul wins again (measured: docs/kernels.md,
+# "Routed experts at decode batch sizes"); decode steps up to B = 512 take it, long prompt chunks do not
+GROUPED_TOKENS = 512
 
 
 def use_one_row_kernel(model: torch.nn.Module, option, kernels: bool) -> str:
@@ -48,7 +53,7 @@ def use_one_row_kernel(model: torch.nn.Module, option, kernels: bool) -> str:
     for m in (*mods, *experts):
         m.one_row = False
     for m in experts:
-        m.grouped = False
+        m.grouped = 0
     if option is False:
         return "gemv=False"
     if not kernels:
@@ -71,13 +76,13 @@ def use_one_row_kernel(model: torch.nn.Module, option, kernels: bool) -> str:
     for m, ks in keys.items():
         m.one_row = not missing.intersection(ks) and (EXPERT_TOKENS if isinstance(m, RoutedExperts) else True)
     for m, ks in grouped.items():
-        m.grouped = not missing.intersection(ks)
+        m.grouped = 0 if missing.intersection(ks) else GROUPED_TOKENS
     on = sum(m.one_row for m in mods)
     line = f"{on} of {len(mods)} projections"
     if experts:
         line += (f" and {sum(bool(m.one_row) for m in experts)} of {len(experts)} expert layers run one-token "
-                 f"forwards on the one-row kernels, {sum(m.grouped for m in experts)} of {len(experts)} expert "
-                 "layers larger ones on the grouped kernel")
+                 f"forwards on the one-row kernels, {sum(bool(m.grouped) for m in experts)} of {len(experts)} expert "
+                 f"layers larger ones (up to {GROUPED_TOKENS} tokens) on the grouped kernel")
     else:
         line += " run one-token forwards on the one-row kernels"
     log.info("kvbuffer: %s", line)

@@ -148,15 +148,16 @@ class GatedMLP(nn.Module):
         return self.down_proj(self.act(gate) * up)
 
 
-def route_to_experts(x, top_idx, top_w, first, down, act, accumulate_dtype=None, one_row=False, grouped=False):
+def route_to_experts(x, top_idx, top_w, first, down, act, accumulate_dtype=None, one_row=False, grouped=0):
     """Mixture-of-experts dispatch: each token through its top-k experts, weighted and summed.
 
     first (E, O, H) and down (E, H, I) are the experts' stacked weights; `act` maps the first
     matmul's output (..., O) to the down matmul's input (..., I) (gated: silu(gate) * up). Tokens are
-    sorted by expert so each matmul is one grouped matmul over all experts: with `grouped` (the
-    engine sets it where the kernel is built) kvbuffer's grouped experts kernel
-    (torch.ops.kvbuffer.grouped_experts), else torch._grouped_mm where it serves the dtype, else a
-    loop over the experts that got tokens (kvbuffer.reference.experts). Contributions are summed in
+    sorted by expert so each matmul is one grouped matmul over all experts: in a forward of up to
+    `grouped` tokens (the engine sets kvbuffer.engine.one_row.GROUPED_TOKENS where the kernel is
+    built; 0: never) kvbuffer's grouped experts kernel (torch.ops.kvbuffer.grouped_experts), else
+    torch._grouped_mm where it serves the dtype, else a loop over the experts that got tokens
+    (kvbuffer.reference.experts). Contributions are summed in
     `accumulate_dtype` (default x's). A forward of 1 to `one_row` tokens (the engine sets
     kvbuffer.engine.one_row.EXPERT_TOKENS where the kernel is built; 0 or False: never) takes
     `experts_by_row` instead.
@@ -172,7 +173,7 @@ def route_to_experts(x, top_idx, top_w, first, down, act, accumulate_dtype=None,
     # reads the largest id back to the host to size its output)
     offs = torch.searchsorted(experts, torch.arange(1, E + 1, device=x.device, dtype=ids), out_int32=True)
     token_of = order // k
-    if grouped and x.dtype == first.dtype == down.dtype:
+    if grouped and x.shape[0] <= grouped and x.dtype == first.dtype == down.dtype:
         h = act(launch.engine_rows("grouped_experts", x[token_of], first, offs))
         y = launch.engine_rows("grouped_experts", h.contiguous(), down, offs)
     else:
@@ -207,11 +208,12 @@ class RoutedExperts(nn.Module):
     """A model's routed experts as stacked weights (`expert_weights`: the first matmul's (E, O, H) and
     the down matmul's (E, H, I)) with the activation between them (`activate`: (..., O) -> (..., I)).
     `one_row`: the most tokens a forward may have to run on the experts kernel (route_to_experts); the
-    engine sets it (kvbuffer.engine.one_row.EXPERT_TOKENS) where that kernel is built. `grouped`:
-    forwards of more tokens run on the grouped experts kernel; the engine sets it where that is built."""
+    engine sets it (kvbuffer.engine.one_row.EXPERT_TOKENS) where that kernel is built. `grouped`: the
+    most tokens a forward may have to run on the grouped experts kernel (the engine sets
+    GROUPED_TOKENS where it is built); 0: none."""
 
     one_row = False
-    grouped = False
+    grouped = 0
 
     def expert_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
         raise NotImplementedError

@@ -182,10 +182,10 @@ def test_the_switch_sets_the_experts_token_limit_and_counts_layers(monkeypatch):
     n = len(one_row_linears(model))
     assert one_row.use_one_row_kernel(model, "auto", kernels=True) == (
         f"{n} of {n} projections and 2 of 2 expert layers run one-token forwards on the one-row kernels, "
-        "2 of 2 expert layers larger ones on the grouped kernel")
+        f"2 of 2 expert layers larger ones (up to {one_row.GROUPED_TOKENS} tokens) on the grouped kernel")
     assert all(m.one_row is True for m in one_row_linears(model))
     assert [m.one_row for m in one_row_experts(model)] == [one_row.EXPERT_TOKENS] * 2
-    assert all(m.grouped is True for m in one_row_experts(model))
+    assert [m.grouped for m in one_row_experts(model)] == [one_row.GROUPED_TOKENS] * 2
     assert one_row.use_one_row_kernel(model, False, kernels=True) == "gemv=False"
     assert not any(m.one_row for m in (*one_row_linears(model), *one_row_experts(model)))
     assert not any(m.grouped for m in one_row_experts(model))
@@ -193,8 +193,9 @@ def test_the_switch_sets_the_experts_token_limit_and_counts_layers(monkeypatch):
 
 def test_an_empty_forward_keeps_the_grouped_path_and_warm_up_passes_the_token_limit(monkeypatch):
     """A forward of no tokens never takes the experts kernel (even with it on); an engine whose
-    experts take it warms one row count past EXPERT_TOKENS, so a compiled step that grows past the
-    limit is not a recompilation in front of running requests."""
+    experts take it warms one row count past EXPERT_TOKENS (and past GROUPED_TOKENS where they take the
+    grouped kernel), so a compiled step that grows past a limit is not a recompilation in front of
+    running requests."""
     from tests.support.tiny_models import tiny_model
 
     from kvbuffer import LLM
@@ -218,4 +219,12 @@ def test_an_empty_forward_keeps_the_grouped_path_and_warm_up_passes_the_token_li
         m.one_row = EXPERT_TOKENS
     seen.clear()
     llm.warm_up()
-    assert EXPERT_TOKENS + 1 in seen
+    assert EXPERT_TOKENS + 1 in seen and 12 not in seen
+    from kvbuffer.engine import llm as engine_llm
+
+    monkeypatch.setattr(engine_llm, "GROUPED_TOKENS", 11)  # within this engine's 16 rows
+    for m in layers.one_row_experts(llm.model):
+        m.grouped = 11
+    seen.clear()
+    llm.warm_up()
+    assert 12 in seen  # and past the grouped kernel's limit too

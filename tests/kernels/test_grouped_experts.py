@@ -80,8 +80,9 @@ def test_custom_op_on_cpu_its_checks_and_its_fake():
 @pytest.mark.parametrize("dtype,acc", [(torch.float32, None), (torch.bfloat16, torch.float32)], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("tokens", [1, 9, 40])
 def test_route_to_experts_with_the_grouped_kernel_follows_the_path_without(gated, dtype, acc, tokens, monkeypatch):
-    """route_to_experts with `grouped` calls torch.ops.kvbuffer.grouped_experts for both matmuls (on the
-    CPU its reference) and gives the path without it; `one_row` still takes the few-token forwards."""
+    """route_to_experts up to `grouped` tokens calls torch.ops.kvbuffer.grouped_experts for both matmuls
+    (on the CPU its reference) and gives the path without it; `one_row` still takes the few-token
+    forwards, and more than `grouped` tokens go to torch's path."""
     from kvbuffer.models import layers
 
     gen = torch.Generator().manual_seed(tokens)
@@ -96,12 +97,16 @@ def test_route_to_experts_with_the_grouped_kernel_follows_the_path_without(gated
     calls = []
     real = launch.engine_rows
     monkeypatch.setattr(launch, "engine_rows", lambda name, *a: calls.append(name) or real(name, *a))
-    got = layers.route_to_experts(x, idx, w, first, down, act, acc, grouped=True)
+    got = layers.route_to_experts(x, idx, w, first, down, act, acc, grouped=40)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     assert calls == ["grouped_experts"] * 2
     calls.clear()
-    layers.route_to_experts(x, idx, w, first, down, act, acc, one_row=8, grouped=True)
+    layers.route_to_experts(x, idx, w, first, down, act, acc, one_row=8, grouped=40)
     assert calls == (["gemv_experts"] * 2 if tokens <= 8 else ["grouped_experts"] * 2)
+    calls.clear()
+    layers.route_to_experts(x, idx, w, first, down, act, acc, grouped=39)  # past the limit: torch's path
+    layers.route_to_experts(x[:0], idx[:0], w[:0], first, down, act, acc)  # 0: never, not even empty
+    assert calls == (["grouped_experts"] * 2 if tokens <= 39 else [])
 
 
 def test_a_moe_model_declares_grouped_shapes():
