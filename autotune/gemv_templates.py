@@ -16,7 +16,9 @@ one per distinct expert weight of a model's routed experts, kvbuffer.autotune.mo
 with EXPERTS_TIMED experts chosen, a mixture-of-experts layer's top-k at one token. The grouped
 experts kernel's shape is kvbuffer.kernels.keys.grouped_shape (the same fields); it is timed with
 GROUPED_EXPERTS experts of GROUPED_ROWS rows each, a decode step's routed load at a few hundred
-requests (Nemotron-3-Nano at B = 512: ~24 rows for each of 128 experts), in every batch bucket alike.
+requests (Nemotron-3-Nano at B = 512: ~24 rows for each of 128 experts), in every batch bucket alike;
+so its winner is the best tile for that load, not for every load the engine gives it (9 to 512
+tokens: under one row to ~24 rows an expert).
 Inputs: x and W drawn N(0, 1) and N(0, 1 / K), so outputs are O(1). The check compares against the
 product in fp64.
 """

@@ -8,9 +8,10 @@ The short conv in front of those layers has a shape of its own (family 'conv1d',
 its channels are q, k, v (GDN) or x, B, C (Mamba-2), 2 * Hk * K + Hv * V in both families. The
 model's softmax-attention layers have theirs (family 'attention', see config_attention_shape): query
 and KV heads, head dim, and the dtypes of the activations and the KV cache. Its projections without
-a bias, one shape per distinct weight matrix (family 'gemv', see config_gemv_shapes), and its routed
-experts, one shape per distinct expert weight (family 'experts'), run on the one-token kernels in a
-forward of one token.
+a bias, one shape per distinct weight matrix (family 'gemv', see config_gemv_shapes), run on the
+one-row kernel in a forward of one token; its routed experts, one shape per distinct expert weight,
+on the experts kernel in forwards of a few tokens (family 'experts') and on the grouped experts
+kernel in larger ones (family 'grouped').
 """
 
 from __future__ import annotations

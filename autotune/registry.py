@@ -17,7 +17,7 @@ with the flush fused at C, stand-alone flush), the prefill chunks the engine cut
 (T = 8, 4, 2 tokens, flush fused at C) and the verify of T drafts plus the last token; the
 recurrent step once. The short conv's kernels are in kvbuffer.autotune.conv_templates (family
 "conv1d"), decode attention's in kvbuffer.autotune.attention_templates (family "attention"), the
-one-token projection's in kvbuffer.autotune.gemv_templates (families "gemv" and "experts").
+projections' in kvbuffer.autotune.gemv_templates (families "gemv", "experts" and "grouped").
 TileLang and torch are imported only inside the callables.
 """
 
@@ -412,8 +412,8 @@ def mamba2_templates() -> list[Template]:
 
 
 def templates(family: str | None = None) -> list[Template]:
-    """Every registered template (optionally of one family: "gdn", "mamba2", "conv1d", "attention", "gemv"
-    or "experts")."""
+    """Every registered template (optionally of one family: "gdn", "mamba2", "conv1d", "attention", "gemv",
+    "experts" or "grouped")."""
     from .attention_templates import attention_templates
     from .conv_templates import conv_templates
     from .gemv_templates import gemv_templates

@@ -138,7 +138,7 @@ def _profile_option(f):
               help="Nucleus mass for the sampled requests.")
 @click.option("--gemv", default="auto", show_default=True, type=click.Choice(["auto", "true", "false"]),
               help="One-token forwards' projections and routed experts' few-token ones on the one-row "
-                   "kernels, routed experts' larger ones on the grouped experts kernel (LLM(gemv=...)); the "
+                   "kernels, routed experts' forwards of up to 512 tokens on the grouped experts kernel (LLM(gemv=...)); the "
                    "peers row always runs torch's GEMM.")
 @_profile_option
 def decode(preset, modes, prompt_len, new_tokens, chunk_size, kernels, cuda_graphs, compile_, out, batches,

@@ -17,10 +17,18 @@ def _ints(text: str, option: str) -> tuple[int, ...]:
     return tuple(sorted(set(positive_ints(text, option))))
 
 
-CHUNK_FREE = ("conv1d", "attention", "gemv", "experts", "grouped")  # families whose kernels do not depend on C
-# families timed at one size alone: what one-token (experts: few-token) forwards run, and the grouped
-# experts kernel at one routed load (kvbuffer.autotune.gemv_templates.GROUPED_ROWS)
-ONE_SIZE = ("gemv", "experts", "grouped")
+def _chunk_free(family: str) -> bool:
+    """Whether a family's kernels serve every chunk size C: the conv's, attention's and the projections'."""
+    return family in ("conv1d", "attention") or _projection(family)
+
+
+def _projection(family: str) -> bool:
+    """The projection kernels' families (kvbuffer.kernels.keys.GEMV_FAMILIES): none depends on C, and
+    each is timed at one size alone (what a one-token or few-token forward runs; the grouped experts
+    kernel at one routed load, kvbuffer.autotune.gemv_templates.GROUPED_ROWS)."""
+    from ..kernels.keys import GEMV_FAMILIES
+
+    return family in GEMV_FAMILIES
 
 
 def _table(rows: list[tuple]) -> None:
@@ -137,8 +145,8 @@ def _templates(shapes: list[dict], kernels: str | None) -> list[tuple[dict, list
 @click.option("--attention/--no-attention", default=True, show_default=True,
               help="Also build the model's decode attention kernels (its attention layers' heads; not with --heads).")
 @click.option("--gemv/--no-gemv", default=True, show_default=True,
-              help="Also build the one-row kernel of each of the model's projection shapes and routed-expert "
-              "weight shapes (a one-token forward's; not with --heads).")
+              help="Also build the one-row kernel of each of the model's projection shapes (a one-token "
+              "forward's) and both experts kernels of its routed-expert weight shapes (not with --heads).")
 @click.option("--kernels", help="Comma-separated template names (default: every template of the family, "
               "its conv, the model's attention and its projections).")
 @click.option("--build-only", is_flag=True, help="Compile defaults without measuring, even on the named GPU.")
@@ -175,7 +183,7 @@ def tune(gpu, list_gpus, model, heads, family, dtype, chunk_sizes, batch_buckets
     for i, (one_shape, tpls) in enumerate(found):
         step = f"[{i + 1}/{len(found)}] " if len(found) > 1 else ""
         _tune_shape(cache, target, present and not build_only, one_shape, tpls, chunks,
-                    (1,) if one_shape["family"] in ONE_SIZE else buckets, drafts, max_configs, step)
+                    (1,) if _projection(one_shape["family"]) else buckets, drafts, max_configs, step)
 
 
 def _tune_shape(cache, target, measuring, shape, tpls, chunks, buckets, drafts, max_configs, step="") -> None:
@@ -188,7 +196,7 @@ def _tune_shape(cache, target, measuring, shape, tpls, chunks, buckets, drafts, 
     if not items:
         raise click.UsageError(f"nothing to build for {', '.join(t.name for t in tpls)}: a verify or accept needs "
                                "--draft-tokens T, a T-token prefill chunk a chunk size >= T")
-    layouts = ("" if shape["family"] in CHUNK_FREE else f", C in {list(req.chunk_sizes)}") \
+    layouts = ("" if _chunk_free(shape["family"]) else f", C in {list(req.chunk_sizes)}") \
         + (f", drafts {list(drafts[1:])}" if len(drafts) > 1 else "")
     click.echo(f"{step}{'tuning' if measuring else 'building (untuned)'} {len(items)} kernel(s) for {target.name} "
                f"({target.arch}), {_shape_text(shape)}{layouts}, cache {cache.root}")
@@ -206,7 +214,7 @@ def _tune_shape(cache, target, measuring, shape, tpls, chunks, buckets, drafts, 
         click.echo(f"note: {note}")
     measured = sum(w["median_us"] is not None for w in tuning["winners"])
     line = f"tuning record {record} ({tuning['status']}: {measured} of {len(tuning['winners'])} winners measured; "
-    if shape["family"] in CHUNK_FREE:  # the conv's and attention's kernels serve every C
+    if _chunk_free(shape["family"]):
         line += f"drafts {tuning.get('draft_tokens', [0])})"
     else:
         policy = ChunkPolicy.from_json(tuning["chunk_policy"])
@@ -222,7 +230,7 @@ def _tune_shape(cache, target, measuring, shape, tpls, chunks, buckets, drafts, 
 
 
 def _shape_text(shape) -> str:
-    if shape["family"] in ONE_SIZE:
+    if _projection(shape["family"]):
         return f"{shape['family']} N={shape['N']} K={shape['K']} {shape['dtype']}"
     if shape["family"] == "attention":
         return f"attention H={shape['H']} Hkv={shape['Hkv']} D={shape['D']} {shape['dtype']} cache {shape['kv_dtype']}"

@@ -52,8 +52,7 @@ def check_expert_ends(ends: torch.Tensor, rows: int) -> None:
     """Rows sorted by expert: `ends` (E,) are where each expert's rows end, non-decreasing from 0 and
     ending at `rows` (one read of the ends back)."""
     if ends.numel():
-        first, last = int(ends[0]), int(ends[-1])
-        falls = bool((ends[1:] < ends[:-1]).any()) if ends.numel() > 1 else False
+        first, last, falls = (int(v) for v in torch.stack([ends[0], ends[-1], (ends[1:] < ends[:-1]).sum()]).tolist())
         if first < 0 or last != rows or falls:
             raise ExpertIndexError(f"ends must be non-decreasing from >= 0 to the rows of x ({rows}): where each "
                                    f"expert's rows end; got {first} .. {last}" + (", decreasing" if falls else ""))

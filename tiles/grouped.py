@@ -7,19 +7,20 @@ times its own weight, every chosen expert's weight streamed from memory once per
 This is torch._grouped_mm(x, weight.transpose(1, 2), offs=ends), the call kvbuffer's routed experts
 make past a few tokens. At decode batch sizes an expert gets few rows (Nemotron-3-Nano at B = 512:
 3,072 rows over 128 experts, ~24 each) and the layer is bound by reading the experts' weights. The
-grouped matmul tiles the rows by 64 or 128 and streams the weights at ~0.7 of the copy bandwidth;
-this template puts the weight in the tensor-core product's M side and the expert's rows in its N
-side (a "swapped" product, y^T = W x^T), so a block of `block_t` rows (16-64) is the only padding,
-and streams the weights at the copy bandwidth (docs/kernels.md, "Routed experts at decode batch
-sizes").
+grouped matmul tiles the rows by 64 or 128, so most of a tile is padding and the tensor cores, not
+the weight stream, set its pace; this template puts the weight in the tensor-core product's M side
+and the expert's rows in its N side (a "swapped" product, y^T = W x^T), so a block of `block_t` rows
+(16-64) is the only padding (measured against it: docs/kernels.md, "Routed experts at decode batch
+sizes"). A block streams its weight tile once per `block_t` of its expert's rows, so an expert with
+more rows reads its weight again: the engine stops at a few hundred tokens (GROUPED_TOKENS).
 
 Grid: (N / block_n, E). Block (n, e) loops over expert e's rows, `block_t` at a time; for each it
 runs a pipelined loop over K of (block_n x 64) weight tiles and (block_t x 64) row tiles
 in shared memory into a (block_n x block_t) fp32 accumulator, then writes the rows it holds
 through shared memory, coalesced along N. An expert with no rows costs its blocks nothing but a
 launch. A tile past N or past M reads zeros and writes nothing. Copies stay off TMA
-(`disable_tma`), so a built artifact loads without TileLang's compiler library (docs/artifacts.md);
-measured, that costs ~1.5%. All tensors contiguous, in `dtype` (bf16 or fp16) but `ends`.
+(`disable_tma`), so a built artifact loads without TileLang's compiler library (docs/artifacts.md;
+its cost is in the same docs/kernels.md section). All tensors contiguous, in `dtype` (bf16 or fp16) but `ends`.
 """
 
 # no `from __future__ import annotations`: TileLang evaluates the T.Tensor annotations
@@ -28,7 +29,7 @@ from ..kernels.keys import GEMV_DTYPES as DTYPES, GROUPED_K as BK  # the rules t
 
 F32 = "float32"
 
-# the untuned default: the best or within 2% of it at every measured shape and batch
+# the untuned default: the best or close to it at every shape and batch measured (docs/kernels.md)
 DEFAULT = {"block_n": 128, "block_t": 32, "stages": 4, "threads": 128}
 
 

@@ -172,7 +172,7 @@ class LLM:
         step()'s tokens arrive one step later): True, False or "auto" (on CUDA).
         gemv: run one-token forwards' projections (a B = 1 decode step's) on kvbuffer's one-row kernel,
             which streams the weights faster than torch's GEMM at one row, routed experts' forwards
-            of up to 8 tokens on its experts kernel and larger ones on its grouped experts kernel
+            of up to 8 tokens on its experts kernel and of up to 512 on its grouped experts kernel
             (kvbuffer.engine.one_row): True, False or "auto"
             (with the compiled kernels, where each kernel loads or builds); `self.gemv` says how many
             projections and expert layers take them.
@@ -331,9 +331,9 @@ class LLM:
         counts after them of the buffered steps, so that Dynamo has seen every kind of step, and the
         row count and window change, before a request comes; without compile it only captures those
         CUDA graphs. Where routed experts run few-token forwards on the experts kernel, one more row
-        count past its limit (EXPERT_TOKENS + 1), where they go to the grouped matmul; where they run
-        larger ones on the grouped experts kernel, one past that limit too (GROUPED_TOKENS + 1), where
-        they go to torch's. Speculative verify forwards are not warmed."""
+        count past its limit (EXPERT_TOKENS + 1), where they go to the sorted path; where that runs on
+        the grouped experts kernel, one past its limit too (GROUPED_TOKENS + 1), where torch's grouped
+        matmul takes over. Speculative verify forwards are not warmed."""
         spec, unbuffered = self.runner.spec, self.runner.unbuffered_rows
         windows = sorted({context_bucket(1, spec.max_len), context_bucket(CONTEXT_BUCKET + 1, spec.max_len)})
         rows = [*range(1, min(unbuffered, 2) + 1), unbuffered + 1, unbuffered + 2]

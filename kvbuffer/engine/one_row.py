@@ -10,9 +10,9 @@ Forwards of more than one token never take it. A mixture-of-experts layer's rout
 the experts kernel (the same loop through each of a token's chosen experts' weights; where it
 beats torch's grouped matmul: docs/kernels.md, "Routed experts at a few tokens") in forwards of up
 to EXPERT_TOKENS tokens, where both of its matmuls' kernels load, and the grouped experts kernel
-(tiles/grouped.py: each chosen expert's weight streamed once for its rows, at the copy bandwidth
-where torch's grouped matmul reaches ~0.7 of it) in forwards of more tokens, up to GROUPED_TOKENS,
-where both of those load.
+(tiles/grouped.py: each chosen expert's weight streamed once per block of its rows, where torch's
+grouped matmul pads the rows to its tiles; measured in docs/kernels.md, "Routed experts at decode
+batch sizes") in forwards of more tokens, up to GROUPED_TOKENS, where both of those load.
 """
 
 from __future__ import annotations
@@ -70,7 +70,7 @@ def use_one_row_kernel(model: torch.nn.Module, option, kernels: bool) -> str:
         unbuilt = autobuild.ensure_gemv_kernels(sorted(missing, key=str))
         missing = _missing(missing)
         if unbuilt:
-            log.info("kvbuffer: one-token projections on torch's GEMM where not built (%s)", unbuilt)
+            log.info("kvbuffer: projections and experts on torch's kernels where not built (%s)", unbuilt)
     if missing and option is True:
         raise ValueError(f"gemv=True, but {len(missing)} projection kernel(s) neither load nor build here")
     for m, ks in keys.items():
@@ -78,13 +78,11 @@ def use_one_row_kernel(model: torch.nn.Module, option, kernels: bool) -> str:
     for m, ks in grouped.items():
         m.grouped = 0 if missing.intersection(ks) else GROUPED_TOKENS
     on = sum(m.one_row for m in mods)
-    line = f"{on} of {len(mods)} projections"
+    line = f"{on} of {len(mods)} projections run one-token forwards on the one-row kernel"
     if experts:
-        line += (f" and {sum(bool(m.one_row) for m in experts)} of {len(experts)} expert layers run one-token "
-                 f"forwards on the one-row kernels, {sum(bool(m.grouped) for m in experts)} of {len(experts)} expert "
-                 f"layers larger ones (up to {GROUPED_TOKENS} tokens) on the grouped kernel")
-    else:
-        line += " run one-token forwards on the one-row kernels"
+        line += (f"; of {len(experts)} expert layers, {sum(bool(m.one_row) for m in experts)} run forwards of up to "
+                 f"{EXPERT_TOKENS} tokens on the one-row experts kernel and {sum(bool(m.grouped) for m in experts)} "
+                 f"of up to {GROUPED_TOKENS} on the grouped experts kernel")
     log.info("kvbuffer: %s", line)
     return line
 

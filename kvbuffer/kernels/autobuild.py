@@ -15,8 +15,9 @@ kernels an engine launches are not in the artifact cache and JIT is off:
 Decode attention's kernels are built the same way on their first use (`ensure_attention_kernels`,
 called by the kernel Backend when the attention layers first run, and by the launcher when a
 compiled forward's first call of a new token count, a verify's, finds them missing): the engine's
-caches do not name the query heads, the calls do. The one-token projection kernels are built when the engine is
-(`ensure_gemv_kernels`, from kvbuffer.engine.one_row): the model's weights name their shapes.
+caches do not name the query heads, the calls do. The projection kernels (one-row, experts, grouped experts) are
+built when the engine is (`ensure_gemv_kernels`, from kvbuffer.engine.one_row): the model's weights
+name their shapes.
 
 KVBUFFER_BUILD_KERNELS=0 turns the build off (a server that must not compile at start-up).
 
@@ -120,8 +121,8 @@ def ensure_attention_kernels(key: KernelKey, stream=None) -> str | None:
 
 
 def ensure_gemv_kernels(keys: list[KernelKey], stream=None) -> str | None:
-    """Build the one-row projection kernels of `keys` (kvbuffer.kernels.launch.gemv_key and
-    gemv_experts_key) for the local GPU, untuned, one tuning record per weight shape; None once
+    """Build the projection kernels of `keys` (kvbuffer.kernels.launch.gemv_key, gemv_experts_key and
+    grouped_experts_key) for the local GPU, untuned, one tuning record per weight shape; None once
     built, else one line saying why not and what to run."""
     if not keys:
         return None

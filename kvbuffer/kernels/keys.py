@@ -35,7 +35,7 @@ GEMV_KERNELS = {"gemv": "gemv", "experts": "gemv_experts", "grouped": "grouped_e
 GEMV_OPS = tuple(GEMV_KERNELS)
 GEMV_DTYPES = ("bfloat16", "float16")  # the one-row kernel's dtypes (weight, input and output alike)
 GEMV_CHUNK = 8  # elements of its 16-byte loads: K must be a multiple
-GROUPED_K = 64  # the grouped experts kernel's K step (tiles/grouped.py block_k): K must be a multiple
+GROUPED_K = 64  # the grouped experts kernel's K step (tiles/grouped.py's tiles are 64 wide in K): K must be a multiple
 ATTENTION_REGISTER_BUDGET = 64  # fp32 registers a lane spends on its query rows (and as many on their accumulators)
 DTYPE_NAMES = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}
 
@@ -120,25 +120,29 @@ def grouped_fits(K: int, dtype: str) -> bool:
     return dtype in GEMV_DTYPES and K % GROUPED_K == 0
 
 
+def projection_shape(family: str, N: int, K: int, dtype: str) -> dict:
+    """The tuning record shape of a projection kernel (family "gemv", "experts" or "grouped"): the
+    weight's rows and columns (for the experts kernels one expert's, any number of experts and rows),
+    and the dtype of the weight, the input and the output."""
+    return {"family": family, "N": int(N), "K": int(K), "dtype": dtype}
+
+
 def gemv_shape(N: int, K: int, dtype: str) -> dict:
-    """The tuning record shape of the one-token projection kernel: the weight's rows and columns, and
-    the dtype of the weight, the input and the output."""
-    return {"family": "gemv", "N": int(N), "K": int(K), "dtype": dtype}
+    """The one-token projection kernel's record shape (projection_shape)."""
+    return projection_shape("gemv", N, K, dtype)
 
 
 def experts_shape(N: int, K: int, dtype: str) -> dict:
-    """The tuning record shape of the one-token experts kernel: one expert's weight rows and columns
-    (any number of experts), and the dtype of the weights, the input and the output."""
-    return {"family": "experts", "N": int(N), "K": int(K), "dtype": dtype}
+    """The one-token experts kernel's record shape (projection_shape)."""
+    return projection_shape("experts", N, K, dtype)
 
 
 def grouped_shape(N: int, K: int, dtype: str) -> dict:
-    """The tuning record shape of the grouped experts kernel: one expert's weight rows and columns
-    (any number of experts and rows), and the dtype of the weights, the input and the output."""
-    return {"family": "grouped", "N": int(N), "K": int(K), "dtype": dtype}
+    """The grouped experts kernel's record shape (projection_shape)."""
+    return projection_shape("grouped", N, K, dtype)
 
 
-_GEMV_SHAPES = {"gemv": gemv_shape, "experts": experts_shape, "grouped": grouped_shape}
+GEMV_FAMILIES = GEMV_OPS  # each projection kernel's record family is its op's name
 
 
 Dims = Union[GDNDims, Mamba2Dims, ConvDims, AttnDims, GemvDims]
@@ -196,7 +200,7 @@ class KernelKey:
             d = self.dims
             return [attention_shape(d.H, d.Hkv, d.D, self.in_dtype, self.buf_dtype)]
         if self.family == "gemv":
-            return [_GEMV_SHAPES[self.op](self.dims.N, self.dims.K, self.in_dtype)]
+            return [projection_shape(self.op, self.dims.N, self.dims.K, self.in_dtype)]
         if self.family != "conv1d":
             return [{"family": self.family, **self.dims.record_fields(), "dtype": self.dtype}]  # make_shape's form
         D, W = self.dims.D, self.dims.W

@@ -223,7 +223,8 @@ class RoutedExperts(nn.Module):
 
 
 def one_row_experts(model: nn.Module) -> list[RoutedExperts]:
-    """The routed experts whose one-token forward can run on the one-row experts kernel."""
+    """The routed experts, whose forwards can run on the experts kernels (the one-row experts kernel at a
+    few tokens, the grouped one at more: kvbuffer.engine.one_row)."""
     return [m for m in model.modules() if isinstance(m, RoutedExperts)]
 
 

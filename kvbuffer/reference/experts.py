@@ -1,5 +1,7 @@
 """A mixture-of-experts layer's matmul over rows sorted by expert: the semantics of the grouped
-experts kernel (torch.ops.kvbuffer.grouped_experts) and the engine's path where it is not built.
+experts kernel (torch.ops.kvbuffer.grouped_experts, whose CPU implementation this is) and, being
+torch's own grouped matmul where that serves the dtype, also the engine's path where the kernel is
+not built or not taken.
 
     x (M, K) sorted by expert; weight (E, N, K); ends (E,) int32, expert e's rows ending at ends[e]
     (expert e holds rows ends[e - 1] .. ends[e], ends[-1] = M); y (M, N), y[r] = x[r] . weight[e(r)]^T
@@ -12,9 +14,9 @@ import torch.nn.functional as F
 
 
 def grouped_ok(x: torch.Tensor, w: torch.Tensor) -> bool:
-    """torch's grouped matmul serves bf16 on CUDA and fp32/bf16 on CPU, with every row 16-byte
-    aligned; anything else loops over the experts."""
-    if not hasattr(torch, "_grouped_mm") or x.dtype != w.dtype:
+    """torch's grouped matmul serves bf16 on CUDA and fp32/bf16 on CPU, contiguous, with every row
+    16-byte aligned; anything else loops over the experts."""
+    if not hasattr(torch, "_grouped_mm") or x.dtype != w.dtype or not (x.is_contiguous() and w.is_contiguous()):
         return False
     if x.dtype not in ((torch.bfloat16,) if x.is_cuda else (torch.float32, torch.bfloat16)):
         return False

@@ -121,7 +121,7 @@ def test_engine_one_row_experts_follow_the_grouped_path(compiled):
         PROMPTS, max_new_tokens=24, return_logits=True)
     torch._dynamo.reset()
     llm = LLM(tiny_model("nemotron_h", head_dim=64, layers_block_type=blocks), gemv=True, **kw)
-    assert "and 2 of 2 expert layers run one-token" in llm.gemv and all(m.one_row == 8 for m in one_row_experts(llm.model))
+    assert "of 2 expert layers, 2 run forwards of up to 8 tokens" in llm.gemv and all(m.one_row == 8 for m in one_row_experts(llm.model))
     got = llm.generate(PROMPTS, max_new_tokens=24, return_logits=True)
     assert any(k.op == "experts" for k in lookup.loaded_keys())
     assert launch.gemv_experts_key(one_row_experts(llm.model)[0].expert_weights()[0]).template() == "gemv_experts"

@@ -147,7 +147,8 @@ def test_engine_grouped_experts_follow_torchs_grouped_matmul(compiled):
                                                                            return_logits=True)
     torch._dynamo.reset()
     llm = LLM(tiny_model("nemotron_h", **cfg), gemv=True, **kw)
-    assert "2 of 2 expert layers larger ones (up to 512 tokens) on the grouped kernel" in llm.gemv
+    assert llm.gemv.endswith("2 expert layers, 2 run forwards of up to 8 tokens on the one-row experts kernel and "
+                             "2 of up to 512 on the grouped experts kernel")
     assert all(m.grouped for m in one_row_experts(llm.model))
     got = llm.generate(PROMPTS, max_new_tokens=20, return_logits=True)
     assert any(k.op == "grouped" for k in lookup.loaded_keys())

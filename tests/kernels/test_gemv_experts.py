@@ -181,8 +181,9 @@ def test_the_switch_sets_the_experts_token_limit_and_counts_layers(monkeypatch):
     monkeypatch.setattr(one_row, "_missing", lambda keys: set())
     n = len(one_row_linears(model))
     assert one_row.use_one_row_kernel(model, "auto", kernels=True) == (
-        f"{n} of {n} projections and 2 of 2 expert layers run one-token forwards on the one-row kernels, "
-        f"2 of 2 expert layers larger ones (up to {one_row.GROUPED_TOKENS} tokens) on the grouped kernel")
+        f"{n} of {n} projections run one-token forwards on the one-row kernel; of 2 expert layers, 2 run "
+        f"forwards of up to {one_row.EXPERT_TOKENS} tokens on the one-row experts kernel and 2 of up to "
+        f"{one_row.GROUPED_TOKENS} on the grouped experts kernel")
     assert all(m.one_row is True for m in one_row_linears(model))
     assert [m.one_row for m in one_row_experts(model)] == [one_row.EXPERT_TOKENS] * 2
     assert [m.grouped for m in one_row_experts(model)] == [one_row.GROUPED_TOKENS] * 2

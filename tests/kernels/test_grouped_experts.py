@@ -107,6 +107,9 @@ def test_route_to_experts_with_the_grouped_kernel_follows_the_path_without(gated
     layers.route_to_experts(x, idx, w, first, down, act, acc, grouped=39)  # past the limit: torch's path
     layers.route_to_experts(x[:0], idx[:0], w[:0], first, down, act, acc)  # 0: never, not even empty
     assert calls == (["grouped_experts"] * 2 if tokens <= 39 else [])
+    calls.clear()
+    empty = layers.route_to_experts(x[:0], idx[:0], w[:0], first, down, act, acc, grouped=40)  # the op's 0 rows
+    assert empty.shape == (0, H) and calls == ["grouped_experts"] * 2
 
 
 def test_a_moe_model_declares_grouped_shapes():

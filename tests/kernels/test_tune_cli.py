@@ -255,13 +255,16 @@ def test_tune_without_a_model_builds_every_preset_shape_once(monkeypatch, tmp_pa
     assert len(headers) == n and len(linear) + len(convs) == 10  # three presets share one linear head shape
     assert sum("attention H=" in h for h in headers) == len(softmax) >= 2
     experts = sum(dict(p)["family"] == "experts" for p in projections)
-    assert sum("gemv N=" in h for h in headers) == len(projections) - experts >= 12
+    grouped = sum(dict(p)["family"] == "grouped" for p in projections)
+    assert sum("gemv N=" in h for h in headers) == len(projections) - experts - grouped >= 12
     assert sum("experts N=" in h for h in headers) == experts >= 4  # the MoE presets' routed experts
+    assert sum("grouped N=" in h for h in headers) == grouped == experts  # both experts kernels, every shape
     assert [h.split("]")[0] for h in headers] == [f"[{i}/{n}" for i in range(1, n + 1)]
     assert sum("1/1] gdn_toy C=8: built" in line for line in result.output.splitlines()) == 3
     rows = [line.split()[-1] for line in result.output.splitlines() if line.startswith(("gdn_toy", "mamba2_toy",
                                                                                          "conv1d_toy", "attention_toy",
-                                                                                         "gemv_toy", "experts_toy"))]
+                                                                                         "gemv_toy", "experts_toy",
+                                                                                         "grouped_toy"))]
     assert len(rows) == len(set(rows)) == n
     assert len(ArtifactCache(tmp_path).manifest()["tunings"]) == n
     assert "INFO" not in result.output
