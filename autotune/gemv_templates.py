@@ -1,7 +1,7 @@
 """The projection kernels (tiles/gemv.py, tiles/grouped.py) as tuner templates, families "gemv",
 "experts" and "grouped".
 
-Its shape is kvbuffer.kernels.keys.gemv_shape: {"family": "gemv", "N": output features, "K": input
+Its shape is kvbuffer.kernels.keys.projection_shape: {"family": "gemv", "N": output features, "K": input
 features, "dtype"}; one per distinct weight matrix of a model's linear layers without bias
 (kvbuffer.autotune.models.model_gemv_shapes). It depends on no chunk size and no buffer layout, and
 only a one-token forward runs it, so the tuner's batch buckets all time the same one-row product
@@ -11,10 +11,10 @@ only a one-token forward runs it, so the tuner's batch buckets all time the same
     gemv_experts    y (1, J, N) = x (1, K) . W[e_j]^T for J distinct experts of a (J, N, K) stack
     grouped_experts y (M, N) = x (M, K) . W[e(r)]^T for rows sorted by expert
 
-The experts kernel's shape is kvbuffer.kernels.keys.experts_shape (one expert's N, K and the dtype;
+The experts kernel's shape has the same fields, family "experts" (one expert's N, K and the dtype;
 one per distinct expert weight of a model's routed experts, kvbuffer.autotune.models); it is timed
 with EXPERTS_TIMED experts chosen, a mixture-of-experts layer's top-k at one token. The grouped
-experts kernel's shape is kvbuffer.kernels.keys.grouped_shape (the same fields); it is timed with
+experts kernel's shape is family "grouped" (the same fields); it is timed with
 GROUPED_EXPERTS experts of GROUPED_ROWS rows each, a decode step's routed load at a few hundred
 requests (Nemotron-3-Nano at B = 512: ~24 rows for each of 128 experts), in every batch bucket alike;
 so its winner is the best tile for that load, not for every load the engine gives it (9 to 512

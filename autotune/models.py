@@ -20,7 +20,7 @@ import json
 from pathlib import Path
 
 from kvbuffer import presets
-from kvbuffer.kernels.keys import attention_shape, experts_shape, gemv_fits, gemv_shape, grouped_fits, grouped_shape
+from kvbuffer.kernels.keys import attention_shape, gemv_fits, grouped_fits, projection_shape
 from kvbuffer.tuning import make_conv_shape, make_shape
 
 DEFAULT_DTYPE = "bfloat16"
@@ -158,10 +158,11 @@ def config_gemv_shapes(cfg: dict, dtype: str | None = None) -> list[dict]:
     of its routed experts for each of the two experts kernels (families "experts" and "grouped"); none
     for a model in another dtype than bf16, fp16."""
     dtype = config_dtype(cfg, dtype)
-    out = [gemv_shape(N, K, dtype) for N, K in config_projection_counts(cfg) if gemv_fits(K, dtype)]
+    out = [projection_shape("gemv", N, K, dtype) for N, K in config_projection_counts(cfg) if gemv_fits(K, dtype)]
     experts = sorted(config_expert_shapes(cfg))
-    out += [experts_shape(N, K, dtype) for N, K in experts if gemv_fits(K, dtype)]
-    return out + [grouped_shape(N, K, dtype) for N, K in experts if grouped_fits(K, dtype)]
+    for family, fits in (("experts", gemv_fits), ("grouped", grouped_fits)):
+        out += [projection_shape(family, N, K, dtype) for N, K in experts if fits(K, dtype)]
+    return out
 
 
 def preset_gemv_shapes(name: str, dtype: str = DEFAULT_DTYPE) -> list[dict]:

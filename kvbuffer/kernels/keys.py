@@ -127,21 +127,6 @@ def projection_shape(family: str, N: int, K: int, dtype: str) -> dict:
     return {"family": family, "N": int(N), "K": int(K), "dtype": dtype}
 
 
-def gemv_shape(N: int, K: int, dtype: str) -> dict:
-    """The one-token projection kernel's record shape (projection_shape)."""
-    return projection_shape("gemv", N, K, dtype)
-
-
-def experts_shape(N: int, K: int, dtype: str) -> dict:
-    """The one-token experts kernel's record shape (projection_shape)."""
-    return projection_shape("experts", N, K, dtype)
-
-
-def grouped_shape(N: int, K: int, dtype: str) -> dict:
-    """The grouped experts kernel's record shape (projection_shape)."""
-    return projection_shape("grouped", N, K, dtype)
-
-
 GEMV_FAMILIES = GEMV_OPS  # each projection kernel's record family is its op's name
 
 
