@@ -15,10 +15,10 @@ The experts kernel's shape has the same fields, family "experts" (one expert's N
 one per distinct expert weight of a model's routed experts, kvbuffer.autotune.models); it is timed
 with EXPERTS_TIMED experts chosen, a mixture-of-experts layer's top-k at one token. The grouped
 experts kernel's shape is family "grouped" (the same fields); it is timed with
-GROUPED_EXPERTS experts of GROUPED_ROWS rows each, a decode step's routed load at a few hundred
-requests (Nemotron-3-Nano at B = 512: ~24 rows for each of 128 experts), in every batch bucket alike;
-so its winner is the best tile for that load, not for every load the engine gives it (9 to 512
-tokens: under one row to ~24 rows an expert).
+GROUPED_EXPERTS experts whose rows cycle through GROUPED_ROWS, a decode step's routed load at a few
+hundred requests (Nemotron-3-Nano at B = 512: ~24 rows for each of 128 experts on average, the busy
+ones twice that), in every batch bucket alike; so its winner is the best tile for that load, not for
+every load the engine gives it (from under one row to a few dozen rows an expert).
 Inputs: x and W drawn N(0, 1) and N(0, 1 / K), so outputs are O(1). The check compares against the
 product in fp64.
 """
@@ -79,7 +79,12 @@ def _experts_reference(shape, chunk_size, args):
     return {3: (w[ids[0]].double() @ x.double()[0]).unsqueeze(0)}  # (1, J, N)
 
 
-GROUPED_EXPERTS, GROUPED_ROWS = 32, 24  # experts a timed grouped call reads, and the rows each gets
+GROUPED_EXPERTS, GROUPED_ROWS = 32, (6, 12, 18, 24, 24, 30, 36, 42)  # experts a timed call reads, the rows they get
+
+
+def grouped_counts() -> list[int]:
+    """The rows each expert of a timed grouped experts call gets."""
+    return [GROUPED_ROWS[e % len(GROUPED_ROWS)] for e in range(GROUPED_EXPERTS)]
 
 
 def _build_grouped(shape, chunk_size, *, target, **t):
@@ -91,17 +96,18 @@ def _grouped_inputs(shape, batch, chunk_size, device, gen):
     import torch
 
     dt = getattr(torch, shape["dtype"])
-    N, K, E, R = shape["N"], shape["K"], GROUPED_EXPERTS, GROUPED_ROWS
-    x = torch.randn(E * R, K, generator=gen, device=device).to(dt)
-    w = (torch.randn(E, N, K, generator=gen, device=device) * K ** -0.5).to(dt)
-    ends = torch.arange(R, E * R + 1, R, device=device, dtype=torch.int32)
-    return [x, w, ends, torch.empty(E * R, N, device=device, dtype=dt)]
+    N, K, counts = shape["N"], shape["K"], torch.tensor(grouped_counts())
+    x = torch.randn(int(counts.sum()), K, generator=gen, device=device).to(dt)
+    w = (torch.randn(len(counts), N, K, generator=gen, device=device) * K ** -0.5).to(dt)
+    ends = counts.cumsum(0).to(device=device, dtype=torch.int32)
+    return [x, w, ends, torch.empty(x.shape[0], N, device=device, dtype=dt)]
 
 
 def _grouped_reference(shape, chunk_size, args):
-    x, w = args[0], args[1]
-    E, R = w.shape[0], GROUPED_ROWS
-    return {3: (x.double().view(E, R, -1) @ w.double().transpose(1, 2)).reshape(E * R, -1)}  # (M, N)
+    import torch
+
+    rows = args[0].double().split(grouped_counts())
+    return {3: torch.cat([r @ w.double().T for r, w in zip(rows, args[1])])}  # (M, N)
 
 
 def gemv_templates() -> list[Template]:

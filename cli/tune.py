@@ -25,7 +25,7 @@ def _chunk_free(family: str) -> bool:
 def _projection(family: str) -> bool:
     """The projection kernels' families (kvbuffer.kernels.keys.GEMV_FAMILIES): none depends on C, and
     each is timed at one size alone (what a one-token or few-token forward runs; the grouped experts
-    kernel at one routed load, kvbuffer.autotune.gemv_templates.GROUPED_ROWS)."""
+    kernel at one routed load, kvbuffer.autotune.gemv_templates.grouped_counts)."""
     from ..kernels.keys import GEMV_FAMILIES
 
     return family in GEMV_FAMILIES
@@ -246,7 +246,7 @@ def traffic_bytes(kernel: str, shape: dict, C: int, B: int) -> float | None:
 
     One-row projection: its weight, once; the experts kernel: the weights of the experts it is timed
     with (kvbuffer.autotune.gemv_templates.EXPERTS_TIMED), once; the grouped experts kernel: its
-    experts' weights once, its rows read and written once (GROUPED_EXPERTS, GROUPED_ROWS).
+    experts' weights once, its rows read and written once (gemv_templates.grouped_counts).
     Recurrent step: read + write every state. Buffered step: read every state, write it in the 1/C
     of rows that flush, read on average C/2 buffer entries. Flush: read + write, read C entries.
     """
@@ -257,9 +257,10 @@ def traffic_bytes(kernel: str, shape: dict, C: int, B: int) -> float | None:
 
         return 2.0 * shape["N"] * shape["K"] * EXPERTS_TIMED
     if shape["family"] == "grouped":
-        from kvbuffer.autotune.gemv_templates import GROUPED_EXPERTS, GROUPED_ROWS
+        from kvbuffer.autotune.gemv_templates import grouped_counts
 
-        return 2.0 * GROUPED_EXPERTS * (shape["N"] * shape["K"] + GROUPED_ROWS * (shape["N"] + shape["K"]))
+        counts = grouped_counts()
+        return 2.0 * (len(counts) * shape["N"] * shape["K"] + sum(counts) * (shape["N"] + shape["K"]))
     if not kernel.endswith(("recurrent", "buffered_step", "flush")):
         return None
     state = 4 * shape["Hv"] * shape["K"] * shape["V"]

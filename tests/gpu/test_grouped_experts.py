@@ -13,6 +13,7 @@ import torch
 
 from kvbuffer import ops
 from kvbuffer.kernels import build_grouped_experts, grouped_experts, launch, lookup
+from kvbuffer.tiles.grouped import get_configs
 
 pytestmark = pytest.mark.gpu
 
@@ -79,10 +80,27 @@ def test_one_expert_holding_every_token_and_the_rest_empty():
     assert _rel(grouped_experts(op, x, w, last), x.double() @ w[-1].double().T) < TOL[torch.bfloat16]
 
 
-@pytest.mark.parametrize("config", range(6))
-def test_every_tuner_config_matches_fp64(config):
-    from kvbuffer.tiles.grouped import get_configs
+@pytest.mark.parametrize("config", range(len(get_configs())))
+def test_row_counts_at_every_row_block_edge(config):
+    """Experts of 1 to 300 rows, at and either side of each row block and pass (row_blocks * block_t)
+    edge of the config: a row block runs only when its expert's rows reach it, a pass past it reads
+    the weight again."""
+    tunables = get_configs()[config]
+    bt, rb = tunables["block_t"], tunables["row_blocks"]
+    edges = sorted({max(1, m * bt + d) for m in range(1, 2 * rb + 2) for d in (-1, 0, 1)} | {1, 300})
+    counts = torch.tensor(edges + [0], dtype=torch.int32, device="cuda")
+    ends = counts.cumsum(0, dtype=torch.int32)
+    gen = torch.Generator(device="cuda").manual_seed(config)
+    N, K = 200, 192
+    x = torch.randn(int(ends[-1]), K, generator=gen, device="cuda").bfloat16()
+    w = (torch.randn(len(counts), N, K, generator=gen, device="cuda") * K ** -0.5).bfloat16()
+    y = torch.full((x.shape[0], N), float("nan"), device="cuda", dtype=torch.bfloat16)
+    grouped_experts(build_grouped_experts(N, K, **tunables), x, w, ends, out=y)
+    assert bool(torch.isfinite(y).all()) and _rel(y, _want(x, w, ends)) < TOL[torch.bfloat16], (tunables, edges)
 
+
+@pytest.mark.parametrize("config", range(len(get_configs())))
+def test_every_tuner_config_matches_fp64(config):
     tunables = get_configs()[config]
     for E, N, K, tokens in ((128, 1856, 2688, 512), (5, 200, 192, 33), (8, 2048, 512, 70)):
         x, w, ends = _routed(tokens, 2, E, N, K, torch.bfloat16, config)

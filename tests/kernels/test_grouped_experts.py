@@ -34,6 +34,10 @@ def test_template_checks_and_configs():
         grouped.check_grouped(64, 128, block_n=64, threads=256)
     with pytest.raises(ValueError, match="block_t"):
         grouped.check_grouped(64, 128, block_t=8)
+    with pytest.raises(ValueError, match="row_blocks"):
+        grouped.check_grouped(64, 128, block_t=64, row_blocks=4)  # 256 accumulator columns
+    with pytest.raises(ValueError, match="row_blocks"):
+        grouped.check_grouped(64, 128, row_blocks=3)
     assert grouped_fits(1856, "bfloat16") and not grouped_fits(32, "bfloat16") and not grouped_fits(64, "float32")
 
 
@@ -120,3 +124,17 @@ def test_a_moe_model_declares_grouped_shapes():
     assert grouped == [{"family": "grouped", "N": 1856, "K": 2688, "dtype": "bfloat16"},
                        {"family": "grouped", "N": 2688, "K": 1856, "dtype": "bfloat16"}]
     assert {(s["N"], s["K"]) for s in shapes if s["family"] == "experts"} == {(s["N"], s["K"]) for s in grouped}
+
+
+def test_tuner_times_an_uneven_load_and_checks_it_in_fp64():
+    """The grouped template's timed inputs give experts different row counts (some past a row block of 32,
+    where the configs differ), and its fp64 reference is the op's product on them."""
+    from kvbuffer.autotune.gemv_templates import grouped_counts, gemv_templates
+
+    (template,) = [t for t in gemv_templates() if t.name == "grouped_experts"]
+    shape = {"family": "grouped", "N": 40, "K": 64, "dtype": "float32"}
+    args = template.make_inputs(shape, 1, 16, "cpu", torch.Generator().manual_seed(0))
+    counts = grouped_counts()
+    assert max(counts) > 32 > min(counts) and args[2].tolist() == torch.tensor(counts).cumsum(0).tolist()
+    want = template.reference(shape, 16, args)[3]
+    torch.testing.assert_close(torch.ops.kvbuffer.grouped_experts(*args[:3]).double(), want, rtol=1e-5, atol=1e-5)
