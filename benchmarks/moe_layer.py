@@ -8,11 +8,12 @@ random weights. `--kernel one_row` or `grouped` forces one kernel at every token
 
 Correctness first (both paths against the experts' products in fp64), then each timed as a CUDA graph
 of many launches (kvbuffer.bench.timing.graph_median), every launch routed to other experts (a fresh
-random top-k per set, so the experts' weights are read from memory, not L2), achieved bandwidth (the
+random top-k per set, so the experts' weights are read from memory, not L2; `--skew s` draws the top-k
+with expert e's odds exp(s z_e), z_e ~ N(0, 1), for routers that favour some experts), achieved bandwidth (the
 chosen experts' weights once) against the measured copy bandwidth, and the time a decode step spends
 in its MoE layers. Writes JSON next to the other results.
 
-    python benchmarks/moe_layer.py --model nemotron-3-nano --rows 1,8,64,512 --out result.json
+    python benchmarks/moe_layer.py --model nemotron-3-nano --rows 1,8,64,512 --skew 0,1 --out result.json
 
 Needs a CUDA GPU and TileLang (kernels are taken from the artifact cache, else JIT-compiled).
 """
@@ -45,7 +46,13 @@ def first_experts(model: str):
     return layer, k, len(experts)
 
 
-def run(model: str, rows: int, kernel_choice: str = "auto") -> dict:
+def routing(rows: int, E: int, k: int, skew: float, gen) -> torch.Tensor:
+    """(rows, k) distinct expert ids a row, expert e drawn with odds exp(skew z_e) (skew 0: uniform)."""
+    odds = torch.exp(skew * torch.randn(E, generator=gen, device="cuda"))
+    return torch.multinomial(odds.expand(rows, E), k, replacement=False, generator=gen)
+
+
+def run(model: str, rows: int, kernel_choice: str = "auto", skew: float = 0.0) -> dict:
     from kvbuffer.bench.timing import copy_bandwidth, graph_median
     from kvbuffer.engine.one_row import EXPERT_TOKENS
 
@@ -56,8 +63,7 @@ def run(model: str, rows: int, kernel_choice: str = "auto") -> dict:
     gen = torch.Generator(device="cuda").manual_seed(1)
     sets = max(8, 2 * E // k)
     xs = [torch.randn(rows, H, generator=gen, device="cuda").bfloat16() for _ in range(sets)]
-    ids = [torch.stack([torch.randperm(E, generator=gen, device="cuda")[:k] for _ in range(rows)])
-           for _ in range(sets)]
+    ids = [routing(rows, E, k, skew, gen) for _ in range(sets)]
     ws = [torch.rand(rows, k, generator=gen, device="cuda") for _ in range(sets)]
 
     def path(one_row: int, grouped_kernel: int):
@@ -77,16 +83,18 @@ def run(model: str, rows: int, kernel_choice: str = "auto") -> dict:
         raise SystemExit(f"{model}: the {kernel_choice} path is off the fp64 products (relative error "
                          f"{err['kernel']:.2e})")
     used = sum(int(torch.unique(i).numel()) for i in ids) / sets  # distinct experts a launch reads
+    busiest = sum(int(torch.bincount(i.flatten()).max()) for i in ids) / sets  # the most rows an expert gets
     nbytes = used * (first[0].numel() + down[0].numel()) * 2  # the distinct experts' weights, once
     rotated = nbytes * sets
     tk = graph_median(kernel, sets, rotated_bytes=rotated)
     tt = graph_median(torch_path, sets, rotated_bytes=rotated)
-    row = dict(model=model, rows=rows, top_k=k, experts=E, experts_read=used, kernel=kernel_choice,
+    row = dict(model=model, rows=rows, top_k=k, experts=E, skew=skew, experts_read=used, busiest_expert_rows=busiest,
+               kernel=kernel_choice,
                moe_layers=layers, kernel_us=tk.us, torch_us=tt.us,
                speedup=tt.seconds / tk.seconds, kernel_gbs=nbytes / tk.seconds / 1e9,
                torch_gbs=nbytes / tt.seconds / 1e9, copy_gbs=copy / 1e9, rel_err=err, timing=tk.method,
                step_ms=dict(kernel=tk.us * layers / 1e3, torch=tt.us * layers / 1e3))
-    print(f"{model} rows={rows} top-{k} of {E}: {kernel_choice} kernel {tk.us:7.1f} us ({row['kernel_gbs']:5.0f} GB/s)  "
+    print(f"{model} rows={rows} skew={skew} (busiest expert {busiest:.0f} rows) top-{k} of {E}: {kernel_choice} kernel {tk.us:7.1f} us ({row['kernel_gbs']:5.0f} GB/s)  "
           f"torch grouped {tt.us:7.1f} us ({row['torch_gbs']:5.0f} GB/s)  {row['speedup']:4.2f}x; "
           f"x{layers} layers: {row['step_ms']['kernel']:.2f} against {row['step_ms']['torch']:.2f} ms a step; "
           f"copy bandwidth {copy / 1e9:.0f} GB/s", flush=True)
@@ -114,11 +122,12 @@ def main() -> None:
     p.add_argument("--kernel", default="auto", choices=("auto", "one_row", "grouped"),
                    help="auto: the one-row kernel up to kvbuffer.engine.one_row.EXPERT_TOKENS tokens, the grouped "
                         "kernel past them (at every count: the engine stops it at GROUPED_TOKENS)")
+    p.add_argument("--skew", default="0", help="routing skews (comma-separated; 0: uniform top-k)")
     p.add_argument("--out", default=None)
     a = p.parse_args()
     ops.allow_jit(True)
     with torch.inference_mode():  # as the engine runs its forwards
-        rows = [run(a.model, int(r), a.kernel) for r in a.rows.split(",")]
+        rows = [run(a.model, int(r), a.kernel, float(s)) for s in a.skew.split(",") for r in a.rows.split(",")]
     if a.out:
         with open(a.out, "w") as f:
             json.dump({"model": a.model, "gpu": torch.cuda.get_device_name(), "rows": rows}, f, indent=1)
