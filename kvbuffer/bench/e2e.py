@@ -143,7 +143,8 @@ def all_steps_rate(stats) -> float:
 # -- profiles --------------------------------------------------------------------------------------
 
 _CLASSES = (  # first match wins; names lower-cased
-    ("gemm", ("gemm", "gemv", "cutlass", "cublas", "nvjet", "xmma", "splitkreduce", "matmul")),
+    ("gemm", ("gemm", "gemv", "grouped_experts_kernel", "cutlass", "cublas", "nvjet", "xmma", "splitkreduce",
+              "matmul")),
     ("attention", ("flash", "fmha", "attention", "sdpa", "efficient_attention")),
     ("state", ("gdn", "mamba", "linear_decode", "conv1d", "flush", "buffered", "recurrent", "verify",
                "selective_scan")),

@@ -56,6 +56,8 @@ def test_spec_benchmark_equal_batch_and_capacity(tmp_path, preset, alphas):
 def test_kernel_classes():
     assert e2e.kernel_class("sm90_xmma_gemm_bf16bf16_bf16f32") == "gemm"
     assert e2e.kernel_class("nvjet_tst_128x64_64x8") == "gemm"
+    assert e2e.kernel_class("grouped_experts_kernel_kernel") == "gemm"  # kvbuffer's routed experts' matmul
+    assert e2e.kernel_class("triton_poi_fused_grouped_experts_pow_relu_14") == "other"  # its activation
     assert e2e.kernel_class("_selective_scan_update_kernel") == "state"
     assert e2e.kernel_class("pytorch_flash::flash_fwd_kernel") == "attention"
     assert e2e.kernel_class("gdn_buffered_kernel") == "state"
