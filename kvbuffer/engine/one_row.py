@@ -35,9 +35,10 @@ OPTIONS = (True, False, "auto")
 # and a one-request verify take it
 EXPERT_TOKENS = 8
 # the most tokens a forward's routed experts run on the grouped experts kernel: a block streams its
-# expert's weight once per 32 of the expert's rows, so past a few hundred tokens (tens of rows an
-# expert) it reads the weights twice and torch's grouped matmul wins again (measured: docs/kernels.md,
-# "Routed experts at decode batch sizes"); decode steps up to B = 512 take it, long prompt chunks do not
+# expert's weight once per 64 of the expert's rows, so past several hundred tokens, where a busy expert
+# gets hundreds of rows, it reads the weights several times and torch's grouped matmul wins again
+# (measured on even and skewed routing: docs/kernels.md, "Routed experts at decode batch sizes");
+# decode steps up to B = 512 take it, long prompt chunks do not
 GROUPED_TOKENS = 512
 
 
