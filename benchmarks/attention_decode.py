@@ -1,5 +1,7 @@
 """Decode attention: the in-place kernel (torch.ops.kvbuffer.attention_decode's CUDA launch) vs the
-runtime's torch window path (gather each row's first L positions, two matmuls), per layer call.
+runtime's torch window path (gather each row's first L positions, two matmuls), per layer call. Where
+the kernel takes its tensor-core form (kvbuffer.kernels.keys.attention_on_tensor_cores), the
+thread-level form is timed too (`simt_*`), the same launch with the other compiled pass.
 
 Correctness first (the kernel against the window path on the same inputs), then each timed as a CUDA
 graph of many launches with the caches rotated past L2 (kvbuffer.bench.timing), achieved bandwidth
@@ -39,14 +41,28 @@ def window_path(q, kc, vc, slots, cached, L, scale):
     return torch.where((slots >= 0)[:, None, None, None], out, torch.zeros((), dtype=out.dtype, device=out.device))
 
 
+def thread_level_pass(shape: dict, T: int):
+    """The thread-level decode pass for `shape`, or None where it is what the kernel runs anyway."""
+    from kvbuffer.kernels.compiled import build_template
+    from kvbuffer.kernels.keys import attention_on_tensor_cores
+
+    H, Hkv, D = shape["H"], shape["Hkv"], shape["D"]
+    if not attention_on_tensor_cores(H // Hkv, T, D, shape["dtype"], shape["kv_dtype"]):
+        return None
+    params = dict(H=H, Hkv=Hkv, D=D, T_len=T, dtype=shape["dtype"], kv_dtype=shape["kv_dtype"], threads=128,
+                  unroll=4)
+    return build_template("attention_decode", "attention_decode_simt", params, module="attention", aliases={"T": T})
+
+
 def run(shape: dict, batches, T: int, held: tuple[int, int], L: int) -> list[dict]:
     from kvbuffer.bench.timing import copy_bandwidth, graph_median, l2_bytes
-    from kvbuffer.kernels import launch
+    from kvbuffer.kernels import attention, launch, lookup
 
     H, Hkv, D = shape["H"], shape["Hkv"], shape["D"]
     dt = getattr(torch, shape["dtype"])
     scale = D ** -0.5
     copy = copy_bandwidth()
+    simt = thread_level_pass(shape, T)
     rows = []
     for B in batches:
         per_set = B * held[1] * Hkv * D * 2 * dt.itemsize
@@ -68,8 +84,19 @@ def run(shape: dict, batches, T: int, held: tuple[int, int], L: int) -> list[dic
         nbytes = float((cached.sum() + B * T) * Hkv * D * 2 * dt.itemsize)
         row = dict(batch=B, tokens=T, kernel_us=tk.us, torch_us=tt.us, speedup=tt.seconds / tk.seconds,
                    kernel_gbs=nbytes / tk.seconds / 1e9, copy_gbs=copy / 1e9, rel_err=rel)
+        line = ""
+        if simt is not None:  # the launcher's split count for it, and its combine
+            splits = attention.splits_for(attention.decode_blocks(simt, B), L,
+                                          torch.cuda.get_device_properties(0).multi_processor_count)
+            combine = lookup.kernel_for(launch.attention_key("combine", q, kc)) if splits > 1 else None
+            thread = lambda i: attention.attention_decode(simt, combine, q, kc, vc, slot_sets[i], cached,  # noqa: E731
+                                                          scale, splits=splits, checked=False)
+            srel = float((thread(0).float() - want).norm() / want.norm())
+            ts = graph_median(thread, sets, rotated_bytes=per_set * sets)
+            row.update(simt_us=ts.us, simt_rel_err=srel, over_simt=ts.seconds / tk.seconds)
+            line = f"  thread-level form {ts.us:8.1f} us ({row['over_simt']:4.2f}x)"
         print(f"B={B:5d}: kernel {tk.us:8.1f} us ({row['kernel_gbs']:6.0f} GB/s, {row['kernel_gbs'] * 1e9 / copy:4.0%} "
-              f"of copy)  window path {tt.us:8.1f} us  {row['speedup']:5.2f}x", flush=True)
+              f"of copy)  window path {tt.us:8.1f} us  {row['speedup']:5.2f}x{line}", flush=True)
         rows.append(row)
         del kc, vc
         torch.cuda.empty_cache()

@@ -14,6 +14,12 @@ window):
   each query row live in registers (online softmax). The block's warps are merged through shared
   memory; with S = 1 the block writes the normalised output, else its partials (accumulator, max,
   sum) to the workspace for `attention_combine`.
+- `attention_decode_mma`: the same pass for a decode step (T = 1) of 8 or 16 query heads a KV head,
+  q and the cache in one 16-bit dtype (kvbuffer.kernels.keys.attention_on_tensor_cores): the G query
+  rows are one tensor-core tile, scores and P V are tensor-core products over tiles of positions in
+  shared memory. There the thread-level pass spends a 5-shuffle tree per query row per position
+  (80 for Nemotron-3's G = 16), which bounds it far below the cache's read. Same grid, ABI and
+  partials; `attention_decode` picks the form.
 - `attention_combine`: one thread per output element merges the S partials (flash-decoding).
 
 Causality: token t of row b sees positions 0 .. cached[b] + t; its T new keys and values are already
@@ -35,7 +41,7 @@ Batch B, pool size NS, cache length max_len and the split count S are dynamic.
 
 import math
 
-from ..kernels.keys import ATTENTION_HEAD_DIMS, ATTENTION_MAX_TOKENS, attention_query_block
+from ..kernels.keys import ATTENTION_HEAD_DIMS, ATTENTION_MAX_TOKENS, attention_on_tensor_cores, attention_query_block
 
 DTYPES = ("bfloat16", "float16", "float32")
 F32 = "float32"
@@ -73,7 +79,16 @@ def get_configs() -> list[dict]:
 
 def attention_decode(H: int, Hkv: int, D: int, T_len: int = 1, *, dtype: str = "bfloat16",
                      kv_dtype: str = "bfloat16", threads: int = 128, unroll: int = 4):
-    """Attention of T_len new tokens per row over its cache (see the module docstring)."""
+    """Attention of T_len new tokens per row over its cache (see the module docstring): the tensor-core
+    form (`attention_decode_mma`) where keys.attention_on_tensor_cores says so, else the thread-level one."""
+    if attention_on_tensor_cores(H // max(Hkv, 1), T_len, D, dtype, kv_dtype):
+        return attention_decode_mma(H, Hkv, D, dtype=dtype, threads=threads, unroll=unroll)
+    return attention_decode_simt(H, Hkv, D, T_len, dtype=dtype, kv_dtype=kv_dtype, threads=threads, unroll=unroll)
+
+
+def attention_decode_simt(H: int, Hkv: int, D: int, T_len: int = 1, *, dtype: str = "bfloat16",
+                          kv_dtype: str = "bfloat16", threads: int = 128, unroll: int = 4):
+    """The thread-level form of attention_decode, any shape the checks take."""
     check_attention(H, Hkv, D, T_len, dtype, kv_dtype, threads, unroll)
     T = _tl()
     B = T.dynamic("batch")
@@ -207,6 +222,108 @@ def attention_decode(H: int, Hkv: int, D: int, T_len: int = 1, *, dtype: str = "
                                 stats[bb, bs, t * H + h, 1] = lsum[0]
                     elif S == 1:
                         out[bb, t, h, d] = T.cast(0.0, dtype)
+
+    return attention_decode_kernel
+
+
+def attention_decode_mma(H: int, Hkv: int, D: int, *, dtype: str = "bfloat16", threads: int = 128, unroll: int = 4):
+    """A decode step's attention (T = 1) with a KV head's G query heads as one tensor-core tile: the
+    thread-level kernel's ABI, grid and partials, for G = 8 or 16 query heads a KV head.
+
+    Block (split s, KV head hk, row b) holds the G query rows (zero rows pad them to 16) and walks the
+    split's positions 16 x `unroll` at a time: K and V tiles copied to shared memory, the scores
+    q K^T one tensor-core product (fp32), masked past the split to NEG, an online softmax in the log2
+    domain over the tile's rows (fp32), then P V a second product (P rounded to the input dtype, as
+    flash attention does) into an fp32 accumulator. V's positions past the split are zeroed in shared
+    memory first: the cache there holds whatever a slot last held (NaN included), and 0 x NaN is NaN.
+    The partials (accumulator, max, sum) and the S = 1 output are the thread-level kernel's.
+    """
+    check_attention(H, Hkv, D, 1, dtype, dtype, threads, unroll)
+    G = H // Hkv
+    if G not in (8, 16):
+        raise ValueError(f"attention_decode_mma takes 8 or 16 query heads a KV head, got G={G}")
+    if threads != 128:
+        raise ValueError(f"attention_decode_mma runs 128 threads (four warps side by side over the 16-row "
+                         f"tile), got threads={threads}")
+    T = _tl()
+    B = T.dynamic("batch")
+    NS = T.dynamic("num_slots")
+    ML = T.dynamic("max_len")
+    S = T.dynamic("splits")
+    WB = T.dynamic("work_rows")
+    BH, BN = 16, 16 * unroll  # query rows a tile (the product's M), positions a tile
+
+    @T.prim_func
+    def attention_decode_kernel(
+        q: T.Tensor((B, 1, H, D), dtype),
+        k_cache: T.Tensor((NS, ML, Hkv, D), dtype),
+        v_cache: T.Tensor((NS, ML, Hkv, D), dtype),
+        slots: T.Tensor((B,), "int32"),
+        cached: T.Tensor((B,), "int32"),
+        part: T.Tensor((WB, S, H, D), F32),
+        stats: T.Tensor((WB, S, H, 2), F32),
+        out: T.Tensor((B, 1, H, D), dtype),
+        scale: T.float32,
+    ):
+        with T.Kernel(S, Hkv, B, threads=threads) as (bs, hk, bb):
+            q_s = T.alloc_shared((BH, D), dtype)
+            k_s = T.alloc_shared((BN, D), dtype)
+            v_s = T.alloc_shared((BN, D), dtype)
+            sc = T.alloc_fragment((BH, BN), F32)
+            p_s = T.alloc_shared((BH, BN), dtype)  # P as the second product's A: every warp reads all of it
+            acc = T.alloc_fragment((BH, D), F32)
+            m = T.alloc_fragment((BH,), F32)
+            m_prev = T.alloc_fragment((BH,), F32)
+            resc = T.alloc_fragment((BH,), F32)
+            tsum = T.alloc_fragment((BH,), F32)
+            lsum = T.alloc_fragment((BH,), F32)
+            slot = slots[bb]
+            row = T.max(slot, 0)
+            n = cached[bb] + 1
+            chunk = (n + S - 1) // S
+            start = bs * chunk
+            end = T.min(n, start + chunk)
+            tiles = T.if_then_else(slot >= 0, T.ceildiv(T.max(end - start, 0), BN), 0)
+            for i, d in T.Parallel(BH, D):
+                q_s[i, d] = T.if_then_else(i < G, q[bb, 0, hk * G + T.min(i, G - 1), d], T.cast(0.0, dtype))
+            T.fill(acc, 0.0)
+            T.fill(lsum, 0.0)
+            T.fill(m, NEG)
+            for t in T.serial(tiles):
+                p0 = start + t * BN
+                T.copy(k_cache[row, p0:p0 + BN, hk, :], k_s, disable_tma=True)
+                for j, d in T.Parallel(BN, D):
+                    v_s[j, d] = T.if_then_else(p0 + j < end, v_cache[row, T.min(p0 + j, ML - 1), hk, d],
+                                               T.cast(0.0, dtype))
+                T.clear(sc)
+                T.gemm(q_s, k_s, sc, transpose_B=True, policy=T.GemmWarpPolicy.FullCol)
+                for i, j in T.Parallel(BH, BN):
+                    sc[i, j] = T.if_then_else(p0 + j < end, sc[i, j] * (scale * LOG2E), NEG)
+                T.copy(m, m_prev)
+                T.reduce_max(sc, m, dim=1, clear=False)
+                for i in T.Parallel(BH):
+                    resc[i] = T.exp2(m_prev[i] - m[i])
+                for i, j in T.Parallel(BH, BN):
+                    # a masked score weighs 0 (m is NEG too while nothing was visible)
+                    sc[i, j] = T.if_then_else(sc[i, j] > NEG, T.exp2(sc[i, j] - m[i]), 0.0)
+                T.reduce_sum(sc, tsum, dim=1)
+                for i in T.Parallel(BH):
+                    lsum[i] = lsum[i] * resc[i] + tsum[i]
+                for i, d in T.Parallel(BH, D):
+                    acc[i, d] = acc[i, d] * resc[i]
+                T.copy(sc, p_s)
+                T.gemm(p_s, v_s, acc, policy=T.GemmWarpPolicy.FullCol)
+            for i, d in T.Parallel(BH, D):
+                if i < G:
+                    if S == 1:
+                        out[bb, 0, hk * G + i, d] = T.if_then_else(slot >= 0, T.cast(acc[i, d] / lsum[i], dtype),
+                                                                   T.cast(0.0, dtype))
+                    elif slot >= 0:
+                        part[bb, bs, hk * G + i, d] = acc[i, d]
+            for i in T.Parallel(BH):
+                if i < G and S > 1 and slot >= 0:
+                    stats[bb, bs, hk * G + i, 0] = m[i]
+                    stats[bb, bs, hk * G + i, 1] = lsum[i]
 
     return attention_decode_kernel
 

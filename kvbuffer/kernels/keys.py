@@ -312,6 +312,15 @@ def linear_dims(family: str, Hk: int, Hv: int, K: int, V: int) -> GDNDims | Mamb
     return GDNDims(Hk, Hv, K, V) if family == "gdn" else Mamba2Dims(Hk, Hv, K, V)
 
 
+def attention_on_tensor_cores(G: int, T: int, D: int, dtype: str, kv_dtype: str) -> bool:
+    """Whether the attention decode kernel runs a KV head's query rows as one tensor-core tile
+    (tiles/attention.py, `attention_decode_mma`): a decode step (T = 1) of 8 or 16 query heads a KV head
+    (so the block's rows are the thread-level template's, and so is the grid), q and the cache in one
+    16-bit dtype. Many query heads cost the thread-level template a shuffle tree per head per position."""
+    return (T == 1 and G in (8, 16) and dtype == kv_dtype and dtype in ("bfloat16", "float16")
+            and attention_query_block(G, T, D) == G)
+
+
 def attention_query_block(G: int, T: int, D: int) -> int:
     """Query rows per block of the attention decode kernel (tiles/attention.py): the largest divisor
     of G * T whose rows and accumulators fit the register budget (D / 32 elements of each per lane).

@@ -91,6 +91,12 @@ CASES = [  # (B, T, H, Hkv, D, dtype, kv_dtype, long contexts)
     (5, 1, 16, 4, 256, "float16", "float16", False),
     (3, 2, 8, 2, 64, "float32", "float32", False),
     (3, 1, 16, 4, 128, "bfloat16", "float32", False),
+    # the tensor-core form (keys.attention_on_tensor_cores: T = 1, G = 8 or 16, one 16-bit dtype)
+    (257, 1, 32, 2, 128, "bfloat16", "bfloat16", True),
+    (9, 1, 16, 2, 128, "bfloat16", "bfloat16", True),   # G = 8
+    (7, 1, 32, 2, 128, "float16", "float16", True),
+    (3, 1, 16, 2, 256, "bfloat16", "bfloat16", False),  # G = 8, D = 256
+    (4, 1, 32, 2, 64, "bfloat16", "bfloat16", False),
 ]
 
 
@@ -237,3 +243,23 @@ def test_engine_compiled_forward_with_the_kernel():
     assert llm.runner.compiled is not None, "compile fell back"
     assert any(k.family == "attention" for k in lookup.loaded_keys())
     compare_greedy(compiled, eager, tol=0.15)
+
+
+@pytest.mark.parametrize("B", [1, 64, 512])
+def test_tensor_core_form_follows_the_thread_level_one(B):
+    """Nemotron-3's decode attention (G = 16): the tensor-core pass and the thread-level pass, both
+    against fp64 on the same inputs, and within bf16 rounding of each other."""
+    from kvbuffer.kernels.compiled import build_template
+    from kvbuffer.kernels.keys import attention_on_tensor_cores
+
+    assert attention_on_tensor_cores(16, 1, 128, "bfloat16", "bfloat16")
+    lengths = _lengths(B, True, B)
+    q, kc, vc, slots, cached = _case(B, 1, 32, 2, 128, lengths, "bfloat16", "bfloat16", B)
+    want = _reference(q, kc, vc, slots, cached, 128 ** -0.5)
+    params = dict(H=32, Hkv=2, D=128, T_len=1, dtype="bfloat16", kv_dtype="bfloat16", threads=128, unroll=4)
+    simt = build_template("attention_decode", "attention_decode_simt", params, module="attention", aliases={"T": 1})
+    fast = lookup.kernel_for(launch.attention_key("decode", q, kc))
+    outs = [attn.attention_decode(op, None, q, kc, vc, slots, cached, 128 ** -0.5) for op in (fast, simt)]
+    for out, label in zip(outs, ("tensor cores", "thread-level")):
+        _check(out, want, q, slots, f"B={B} {label}")
+    assert float((outs[0].double() - outs[1].double()).norm() / outs[1].double().norm()) < TOL[torch.bfloat16]

@@ -1,7 +1,9 @@
-"""The attention templates (tiles/attention.py), compiled for sm_90a by TileLang, run on the CPU through
+"""The thread-level attention templates (tiles/attention.py: `attention_decode_simt`, `attention_combine`),
+compiled for sm_90a by TileLang, run on the CPU through
 tests/support/simt_emulator.py against kvbuffer.kernels.attention.attention_reference in fp64: outputs
 NaN-poisoned before the launch, padding rows exactly zero, one split and several (decode + combine).
-The GPU tests (tests/gpu/test_attention_kernels.py) cover the real device, long contexts and the engine.
+The GPU tests (tests/gpu/test_attention_kernels.py) cover the real device, long contexts, the engine,
+and the tensor-core form (`attention_decode_mma`, whose bf16 products the emulator does not model).
 
 The emulator runs one OS thread per CUDA thread, so the cases keep H x T x positions small: one KV head
 (G = H) and 2 warps a block; every template shape the engine builds differs from these only in Hkv,
@@ -50,7 +52,7 @@ def _run(q, kc, vc, slots, cached, scale, splits, kv_dtype):
     B, T, H, D = q.shape
     Hkv = kc.shape[2]
     dtype = "bfloat16" if q.dtype == torch.bfloat16 else "float32"
-    decode = _emulated("attention_decode", H=H, Hkv=Hkv, D=D, T_len=T, dtype=dtype, kv_dtype=kv_dtype,
+    decode = _emulated("attention_decode_simt", H=H, Hkv=Hkv, D=D, T_len=T, dtype=dtype, kv_dtype=kv_dtype,
                        threads=THREADS, unroll=UNROLL)
     nqb = H // Hkv * T // attention_query_block(H // Hkv, T, D)
     out = torch.full_like(q, float("nan"))

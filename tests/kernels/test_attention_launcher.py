@@ -128,6 +128,22 @@ def test_split_rule():
     assert attn.splits_for(blocks=4, context=1, sm_count=132) == 1
 
 
+def test_tensor_core_form_is_for_decode_steps_of_many_query_heads():
+    """keys.attention_on_tensor_cores: T = 1, G = 8 or 16, one 16-bit dtype; its block rows are the
+    thread-level template's (so is the grid the launcher sizes)."""
+    from kvbuffer.kernels.keys import attention_on_tensor_cores, attention_query_block
+
+    assert attention_on_tensor_cores(16, 1, 128, "bfloat16", "bfloat16")  # Nemotron-3
+    assert attention_on_tensor_cores(8, 1, 256, "float16", "float16")
+    assert not attention_on_tensor_cores(4, 1, 256, "bfloat16", "bfloat16")  # Qwen3.5-9B: thread-level
+    assert not attention_on_tensor_cores(16, 5, 128, "bfloat16", "bfloat16")  # a verify
+    assert not attention_on_tensor_cores(16, 1, 256, "bfloat16", "bfloat16")  # 16 rows x 8 a lane: two blocks
+    assert not attention_on_tensor_cores(16, 1, 128, "bfloat16", "float32")
+    assert not attention_on_tensor_cores(16, 1, 128, "float32", "float32")
+    for G, D in ((8, 64), (8, 256), (16, 32), (16, 128)):
+        assert attention_query_block(G, 1, D) == G
+
+
 def test_keys_name_their_templates_and_layouts():
     dims = AttnDims(16, 4, 256)
     step = KernelKey("attention", "decode", dims, "bfloat16", "bfloat16")

@@ -55,6 +55,9 @@ CASES = {
     "conv1d_prefill_any_T_fp32": ("conv1d.conv1d_update", dict(D=8192, W=4, span=12, T_len=0, mode="advance",
                                                                 dtype="float32")),
     "conv1d_accept": ("conv1d.conv1d_accept", dict(D=8192, W=4, span=12)),
+    # decode attention: Nemotron-3 (G = 16, the tensor-core form) and Qwen3.5-9B (G = 4, thread-level)
+    "attention_decode_nemotron": ("attention.attention_decode", dict(H=32, Hkv=2, D=128)),
+    "attention_decode_qwen": ("attention.attention_decode", dict(H=16, Hkv=4, D=256)),
 }
 
 
@@ -74,6 +77,8 @@ def test_template_compiles_for_sm90a(case):
         # the state tile is loaded before the row's slot is checked (slot -1 reads slot 0): only within the
         # pool, so an empty pool reads nothing
         assert "0 < num_state_slots" in src
+    if name == "attention_decode":  # the form keys.attention_on_tensor_cores names
+        assert ("mma_sync" in src) == (params["H"] // params["Hkv"] >= 8)
     if name == "gdn_buffered" or params.get("variant") == "simt":
         # the SIMT templates: their own barriers only (4, a 5th in the fused flush)
         assert src.count("__syncthreads()") == 4 + bool(params.get("flush_at"))
@@ -81,7 +86,8 @@ def test_template_compiles_for_sm90a(case):
 
 ARCHS = sorted({gpu.arch for gpu in CATALOGUE})  # every arch `kvbuffer tune --list-gpus` offers
 # one small kernel per template family: GDN and Mamba-2 recurrent / buffered (both Mamba-2 variants) / flush,
-# the conv1d update and accept, the one-row projection and experts, the grouped experts
+# the conv1d update and accept, the one-row projection and experts, the grouped experts, the tensor-core
+# decode attention (the thread-level one is in CASES)
 FAMILY_KERNELS = {
     "gdn_recurrent": ("gdn_recurrent", dict(Hk=1, Hv=2, K=32, V=32, BV=16, threads=64)),
     "gdn_buffered_verify2_fused_flush": ("gdn_buffered", dict(Hk=1, Hv=2, K=32, V=32, cap=9, T_new=2, flush_at=8,
@@ -99,6 +105,7 @@ FAMILY_KERNELS = {
     "gemv_ragged": ("gemv.gemv", dict(N=37, K=2688)),
     "gemv_experts": ("gemv.gemv_experts", dict(N=37, K=2688)),
     "grouped_experts": ("grouped.grouped_experts", dict(N=100, K=128)),  # N past a block of 128
+    "attention_decode_mma": ("attention.attention_decode_mma", dict(H=16, Hkv=2, D=64)),  # G = 8
 }
 
 
