@@ -55,6 +55,12 @@ def _tl():
     return T
 
 
+def _decode_sizes(T):
+    """The decode pass's dynamic sizes: batch, pool slots, cache length, splits, workspace rows."""
+    return (T.dynamic("batch"), T.dynamic("num_slots"), T.dynamic("max_len"), T.dynamic("splits"),
+            T.dynamic("work_rows"))
+
+
 def check_attention(H: int, Hkv: int, D: int, T_len: int = 1, dtype: str = "bfloat16", kv_dtype: str = "bfloat16",
                     threads: int = 128, unroll: int = 4) -> None:
     """Raise ValueError for parameters the templates do not build."""
@@ -91,11 +97,7 @@ def attention_decode_simt(H: int, Hkv: int, D: int, T_len: int = 1, *, dtype: st
     """The thread-level form of attention_decode, any shape the checks take."""
     check_attention(H, Hkv, D, T_len, dtype, kv_dtype, threads, unroll)
     T = _tl()
-    B = T.dynamic("batch")
-    NS = T.dynamic("num_slots")
-    ML = T.dynamic("max_len")
-    S = T.dynamic("splits")
-    WB = T.dynamic("work_rows")
+    B, NS, ML, S, WB = _decode_sizes(T)
     G = H // Hkv
     Tn, E, U, NW = T_len, D // 32, unroll, threads // 32
     QB = attention_query_block(G, Tn, D)
@@ -246,11 +248,7 @@ def attention_decode_mma(H: int, Hkv: int, D: int, *, dtype: str = "bfloat16", t
         raise ValueError(f"attention_decode_mma runs 128 threads (four warps side by side over the 16-row "
                          f"tile), got threads={threads}")
     T = _tl()
-    B = T.dynamic("batch")
-    NS = T.dynamic("num_slots")
-    ML = T.dynamic("max_len")
-    S = T.dynamic("splits")
-    WB = T.dynamic("work_rows")
+    B, NS, ML, S, WB = _decode_sizes(T)
     BH, BN = 16, 16 * unroll  # query rows a tile (the product's M), positions a tile
 
     @T.prim_func
