@@ -236,9 +236,11 @@ def attention_decode_mma(H: int, Hkv: int, D: int, *, dtype: str = "bfloat16", t
     split's positions 16 x `unroll` at a time: K and V tiles copied to shared memory, the scores
     q K^T one tensor-core product (fp32), masked past the split to NEG, an online softmax in the log2
     domain over the tile's rows (fp32), then P V a second product (P rounded to the input dtype, as
-    flash attention does) into an fp32 accumulator. V's positions past the split are zeroed in shared
-    memory first: the cache there holds whatever a slot last held (NaN included), and 0 x NaN is NaN.
-    The partials (accumulator, max, sum) and the S = 1 output are the thread-level kernel's.
+    flash attention does) into an fp32 accumulator. V's positions past the split are zeroed as they are
+    loaded: the cache there holds whatever a slot last held (NaN included), and 0 x NaN is NaN. The
+    tiles are plain vector loads in a serial loop (TileLang did not lower a pipelined loop with that
+    masked load); other blocks on the SM hide their latency. The partials (accumulator, max, sum) and
+    the S = 1 output are the thread-level kernel's.
     """
     check_attention(H, Hkv, D, 1, dtype, dtype, threads, unroll)
     G = H // Hkv
