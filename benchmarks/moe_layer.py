@@ -88,13 +88,13 @@ def run(model: str, rows: int, kernel_choice: str = "auto", skew: float = 0.0) -
     rotated = nbytes * sets
     tk = graph_median(kernel, sets, rotated_bytes=rotated)
     tt = graph_median(torch_path, sets, rotated_bytes=rotated)
-    row = dict(model=model, rows=rows, top_k=k, experts=E, skew=skew, experts_read=used, busiest_expert_rows=busiest,
-               kernel=kernel_choice,
-               moe_layers=layers, kernel_us=tk.us, torch_us=tt.us,
+    row = dict(model=model, rows=rows, top_k=k, experts=E, skew=skew, experts_read=used,
+               busiest_expert_rows=busiest, kernel=kernel_choice, moe_layers=layers, kernel_us=tk.us, torch_us=tt.us,
                speedup=tt.seconds / tk.seconds, kernel_gbs=nbytes / tk.seconds / 1e9,
                torch_gbs=nbytes / tt.seconds / 1e9, copy_gbs=copy / 1e9, rel_err=err, timing=tk.method,
                step_ms=dict(kernel=tk.us * layers / 1e3, torch=tt.us * layers / 1e3))
-    print(f"{model} rows={rows} skew={skew} (busiest expert {busiest:.0f} rows) top-{k} of {E}: {kernel_choice} kernel {tk.us:7.1f} us ({row['kernel_gbs']:5.0f} GB/s)  "
+    print(f"{model} rows={rows} skew={skew} (busiest expert {busiest:.0f} rows) top-{k} of {E}: "
+          f"{kernel_choice} kernel {tk.us:7.1f} us ({row['kernel_gbs']:5.0f} GB/s)  "
           f"torch grouped {tt.us:7.1f} us ({row['torch_gbs']:5.0f} GB/s)  {row['speedup']:4.2f}x; "
           f"x{layers} layers: {row['step_ms']['kernel']:.2f} against {row['step_ms']['torch']:.2f} ms a step; "
           f"copy bandwidth {copy / 1e9:.0f} GB/s", flush=True)
