@@ -92,6 +92,8 @@ def run(shape: dict, batches, T: int, held: tuple[int, int], L: int) -> list[dic
             thread = lambda i: attention.attention_decode(simt, combine, q, kc, vc, slot_sets[i], cached,  # noqa: E731
                                                           scale, splits=splits, checked=False)
             srel = float((thread(0).float() - want).norm() / want.norm())
+            if not srel < 2e-2:
+                raise SystemExit(f"B={B}: the thread-level form disagrees with the window path ({srel:.2e})")
             ts = graph_median(thread, sets, rotated_bytes=per_set * sets)
             row.update(simt_us=ts.us, simt_rel_err=srel, over_simt=ts.seconds / tk.seconds)
             line = f"  thread-level form {ts.us:8.1f} us ({row['over_simt']:4.2f}x)"

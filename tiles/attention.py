@@ -1,10 +1,10 @@
 """Decode attention of each row's new tokens over its KV cache, read in place (GQA, causal).
 
-Thread-level templates for the semantics of kvbuffer.kernels.attention.attention_reference (the
-runtime's torch path, kvbuffer.runtime.mixing.attention, reads the same cache through a gathered
-window):
+Templates for the semantics of kvbuffer.kernels.attention.attention_reference (the runtime's torch
+path, kvbuffer.runtime.mixing.attention, reads the same cache through a gathered window);
+`attention_decode` builds the form keys.attention_on_tensor_cores picks:
 
-- `attention_decode`: grid (S splits, Hkv x NQB query blocks, B). A block holds QB query rows of one
+- `attention_decode_simt` (thread level): grid (S splits, Hkv x NQB query blocks, B). A block holds QB query rows of one
   KV head (row r = t * G + g: token t, query head hk * G + g) and reads split s of the row's visible
   positions, warp by warp: a warp takes U consecutive positions at a time, every lane E = D / 32
   contiguous elements of each K and V row (one vector load each: 16 bytes for D = 256 in bf16), so a
@@ -25,7 +25,8 @@ window):
 Causality: token t of row b sees positions 0 .. cached[b] + t; its T new keys and values are already
 in the cache. A split covers ceil(n / S) of the row's n = cached[b] + T positions. Positions past a
 row's visible range are clamped to a valid one before the load and weighted 0, so no load is out of
-bounds and no lane branches. Padding rows (slot -1) read nothing and get a zero output.
+bounds and no lane branches (the tensor-core form's K tiles lean on TileLang's bounds guard past
+max_len, its V loads are clamped, and both are masked past the split). Padding rows (slot -1) read nothing and get a zero output.
 
 Tensor ABI (contiguous; `act` = the activations' dtype, `kv` = the cache's):
     attention_decode:  q (B, T, H, D) act, k_cache, v_cache (NS, max_len, Hkv, D) kv, slots (B,) int32,
@@ -46,6 +47,7 @@ from ..kernels.keys import ATTENTION_HEAD_DIMS, ATTENTION_MAX_TOKENS, attention_
 DTYPES = ("bfloat16", "float16", "float32")
 F32 = "float32"
 LOG2E = 1.4426950408889634
+MMA_SHARED_KV = 64 * 1024  # the tensor-core form's K + V tiles: within the 99 KB a block gets on sm_86 / sm_89
 NEG = -1.0e30            # the running max before any position (finite: exp2(NEG - NEG) = 1, weighted by 0)
 
 
@@ -87,7 +89,8 @@ def attention_decode(H: int, Hkv: int, D: int, T_len: int = 1, *, dtype: str = "
                      kv_dtype: str = "bfloat16", threads: int = 128, unroll: int = 4):
     """Attention of T_len new tokens per row over its cache (see the module docstring): the tensor-core
     form (`attention_decode_mma`) where keys.attention_on_tensor_cores says so, else the thread-level one."""
-    if attention_on_tensor_cores(H // max(Hkv, 1), T_len, D, dtype, kv_dtype):
+    check_attention(H, Hkv, D, T_len, dtype, kv_dtype, threads, unroll)
+    if attention_on_tensor_cores(H // Hkv, T_len, D, dtype, kv_dtype):
         return attention_decode_mma(H, Hkv, D, dtype=dtype, threads=threads, unroll=unroll)
     return attention_decode_simt(H, Hkv, D, T_len, dtype=dtype, kv_dtype=kv_dtype, threads=threads, unroll=unroll)
 
@@ -244,11 +247,16 @@ def attention_decode_mma(H: int, Hkv: int, D: int, *, dtype: str = "bfloat16", t
     """
     check_attention(H, Hkv, D, 1, dtype, dtype, threads, unroll)
     G = H // Hkv
-    if G not in (8, 16):
-        raise ValueError(f"attention_decode_mma takes 8 or 16 query heads a KV head, got G={G}")
-    if threads != 128:
+    if not attention_on_tensor_cores(G, 1, D, dtype, dtype):
+        raise ValueError(f"attention_decode_mma takes a decode step of 8 or 16 query heads a KV head in one "
+                         f"16-bit dtype, as keys.attention_on_tensor_cores says; got G={G}, D={D}, {dtype}")
+    if threads != 128 or unroll < 2:
         raise ValueError(f"attention_decode_mma runs 128 threads (four warps side by side over the 16-row "
-                         f"tile), got threads={threads}")
+                         f"tile) over tiles of 16 x unroll >= 32 positions, got threads={threads}, unroll={unroll}")
+    if 2 * 16 * unroll * D * 2 > MMA_SHARED_KV:
+        raise ValueError(f"attention_decode_mma's K and V tiles of 16 x unroll = {16 * unroll} positions take "
+                         f"{2 * 16 * unroll * D * 2} bytes of shared memory, more than {MMA_SHARED_KV} "
+                         f"(what every arch offers a block); use a smaller unroll")
     T = _tl()
     B, NS, ML, S, WB = _decode_sizes(T)
     BH, BN = 16, 16 * unroll  # query rows a tile (the product's M), positions a tile

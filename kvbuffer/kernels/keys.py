@@ -317,8 +317,8 @@ def attention_on_tensor_cores(G: int, T: int, D: int, dtype: str, kv_dtype: str)
     (tiles/attention.py, `attention_decode_mma`): a decode step (T = 1) of 8 or 16 query heads a KV head
     (so the block's rows are the thread-level template's, and so is the grid), q and the cache in one
     16-bit dtype. Many query heads cost the thread-level template a shuffle tree per head per position."""
-    return (T == 1 and G in (8, 16) and dtype == kv_dtype and dtype in ("bfloat16", "float16")
-            and attention_query_block(G, T, D) == G)
+    return (T == 1 and G in (8, 16) and D in ATTENTION_HEAD_DIMS and dtype == kv_dtype
+            and dtype in ("bfloat16", "float16") and attention_query_block(G, T, D) == G)
 
 
 def attention_query_block(G: int, T: int, D: int) -> int:

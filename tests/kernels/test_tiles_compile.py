@@ -78,7 +78,10 @@ def test_template_compiles_for_sm90a(case):
         # pool, so an empty pool reads nothing
         assert "0 < num_state_slots" in src
     if name == "attention_decode":  # the form keys.attention_on_tensor_cores names
-        assert ("mma_sync" in src) == (params["H"] // params["Hkv"] >= 8)
+        from kvbuffer.kernels.keys import attention_on_tensor_cores
+
+        G = params["H"] // params["Hkv"]
+        assert ("mma_sync" in src) == attention_on_tensor_cores(G, 1, params["D"], "bfloat16", "bfloat16")
     if name == "gdn_buffered" or params.get("variant") == "simt":
         # the SIMT templates: their own barriers only (4, a 5th in the fused flush)
         assert src.count("__syncthreads()") == 4 + bool(params.get("flush_at"))
