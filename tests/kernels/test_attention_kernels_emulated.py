@@ -45,21 +45,27 @@ def _emulated(template: str, **params) -> Emulated:
     return _EMU[key]
 
 
-def _run(q, kc, vc, slots, cached, scale, splits, kv_dtype):
-    """Both kernels as the launcher runs them (kvbuffer.kernels.attention.attention_decode)."""
+def _run(q, kc, vc, slots, cached, scale, splits, kv_dtype, form="simt"):
+    """Both kernels as the launcher runs them (kvbuffer.kernels.attention.attention_decode); `form`
+    "simt" (THREADS, UNROLL) or "mma" (the tensor-core decode pass, 128 threads, 64 positions a tile)."""
     from kvbuffer.kernels.keys import attention_query_block
 
     B, T, H, D = q.shape
     Hkv = kc.shape[2]
     dtype = "bfloat16" if q.dtype == torch.bfloat16 else "float32"
-    decode = _emulated("attention_decode_simt", H=H, Hkv=Hkv, D=D, T_len=T, dtype=dtype, kv_dtype=kv_dtype,
-                       threads=THREADS, unroll=UNROLL)
+    if form == "mma":
+        threads = 128
+        decode = _emulated("attention_decode_mma", H=H, Hkv=Hkv, D=D, dtype=dtype, threads=threads, unroll=4)
+    else:
+        threads = THREADS
+        decode = _emulated("attention_decode_simt", H=H, Hkv=Hkv, D=D, T_len=T, dtype=dtype, kv_dtype=kv_dtype,
+                           threads=THREADS, unroll=UNROLL)
     nqb = H // Hkv * T // attention_query_block(H // Hkv, T, D)
     out = torch.full_like(q, float("nan"))
     rows = B if splits > 1 else 1
     part = torch.full((rows, splits, T * H, D), float("nan"))
     stats = torch.full((rows, splits, T * H, 2), float("nan"))
-    decode((splits, Hkv * nqb, B), THREADS, q=q, k_cache=kc, v_cache=vc, slots=slots, cached=cached, part=part,
+    decode((splits, Hkv * nqb, B), threads, q=q, k_cache=kc, v_cache=vc, slots=slots, cached=cached, part=part,
            stats=stats, out=out, scale=scale, batch=B, num_slots=kc.shape[0], max_len=kc.shape[1], splits=splits,
            work_rows=rows)
     if splits > 1:
@@ -111,6 +117,35 @@ def test_attention_emulated(B, T, H, D, lengths, pad, splits, dtype):
     worst = float((out.double() - want).abs().max())
     assert rel < (5e-3 if dtype == "bfloat16" else 1e-5), (rel, worst)
     assert worst < (3e-2 if dtype == "bfloat16" else 1e-5), (rel, worst)
+
+
+MMA_CASES = [  # (B, H (= G), D, cached lengths, padding rows, splits)
+    (3, 16, 64, [63, 0, 130], [], 1),   # Nemotron-3's G; a tile of 64 positions, one short, three
+    (4, 16, 64, [64, 1, 65, 200], [1], 3),
+    (2, 8, 128, [129, 7], [], 2),       # G = 8: eight zero query rows pad the tile
+]
+
+
+@pytest.mark.parametrize("B,H,D,lengths,pad,splits", MMA_CASES,
+                         ids=[f"B{c[0]}-G{c[1]}-D{c[2]}-S{c[5]}" for c in MMA_CASES])
+def test_tensor_core_form_emulated(B, H, D, lengths, pad, splits):
+    """attention_decode_mma (bf16 mma, ldmatrix, stmatrix, the block reductions, all emulated) against
+    fp64, every cache position past a row's NaN (its V rows must be zeroed before P V, and its scores
+    masked), one split and several."""
+    seed = zlib.crc32(f"mma/{B}/{H}/{D}/{splits}".encode())
+    q, kc, vc, slots, cached = _case(B, 1, H, D, lengths, pad, "bfloat16", "bfloat16", seed)
+    for b in range(B):
+        if slots[b] >= 0:
+            kc[slots[b], lengths[b] + 1:] = float("nan")
+            vc[slots[b], lengths[b] + 1:] = float("nan")
+    scale = D ** -0.5
+    out = _run(q, kc, vc, slots, cached, scale, splits, "bfloat16", form="mma")
+    want = attention_reference(q.double(), kc.double().nan_to_num(), vc.double().nan_to_num(), slots, cached, scale)
+    assert bool(torch.isfinite(out).all())
+    for b in pad:
+        assert bool((out[b] == 0).all())
+    rel = float((out.double() - want).norm() / want.norm())
+    assert rel < 5e-3, rel
 
 
 def test_fp32_cache_under_bf16_queries():

@@ -3,8 +3,11 @@
 Covers the subset the thread-level GDN template (tiles/gdn.py `gdn_buffered`) emits: threadIdx /
 blockIdx, dynamic shared memory, __syncthreads, __shfl_xor_sync, float4 / uint4 vector moves, bf16
 conversions, the __f*_rn intrinsics (tiles/conv1d.py; plain IEEE float ops here) and TileLang's
-tl::mma_sync for m16n8k8 TF32 (the tensor-core S0 products, tiles/simt_parts.py `mma_products`). Shared memory
-starts NaN-poisoned, so reading a value no thread wrote shows in the outputs.
+tl::mma_sync for m16n8k8 TF32 (the tensor-core S0 products, tiles/simt_parts.py `mma_products`); and
+what T.gemm's warp-level products and T.reduce emit for the tensor-core decode attention
+(tiles/attention.py `attention_decode_mma`): mma_sync m16n8k16 bf16, ldmatrix x4 (plain and
+transposed), stmatrix x4 and tl::AllReduce (PTX fragment layouts, products summed in double). Shared
+memory starts NaN-poisoned, so reading a value no thread wrote shows in the outputs.
 Blocks run one after another; rsqrtf is exact here (the GPU's is within 2 ulp).
 """
 
@@ -33,6 +36,7 @@ typedef unsigned int uint;
 #define __launch_bounds__(a, b)
 #define __restrict__
 #define __align__(x)
+#define CUDART_INF_F INFINITY
 struct dim3_ { int x, y, z; };
 thread_local dim3_ threadIdx;
 dim3_ blockIdx;
@@ -69,6 +73,11 @@ static inline uint2 make_uint2(uint a, uint b) { return {a, b}; }
 static inline float2 make_float2(float a, float b) { return {a, b}; }
 static inline float2 __bfloat1622float2(__nv_bfloat162 v) { return {float(v.x), float(v.y)}; }
 static inline uint __pack_nv_bfloat162(bfloat16_t a, bfloat16_t b) { return uint(a.bits) | (uint(b.bits) << 16); }
+static inline uint __pack_half2(bfloat16_t a, bfloat16_t b) { return __pack_nv_bfloat162(a, b); }
+static inline __nv_bfloat162 __float22bfloat162_rn(float2 v) { return {bfloat16_t(v.x), bfloat16_t(v.y)}; }
+struct uint1 { uint x; };
+static inline uint1 make_uint1(uint a) { return {a}; }
+float g_red[1024];  // tl::AllReduce's exchange across warps
 static inline float rsqrtf(float x) { return 1.0f / std::sqrt(x); }
 static inline float __fmul_rn(float a, float b) { return a * b; }
 static inline float __fadd_rn(float a, float b) { return a + b; }
@@ -76,13 +85,79 @@ static inline float __fdiv_rn(float a, float b) { return a / b; }
 // mma.sync m16n8k8 with TF32 A and B and fp32 C/D (PTX fragment layouts; the low 13 mantissa bits of
 // A and B are ignored as the tensor cores do), a warp-collective like the shuffle above
 namespace tl {
-enum class DataType { kTensorFloat32, kFloat32 };
+enum class DataType { kTensorFloat32, kFloat32, kBFloat16 };
 struct MmaLane { float a[4], b[2], c[4]; };
 MmaLane g_mma[32][32];
 static inline float tf32_bits(unsigned u) { u &= 0xffffe000u; float f; std::memcpy(&f, &u, 4); return f; }
-template <DataType TA, DataType TB, DataType TC, int M, int N, int K, bool transA, bool transB>
-static inline void mma_sync(float* c, const unsigned* a, const unsigned* b) {
-  static_assert(M == 16 && N == 8 && K == 8 && TA == DataType::kTensorFloat32, "only m16n8k8 TF32 is emulated");
+static inline float bf16_half(unsigned u, int hi) { uint32_t v = (hi ? u >> 16 : u & 0xffffu) << 16; float f; std::memcpy(&f, &v, 4); return f; }
+struct MmaBf16Lane { unsigned a[4], b[2]; };
+MmaBf16Lane g_mma16[32][32];
+// m16n8k16, bf16 A (row) and B (col), fp32 C/D: lane l = 4 g + t holds A rows g, g + 8 and columns
+// 2t, 2t + 1 (+ 8), B column g and rows 2t, 2t + 1 (+ 8), C rows g, g + 8 and columns 2t, 2t + 1
+static inline void mma_bf16(float* c, const unsigned* a, const unsigned* b) {
+  int t = threadIdx.x, wp = t / 32, l = t % 32;
+  for (int i = 0; i < 4; ++i) g_mma16[wp][l].a[i] = a[i];
+  for (int i = 0; i < 2; ++i) g_mma16[wp][l].b[i] = b[i];
+  g_warpbar[wp]->arrive_and_wait();
+  auto A = [&](int m, int k) { return bf16_half(g_mma16[wp][4 * (m % 8) + (k % 8) / 2].a[(m >= 8) + 2 * (k >= 8)], k % 2); };
+  auto B = [&](int k, int n) { return bf16_half(g_mma16[wp][4 * n + (k % 8) / 2].b[k >= 8], k % 2); };
+  for (int i = 0; i < 4; ++i) {
+    int m = l / 4 + 8 * (i / 2), n = 2 * (l % 4) + i % 2;
+    double sum = 0;
+    for (int k = 0; k < 16; ++k) sum += double(A(m, k)) * double(B(k, n));
+    c[i] = float(double(c[i]) + sum);
+  }
+  g_warpbar[wp]->arrive_and_wait();
+}
+// ldmatrix / stmatrix x4: lane l names row l % 8 of 8 x 8 matrix l / 8; each lane's register i holds
+// matrix i's row l / 4, columns 2 (l % 4), + 1 (transposed: that row and column swapped)
+const uchar* g_rows[32][32];
+static inline void ptx_ldmatrix(void const* const p, void* dst, bool trans) {
+  int t = threadIdx.x, wp = t / 32, l = t % 32;
+  g_rows[wp][l] = (const uchar*)p;
+  g_warpbar[wp]->arrive_and_wait();
+  unsigned* d = (unsigned*)dst;
+  for (int i = 0; i < 4; ++i) {
+    if (!trans) { std::memcpy(&d[i], g_rows[wp][8 * i + l / 4] + 4 * (l % 4), 4); continue; }
+    uint16_t lo, hi;
+    std::memcpy(&lo, g_rows[wp][8 * i + 2 * (l % 4)] + 2 * (l / 4), 2);
+    std::memcpy(&hi, g_rows[wp][8 * i + 2 * (l % 4) + 1] + 2 * (l / 4), 2);
+    d[i] = unsigned(lo) | (unsigned(hi) << 16);
+  }
+  g_warpbar[wp]->arrive_and_wait();
+}
+static inline void ptx_ldmatrix_x4(void const* const p, void* const dst) { ptx_ldmatrix(p, dst, false); }
+static inline void ptx_ldmatrix_x4_trans(void const* const p, void* const dst) { ptx_ldmatrix(p, dst, true); }
+static inline void ptx_stmatrix_m8n8_x4(void const* const p, unsigned v0, unsigned v1, unsigned v2, unsigned v3) {
+  int t = threadIdx.x, wp = t / 32, l = t % 32;
+  g_rows[wp][l] = (const uchar*)p;
+  g_warpbar[wp]->arrive_and_wait();
+  unsigned v[4] = {v0, v1, v2, v3};
+  for (int i = 0; i < 4; ++i) std::memcpy((uchar*)g_rows[wp][8 * i + l / 4] + 4 * (l % 4), &v[i], 4);
+  g_warpbar[wp]->arrive_and_wait();
+}
+struct MaxOp { float operator()(float a, float b) const { return std::max(a, b); } };
+struct SumOp { float operator()(float a, float b) const { return a + b; } };
+template <int N> struct NamedBarrier {};
+// the reduction over the lanes whose index (less thread_offset) differs only in the bits from `scale`
+// up to `threads`; across warps through g_red and the block barrier, within one through the warp's
+template <class R, int threads, int scale, int thread_offset, class Barrier = void, int batch = 1, int stride = 0>
+struct AllReduce {
+  template <typename T> static T run(T x, T* = nullptr) {
+    if constexpr (threads == scale) return x;
+    int t = threadIdx.x - thread_offset, wp = threadIdx.x / 32, mask = (threads - 1) & ~(scale - 1);
+    bool block = threads > 32;
+    if (block) { g_red[t] = x; __syncthreads(); } else { g_xch[wp][threadIdx.x % 32] = x; g_warpbar[wp]->arrive_and_wait(); }
+    T r = x;
+    for (int k = 0; k < threads / scale; ++k) {
+      int u = (t & ~mask) | (k * scale);
+      if (u != t) r = R()(r, block ? g_red[u] : g_xch[wp][(u + thread_offset) % 32]);
+    }
+    if (block) __syncthreads(); else g_warpbar[wp]->arrive_and_wait();
+    return r;
+  }
+};
+static inline void mma_tf32(float* c, const unsigned* a, const unsigned* b) {
   int t = threadIdx.x, wp = t / 32, l = t % 32;
   MmaLane& me = g_mma[wp][l];
   for (int i = 0; i < 4; ++i) { me.a[i] = tf32_bits(a[i]); me.c[i] = c[i]; }
@@ -97,6 +172,16 @@ static inline void mma_sync(float* c, const unsigned* a, const unsigned* b) {
     c[i] = float(double(g_mma[wp][l].c[i]) + sum);
   }
   g_warpbar[wp]->arrive_and_wait();
+}
+template <DataType TA, DataType TB, DataType TC, int M, int N, int K, bool transA, bool transB>
+static inline void mma_sync(float* c, const unsigned* a, const unsigned* b) {
+  if constexpr (TA == DataType::kBFloat16) {
+    static_assert(M == 16 && N == 8 && K == 16, "bf16: only m16n8k16 is emulated");
+    mma_bf16(c, a, b);
+  } else {
+    static_assert(M == 16 && N == 8 && K == 8 && TA == DataType::kTensorFloat32, "only m16n8k8 TF32 is emulated");
+    mma_tf32(c, a, b);
+  }
 }
 }  // namespace tl
 """
