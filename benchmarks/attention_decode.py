@@ -1,13 +1,16 @@
 """Decode attention: the in-place kernel (torch.ops.kvbuffer.attention_decode's CUDA launch) vs the
-runtime's torch window path (gather each row's first L positions, two matmuls), per layer call. Where
-the kernel takes its tensor-core form (kvbuffer.kernels.keys.attention_on_tensor_cores), the
-thread-level form is timed too (`simt_*`), the same launch with the other compiled pass.
+runtime's torch window path (gather each row's first L positions, two matmuls), per layer call. The
+decode pass's other form is timed too, the same launch with the other compiled pass: where the kernel
+takes its tensor-core form (kvbuffer.kernels.keys.attention_on_tensor_cores), the thread-level one
+(`simt_*`); elsewhere, for 16-bit shapes of up to 48 query rows a KV head (verifies, fewer query heads),
+the tensor-core one the engine does not take yet (`mma_*`, one block for all of a KV head's rows).
 
 Correctness first (the kernel against the window path on the same inputs), then each timed as a CUDA
 graph of many launches with the caches rotated past L2 (kvbuffer.bench.timing), achieved bandwidth
 against the measured copy bandwidth. Writes JSON next to the other results.
 
     python benchmarks/attention_decode.py --model qwen3.5-9b --batches 1,16,64,256 --out result.json
+    python benchmarks/attention_decode.py --model nemotron-3-nano --tokens 3 --batches 64,256
 
 Needs a CUDA GPU and TileLang (the kernel is JIT-compiled if no artifact is cached).
 """
@@ -41,17 +44,23 @@ def window_path(q, kc, vc, slots, cached, L, scale):
     return torch.where((slots >= 0)[:, None, None, None], out, torch.zeros((), dtype=out.dtype, device=out.device))
 
 
-def thread_level_pass(shape: dict, T: int):
-    """The thread-level decode pass for `shape`, or None where it is what the kernel runs anyway."""
+def other_form(shape: dict, T: int):
+    """("simt" | "mma", the decode pass the kernel does not take for `shape`, its blocks a row), or None
+    where there is no other form (the tensor-core one takes 16-bit shapes of up to 48 rows a KV head)."""
     from kvbuffer.kernels.compiled import build_template
-    from kvbuffer.kernels.keys import attention_on_tensor_cores
+    from kvbuffer.kernels.keys import attention_on_tensor_cores, attention_query_block
 
     H, Hkv, D = shape["H"], shape["Hkv"], shape["D"]
-    if not attention_on_tensor_cores(H // Hkv, T, D, shape["dtype"], shape["kv_dtype"]):
+    G = H // Hkv
+    params = dict(H=H, Hkv=Hkv, D=D, T_len=T, dtype=shape["dtype"], threads=128, unroll=4)
+    if attention_on_tensor_cores(G, T, D, shape["dtype"], shape["kv_dtype"]):
+        form, template, params["kv_dtype"] = "simt", "attention_decode_simt", shape["kv_dtype"]
+        blocks = Hkv * G * T // attention_query_block(G, T, D)
+    elif shape["dtype"] == shape["kv_dtype"] in ("bfloat16", "float16") and -(-G * T // 16) * 16 <= 48:
+        form, template, blocks = "mma", "attention_decode_mma", Hkv
+    else:
         return None
-    params = dict(H=H, Hkv=Hkv, D=D, T_len=T, dtype=shape["dtype"], kv_dtype=shape["kv_dtype"], threads=128,
-                  unroll=4)
-    return build_template("attention_decode", "attention_decode_simt", params, module="attention", aliases={"T": T})
+    return form, build_template("attention_decode", template, params, module="attention", aliases={"T": T}), blocks
 
 
 def run(shape: dict, batches, T: int, held: tuple[int, int], L: int) -> list[dict]:
@@ -62,7 +71,7 @@ def run(shape: dict, batches, T: int, held: tuple[int, int], L: int) -> list[dic
     dt = getattr(torch, shape["dtype"])
     scale = D ** -0.5
     copy = copy_bandwidth()
-    simt = thread_level_pass(shape, T)
+    other = other_form(shape, T)
     rows = []
     for B in batches:
         per_set = B * held[1] * Hkv * D * 2 * dt.itemsize
@@ -85,18 +94,19 @@ def run(shape: dict, batches, T: int, held: tuple[int, int], L: int) -> list[dic
         row = dict(batch=B, tokens=T, kernel_us=tk.us, torch_us=tt.us, speedup=tt.seconds / tk.seconds,
                    kernel_gbs=nbytes / tk.seconds / 1e9, copy_gbs=copy / 1e9, rel_err=rel)
         line = ""
-        if simt is not None:  # the launcher's split count for it, and its combine
-            splits = attention.splits_for(attention.decode_blocks(simt, B), L,
-                                          torch.cuda.get_device_properties(0).multi_processor_count)
+        if other is not None:  # the launcher's split rule for its grid, and the combine
+            form, op, blocks = other
+            splits = attention.splits_for(B * blocks, L, torch.cuda.get_device_properties(0).multi_processor_count)
             combine = lookup.kernel_for(launch.attention_key("combine", q, kc)) if splits > 1 else None
-            thread = lambda i: attention.attention_decode(simt, combine, q, kc, vc, slot_sets[i], cached,  # noqa: E731
-                                                          scale, splits=splits, checked=False)
-            srel = float((thread(0).float() - want).norm() / want.norm())
-            if not srel < 2e-2:
-                raise SystemExit(f"B={B}: the thread-level form disagrees with the window path ({srel:.2e})")
-            ts = graph_median(thread, sets, rotated_bytes=per_set * sets)
-            row.update(simt_us=ts.us, simt_rel_err=srel, over_simt=ts.seconds / tk.seconds)
-            line = f"  thread-level form {ts.us:8.1f} us ({row['over_simt']:4.2f}x)"
+            call = lambda i: attention.attention_decode(op, combine, q, kc, vc, slot_sets[i], cached,  # noqa: E731
+                                                        scale, splits=splits, checked=False)
+            orel = float((call(0).float() - want).norm() / want.norm())
+            if not orel < 2e-2:
+                raise SystemExit(f"B={B}: the {form} form disagrees with the window path ({orel:.2e})")
+            to = graph_median(call, sets, rotated_bytes=per_set * sets)
+            row.update({f"{form}_us": to.us, f"{form}_rel_err": orel, f"over_{form}": to.seconds / tk.seconds})
+            name = "thread-level" if form == "simt" else "tensor-core"
+            line = f"  {name} form {to.us:8.1f} us (the kernel {row[f'over_{form}']:4.2f}x it)"
         print(f"B={B:5d}: kernel {tk.us:8.1f} us ({row['kernel_gbs']:6.0f} GB/s, {row['kernel_gbs'] * 1e9 / copy:4.0%} "
               f"of copy)  window path {tt.us:8.1f} us  {row['speedup']:5.2f}x{line}", flush=True)
         rows.append(row)

@@ -231,46 +231,76 @@ def attention_decode_simt(H: int, Hkv: int, D: int, T_len: int = 1, *, dtype: st
     return attention_decode_kernel
 
 
-def attention_decode_mma(H: int, Hkv: int, D: int, *, dtype: str = "bfloat16", threads: int = 128, unroll: int = 4):
-    """A decode step's attention (T = 1) with a KV head's G query heads as one tensor-core tile: the
-    thread-level kernel's ABI, grid and partials, for G = 8 or 16 query heads a KV head.
+def attention_decode_mma(H: int, Hkv: int, D: int, T_len: int = 1, *, dtype: str = "bfloat16", threads: int = 128,
+                         unroll: int = 4):
+    """The decode pass with a KV head's query rows as one tensor-core tile: the thread-level kernel's
+    ABI and partials, one block a (split, KV head, row) for all G x T_len query rows.
 
-    Block (split s, KV head hk, row b) holds the G query rows (zero rows pad them to 16) and walks the
-    split's positions 16 x `unroll` at a time: K and V tiles copied to shared memory, the scores
-    q K^T one tensor-core product (fp32), masked past the split to NEG, an online softmax in the log2
-    domain over the tile's rows (fp32), then P V a second product (P rounded to the input dtype, as
-    flash attention does) into an fp32 accumulator. V's positions past the split are zeroed as they are
-    loaded: the cache there holds whatever a slot last held (NaN included), and 0 x NaN is NaN. The
-    tiles are plain vector loads in a serial loop (TileLang did not lower a pipelined loop with that
-    masked load); other blocks on the SM hide their latency. The partials (accumulator, max, sum) and
-    the S = 1 output are the thread-level kernel's.
+    Block (split s, KV head hk, row b) holds the rows r = t * G + g (zero rows pad them to a multiple
+    of 16) and walks the split's positions 16 x `unroll` at a time: K and V tiles copied to shared
+    memory, the scores q K^T one tensor-core product (fp32), masked past the split (and, for T_len > 1,
+    past each row's own token) to NEG, an online softmax in the log2 domain over the tile's rows
+    (fp32), then P V a second product (P rounded to the input dtype, as flash attention does) into an
+    fp32 accumulator. V's positions past the split are zeroed as they are loaded: the cache there holds
+    whatever a slot last held (NaN included), and 0 x NaN is NaN. The tiles are plain vector loads in a
+    serial loop (TileLang did not lower a pipelined loop with that masked load); other blocks on the SM
+    hide their latency. The partials (accumulator, max, sum) and the S = 1 output are the thread-level
+    kernel's. The engine takes it where keys.attention_on_tensor_cores says (decode steps of 8 or 16
+    query heads a KV head, where its grid is the thread-level one's); verifies (T_len > 1) and fewer
+    query heads, up to 48 rows, build and run here, one block for all of a KV head's rows, and are not
+    yet measured on a GPU.
     """
-    check_attention(H, Hkv, D, 1, dtype, dtype, threads, unroll)
-    G = H // Hkv
-    if not attention_on_tensor_cores(G, 1, D, dtype, dtype):
-        raise ValueError(f"attention_decode_mma takes a decode step of 8 or 16 query heads a KV head in one "
-                         f"16-bit dtype, as keys.attention_on_tensor_cores says; got G={G}, D={D}, {dtype}")
+    check_attention(H, Hkv, D, T_len, dtype, dtype, threads, unroll)
+    G, Tn = H // Hkv, T_len
+    R = G * Tn
+    BH, BN = -(-R // 16) * 16, 16 * unroll  # query rows a tile (the product's M), positions a tile
+    if dtype not in ("bfloat16", "float16"):
+        raise ValueError(f"attention_decode_mma takes 16-bit q and cache (the products' inputs), got {dtype}")
+    if BH > 48:
+        raise ValueError(f"attention_decode_mma takes up to 48 query rows (G x T) a KV head, in warp-level "
+                         f"products of 16 rows (64 would make TileLang pick warpgroup products); got {R}")
     if threads != 128 or unroll < 2:
         raise ValueError(f"attention_decode_mma runs 128 threads (four warps side by side over the 16-row "
-                         f"tile) over tiles of 16 x unroll >= 32 positions, got threads={threads}, unroll={unroll}")
-    if 2 * 16 * unroll * D * 2 > MMA_SHARED_KV:
-        raise ValueError(f"attention_decode_mma's K and V tiles of 16 x unroll = {16 * unroll} positions take "
-                         f"{2 * 16 * unroll * D * 2} bytes of shared memory, more than {MMA_SHARED_KV} "
+                         f"tiles) over tiles of 16 x unroll >= 32 positions, got threads={threads}, unroll={unroll}")
+    if 2 * BN * D * 2 > MMA_SHARED_KV:
+        raise ValueError(f"attention_decode_mma's K and V tiles of 16 x unroll = {BN} positions take "
+                         f"{2 * BN * D * 2} bytes of shared memory, more than {MMA_SHARED_KV} "
                          f"(what every arch offers a block); use a smaller unroll")
     T = _tl()
     B, NS, ML, S, WB = _decode_sizes(T)
-    BH, BN = 16, 16 * unroll  # query rows a tile (the product's M), positions a tile
+    TH = Tn * H
+
+    # row r's token and query head, and its row of the partials (t * H + h); at T_len = 1 the row is the head
+    def q_token(i):
+        return 0 if Tn == 1 else T.min(i, R - 1) // G
+
+    def q_head(i):
+        return T.min(i, G - 1) if Tn == 1 else T.min(i, R - 1) % G
+
+    def out_token(i):
+        return 0 if Tn == 1 else i // G
+
+    def out_head(i, hk):
+        return hk * G + (i if Tn == 1 else i % G)
+
+    def part_row(i, hk):
+        return out_head(i, hk) if Tn == 1 else (i // G) * H + out_head(i, hk)
+
+    def visible(i, j, p0, end, n):
+        if Tn == 1:
+            return p0 + j < end
+        return (p0 + j < end) & (p0 + j <= n - Tn + T.min(i // G, Tn - 1))
 
     @T.prim_func
     def attention_decode_kernel(
-        q: T.Tensor((B, 1, H, D), dtype),
+        q: T.Tensor((B, Tn, H, D), dtype),
         k_cache: T.Tensor((NS, ML, Hkv, D), dtype),
         v_cache: T.Tensor((NS, ML, Hkv, D), dtype),
         slots: T.Tensor((B,), "int32"),
         cached: T.Tensor((B,), "int32"),
-        part: T.Tensor((WB, S, H, D), F32),
-        stats: T.Tensor((WB, S, H, 2), F32),
-        out: T.Tensor((B, 1, H, D), dtype),
+        part: T.Tensor((WB, S, TH, D), F32),
+        stats: T.Tensor((WB, S, TH, 2), F32),
+        out: T.Tensor((B, Tn, H, D), dtype),
         scale: T.float32,
     ):
         with T.Kernel(S, Hkv, B, threads=threads) as (bs, hk, bb):
@@ -287,13 +317,13 @@ def attention_decode_mma(H: int, Hkv: int, D: int, *, dtype: str = "bfloat16", t
             lsum = T.alloc_fragment((BH,), F32)
             slot = slots[bb]
             row = T.max(slot, 0)
-            n = cached[bb] + 1
+            n = cached[bb] + Tn
             chunk = (n + S - 1) // S
             start = bs * chunk
             end = T.min(n, start + chunk)
             tiles = T.if_then_else(slot >= 0, T.ceildiv(T.max(end - start, 0), BN), 0)
             for i, d in T.Parallel(BH, D):
-                q_s[i, d] = T.if_then_else(i < G, q[bb, 0, hk * G + T.min(i, G - 1), d], T.cast(0.0, dtype))
+                q_s[i, d] = T.if_then_else(i < R, q[bb, q_token(i), hk * G + q_head(i), d], T.cast(0.0, dtype))
             T.fill(acc, 0.0)
             T.fill(lsum, 0.0)
             T.fill(m, NEG)
@@ -306,7 +336,7 @@ def attention_decode_mma(H: int, Hkv: int, D: int, *, dtype: str = "bfloat16", t
                 T.clear(sc)
                 T.gemm(q_s, k_s, sc, transpose_B=True, policy=T.GemmWarpPolicy.FullCol)
                 for i, j in T.Parallel(BH, BN):
-                    sc[i, j] = T.if_then_else(p0 + j < end, sc[i, j] * (scale * LOG2E), NEG)
+                    sc[i, j] = T.if_then_else(visible(i, j, p0, end, n), sc[i, j] * (scale * LOG2E), NEG)
                 T.copy(m, m_prev)
                 T.reduce_max(sc, m, dim=1, clear=False)
                 for i in T.Parallel(BH):
@@ -322,16 +352,16 @@ def attention_decode_mma(H: int, Hkv: int, D: int, *, dtype: str = "bfloat16", t
                 T.copy(sc, p_s)
                 T.gemm(p_s, v_s, acc, policy=T.GemmWarpPolicy.FullCol)
             for i, d in T.Parallel(BH, D):
-                if i < G:
+                if i < R:
                     if S == 1:
-                        out[bb, 0, hk * G + i, d] = T.if_then_else(slot >= 0, T.cast(acc[i, d] / lsum[i], dtype),
-                                                                   T.cast(0.0, dtype))
+                        out[bb, out_token(i), out_head(i, hk), d] = T.if_then_else(
+                            slot >= 0, T.cast(acc[i, d] / lsum[i], dtype), T.cast(0.0, dtype))
                     elif slot >= 0:
-                        part[bb, bs, hk * G + i, d] = acc[i, d]
+                        part[bb, bs, part_row(i, hk), d] = acc[i, d]
             for i in T.Parallel(BH):
-                if i < G and S > 1 and slot >= 0:
-                    stats[bb, bs, hk * G + i, 0] = m[i]
-                    stats[bb, bs, hk * G + i, 1] = lsum[i]
+                if i < R and S > 1 and slot >= 0:
+                    stats[bb, bs, part_row(i, hk), 0] = m[i]
+                    stats[bb, bs, part_row(i, hk), 1] = lsum[i]
 
     return attention_decode_kernel
 

@@ -263,3 +263,23 @@ def test_tensor_core_form_follows_the_thread_level_one(B):
     for out, label in zip(outs, ("tensor cores", "thread-level")):
         _check(out, want, q, slots, f"B={B} {label}")
     assert float((outs[0].double() - outs[1].double()).norm() / outs[1].double().norm()) < TOL[torch.bfloat16]
+
+
+@pytest.mark.parametrize("B,T,H,Hkv,D", [(64, 3, 32, 2, 128), (257, 5, 16, 4, 256), (5, 1, 16, 4, 256),
+                                         (3, 8, 16, 4, 256)])
+def test_tensor_core_form_for_verifies_and_fewer_query_heads(B, T, H, Hkv, D):
+    """The tensor-core pass where the engine does not take it yet (a verify's rows, Qwen3.5's G = 4 padded
+    to 16-row tiles), one block for all of a KV head's rows: against fp64 at 1 / 3 splits, long contexts."""
+    from kvbuffer.kernels.compiled import build_template
+
+    seed = zlib.crc32(f"mma/{B}/{T}/{H}/{D}".encode())
+    lengths = _lengths(B, True, seed)
+    q, kc, vc, slots, cached = _case(B, T, H, Hkv, D, lengths, "bfloat16", "bfloat16", seed)
+    want = _reference(q, kc, vc, slots, cached, D ** -0.5)
+    params = dict(H=H, Hkv=Hkv, D=D, T_len=T, dtype="bfloat16", threads=128, unroll=4)
+    op = build_template("attention_decode", "attention_decode_mma", params, module="attention", aliases={"T": T})
+    combine = lookup.kernel_for(launch.attention_key("combine", q, kc))
+    for splits in (1, 3):
+        out = torch.full_like(q, float("nan"))
+        attn.attention_decode(op, combine, q, kc, vc, slots, cached, D ** -0.5, out, splits=splits)
+        _check(out, want, q, slots, f"B={B} T={T} G={H // Hkv} tensor cores, splits={splits}")

@@ -53,14 +53,14 @@ def _run(q, kc, vc, slots, cached, scale, splits, kv_dtype, form="simt"):
     B, T, H, D = q.shape
     Hkv = kc.shape[2]
     dtype = "bfloat16" if q.dtype == torch.bfloat16 else "float32"
-    if form == "mma":
-        threads = 128
-        decode = _emulated("attention_decode_mma", H=H, Hkv=Hkv, D=D, dtype=dtype, threads=threads, unroll=4)
+    if form == "mma":  # one block a (split, KV head, row) for all its query rows
+        threads, nqb = 128, 1
+        decode = _emulated("attention_decode_mma", H=H, Hkv=Hkv, D=D, T_len=T, dtype=dtype, threads=threads,
+                           unroll=4)
     else:
-        threads = THREADS
+        threads, nqb = THREADS, H // Hkv * T // attention_query_block(H // Hkv, T, D)
         decode = _emulated("attention_decode_simt", H=H, Hkv=Hkv, D=D, T_len=T, dtype=dtype, kv_dtype=kv_dtype,
                            threads=THREADS, unroll=UNROLL)
-    nqb = H // Hkv * T // attention_query_block(H // Hkv, T, D)
     out = torch.full_like(q, float("nan"))
     rows = B if splits > 1 else 1
     part = torch.full((rows, splits, T * H, D), float("nan"))
@@ -119,25 +119,29 @@ def test_attention_emulated(B, T, H, D, lengths, pad, splits, dtype):
     assert worst < (3e-2 if dtype == "bfloat16" else 1e-5), (rel, worst)
 
 
-MMA_CASES = [  # (B, H (= G), D, cached lengths, padding rows, splits)
-    (3, 16, 64, [63, 0, 130], [], 1),   # Nemotron-3's G; a tile of 64 positions, one short, three
-    (4, 16, 64, [64, 1, 65, 200], [1], 3),
-    (2, 8, 128, [129, 7], [], 2),       # G = 8: eight zero query rows pad the tile
+MMA_CASES = [  # (B, T, H (= G), D, cached lengths, padding rows, splits)
+    (3, 1, 16, 64, [63, 0, 130], [], 1),   # Nemotron-3's G (the engine's case); 64 positions a tile
+    (4, 1, 16, 64, [64, 1, 65, 200], [1], 3),
+    (2, 1, 8, 128, [129, 7], [], 2),       # G = 8: eight zero query rows pad the tile
+    # built and emulated, not taken by the engine yet: verifies, and fewer query heads (rows padded to 16)
+    (3, 3, 16, 64, [0, 70, 130], [2], 2),  # Nemotron-3's verify of 2 drafts: 48 rows, causal within the tokens
+    (2, 5, 4, 128, [66, 3], [], 3),        # Qwen3.5's G = 4: 20 rows in a tile of 32
+    (2, 1, 4, 256, [140, 9], [], 1),       # Qwen3.5-9B's decode shape: 4 rows of 16
 ]
 
 
-@pytest.mark.parametrize("B,H,D,lengths,pad,splits", MMA_CASES,
-                         ids=[f"B{c[0]}-G{c[1]}-D{c[2]}-S{c[5]}" for c in MMA_CASES])
-def test_tensor_core_form_emulated(B, H, D, lengths, pad, splits):
+@pytest.mark.parametrize("B,T,H,D,lengths,pad,splits", MMA_CASES,
+                         ids=[f"B{c[0]}-T{c[1]}-G{c[2]}-D{c[3]}-S{c[6]}" for c in MMA_CASES])
+def test_tensor_core_form_emulated(B, T, H, D, lengths, pad, splits):
     """attention_decode_mma (bf16 mma, ldmatrix, stmatrix, the block reductions, all emulated) against
     fp64, every cache position past a row's NaN (its V rows must be zeroed before P V, and its scores
-    masked), one split and several."""
-    seed = zlib.crc32(f"mma/{B}/{H}/{D}/{splits}".encode())
-    q, kc, vc, slots, cached = _case(B, 1, H, D, lengths, pad, "bfloat16", "bfloat16", seed)
+    masked), one split and several, decode steps and verifies."""
+    seed = zlib.crc32(f"mma/{B}/{T}/{H}/{D}/{splits}".encode())
+    q, kc, vc, slots, cached = _case(B, T, H, D, lengths, pad, "bfloat16", "bfloat16", seed)
     for b in range(B):
         if slots[b] >= 0:
-            kc[slots[b], lengths[b] + 1:] = float("nan")
-            vc[slots[b], lengths[b] + 1:] = float("nan")
+            kc[slots[b], lengths[b] + T:] = float("nan")
+            vc[slots[b], lengths[b] + T:] = float("nan")
     scale = D ** -0.5
     out = _run(q, kc, vc, slots, cached, scale, splits, "bfloat16", form="mma")
     want = attention_reference(q.double(), kc.double().nan_to_num(), vc.double().nan_to_num(), slots, cached, scale)
