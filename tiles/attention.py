@@ -41,6 +41,7 @@ Batch B, pool size NS, cache length max_len and the split count S are dynamic.
 # no `from __future__ import annotations`: TileLang evaluates the T.Tensor annotations
 
 import math
+import types
 
 from ..kernels.keys import ATTENTION_HEAD_DIMS, ATTENTION_MAX_TOKENS, attention_on_tensor_cores, attention_query_block
 
@@ -57,10 +58,17 @@ def _tl():
     return T
 
 
-def _decode_sizes(T):
-    """The decode pass's dynamic sizes: batch, pool slots, cache length, splits, workspace rows."""
-    return (T.dynamic("batch"), T.dynamic("num_slots"), T.dynamic("max_len"), T.dynamic("splits"),
-            T.dynamic("work_rows"))
+def _decode_abi(T, Tn: int, H: int, Hkv: int, D: int, dtype: str, kv_dtype: str):
+    """Both decode passes' one ABI (the module docstring's): the dynamic sizes (batch, pool slots, cache
+    length, splits, workspace rows) and a tensor type for each argument, one object each (two
+    arguments annotated with one object would be one buffer)."""
+    B, NS, ML, S, WB = (T.dynamic(n) for n in ("batch", "num_slots", "max_len", "splits", "work_rows"))
+    args = types.SimpleNamespace(
+        q=T.Tensor((B, Tn, H, D), dtype), k_cache=T.Tensor((NS, ML, Hkv, D), kv_dtype),
+        v_cache=T.Tensor((NS, ML, Hkv, D), kv_dtype), slots=T.Tensor((B,), "int32"), cached=T.Tensor((B,), "int32"),
+        part=T.Tensor((WB, S, Tn * H, D), F32), stats=T.Tensor((WB, S, Tn * H, 2), F32),
+        out=T.Tensor((B, Tn, H, D), dtype))
+    return (B, NS, ML, S, WB), args
 
 
 def check_attention(H: int, Hkv: int, D: int, T_len: int = 1, dtype: str = "bfloat16", kv_dtype: str = "bfloat16",
@@ -100,12 +108,11 @@ def attention_decode_simt(H: int, Hkv: int, D: int, T_len: int = 1, *, dtype: st
     """The thread-level form of attention_decode, any shape the checks take."""
     check_attention(H, Hkv, D, T_len, dtype, kv_dtype, threads, unroll)
     T = _tl()
-    B, NS, ML, S, WB = _decode_sizes(T)
+    (B, NS, ML, S, WB), abi = _decode_abi(T, T_len, H, Hkv, D, dtype, kv_dtype)
     G = H // Hkv
     Tn, E, U, NW = T_len, D // 32, unroll, threads // 32
     QB = attention_query_block(G, Tn, D)
     NQB = G * Tn // QB
-    TH = Tn * H
     EPI = math.ceil(QB * D / threads)  # epilogue elements per thread
 
     @T.macro
@@ -115,14 +122,14 @@ def attention_decode_simt(H: int, Hkv: int, D: int, T_len: int = 1, *, dtype: st
 
     @T.prim_func
     def attention_decode_kernel(
-        q: T.Tensor((B, Tn, H, D), dtype),
-        k_cache: T.Tensor((NS, ML, Hkv, D), kv_dtype),
-        v_cache: T.Tensor((NS, ML, Hkv, D), kv_dtype),
-        slots: T.Tensor((B,), "int32"),
-        cached: T.Tensor((B,), "int32"),
-        part: T.Tensor((WB, S, TH, D), F32),
-        stats: T.Tensor((WB, S, TH, 2), F32),
-        out: T.Tensor((B, Tn, H, D), dtype),
+        q: abi.q,
+        k_cache: abi.k_cache,
+        v_cache: abi.v_cache,
+        slots: abi.slots,
+        cached: abi.cached,
+        part: abi.part,
+        stats: abi.stats,
+        out: abi.out,
         scale: T.float32,
     ):
         with T.Kernel(S, Hkv * NQB, B, threads=threads) as (bs, bh, bb):
@@ -267,8 +274,7 @@ def attention_decode_mma(H: int, Hkv: int, D: int, T_len: int = 1, *, dtype: str
                          f"{2 * BN * D * 2} bytes of shared memory, more than {MMA_SHARED_KV} "
                          f"(what every arch offers a block); use a smaller unroll")
     T = _tl()
-    B, NS, ML, S, WB = _decode_sizes(T)
-    TH = Tn * H
+    (B, NS, ML, S, WB), abi = _decode_abi(T, Tn, H, Hkv, D, dtype, dtype)
 
     # row r's token and query head, and its row of the partials (t * H + h); at T_len = 1 the row is the head
     def q_token(i):
@@ -293,14 +299,14 @@ def attention_decode_mma(H: int, Hkv: int, D: int, T_len: int = 1, *, dtype: str
 
     @T.prim_func
     def attention_decode_kernel(
-        q: T.Tensor((B, Tn, H, D), dtype),
-        k_cache: T.Tensor((NS, ML, Hkv, D), dtype),
-        v_cache: T.Tensor((NS, ML, Hkv, D), dtype),
-        slots: T.Tensor((B,), "int32"),
-        cached: T.Tensor((B,), "int32"),
-        part: T.Tensor((WB, S, TH, D), F32),
-        stats: T.Tensor((WB, S, TH, 2), F32),
-        out: T.Tensor((B, Tn, H, D), dtype),
+        q: abi.q,
+        k_cache: abi.k_cache,
+        v_cache: abi.v_cache,
+        slots: abi.slots,
+        cached: abi.cached,
+        part: abi.part,
+        stats: abi.stats,
+        out: abi.out,
         scale: T.float32,
     ):
         with T.Kernel(S, Hkv, B, threads=threads) as (bs, hk, bb):
