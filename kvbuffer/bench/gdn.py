@@ -1,11 +1,15 @@
 """Gated DeltaNet decode kernels: buffered step and verify vs recurrent step vs FLA, one GPU.
 
-`kvbuffer bench gdn` runs it (kvbuffer.bench.kernels says how it measures). The peer is FLA's
-`fused_recurrent_gated_delta_rule` (fla-core 0.6.0) called as vLLM and SGLang call it: the gate
-(-exp(A_log) * softplus(a + dt_bias)), the sigmoid of beta and the L2 norm of q and k inside the
-kernel. FLA 0.6.0 takes no state indices, so each launch gets one window of B states as a view of
-the pool and writes the final states to a fresh tensor (the same bytes as an indexed in-place
-update).
+`kvbuffer bench gdn` runs it (kvbuffer.bench.kernels says how it measures). Two peers, both FLA
+(fla-core 0.6.0) with the gate (-exp(A_log) * softplus(a + dt_bias)), the sigmoid of beta and the L2
+norm of q and k inside the kernel, as vLLM and SGLang call it:
+
+- "fla": `fused_recurrent_gated_delta_rule`. It takes no state indices, so each launch gets one
+  window of B states as a view of the pool and writes the final states to a fresh tensor (the same
+  bytes as an indexed in-place update, one dependent load fewer: no slot to wait for).
+- "fla_indexed": FLA's indexed in-place recurrent kernel, the form the servers' copies of the GDN
+  kernel take (`ssm_state_indices`, the final state written over the initial one):
+  kvbuffer.bench.peers.fla_indexed_update, gate inputs broadcast over K beforehand (untimed).
 """
 
 from __future__ import annotations
@@ -17,7 +21,7 @@ import torch
 from . import kernels as common
 
 NAME = "gdn"
-PEER = "fla"
+PEERS = ("fla", "fla_indexed")
 SHAPES = ("qwen3.5-9b", "qwen3.5-27b")  # model presets (kvbuffer.presets) timed by default
 
 
@@ -73,33 +77,60 @@ def reference(kind: str, toks: tuple, prm: tuple, pools: common.Pools, s: int) -
     return ref.verify(*args, *bufs)
 
 
-def load_peer():
-    """(FLA's fused recurrent GDN update or None, one line saying which)."""
+def load_peers() -> tuple[list, list[str]]:
+    """(the Peer of each FLA kernel found, one line per peer saying which)."""
+    from .peers import load_fla_indexed
+
     try:
         import fla
         from fla.ops.gated_delta_rule import fused_recurrent_gated_delta_rule
     except ImportError as e:
-        return None, f"fla: not importable ({e}); its rows are skipped (pip install fla-core)"
-    return fused_recurrent_gated_delta_rule, (
-        f"fla: fla-core {getattr(fla, '__version__', '?')} fused_recurrent_gated_delta_rule, gate, beta sigmoid and "
-        "q/k L2 norm in the kernel, states by contiguous window")
+        return [], [f"fla: not importable ({e}); its rows are skipped (pip install fla-core)"]
+    version = getattr(fla, "__version__", "?")
+    found = [common.Peer("fla", lambda pools, inputs: lambda s: _call_fla(fused_recurrent_gated_delta_rule, pools,
+                                                                           inputs, s),
+                         lambda pools, inputs, s: _call_fla(fused_recurrent_gated_delta_rule, pools, inputs, s)[:, 0])]
+    notes = [f"fla: fla-core {version} fused_recurrent_gated_delta_rule, gate, beta sigmoid and q/k L2 norm in "
+             "the kernel, states by contiguous window"]
+    fwd, why = load_fla_indexed()
+    if fwd is None:
+        notes.append(f"fla_indexed: {why}; its rows are skipped")
+    else:
+        found.append(indexed_peer(fwd))
+        notes.append(f"fla_indexed: fla-core {version} {why}")
+    return found, notes
 
 
-def _call_peer(peer, pools: common.Pools, inputs: common.Inputs, s: int) -> torch.Tensor:
+def _call_fla(fn, pools: common.Pools, inputs: common.Inputs, s: int) -> torch.Tensor:
     q, k, v, a, b = inputs.tokens[1][s % common.INPUT_SETS]
     A_log, dt_bias = inputs.params
-    o, _ = peer(q, k, v, g=a, beta=b, initial_state=pools.state_window(s), output_final_state=True,
-                use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True, A_log=A_log, dt_bias=dt_bias,
-                use_beta_sigmoid_in_kernel=True)
+    o, _ = fn(q, k, v, g=a, beta=b, initial_state=pools.state_window(s), output_final_state=True,
+              use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True, A_log=A_log, dt_bias=dt_bias,
+              use_beta_sigmoid_in_kernel=True)
     return o
 
 
-def peer_op(peer, pools: common.Pools, inputs: common.Inputs):
-    return lambda s: _call_peer(peer, pools, inputs, s)
+def indexed_peer(fwd) -> common.Peer:
+    """The "fla_indexed" Peer on `fwd`, a function with fused_recurrent_kda_fwd's signature."""
+    return common.Peer("fla_indexed", lambda pools, inputs: _indexed_op(fwd, pools, inputs),
+                       lambda pools, inputs, s: _indexed_op(fwd, pools, inputs, copy=True)(s))
 
 
-def peer_output(peer, pools: common.Pools, inputs: common.Inputs, s: int) -> torch.Tensor:
-    return _call_peer(peer, pools, inputs, s)[:, 0]
+def _indexed_op(fwd, pools: common.Pools, inputs: common.Inputs, copy: bool = False):
+    """fla_indexed on set s, in place on the pool (copy: on a copy of it, for the gate); the gates
+    broadcast per key channel and the output buffers are made once, before any timing."""
+    from .peers import fla_indexed_update, gate_per_channel
+
+    A_log, dt_bias = inputs.params
+    sets = [(q, k, v, *gate_per_channel(a, dt_bias, q.shape[-1]), b) for q, k, v, a, b in inputs.tokens[1]]
+    out = torch.empty_like(inputs.tokens[1][0][2])
+    state = pools.state.clone() if copy else pools.state
+
+    def run(s):
+        q, k, v, g, dt_k, b = sets[s % common.INPUT_SETS]
+        fla_indexed_update(fwd, q, k, v, g, b, A_log, dt_k, state, pools.state_slots(s), out)
+        return out[:, 0]
+    return run
 
 
 def run(**kwargs) -> dict:

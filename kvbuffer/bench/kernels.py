@@ -4,7 +4,7 @@ Both families keep the same pools in kvbuffer's generic form (Hk key heads of K,
 V; Mamba-2: Hk = groups, K = state size, Hv = heads, V = head dim): fp32 states (Hv, K, V) per
 row, bf16 buffer entries and fp32 cumulative log decays. A family module (kvbuffer.bench.gdn,
 kvbuffer.bench.mamba2) says only what differs: its token inputs, its fp64 reference, its kernels
-and its peer.
+and its peers (`load_peers`: Peer per kernel found, and one line per peer saying what was loaded).
 
 Method: a correctness gate against the fp64 reference first (every timed kernel and the peer, on
 fresh inputs, outputs poisoned with NaN); then every op at every batch timed by
@@ -117,6 +117,18 @@ class Op:
     bytes: float
 
 
+@dataclass(frozen=True)
+class Peer:
+    """Another project's kernel for the recurrent step, as a family module loads it.
+
+    op(pools, inputs): the timed callable of the set index; output(pools, inputs, s): its (B, Hv, V)
+    output on set s, for the correctness gate (which may hand it copies in its own layout)."""
+
+    name: str
+    op: Callable[[Pools, "Inputs"], Callable[[int], object]]
+    output: Callable[[Pools, "Inputs", int], torch.Tensor]
+
+
 def plain_read(pools: Pools) -> Op:
     """A sum over each window's states: the read every decode step must at least do."""
     out = torch.empty(pools.B, device=pools.device)
@@ -147,7 +159,7 @@ def time_ops(ops: list[Op], pools: Pools, *, launches: int, replays: int, cross_
     return {"timings": out, "profiler": profiled}
 
 
-def make_row(shape: str, B: int, ops: list[Op], measured: dict, copy_Bps: float, peer: str) -> dict:
+def make_row(shape: str, B: int, ops: list[Op], measured: dict, copy_Bps: float, peers: tuple[str, ...]) -> dict:
     """One batch's figures: µs, GB/s, fraction of copy bandwidth and of the plain state read, ratios."""
     t = {name: tm.seconds for name, tm in measured["timings"].items()}
     moved = {op.name: op.bytes for op in ops}
@@ -157,7 +169,7 @@ def make_row(shape: str, B: int, ops: list[Op], measured: dict, copy_Bps: float,
     row["frac_copy_bw"] = {k: g * 1e9 / copy_Bps for k, g in row["GBps"].items()}
     row["frac_state_read"] = {k: t["state_read"] / v for k, v in t.items() if k != "state_read"}
     row["speedup_buffered_vs_recurrent"] = t["recurrent"] / t["buffered"]
-    if peer in t:
+    for peer in (p for p in peers if p in t):
         row[f"speedup_buffered_vs_{peer}"] = t[peer] / t["buffered"]
         row[f"speedup_recurrent_vs_{peer}"] = t[peer] / t["recurrent"]
     for T in VERIFY_TOKENS:
@@ -165,11 +177,14 @@ def make_row(shape: str, B: int, ops: list[Op], measured: dict, copy_Bps: float,
     return row
 
 
-def new_result(kind: str, *, C: int, cap: int, peer: str, peer_note: str, launches: int, replays: int) -> dict:
-    """The results JSON's header; "timing" is completed with the largest rotation once rows exist."""
+def new_result(kind: str, *, C: int, cap: int, peers: tuple[str, ...], peer_note: str, launches: int,
+               replays: int) -> dict:
+    """The results JSON's header; "timing" is completed with the largest rotation once rows exist.
+    "peer" is the family's first peer (what the plots draw), "peers" every one it names."""
     return {"benchmark": kind, "date": datetime.date.today().isoformat(), "gpu": torch.cuda.get_device_name(),
             "copy_GBps": timing.copy_bandwidth() / 1e9, "C": C, "cap": cap, "buffer_dtype": "bfloat16",
-            "peer": peer, "peer_note": peer_note, "launches": launches, "replays": replays,
+            "peer": peers[0], "peers": list(peers), "peer_note": peer_note, "launches": launches,
+            "replays": replays,
             "timing": "", "verify": "verifyT feeds T tokens per row: T - 1 drafts and the token before them",
             "gate": {}, "configs": {}, "rows": []}
 
@@ -182,16 +197,18 @@ def finish_timing(result: dict, rotated: list[float]) -> None:
 
 def table(result: dict) -> str:
     """µs per launch and the ratios, one line per (shape, batch); vT = a verify of T tokens (T - 1 drafts)."""
-    peer, nan = result["peer"], float("nan")
+    peers, nan = result.get("peers", [result["peer"]]), float("nan")
     lines = [f"{result['gpu']}  copy {result['copy_GBps']:.0f} GB/s  C={result['C']}  {result['timing']}",
-             f"{'shape':18s} {'B':>5s} {'read':>8s} {peer:>8s} {'rec':>8s} {'buf':>8s} {'v2':>8s} {'v5':>8s}"
-             f" {'v8':>8s} {'buf/peer':>8s} {'buf/rec':>7s} {'v5/step':>7s} {'buf%read':>8s}"]
+             f"{'shape':18s} {'B':>5s} {'read':>8s} " + "".join(f"{p[:11]:>12s}" for p in peers)
+             + f" {'rec':>8s} {'buf':>8s} {'v2':>8s} {'v5':>8s} {'v8':>8s} "
+             + "".join(f"{'buf/' + p[:7]:>12s}" for p in peers) + f" {'buf/rec':>7s} {'v5/step':>7s} {'buf%read':>8s}"]
     for r in result["rows"]:
         u = r["us"]
-        lines.append(f"{r['shape']:18s} {r['B']:5d} {u['state_read']:8.1f} {u.get(peer, nan):8.1f}"
-                     f" {u['recurrent']:8.1f} {u['buffered']:8.1f} {u['verify2']:8.1f} {u['verify5']:8.1f}"
-                     f" {u['verify8']:8.1f} {r.get(f'speedup_buffered_vs_{peer}', nan):8.2f}"
-                     f" {r['speedup_buffered_vs_recurrent']:7.2f} {r['verify5_over_step']:7.2f}"
+        lines.append(f"{r['shape']:18s} {r['B']:5d} {u['state_read']:8.1f} "
+                     + "".join(f"{u.get(p, nan):12.1f}" for p in peers)
+                     + f" {u['recurrent']:8.1f} {u['buffered']:8.1f} {u['verify2']:8.1f} {u['verify5']:8.1f}"
+                     f" {u['verify8']:8.1f} " + "".join(f"{r.get(f'speedup_buffered_vs_{p}', nan):12.2f}" for p in peers)
+                     + f" {r['speedup_buffered_vs_recurrent']:7.2f} {r['verify5_over_step']:7.2f}"
                      f" {r['frac_state_read']['buffered']:8.2f}")
     return "\n".join(lines)
 
@@ -231,8 +248,9 @@ def our_ops(kernels: Mapping, pools: Pools, inputs: Inputs, act_bytes: Callable[
     return ops
 
 
-def gate(family, kernels: Mapping, heads: Mapping, peer, *, C: int, cap: int, B: int = 7, device="cuda") -> dict:
-    """Relative error of every kernel (and the peer) against the family's fp64 reference.
+def gate(family, kernels: Mapping, heads: Mapping, peers: list[Peer], *, C: int, cap: int, B: int = 7,
+         device="cuda") -> dict:
+    """Relative error of every kernel (and every peer) against the family's fp64 reference.
 
     An awkward batch, fresh inputs, outputs poisoned with NaN, and fills chosen so that some rows
     sit at C - 1 and the buffered step's fused flush runs.
@@ -249,9 +267,9 @@ def gate(family, kernels: Mapping, heads: Mapping, peer, *, C: int, cap: int, B:
         extra = () if kind == "recurrent" else tuple(bufs)
         kernels[key].fn(*inputs.kernel_args(T, s), state, pools.state_slots(s), *extra, out)
         errors[key] = rel_err(out[:, 0] if T == 1 else out, want)
-    if peer is not None:
-        want = family.reference("recurrent", inputs.tokens[1][s % INPUT_SETS], inputs.params, pools, s)
-        errors[family.PEER] = rel_err(family.peer_output(peer, pools, inputs, s), want)
+    want = family.reference("recurrent", inputs.tokens[1][s % INPUT_SETS], inputs.params, pools, s)
+    for peer in peers:
+        errors[peer.name] = rel_err(peer.output(pools, inputs, s), want)
     return errors
 
 
@@ -289,10 +307,10 @@ def run(family, *, shapes, batches=KERNEL_BATCHES, C: int = 16, cap: int = 24, c
     tuned: each batch times the recurrent and buffered steps `kvbuffer tune` picked for its bucket on
     this GPU (tuned_tunables; `configs` still overrides), each distinct set of kernels gated once."""
     timing.require_cuda(f"kvbuffer bench {family.NAME}")
-    peer, note = family.load_peer()
-    print(note, flush=True)
-    result = new_result(family.NAME, C=C, cap=cap, peer=family.PEER, peer_note=note, launches=launches,
-                        replays=replays)
+    peers, notes = family.load_peers()
+    print("\n".join(notes), flush=True)
+    result = new_result(family.NAME, C=C, cap=cap, peers=family.PEERS, peer_note="; ".join(notes),
+                        launches=launches, replays=replays)
     rotated = []
     for shape in shapes:
         heads = heads_of(shape)
@@ -307,7 +325,7 @@ def run(family, *, shapes, batches=KERNEL_BATCHES, C: int = 16, cap: int = 24, c
             name = json.dumps(cfg, sort_keys=True)
             if name not in built:
                 kernels = family.build(heads, C=C, cap=cap, configs=cfg)
-                errors = gate(family, kernels, heads, peer, C=C, cap=cap)
+                errors = gate(family, kernels, heads, peers, C=C, cap=cap)
                 print(f"gate {shape} {cfg}: " + " ".join(f"{k}={v:.2e}" for k, v in errors.items()), flush=True)
                 check_gate(errors, shape)
                 result["gate"].setdefault(shape, errors)
@@ -320,12 +338,10 @@ def run(family, *, shapes, batches=KERNEL_BATCHES, C: int = 16, cap: int = 24, c
             pools, inputs = Pools(heads, B, cap=cap, C=C), Inputs(family, heads, B)
             act = lambda T: family.act_bytes(heads, T)  # noqa: E731
             ops = [plain_read(pools)] + our_ops(kernels, pools, inputs, act)
-            if peer is not None:
-                ops.append(Op(family.PEER, family.peer_op(peer, pools, inputs), pools.step_bytes("recurrent")
-                              + B * act(1)))
+            ops += [Op(p.name, p.op(pools, inputs), pools.step_bytes("recurrent") + B * act(1)) for p in peers]
             measured = time_ops(ops, pools, launches=launches, replays=replays,
-                                cross_check=("buffered", family.PEER))
-            row = make_row(shape, B, ops, measured, result["copy_GBps"] * 1e9, family.PEER)
+                                cross_check=("buffered",) + family.PEERS)
+            row = make_row(shape, B, ops, measured, result["copy_GBps"] * 1e9, family.PEERS)
             result["rows"].append(row)
             rotated.append(pools.rotated_bytes)
             finish_timing(result, rotated)

@@ -21,7 +21,7 @@ import torch
 from . import kernels as common
 
 NAME = "mamba2"
-PEER = "mamba_ssm"
+PEERS = ("mamba_ssm",)
 SHAPES = ("nemotron-3-nano", "nemotron-3-super")  # model presets (kvbuffer.presets) timed by default
 
 
@@ -104,17 +104,19 @@ def _import_peer():
     return importlib.import_module(name).selective_state_update, " (its CUDA extension is not built; unused here)"
 
 
-def load_peer():
-    """(mamba_ssm's selective_state_update or None, one line saying which)."""
+def load_peers() -> tuple[list, list[str]]:
+    """(mamba_ssm's selective_state_update as a Peer, or none, and one line saying which)."""
     try:
         fn, extra = _import_peer()
     except ImportError as e:
-        return None, (f"mamba_ssm: not importable ({e}); its rows are skipped (an optional peer: "
-                      "pip install mamba-ssm --no-build-isolation, on a machine with CUDA)")
+        return [], [f"mamba_ssm: not importable ({e}); its rows are skipped (an optional peer: "
+                    "pip install mamba-ssm --no-build-isolation, on a machine with CUDA)"]
     import mamba_ssm
 
-    return fn, (f"mamba_ssm: {getattr(mamba_ssm, '__version__', '?')} Triton selective_state_update, dt_softplus, "
-                f"dt_bias, D, z, state_batch_indices{extra}")
+    peer = common.Peer("mamba_ssm", lambda pools, inputs: _peer_op(fn, pools, inputs),
+                       lambda pools, inputs, s: _peer_output(fn, pools, inputs, s))
+    return [peer], [f"mamba_ssm: {getattr(mamba_ssm, '__version__', '?')} Triton selective_state_update, "
+                    f"dt_softplus, dt_bias, D, z, state_batch_indices{extra}"]
 
 
 def _peer_args(heads: Mapping, inputs: common.Inputs, s: int) -> dict:
@@ -131,7 +133,7 @@ def _heads(pools: common.Pools) -> dict:
     return {"Hk": pools.buf_k.shape[2], "Hv": H, "K": N, "V": P}
 
 
-def peer_op(peer, pools: common.Pools, inputs: common.Inputs):
+def _peer_op(peer, pools: common.Pools, inputs: common.Inputs):
     n, H, N, P = pools.state.shape
     as_peer = pools.state.view(n, H, P, N)  # the same bytes in the peer's layout
     # built once: A = -exp(A_log) computed per call would add a kernel to every timed launch
@@ -139,7 +141,7 @@ def peer_op(peer, pools: common.Pools, inputs: common.Inputs):
     return lambda s: peer(as_peer, **args[s % common.INPUT_SETS], state_batch_indices=pools.state_slots(s))
 
 
-def peer_output(peer, pools: common.Pools, inputs: common.Inputs, s: int) -> torch.Tensor:
+def _peer_output(peer, pools: common.Pools, inputs: common.Inputs, s: int) -> torch.Tensor:
     transposed = pools.state.transpose(-1, -2).contiguous()
     return peer(transposed, **_peer_args(_heads(pools), inputs, s), state_batch_indices=pools.state_slots(s))
 

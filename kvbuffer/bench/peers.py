@@ -4,9 +4,13 @@ kvbuffer's own "recurrent" mode already runs on kvbuffer's recurrent kernels, wh
 what vLLM and SGLang launch; the figure users compare against is the servers' own. This Backend runs
 the engine's recurrent mode with their state updates:
 
-- Gated DeltaNet: FLA's `fused_recurrent_gated_delta_rule` (fla-core 0.6.0) with the gate
-  (-exp(A_log) * softplus(a + dt_bias)), beta's sigmoid and the q/k L2 norm in the kernel. Its API
-  has no state index, so each step gathers the rows' states and scatters the final ones back.
+- Gated DeltaNet: FLA's indexed in-place recurrent kernel (fla-core 0.6.0), the form the servers'
+  copies of FLA's GDN kernel take: states picked by `ssm_state_indices`, the final state written
+  over the initial one, the gate (-exp(A_log) * softplus(a + dt_bias)), beta's sigmoid and the q/k
+  L2 norm in the kernel. FLA ships that form as its KDA kernel (`fused_recurrent_kda_fwd`), whose
+  gate has one value per key channel: GDN's per-head gate inputs are broadcast over K
+  (`gate_per_channel`), which makes its update GDN's exactly. (`fused_recurrent_gated_delta_rule`
+  itself takes no state index; kvbuffer bench gdn times it too.)
 - Mamba-2: mamba_ssm's `selective_state_update`, in place through `state_batch_indices`, with the
   per-head dt, A, D and dt_bias broadcast over the head dim (stride 0) as vLLM passes them. Its states
   are kept in its own (H, P, N) layout, as vLLM keeps them (handed kvbuffer's (H, N, P) layout
@@ -40,15 +44,40 @@ from ..runtime.mixing import put_slot_rows
 log = logging.getLogger("kvbuffer")
 
 
+def load_fla_indexed():
+    """(FLA's indexed in-place recurrent kernel or None, one line saying what it is or why not)."""
+    try:
+        from fla.ops.kda.fused_recurrent import fused_recurrent_kda_fwd
+    except ImportError as e:
+        return None, f"FLA's indexed recurrent kernel is not importable ({e})"
+    return fused_recurrent_kda_fwd, ("fused_recurrent_kda_fwd, indexed and in place (ssm_state_indices), the GDN "
+                                     "gate broadcast over K, gate, beta sigmoid and q/k L2 norm in the kernel")
+
+
+def gate_per_channel(a: torch.Tensor, dt_bias: torch.Tensor, K: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """GDN's per-head gate inputs as the KDA kernel's per-key-channel ones: a (B, T, Hv) ->
+    (B, T, Hv, K) and dt_bias (Hv,) -> (Hv * K,), each channel the head's value (dense: the kernel
+    ignores strides)."""
+    return (a[..., None].expand(*a.shape, K).contiguous(),
+            dt_bias.float()[:, None].expand(dt_bias.shape[0], K).reshape(-1))
+
+
+def fla_indexed_update(fwd, q, k, v, g, b, A_log, dt_bias_k, state, rows, out) -> torch.Tensor:
+    """One GDN step of rows (B, T = 1) on FLA's indexed kernel `fwd`, in place on `state` (slots, Hv,
+    K, V) at `rows` (int32, every row a real slot); g, dt_bias_k from gate_per_channel; output into `out`
+    (B, T, Hv, V), which the kernel would otherwise allocate and zero in each call."""
+    fwd(q, k, v, g=g, beta=b, A_log=A_log.float(), dt_bias=dt_bias_k, initial_state=state,
+        inplace_final_state=True, ssm_state_indices=rows, use_qk_l2norm_in_kernel=True,
+        use_gate_in_kernel=True, use_beta_sigmoid_in_kernel=True, out=out)
+    return out
+
+
 def load_peers() -> dict:
     """family -> the peer's state-update function, or None where its package is missing (logged)."""
     found = {}
-    try:
-        from fla.ops.gated_delta_rule import fused_recurrent_gated_delta_rule
-        found["gdn"] = fused_recurrent_gated_delta_rule
-    except ImportError as e:
-        log.info("kvbuffer: FLA's fused_recurrent_gated_delta_rule is not available: %s", e)
-        found["gdn"] = None
+    found["gdn"], why = load_fla_indexed()
+    if found["gdn"] is None:
+        log.info("kvbuffer: %s", why)
     try:
         from mamba_ssm.ops.triton.selective_state_update import selective_state_update
         found["mamba2"] = selective_state_update
@@ -71,26 +100,32 @@ _KEYS = itertools.count()  # never reused, unlike id(): a key names one backend 
 def peer_recurrent_step(backend: int, family: str, inputs: list[torch.Tensor], state: torch.Tensor,
                         rows: torch.Tensor) -> torch.Tensor:
     """One recurrent step of `family` on the peer kernel of PeersBackend `backend` (its id): the
-    LinearInputs' tensors, the layer's state pool, each row's state slot (padding: the pad slot)."""
+    kernel's inputs (peer_inputs), the layer's state pool, each row's state slot (int32; padding: the
+    pad slot)."""
     step = _gdn if family == "gdn" else _mamba2
     return step(_UPDATES[backend][family], inputs, state, rows)
 
 
 @peer_recurrent_step.register_fake
 def _(backend, family, inputs, state, rows):
-    fields = GDNInputs if family == "gdn" else Mamba2Inputs
-    return torch.empty_like(inputs[fields._fields.index(fields.output_like)])
+    return torch.empty_like(inputs[2][:, 0] if family == "gdn" else inputs[0])
+
+
+def peer_inputs(inputs: LinearInputs) -> list[torch.Tensor]:
+    """The peer kernel's inputs, made outside its custom op so that a compiled step fuses the copies
+    into its glue: GDN's q, k, v, g (gate_per_channel), b as dense (B, 1, H, D), A_log, dt_bias per
+    channel; Mamba-2's as they are (its broadcasts are stride-0 views)."""
+    if inputs.family != "gdn":
+        return list(inputs)
+    q, k, v, a, b = (t[:, None].contiguous() for t in inputs[:5])  # its kernel assumes dense (B, T, H, D)
+    g, dt_bias_k = gate_per_channel(a, inputs.dt_bias, q.shape[-1])
+    return [q, k, v, g, b, inputs.A_log.float(), dt_bias_k]
 
 
 def _gdn(update, inputs, state, rows):
-    q, k, v, a, b = (t[:, None].contiguous() for t in inputs[:5])  # its kernel assumes dense (B, T, H, D)
-    A_log, dt_bias = inputs[5], inputs[6]
-    o, final = update(q, k, v, g=a, beta=b,
-                      initial_state=state.index_select(0, rows), output_final_state=True,
-                      use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True, A_log=A_log.float(),
-                      dt_bias=dt_bias.float(), use_beta_sigmoid_in_kernel=True)
-    state.index_copy_(0, rows, final.to(state.dtype))  # padding rows all land in the pad slot
-    return o[:, 0].to(v.dtype)
+    q, k, v, g, b, A_log, dt_bias_k = inputs
+    out = fla_indexed_update(update, q, k, v, g, b, A_log, dt_bias_k, state, rows, torch.empty_like(v))
+    return out[:, 0]  # padding rows all read and write the pad slot
 
 
 def _mamba2(update, inputs, state, rows):
@@ -100,15 +135,15 @@ def _mamba2(update, inputs, state, rows):
     native = state.view(*state.shape[:-2], P, N)  # the slot's memory as mamba_ssm's (H, P, N) states (never a copy)
     y = update(native, x, dt[..., None].expand(-1, -1, P), A, B, C,
                D=D.float()[:, None].expand(H, P), dt_bias=dt_bias.float()[:, None].expand(H, P),
-               dt_softplus=True, state_batch_indices=rows.to(torch.int32))
+               dt_softplus=True, state_batch_indices=rows)
     return y.to(x.dtype)
 
 
 class PeersBackend(KernelBackend):
     """KernelBackend with the recurrent step on the peers' kernels; recurrent mode only.
 
-    gdn_update: a function with fla's fused_recurrent_gated_delta_rule signature; mamba2_update: one
-    with mamba_ssm's selective_state_update signature (tests pass CPU stand-ins)."""
+    gdn_update: a function with the signature of FLA's fused_recurrent_kda_fwd (load_fla_indexed);
+    mamba2_update: one with mamba_ssm's selective_state_update signature (tests pass CPU stand-ins)."""
 
     name = "peers"
 
@@ -122,13 +157,13 @@ class PeersBackend(KernelBackend):
     def recurrent_step(self, inputs: LinearInputs, state, state_slots):
         if self.updates[inputs.family] is None:
             raise ValueError(f"PeersBackend: no peer kernel for the {inputs.family} family (load_peers found none)")
-        rows = torch.where(state_slots >= 0, state_slots, state.shape[0] - 1).long()  # padding -> the pad slot
-        return peer_recurrent_step(self.key, inputs.family, list(inputs), state, rows)
+        rows = torch.where(state_slots >= 0, state_slots, state.shape[0] - 1).to(torch.int32)  # padding -> the pad slot
+        return peer_recurrent_step(self.key, inputs.family, peer_inputs(inputs), state, rows)
 
     def recurrent_drafts(self, inputs: LinearInputs, state, state_slots, draft_states, draft_rows):
-        """The speculative verify step by step on the peers' kernels (FLA 0.6.0 keeps no per-token
-        states in its kernel): each token's state, in the peer's own layout, copied to the request's
-        per-draft states after its step."""
+        """The speculative verify step by step on the peers' kernels: each token's state, in the peer's
+        own layout, copied to the request's per-draft states after its step (FLA's kernel can write
+        per-token states through 2-D indices into its one pool; kvbuffer keeps draft states apart)."""
         real = draft_rows >= 0
         rows_states = state_slots.clamp(min=0).long()
         # the rows' states gathered once (an indexed read copies), plus a pad slot for padding rows

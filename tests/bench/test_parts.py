@@ -176,7 +176,7 @@ def test_gate_and_ops_plumbing_with_reference_kernels(name):
     fakes = {"recurrent": _ReferenceKernel(ref.recurrent_step, True, reorder),
              "buffered": _ReferenceKernel(ref.buffered_step, True, reorder, flush_at=C)}
     fakes.update({f"verify{T}": _ReferenceKernel(ref.verify, False, reorder) for T in kernels.VERIFY_TOKENS})
-    errors = kernels.gate(family, fakes, heads, None, C=C, cap=cap, device="cpu")
+    errors = kernels.gate(family, fakes, heads, [], C=C, cap=cap, device="cpu")
     assert set(errors) == set(fakes) and max(errors.values()) < kernels.GATE_TOLERANCE, errors
     pools = kernels.Pools(heads, 3, cap=cap, C=C, device="cpu", cache_bytes=0)
     inputs = kernels.Inputs(family, heads, 3, device="cpu")
@@ -186,6 +186,29 @@ def test_gate_and_ops_plumbing_with_reference_kernels(name):
             op.run(s)
     assert all(bool(torch.isfinite(o).all()) for o in inputs.out.values())
     assert [op.name for op in ops] == ["recurrent", "buffered", "verify2", "verify4", "verify5", "verify8"]
+
+
+def test_indexed_fla_peer_meets_the_gate_on_a_standin():
+    """The "fla_indexed" peer's plumbing (GDN's gate broadcast per key channel, the indexed in-place
+    call, the gate's copy of the pool) on a CPU stand-in with the kernel's signature: within the
+    gate's tolerance of fp64; the timed op writes the rows' slots only."""
+    from kvbuffer.bench import gdn
+    from tests.bench.test_peers import fla_indexed_standin
+
+    heads = dict(kernels.heads_of(gdn.SHAPES[0]), Hk=2, Hv=4, K=32, V=16)
+    C, cap = 4, 13
+    peer = gdn.indexed_peer(fla_indexed_standin)
+    pools = kernels.Pools(heads, 3, cap=cap, C=C, device="cpu", cache_bytes=0)
+    inputs = kernels.Inputs(gdn, heads, 3, device="cpu")
+    want = gdn.reference("recurrent", inputs.tokens[1][0], inputs.params, pools, 0)
+    before = pools.state.clone()
+    assert kernels.rel_err(peer.output(pools, inputs, 0), want) < kernels.GATE_TOLERANCE
+    assert torch.equal(pools.state, before)  # the gate's run worked on a copy
+    peer.op(pools, inputs)(1)
+    touched = pools.state_slots(1).long()
+    others = torch.ones(pools.state.shape[0], dtype=torch.bool)
+    others[touched] = False
+    assert torch.equal(pools.state[others], before[others]) and not torch.equal(pools.state[touched], before[touched])
 
 
 @pytest.mark.parametrize("preset", ["tiny-qwen", "tiny-nemotron"])

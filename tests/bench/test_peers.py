@@ -1,6 +1,6 @@
-"""kvbuffer.bench.peers wired into the engine, on CPU: the peers' kernels (FLA's Triton
-fused_recurrent_gated_delta_rule, mamba_ssm's selective_state_update) need a GPU, so stand-ins with
-their signatures run here: FLA's own naive recurrence (fla-core's naive.py, loaded without its
+"""kvbuffer.bench.peers wired into the engine, on CPU: the peers' kernels (FLA's Triton indexed
+recurrent kernel fused_recurrent_kda_fwd, mamba_ssm's selective_state_update) need a GPU, so
+stand-ins with their signatures run here: FLA's own naive recurrence (fla-core's naive.py, loaded without its
 Triton package) and a transcription of selective_state_update's math. Both must give the tokens and
 logits of kvbuffer's recurrent mode, plain and speculative, with padding rows (graph buckets)."""
 
@@ -46,6 +46,25 @@ def fla_standin(q, k, v, g=None, beta=None, initial_state=None, output_final_sta
     return _fla_naive()(q, k, v, beta, g, initial_state=initial_state, output_final_state=output_final_state)
 
 
+def fla_indexed_standin(q, k, v, g, beta, A_log=None, dt_bias=None, initial_state=None,
+                        inplace_final_state=False, ssm_state_indices=None, use_qk_l2norm_in_kernel=False,
+                        use_gate_in_kernel=False, use_beta_sigmoid_in_kernel=False, out=None, **unused):
+    """fused_recurrent_kda_fwd called as kvbuffer.bench.peers calls it: indexed, in place, T = 1, with
+    a per-key-channel gate that must be GDN's per-head gate broadcast over K."""
+    assert inplace_final_state and use_gate_in_kernel and q.shape[1] == 1
+    K, Hv = q.shape[-1], v.shape[2]
+    assert torch.equal(g, g[..., :1].expand_as(g)) and dt_bias.shape == (Hv * K,)
+    assert torch.equal(dt_bias.view(Hv, K), dt_bias.view(Hv, K)[:, :1].expand(Hv, K))
+    rows = ssm_state_indices.long()
+    o, final = fla_standin(q, k, v, g=g[..., 0], beta=beta, initial_state=initial_state[rows],
+                           output_final_state=True, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
+                           use_gate_in_kernel=True, A_log=A_log, dt_bias=dt_bias.view(Hv, K)[:, 0],
+                           use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel)
+    initial_state[rows] = final.to(initial_state.dtype)
+    out.copy_(o)
+    return out, initial_state
+
+
 def ssu_standin(state, x, dt, A, B, C, D=None, z=None, dt_bias=None, dt_softplus=False, state_batch_indices=None):
     """mamba_ssm's selective_state_update (state (S, H, P, N), per-head tensors broadcast over P)."""
     rows = state_batch_indices.long()
@@ -76,7 +95,7 @@ def _run(kind, peers, T=0, refs=None):
               max_states=reserve_pad_slot(4), speculative=spec)
     llm.runner.use_graphs(True, capture=False)  # 3 requests padded to 4 rows
     if peers:
-        llm.backend = llm.runner.backend = PeersBackend(_counted("gdn", fla_standin),
+        llm.backend = llm.runner.backend = PeersBackend(_counted("gdn", fla_indexed_standin),
                                                                _counted("mamba2", ssu_standin))
     if refs is not None:
         llm.drafter = ScriptedDrafter(refs, "some", llm.vocab_size)
@@ -113,7 +132,7 @@ def test_e2e_peers_rows(monkeypatch, capsys, found):
     """bench decode with mode "peers": rows on the stand-ins; with the package missing, one line and no rows."""
     from kvbuffer.bench import e2e
 
-    peers = {"gdn": fla_standin, "mamba2": ssu_standin} if found == "standins" else {"gdn": None, "mamba2": None}
+    peers = {"gdn": fla_indexed_standin, "mamba2": ssu_standin} if found == "standins" else {"gdn": None, "mamba2": None}
     monkeypatch.setattr(e2e, "load_peers", lambda: peers)
     model = e2e.random_model("tiny-qwen", "cpu", torch.float32)
     rows = e2e.bench_decode(model, batches=(3,), modes=("recurrent", "peers"), prompt_len=12, new_tokens=4,
@@ -168,7 +187,7 @@ def test_peers_backend_compiles_without_graph_breaks(kind):
         counters.clear()
         llm = LLM(tiny_model(kind), device="cpu", mode="recurrent", chunk_size=4, max_batch=4,
                   max_states=reserve_pad_slot(4), compile=compile_)
-        llm.backend = llm.runner.backend = PeersBackend(fla_standin, ssu_standin)
+        llm.backend = llm.runner.backend = PeersBackend(fla_indexed_standin, ssu_standin)
         outs.append([o.token_ids for o in llm.generate(PROMPTS, max_new_tokens=4, stop_token_ids=[])])
         if compile_:
             assert not counters["graph_break"], dict(counters["graph_break"])
@@ -180,7 +199,7 @@ def test_a_freed_peers_backend_leaves_no_entry_and_keys_are_never_reused():
 
     from kvbuffer.bench import peers
 
-    a = PeersBackend(fla_standin, ssu_standin)
+    a = PeersBackend(fla_indexed_standin, ssu_standin)
     key = a.key
     assert peers._UPDATES[key] is a.updates
     del a

@@ -276,7 +276,7 @@ def test_tensor_core_form_for_verifies_and_fewer_query_heads(B, T, H, Hkv, D):
     lengths = _lengths(B, True, seed)
     q, kc, vc, slots, cached = _case(B, T, H, Hkv, D, lengths, "bfloat16", "bfloat16", seed)
     want = _reference(q, kc, vc, slots, cached, D ** -0.5)
-    params = dict(H=H, Hkv=Hkv, D=D, T_len=T, dtype="bfloat16", threads=128, unroll=4)
+    params = dict(H=H, Hkv=Hkv, D=D, T_len=T, dtype="bfloat16", kv_dtype="bfloat16", threads=128, unroll=4)
     op = build_template("attention_decode", "attention_decode_mma", params, module="attention", aliases={"T": T})
     combine = lookup.kernel_for(launch.attention_key("combine", q, kc))
     for splits in (1, 3):
