@@ -55,7 +55,7 @@ def _splits(shape, batch: int, T: int, device) -> int:
 
     from kvbuffer.kernels.attention import decode_blocks, splits_for
 
-    blocks = decode_blocks(dict(H=shape["H"], Hkv=shape["Hkv"], D=shape["D"], T=T), batch)
+    blocks = decode_blocks({k: shape[k] for k in ("H", "Hkv", "D", "dtype", "kv_dtype")} | {"T": T}, batch)
     sms = torch.cuda.get_device_properties(device).multi_processor_count if torch.device(device).type == "cuda" else 132
     return splits_for(blocks, CONTEXT + T, sms)
 

@@ -52,15 +52,16 @@ def other_form(shape: dict, T: int):
 
     H, Hkv, D = shape["H"], shape["Hkv"], shape["D"]
     G = H // Hkv
-    params = dict(H=H, Hkv=Hkv, D=D, T_len=T, dtype=shape["dtype"], kv_dtype=shape["kv_dtype"], threads=128, unroll=4)
+    params = dict(H=H, Hkv=Hkv, D=D, T_len=T, dtype=shape["dtype"], threads=128, unroll=4)
     if attention_on_tensor_cores(G, T, D, shape["dtype"], shape["kv_dtype"]):
-        form, template = "simt", "attention_decode_simt"
+        form, template, params["kv_dtype"] = "simt", "attention_decode_simt", shape["kv_dtype"]
         blocks = Hkv * G * T // attention_query_block(G, T, D)
     elif shape["dtype"] == shape["kv_dtype"] in ("bfloat16", "float16") and -(-G * T // 16) * 16 <= 48:
         form, template, blocks = "mma", "attention_decode_mma", Hkv
     else:
         return None
-    return form, build_template("attention_decode", template, params, module="attention", aliases={"T": T}), blocks
+    aliases = {"T": T, "kv_dtype": shape["kv_dtype"]}  # what the launcher checks (the mma form's cache is q's dtype)
+    return form, build_template("attention_decode", template, params, module="attention", aliases=aliases), blocks
 
 
 def run(shape: dict, batches, T: int, held: tuple[int, int], L: int) -> list[dict]:

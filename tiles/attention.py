@@ -14,12 +14,12 @@ path, kvbuffer.runtime.mixing.attention, reads the same cache through a gathered
   each query row live in registers (online softmax). The block's warps are merged through shared
   memory; with S = 1 the block writes the normalised output, else its partials (accumulator, max,
   sum) to the workspace for `attention_combine`.
-- `attention_decode_mma`: the same pass for a decode step (T = 1) of 8 or 16 query heads a KV head,
-  q and the cache in one 16-bit dtype (kvbuffer.kernels.keys.attention_on_tensor_cores): the G query
-  rows are one tensor-core tile, scores and P V are tensor-core products over tiles of positions in
-  shared memory. There the thread-level pass spends a 5-shuffle tree per query row per position
-  (80 for Nemotron-3's G = 16), which bounds it far below the cache's read. Same grid, ABI and
-  partials; `attention_decode` picks the form.
+- `attention_decode_mma`: the same pass where a KV head has 8 to 48 query rows (G x T: Nemotron-3's
+  decode step of G = 16, a verify's rows), q and the cache in one 16-bit dtype
+  (kvbuffer.kernels.keys.attention_on_tensor_cores): the rows are one tensor-core tile, scores and
+  P V are tensor-core products over tiles of positions in shared memory, one block a KV head. There
+  the thread-level pass spends a 5-shuffle tree per query row per position (80 for G = 16), which
+  bounds it far below the cache's read. Same ABI and partials; `attention_decode` picks the form.
 - `attention_combine`: one thread per output element merges the S partials (flash-decoding).
 
 Causality: token t of row b sees positions 0 .. cached[b] + t; its T new keys and values are already
@@ -99,7 +99,7 @@ def attention_decode(H: int, Hkv: int, D: int, T_len: int = 1, *, dtype: str = "
     form (`attention_decode_mma`) where keys.attention_on_tensor_cores says so, else the thread-level one."""
     check_attention(H, Hkv, D, T_len, dtype, kv_dtype, threads, unroll)
     if attention_on_tensor_cores(H // Hkv, T_len, D, dtype, kv_dtype):
-        return attention_decode_mma(H, Hkv, D, dtype=dtype, threads=threads, unroll=unroll)
+        return attention_decode_mma(H, Hkv, D, T_len, dtype=dtype, threads=threads, unroll=unroll)
     return attention_decode_simt(H, Hkv, D, T_len, dtype=dtype, kv_dtype=kv_dtype, threads=threads, unroll=unroll)
 
 
@@ -252,10 +252,8 @@ def attention_decode_mma(H: int, Hkv: int, D: int, T_len: int = 1, *, dtype: str
     whatever a slot last held (NaN included), and 0 x NaN is NaN. The tiles are plain vector loads in a
     serial loop (TileLang did not lower a pipelined loop with that masked load); other blocks on the SM
     hide their latency. The partials (accumulator, max, sum) and the S = 1 output are the thread-level
-    kernel's. The engine takes it where keys.attention_on_tensor_cores says (decode steps of 8 or 16
-    query heads a KV head, where its grid is the thread-level one's); verifies (T_len > 1) and fewer
-    query heads, up to 48 rows, build and run here, one block for all of a KV head's rows, and are not
-    yet measured on a GPU.
+    kernel's. The engine takes it where keys.attention_on_tensor_cores says (8 to 48 rows a KV head);
+    with fewer rows (a decode step of G = 4) it builds and runs too, for tests and the benchmark.
     """
     check_attention(H, Hkv, D, T_len, dtype, dtype, threads, unroll)
     G, Tn = H // Hkv, T_len

@@ -18,7 +18,7 @@ import torch
 from ..checks import check_slots, check_tensor
 from ..errors import ShapeError
 from .compiled import ACT_DTYPES, CompiledOp, build_template, check_contiguous, check_on_cuda, expect_kind
-from .keys import ATTENTION_MAX_TOKENS, attention_query_block
+from .keys import ATTENTION_MAX_TOKENS, attention_row_blocks
 
 MIN_SPLIT_POSITIONS = 32  # a split reads at least this many positions (a warp step of 4 warps x 4 positions x 2)
 BLOCKS_PER_SM = 1         # splits are added until the grid has about this many blocks per SM (docs/kernels.md)
@@ -38,9 +38,10 @@ def build_attention_combine(H: int, D: int, T: int = 1, *, dtype: str = "bfloat1
 
 
 def decode_blocks(op: CompiledOp, batch: int) -> int:
-    """Blocks of the decode kernel per split: batch x Hkv x query blocks (the template's rule)."""
-    G, T = op["H"] // op["Hkv"], op["T"]
-    return batch * op["Hkv"] * (G * T // attention_query_block(G, T, op["D"]))
+    """Blocks of the decode kernel per split: batch x Hkv x the blocks a KV head's rows take (the
+    form keys.attention_on_tensor_cores picks for the op's shape and dtypes)."""
+    G = op["H"] // op["Hkv"]
+    return batch * op["Hkv"] * attention_row_blocks(G, op["T"], op["D"], op["dtype"], op["kv_dtype"])
 
 
 def splits_for(blocks: int, context: int, sm_count: int) -> int:

@@ -312,13 +312,27 @@ def linear_dims(family: str, Hk: int, Hv: int, K: int, V: int) -> GDNDims | Mamb
     return GDNDims(Hk, Hv, K, V) if family == "gdn" else Mamba2Dims(Hk, Hv, K, V)
 
 
+ATTENTION_MMA_ROWS = (8, 48)  # query rows (G x T) a KV head for which the tensor-core form is taken
+
+
 def attention_on_tensor_cores(G: int, T: int, D: int, dtype: str, kv_dtype: str) -> bool:
-    """Whether the attention decode kernel runs a KV head's query rows as one tensor-core tile
-    (tiles/attention.py, `attention_decode_mma`): a decode step (T = 1) of 8 or 16 query heads a KV head
-    (so the block's rows are the thread-level template's, and so is the grid), q and the cache in one
-    16-bit dtype. Many query heads cost the thread-level template a shuffle tree per head per position."""
-    return (T == 1 and G in (8, 16) and D in ATTENTION_HEAD_DIMS and dtype == kv_dtype
-            and dtype in ("bfloat16", "float16") and attention_query_block(G, T, D) == G)
+    """Whether the attention decode kernel runs a KV head's G x T query rows as one tensor-core tile
+    (tiles/attention.py, `attention_decode_mma`, one block a KV head): 8 to 48 rows (padded to tiles
+    of 16; TileLang would pick warpgroup products at 64), q and the cache in one 16-bit dtype. The
+    thread-level template spends a shuffle tree per query row per position, so it loses once a KV
+    head has many rows (Nemotron-3's decode of G = 16, a verify's G x T), and wins at a few (Qwen3.5's
+    decode step, G = 4, where the tile would be three quarters padding)."""
+    lo, hi = ATTENTION_MMA_ROWS
+    return (lo <= G * T and -(-G * T // 16) * 16 <= hi and D in ATTENTION_HEAD_DIMS and dtype == kv_dtype
+            and dtype in ("bfloat16", "float16"))
+
+
+def attention_row_blocks(G: int, T: int, D: int, dtype: str, kv_dtype: str) -> int:
+    """Blocks of the attention decode kernel per (split, KV head, row): one for the tensor-core form,
+    else the thread-level form's query blocks. Here because the launcher sizes its splits by it."""
+    if attention_on_tensor_cores(G, T, D, dtype, kv_dtype):
+        return 1
+    return G * T // attention_query_block(G, T, D)
 
 
 def attention_query_block(G: int, T: int, D: int) -> int:

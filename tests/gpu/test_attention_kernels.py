@@ -91,7 +91,9 @@ CASES = [  # (B, T, H, Hkv, D, dtype, kv_dtype, long contexts)
     (5, 1, 16, 4, 256, "float16", "float16", False),
     (3, 2, 8, 2, 64, "float32", "float32", False),
     (3, 1, 16, 4, 128, "bfloat16", "float32", False),
-    # the tensor-core form (keys.attention_on_tensor_cores: T = 1, G = 8 or 16, one 16-bit dtype)
+    # the tensor-core form (keys.attention_on_tensor_cores: 8 .. 48 rows G x T, one 16-bit dtype; the
+    # verifies above of 20 and 32 rows take it too)
+    (64, 3, 32, 2, 128, "bfloat16", "bfloat16", True),  # Nemotron-3's 2-draft verify: 48 rows
     (257, 1, 32, 2, 128, "bfloat16", "bfloat16", True),
     (9, 1, 16, 2, 128, "bfloat16", "bfloat16", True),   # G = 8
     (7, 1, 32, 2, 128, "float16", "float16", True),
@@ -268,16 +270,18 @@ def test_tensor_core_form_follows_the_thread_level_one(B):
 @pytest.mark.parametrize("B,T,H,Hkv,D", [(64, 3, 32, 2, 128), (257, 5, 16, 4, 256), (5, 1, 16, 4, 256),
                                          (3, 8, 16, 4, 256)])
 def test_tensor_core_form_for_verifies_and_fewer_query_heads(B, T, H, Hkv, D):
-    """The tensor-core pass where the engine does not take it yet (a verify's rows, Qwen3.5's G = 4 padded
-    to 16-row tiles), one block for all of a KV head's rows: against fp64 at 1 / 3 splits, long contexts."""
+    """The tensor-core pass on a verify's rows (which the engine now gives it) and on Qwen3.5's G = 4
+    decode (which it does not: 4 rows padded to a 16-row tile), one block for all of a KV head's rows:
+    against fp64 at 1 / 3 splits, long contexts."""
     from kvbuffer.kernels.compiled import build_template
 
     seed = zlib.crc32(f"mma/{B}/{T}/{H}/{D}".encode())
     lengths = _lengths(B, True, seed)
     q, kc, vc, slots, cached = _case(B, T, H, Hkv, D, lengths, "bfloat16", "bfloat16", seed)
     want = _reference(q, kc, vc, slots, cached, D ** -0.5)
-    params = dict(H=H, Hkv=Hkv, D=D, T_len=T, dtype="bfloat16", kv_dtype="bfloat16", threads=128, unroll=4)
-    op = build_template("attention_decode", "attention_decode_mma", params, module="attention", aliases={"T": T})
+    params = dict(H=H, Hkv=Hkv, D=D, T_len=T, dtype="bfloat16", threads=128, unroll=4)  # its cache is q's dtype
+    op = build_template("attention_decode", "attention_decode_mma", params, module="attention",
+                        aliases={"T": T, "kv_dtype": "bfloat16"})
     combine = lookup.kernel_for(launch.attention_key("combine", q, kc))
     for splits in (1, 3):
         out = torch.full_like(q, float("nan"))

@@ -128,20 +128,25 @@ def test_split_rule():
     assert attn.splits_for(blocks=4, context=1, sm_count=132) == 1
 
 
-def test_tensor_core_form_is_for_decode_steps_of_many_query_heads():
-    """keys.attention_on_tensor_cores: T = 1, G = 8 or 16, one 16-bit dtype; its block rows are the
-    thread-level template's (so is the grid the launcher sizes)."""
-    from kvbuffer.kernels.keys import attention_on_tensor_cores, attention_query_block
+def test_tensor_core_form_is_for_8_to_48_query_rows_a_kv_head():
+    """keys.attention_on_tensor_cores: G x T in 8 .. 48 rows, one 16-bit dtype; the launcher counts
+    one block a KV head for it and the thread-level form's query blocks otherwise."""
+    from kvbuffer.kernels.keys import attention_on_tensor_cores, attention_query_block, attention_row_blocks
 
-    assert attention_on_tensor_cores(16, 1, 128, "bfloat16", "bfloat16")  # Nemotron-3
+    assert attention_on_tensor_cores(16, 1, 128, "bfloat16", "bfloat16")  # Nemotron-3's decode step
+    assert attention_on_tensor_cores(16, 3, 128, "bfloat16", "bfloat16")  # its 2-draft verify: 48 rows
+    assert attention_on_tensor_cores(4, 5, 256, "bfloat16", "bfloat16")  # Qwen3.5-9B's 4-draft verify
+    assert attention_on_tensor_cores(4, 2, 256, "bfloat16", "bfloat16")  # 8 rows
     assert attention_on_tensor_cores(8, 1, 256, "float16", "float16")
-    assert not attention_on_tensor_cores(4, 1, 256, "bfloat16", "bfloat16")  # Qwen3.5-9B: thread-level
-    assert not attention_on_tensor_cores(16, 5, 128, "bfloat16", "bfloat16")  # a verify
-    assert not attention_on_tensor_cores(16, 1, 256, "bfloat16", "bfloat16")  # 16 rows x 8 a lane: two blocks
+    assert attention_on_tensor_cores(16, 1, 256, "bfloat16", "bfloat16")
+    assert not attention_on_tensor_cores(4, 1, 256, "bfloat16", "bfloat16")  # Qwen3.5-9B's step: thread-level
+    assert not attention_on_tensor_cores(16, 5, 128, "bfloat16", "bfloat16")  # 80 rows
     assert not attention_on_tensor_cores(16, 1, 128, "bfloat16", "float32")
     assert not attention_on_tensor_cores(16, 1, 128, "float32", "float32")
-    for G, D in ((8, 64), (8, 256), (16, 32), (16, 128)):
-        assert attention_query_block(G, 1, D) == G
+    assert attention_row_blocks(16, 3, 128, "bfloat16", "bfloat16") == 1
+    assert attention_row_blocks(16, 1, 256, "bfloat16", "bfloat16") == 1
+    assert attention_row_blocks(4, 1, 256, "bfloat16", "bfloat16") == 4 // attention_query_block(4, 1, 256)
+    assert attention_row_blocks(16, 5, 128, "bfloat16", "bfloat16") == 80 // attention_query_block(16, 5, 128)
 
 
 def test_keys_name_their_templates_and_layouts():
