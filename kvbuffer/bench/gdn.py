@@ -87,9 +87,7 @@ def load_peers() -> tuple[list, list[str]]:
     except ImportError as e:
         return [], [f"fla: not importable ({e}); its rows are skipped (pip install fla-core)"]
     version = getattr(fla, "__version__", "?")
-    found = [common.Peer("fla", lambda pools, inputs: lambda s: _call_fla(fused_recurrent_gated_delta_rule, pools,
-                                                                           inputs, s),
-                         lambda pools, inputs, s: _call_fla(fused_recurrent_gated_delta_rule, pools, inputs, s)[:, 0])]
+    found = [contiguous_peer(fused_recurrent_gated_delta_rule)]
     notes = [f"fla: fla-core {version} fused_recurrent_gated_delta_rule, gate, beta sigmoid and q/k L2 norm in "
              "the kernel, states by contiguous window"]
     fwd, why = load_fla_indexed()
@@ -99,6 +97,12 @@ def load_peers() -> tuple[list, list[str]]:
         found.append(indexed_peer(fwd))
         notes.append(f"fla_indexed: fla-core {version} {why}")
     return found, notes
+
+
+def contiguous_peer(fn) -> common.Peer:
+    """The "fla" Peer on `fn`, a function with fused_recurrent_gated_delta_rule's signature."""
+    return common.Peer("fla", lambda pools, inputs: lambda s: _call_fla(fn, pools, inputs, s),
+                       lambda pools, inputs, s: _call_fla(fn, pools, inputs, s)[:, 0])
 
 
 def _call_fla(fn, pools: common.Pools, inputs: common.Inputs, s: int) -> torch.Tensor:

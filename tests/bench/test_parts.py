@@ -191,9 +191,9 @@ def test_gate_and_ops_plumbing_with_reference_kernels(name):
 def test_indexed_fla_peer_meets_the_gate_on_a_standin():
     """The "fla_indexed" peer's plumbing (GDN's gate broadcast per key channel, the indexed in-place
     call, the gate's copy of the pool) on a CPU stand-in with the kernel's signature: within the
-    gate's tolerance of fp64; the timed op writes the rows' slots only."""
+    gate's tolerance of fp64, as the contiguous "fla" peer is; the timed op writes the rows' slots only."""
     from kvbuffer.bench import gdn
-    from tests.bench.test_peers import fla_indexed_standin
+    from tests.bench.test_peers import fla_indexed_standin, fla_standin
 
     heads = dict(kernels.heads_of(gdn.SHAPES[0]), Hk=2, Hv=4, K=32, V=16)
     C, cap = 4, 13
@@ -204,6 +204,7 @@ def test_indexed_fla_peer_meets_the_gate_on_a_standin():
     before = pools.state.clone()
     assert kernels.rel_err(peer.output(pools, inputs, 0), want) < kernels.GATE_TOLERANCE
     assert torch.equal(pools.state, before)  # the gate's run worked on a copy
+    assert kernels.rel_err(gdn.contiguous_peer(fla_standin).output(pools, inputs, 0), want) < kernels.GATE_TOLERANCE
     peer.op(pools, inputs)(1)
     touched = pools.state_slots(1).long()
     others = torch.ones(pools.state.shape[0], dtype=torch.bool)
