@@ -311,3 +311,16 @@ def test_missing_attention_kernels_are_built_once_outside_a_capture(monkeypatch,
     else:
         assert launch._attention_kernel(key, 1) == "op"
     assert asked == ([] if capture else [key])
+
+
+def test_attention_decode_builds_a_verify_of_48_rows_in_the_tensor_core_form_with_its_tokens():
+    """tiles.attention.attention_decode hands a verify the keys rule gives tensor cores (Nemotron-3's
+    2-draft verify) to attention_decode_mma with its T_len (the kernel's q holds T tokens a row), and
+    keeps a 4-row decode step (Qwen3.5-9B) on the thread-level form."""
+    from kvbuffer.tiles import attention as tiles_attention
+
+    verify = tiles_attention.attention_decode(32, 2, 128, 3)
+    assert int(verify.buffer_map[verify.params[0]].shape[1]) == 3
+    assert verify.script() == tiles_attention.attention_decode_mma(32, 2, 128, 3).script()
+    step = tiles_attention.attention_decode(16, 4, 256, 1)
+    assert step.script() == tiles_attention.attention_decode_simt(16, 4, 256, 1).script()
