@@ -9,8 +9,8 @@ NOTES.md) around that import. While blocked, `importlib.util.find_spec("fla")` r
 consults sys.modules first), so FLA's naive file is located with `importlib.machinery.PathFinder`,
 which searches sys.path and ignores sys.modules: this works whichever test module pytest imports
 first, and whether or not someone already imported transformers or blocked FLA. As a second guard, the oracles
-are taken through `inspect.unwrap`, i.e. the raw torch functions below transformers' kernel
-dispatch wrappers, so even an earlier unblocked import of transformers cannot route them to a
+are taken through `_raw`, i.e. the raw torch functions below transformers' kernel dispatch
+wrappers (functools wrappers and the `kernels` package's function modules), so even an earlier unblocked import of transformers cannot route them to a
 compiled kernel.
 """
 
@@ -45,6 +45,15 @@ finally:
 
 
 def _raw(fn):
+    """The torch function below transformers' dispatch: past functools wrappers, and past the module
+    the `kernels` package (a dependency of recent transformers) makes of a decorated function, whose
+    forward calls that function through its closure cell `func`."""
+    forward = getattr(type(fn), "forward", None)
+    if forward is not None and forward.__closure__:
+        cells = dict(zip(forward.__code__.co_freevars, (c.cell_contents for c in forward.__closure__)))
+        if "func" not in cells:
+            raise TypeError(f"{fn!r}: a module without a wrapped function ('func') in its forward's closure")
+        fn = cells["func"]
     raw = inspect.unwrap(fn)
     assert "transformers" in raw.__code__.co_filename or "fla" in raw.__code__.co_filename, raw
     return raw
@@ -88,7 +97,7 @@ def promote_fp64(fn):
     replaced by a proxy whose float32 / float are float64. Nothing else of the algorithm changes,
     and the unmodified fp32 function is tested too (`*_fp32` comparisons).
     """
-    raw = inspect.unwrap(fn)
+    raw = _raw(fn)
     tree = ast.parse(textwrap.dedent(inspect.getsource(raw)))
     fdef = tree.body[0]
     assert isinstance(fdef, ast.FunctionDef) and fdef.name == raw.__name__
