@@ -67,8 +67,11 @@ def _export(llm, req: Request, cache):
             state = _materialized_state(llm, req, i)
             if _transposed(llm):
                 state = state.transpose(-1, -2)
-            cache.layers[hf_layer].update_conv_state(conv[None].clone())
-            cache.layers[hf_layer].update_recurrent_state(state[None].clone())
+            layer = cache.layers[hf_layer]
+            layer.update_conv_state(conv[None].clone())
+            layer.update_recurrent_state(state[None].clone())
+            if hasattr(layer, "cumulative_length_linear"):  # transformers >= 5.2x counts a layer's tokens
+                layer.cumulative_length_linear.fill_(req.cached)  # by its conv inputs: W here, not the prefix
         else:
             kc, vc = caches.kv.layer(i)
             k = kc[req.slot, : req.cached].transpose(0, 1)[None]  # (1, Hkv, L, D)

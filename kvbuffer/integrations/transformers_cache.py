@@ -9,6 +9,11 @@ speculative rollback, which the buffered decode step does not serve). Releases e
 - layer attributes (5.17): `Cache.has_previous_state(i, state_idx)` and the cache layer's public
   `conv_states[state_idx]`, `recurrent_states[state_idx]` and `record_past`.
 
+5.25 also counts each linear layer's tokens (`Cache.increase_count`; a layer's
+`cumulative_length_linear`), and that count is the cache's sequence length: the buffered conv step
+counts its token as the stock one does (transformers_layers._conv_step), and
+kvbuffer.engine.hf_interop sets it for a prefix it exports.
+
 `access_for(cache)` picks the first family the cache object has (feature detection, no version
 string), so a release that keeps either spelling works unchanged. The layer's own forward takes the
 cache as `cache=` in 5.24 and `cache_params=` in 5.17; `cache_keyword` reads which from its signature.

@@ -144,6 +144,8 @@ def _stock_forward(layer, hidden_states, cache, attention_mask, kwargs):
 def _conv_step(layer, mixed, cache, access: CacheAccess):
     """The layer's short conv for one token, (B, 1, D) -> (B, 1, D), advancing the cache's conv state."""
     conv_state = access.conv_state(cache, layer.layer_idx)
+    if callable(getattr(cache, "increase_count", None)):  # 5.25 counts a linear layer's tokens (its seq length)
+        cache.increase_count(layer.layer_idx, 0)  # as its stock one-token conv step does
     out = _stock(layer, "causal_conv1d_update")(mixed.transpose(1, 2), conv_state, layer.conv1d.weight.squeeze(1),
                                                 layer.conv1d.bias, layer.activation)
     return out.transpose(1, 2)
