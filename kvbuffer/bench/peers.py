@@ -38,7 +38,7 @@ import weakref
 
 import torch
 
-from ..runtime.backend import GDNInputs, KernelBackend, LinearInputs, Mamba2Inputs, per_token
+from ..runtime.backend import KernelBackend, LinearInputs, per_token
 from ..runtime.mixing import put_slot_rows
 
 log = logging.getLogger("kvbuffer")
