@@ -108,6 +108,7 @@ def peer_recurrent_step(backend: int, family: str, inputs: list[torch.Tensor], s
 
 @peer_recurrent_step.register_fake
 def _(backend, family, inputs, state, rows):
+    # the output is v's per-token shape: peer_inputs' v (B, 1, Hv, V) for GDN, x (B, H, P) for Mamba-2
     return torch.empty_like(inputs[2][:, 0] if family == "gdn" else inputs[0])
 
 
