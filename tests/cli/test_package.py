@@ -1,6 +1,11 @@
-"""Packaging promises: no TileLang at import, no generic top-level names, a working console script."""
+"""Packaging promises: no TileLang at import, no generic top-level names, a working console script, and
+a plain install (core dependencies only) that runs the bundled demo."""
 
+import importlib.metadata
 import importlib.util
+import json
+import pathlib
+import re
 import subprocess
 import sys
 
@@ -45,3 +50,57 @@ def test_cli_lists_its_commands_and_bench_needs_a_gpu():
     if not torch.cuda.is_available():
         result = CliRunner().invoke(main, ["bench", "gdn"])
         assert result.exit_code != 0 and "needs a CUDA GPU" in result.output
+
+
+
+DEMO_WITH_ONLY = """
+import importlib.machinery, json, sys
+
+# The distributions outside the core dependencies are not found, as if not installed.
+blocked = set(json.loads(sys.argv[1]))
+path_find_spec = importlib.machinery.PathFinder.find_spec
+importlib.machinery.PathFinder.find_spec = classmethod(
+    lambda cls, name, path=None, target=None:
+        None if name.partition(".")[0] in blocked else path_find_spec(name, path, target))
+from click.testing import CliRunner
+from kvbuffer.cli.main import main
+for args in (["--help"], ["generate", "--help"], ["env"], ["generate", "--prompt", "The ", "--max-new-tokens", "2"]):
+    result = CliRunner().invoke(main, args)
+    if result.exit_code != 0:
+        sys.exit(f"kvbuffer {' '.join(args)}: {result.output}")
+"""
+
+
+def _normalized(name: str) -> str:
+    return re.sub(r"[-_.]+", "-", name).lower()
+
+
+def core_dependencies() -> set[str]:
+    """pyproject's core dependencies and, installed, everything they require (extras excluded)."""
+    text = (pathlib.Path(__file__).resolve().parents[2] / "pyproject.toml").read_text()
+    block = re.search(r"^dependencies\s*=\s*\[(.*?)^\]", text, re.M | re.S).group(1)
+    todo = [_normalized(n) for n in re.findall(r'^\s*"([A-Za-z0-9_.-]+)', block, re.M)]
+    seen = set()
+    while todo:
+        name = todo.pop()
+        if name in seen:
+            continue
+        seen.add(name)
+        try:
+            requires = importlib.metadata.requires(name) or []
+        except importlib.metadata.PackageNotFoundError:
+            continue
+        todo += [_normalized(re.match(r"[A-Za-z0-9_.-]+", r).group(0)) for r in requires if "extra ==" not in r]
+    return seen
+
+
+def test_the_demo_runs_on_the_core_dependencies_alone():
+    """`kvbuffer --help`, `generate --help`, `env` and `generate` on the bundled demo, with every installed distribution outside pyproject's core
+    dependencies hidden from the import system: what a plain install (no extras) has. CI also runs the
+    demo after a real plain install in a fresh venv."""
+    keep = core_dependencies() | {"kvbuffer"}
+    blocked = sorted(module for module, dists in importlib.metadata.packages_distributions().items()
+                     if not {_normalized(d) for d in dists} & keep)
+    assert "transformers" in blocked or importlib.util.find_spec("transformers") is None
+    run = subprocess.run([sys.executable, "-c", DEMO_WITH_ONLY, json.dumps(blocked)], capture_output=True, text=True)
+    assert run.returncode == 0, run.stdout + run.stderr
