@@ -191,70 +191,66 @@ def _start_states(state, state_slots, buf_k, buf_v, buf_g, buffer_slots, lengths
 
 class _Chunks:
     """Every chunk's state-independent parts, computed for all chunks and heads at once:
-    (chunks, Hv, L, .) tensors, L the longest chunk, shorter chunks padded with inert tokens
-    (k = q = v = 0, g = 0, beta = 0)."""
+    contiguous (chunks, Hv, L, .) tensors, L the longest chunk, shorter chunks padded with inert
+    places (k = q = v = 0, g = 0, beta = 0)."""
 
     def __init__(self, q, k, v, g, beta, plan: _Plan, dt):
         dev = q.device
-        Hv = v.shape[1]
+        Hv, V = v.shape[1], v.shape[2]
         starts = torch.tensor(plan.starts, dtype=torch.long, device=dev)
         sizes = torch.tensor(plan.sizes, dtype=torch.long, device=dev)
-        L = max(plan.sizes)
+        L = self.L = max(plan.sizes)
         at = torch.arange(L, device=dev)
         self.filled = at[None, :] < sizes[:, None]                       # (Nc, L)
         self.tokens = (starts[:, None] + at[None, :])[self.filled]       # token of each filled place
-        idx = torch.where(self.filled, starts[:, None] + at[None, :], starts[:, None])
-        zero = torch.zeros((), dtype=dt, device=dev)
+        Nc = len(plan.starts)
 
-        def gather(x, heads=None):  # (N, H, ...) -> (Nc, H, L, ...), padding zeroed
-            y = x[idx].to(dt)
-            y = torch.where(self.filled.view(*self.filled.shape, *[1] * (y.dim() - 2)), y, zero)
-            if heads is not None:
-                y = _by_value_head(y, heads)
-            return y.transpose(1, 2)
+        def gather(x):  # (N, H, ...) -> (Nc, Hv, L, ...) in dt, value head h from head h // (Hv // H)
+            H, rest = x.shape[1], tuple(x.shape[2:])
+            out = torch.zeros((Nc, H, Hv // H, L) + rest, dtype=dt, device=dev)
+            places = out.movedim(3, 1)                                   # (Nc, L, H, Hv // H, ...)
+            places[self.filled] = x[self.tokens].to(dt).unsqueeze(2).expand(-1, -1, Hv // H, *rest)
+            return out.view((Nc, Hv, L) + rest)
 
-        qe, ke, vv = gather(q, Hv), gather(k, Hv), gather(v)
+        qe, ke, vv = gather(q), gather(k), gather(v)
         gamma = torch.cumsum(gather(clamp_log_decay(g.to(dt))), dim=-1)  # (Nc, Hv, L), finite
         causal = torch.ones(L, L, dtype=torch.bool, device=dev).tril()
         decay = _masked_weights(gamma[..., :, None], gamma[..., None, :], causal)  # exp(gamma_t - gamma_s), s <= t
         e_gamma = torch.exp(gamma)[..., None]
-        qd = e_gamma * qe
+        kt = ke.transpose(-1, -2).contiguous()
         self.delta = beta is not None
         if self.delta:
             bb = gather(beta)[..., None]                                   # (Nc, Hv, L, 1)
-            A = (decay * (ke @ ke.transpose(-1, -2))).tril(-1) * bb
-            rhs = torch.cat([bb * vv, (bb * e_gamma) * ke], dim=-1)
-            sol = torch.linalg.solve_triangular(A, rhs, upper=False, unitriangular=True)  # (I + A)^-1 rhs
-            self.u_hat = sol[..., :vv.shape[-1]]
-            self.reads = torch.cat([sol[..., vv.shape[-1]:], qd], dim=-2)  # [W; Q~]: one product with S
+            A = torch.matmul(ke, kt).mul_(decay).tril_(-1).mul_(bb)
+            eye = torch.eye(L, dtype=dt, device=dev).expand_as(A)
+            inv = torch.linalg.solve_triangular(A, eye, upper=False, unitriangular=True)  # (I + A)^-1
+            self.u_hat = inv @ (bb * vv)
+            self.w = inv @ (bb * e_gamma * ke)                             # U = u_hat - w S
         else:
             self.values = vv
-            self.reads = qd
-        self.attn = decay.mul_(qe @ ke.transpose(-1, -2))                 # (Nc, Hv, L, L), s <= t
+        self.q_decayed = e_gamma * qe
+        self.attn = decay.mul_(torch.matmul(qe, kt))                      # (Nc, Hv, L, L), s <= t
         g_last = gamma[..., -1:]                                          # padding adds no decay
-        self.fold_keys = (torch.exp(g_last - gamma)[..., None] * ke).transpose(-1, -2)  # (Nc, Hv, K, L)
+        self.fold_keys = (torch.exp(g_last - gamma)[..., None] * ke).transpose(-1, -2).contiguous()  # (Nc,Hv,K,L)
         self.fold_decay = torch.exp(g_last)[..., None]                    # (Nc, Hv, 1, 1)
-        self.L = L
+        self.V = V
 
     def carry(self, S, plan: _Plan):
         """Run the state through the chunks, step by step over all rows at once. Returns U
-        (Nc, Hv, L, V) and each row's state at its fold point (rows that fold; others unset)."""
-        Nc, L = self.reads.shape[0], self.L
-        U = torch.empty(Nc, S.shape[1], L, S.shape[3], dtype=S.dtype, device=S.device)
-        self._qs = torch.empty_like(U)
+        (Nc, L, Hv, V) and each row's state at its fold point (rows that fold; others unset)."""
+        Nc, L = self.q_decayed.shape[0], self.L
+        U = self.u_hat if self.delta else self.values                   # updated in place to U
+        self._qs = torch.empty(Nc, S.shape[1], L, S.shape[3], dtype=S.dtype, device=S.device)
         folded = torch.empty_like(S)
         first = 0
         for n, ends in zip(plan.per_step, plan.fold_ends):
             c = slice(first, first + n)
             Sj = S[:n]
-            read = self.reads[c] @ Sj
             if self.delta:
-                U[c] = self.u_hat[c] - read[..., :L, :]
-                self._qs[c] = read[..., L:, :]
-            else:
-                U[c] = self.values[c]
-                self._qs[c] = read
-            S[:n] = self.fold_decay[c] * Sj + self.fold_keys[c] @ U[c]
+                U[c] -= self.w[c] @ Sj
+            torch.matmul(self.q_decayed[c], Sj, out=self._qs[c])
+            S[:n] = torch.baddbmm((self.fold_decay[c] * Sj).flatten(0, 1), self.fold_keys[c].flatten(0, 1),
+                                  U[c].flatten(0, 1)).view_as(Sj)
             if ends:
                 at = torch.tensor(ends, dtype=torch.long, device=S.device)
                 folded[at] = S[at]
@@ -264,7 +260,9 @@ class _Chunks:
 
     def outputs(self):
         """o per chunk place (Nc, L, Hv, V), after `carry`."""
-        return (self._qs + self.attn @ self._u).transpose(1, 2)
+        L, V = self.L, self.V
+        out = self._qs.view(-1, L, V).baddbmm_(self.attn.view(-1, L, L), self._u.view(-1, L, V))
+        return out.view(self._qs.shape).transpose(1, 2)
 
 
 def _tail_entries(k, g, u_tok, cu_seqlens, buf_g, buffer_slots, lengths, plan: _Plan):
