@@ -15,7 +15,8 @@ at L_i .. L_i + T_i - 1, where runtime.mixing.attention writes them first (put_s
 put_kv_rows), or, when `k` and `v` are given, from those, rounded to the cache's dtype as a read
 after the write gives them. Nothing is written. Query head h reads KV head h // (H // Hkv).
 Scores, softmax and sums accumulate in fp32 (fp64 for fp64 queries); o (N, H, D) comes back in
-q's dtype, zero for padding rows' tokens.
+q's dtype, zero for padding rows' tokens. Tiles are block_q rows x block_k positions; besides
+them a request's context is copied once into the layouts the tile products read.
 """
 
 from __future__ import annotations
@@ -74,62 +75,48 @@ def prefill_attention(q, k_cache, v_cache, cu_seqlens, slots, cached, scale: flo
     """o (N, H, D): causal GQA of each request's new tokens over its cache (module docstring)."""
     cu, rows, lens = _check(q, k_cache, v_cache, cu_seqlens, slots, cached, scale, k, v, block_q, block_k)
     out = torch.zeros_like(q)
+    acc_dt = torch.float64 if q.dtype == torch.float64 else torch.float32
     for i, (slot, L) in enumerate(zip(rows, lens)):
         s, e = cu[i], cu[i + 1]
         if slot < 0 or e == s:
             continue
-        new = None if k is None else (k[s:e].to(k_cache.dtype), v[s:e].to(v_cache.dtype))
-        keys = _KeyReader(k_cache[slot], v_cache[slot], L, new)
+        keys, vals = k_cache[slot, :L + e - s], v_cache[slot, :L + e - s]
+        if k is not None:  # the new tokens' from k, v, as the cache would hold them
+            keys = torch.cat([keys[:L], k[s:e].to(k_cache.dtype)])
+            vals = torch.cat([vals[:L], v[s:e].to(v_cache.dtype)])
+        # the request's context once in the layouts the tile products read: (Hkv, D, n) and (Hkv, n, D)
+        keys_t = keys.to(acc_dt).permute(1, 2, 0).contiguous()
+        vals_t = vals.to(acc_dt).transpose(0, 1).contiguous()
         for a in range(0, e - s, block_q):
             b = min(a + block_q, e - s)
-            out[s + a:s + b] = _query_block(q[s + a:s + b], keys, L + a, scale, block_k).to(q.dtype)
+            out[s + a:s + b] = _query_block(q[s + a:s + b].to(acc_dt) * scale, keys_t, vals_t, L + a, block_k)
     return out
 
 
-class _KeyReader:
-    """Positions [p0, p1) of one request's keys and values: the cache's up to L, the new tokens'
-    from L on when they are given apart (else the cache's there too)."""
-
-    def __init__(self, k_slot, v_slot, L: int, new):
-        self.k_slot, self.v_slot, self.L, self.new = k_slot, v_slot, L, new
-
-    def __call__(self, p0: int, p1: int):
-        if self.new is None or p1 <= self.L:
-            return self.k_slot[p0:p1], self.v_slot[p0:p1]
-        k_new, v_new = self.new
-        lo = max(p0, self.L)
-        ks, vs = k_new[lo - self.L:p1 - self.L], v_new[lo - self.L:p1 - self.L]
-        if p0 < self.L:
-            ks, vs = torch.cat([self.k_slot[p0:self.L], ks]), torch.cat([self.v_slot[p0:self.L], vs])
-        return ks, vs
-
-
-def _query_block(q, keys: _KeyReader, first: int, scale: float, block_k: int) -> torch.Tensor:
-    """Tq query rows at positions first .. first + Tq - 1 over positions 0 .. first + Tq - 1, one key
-    tile at a time: running max m, sum l and accumulator per row (Tq, H, D), in the accumulation dtype."""
+def _query_block(q, keys_t, vals_t, first: int, block_k: int) -> torch.Tensor:
+    """Scaled query rows (Tq, H, D) at positions first .. first + Tq - 1 over positions
+    0 .. first + Tq - 1, one key tile at a time: a running max m, sum l and accumulator per row."""
     Tq, H, D = q.shape
-    acc_dt = torch.float64 if q.dtype == torch.float64 else torch.float32
-    Hkv = keys.k_slot.shape[1]
+    Hkv = keys_t.shape[0]
     G = H // Hkv
-    qg = q.to(acc_dt).view(Tq, Hkv, G, D).permute(1, 2, 0, 3).reshape(Hkv, G * Tq, D)  # rows (g, t)
-    m = torch.full((Hkv, G * Tq), float("-inf"), dtype=acc_dt, device=q.device)
-    l = torch.zeros((Hkv, G * Tq), dtype=acc_dt, device=q.device)  # noqa: E741
-    acc = torch.zeros((Hkv, G * Tq, D), dtype=acc_dt, device=q.device)
+    qg = q.view(Tq, Hkv, G, D).permute(1, 2, 0, 3).reshape(Hkv, G * Tq, D)  # rows (g, t)
+    m = torch.full((Hkv, G * Tq), float("-inf"), dtype=q.dtype, device=q.device)
+    l = torch.zeros((Hkv, G * Tq), dtype=q.dtype, device=q.device)  # noqa: E741
+    acc = torch.zeros((Hkv, G * Tq, D), dtype=q.dtype, device=q.device)
     end = first + Tq  # exclusive: the last row sees position end - 1
     rows_at = first + torch.arange(Tq, device=q.device)
     for p0 in range(0, end, block_k):
         p1 = min(p0 + block_k, end)
-        kb, vb = keys(p0, p1)
-        s = torch.matmul(qg, kb.to(acc_dt).permute(1, 2, 0)) * scale  # (Hkv, G*Tq, Tk)
+        s = torch.bmm(qg, keys_t[:, :, p0:p1])  # (Hkv, G*Tq, Tk)
         if p1 - 1 > first:  # the tile reaches past the first row: mask what each row may not see
             ahead = torch.arange(p0, p1, device=q.device)[None, :] > rows_at[:, None]  # (Tq, Tk)
             s.view(Hkv, G, Tq, p1 - p0).masked_fill_(ahead, float("-inf"))
         # position 0 is in the first tile and visible to every row, so m is finite from then on
         m_new = torch.maximum(m, s.amax(dim=-1))
-        p = torch.exp(s - m_new[..., None])
-        keep = torch.exp(m - m_new)
-        l = l * keep + p.sum(dim=-1)  # noqa: E741
-        acc = torch.baddbmm(acc * keep[..., None], p, vb.to(acc_dt).transpose(0, 1))
+        p = s.sub_(m_new[..., None]).exp_()
+        keep = (m - m_new).exp_()
+        l.mul_(keep).add_(p.sum(dim=-1))
+        acc.mul_(keep[..., None]).baddbmm_(p, vals_t[:, p0:p1])
         m = m_new
     o = acc / l[..., None]  # (Hkv, G*Tq, D)
     return o.view(Hkv, G, Tq, D).permute(2, 0, 1, 3).reshape(Tq, H, D)
