@@ -23,8 +23,8 @@ triangular system (I + A) U = beta (V - exp(gamma) K S) with A_ts = beta_t exp(g
 k_t . k_s (s < t), so U = Uhat - W S with Uhat, W independent of S (solved for every chunk at
 once); then o = exp(gamma) Q S + (exp(gamma_t - gamma_s) q_t . k_s)_{s <= t} U and
 S <- exp(gamma_L) S + (exp(gamma_L - gamma_s) k_s)_s^T U. Only that state carry is sequential,
-over the chunks of all requests in step. Tensors are at most (chunks, Hv, chunk, chunk): O(P x
-chunk) per head. Computed in the state's dtype; the fold uses the deltas at that precision (a
+over the chunks of all requests in step. Tensors are at most (chunks, Hv, chunk, chunk), with
+at most N / chunk + 2B chunks: O(N x chunk + B x chunk^2) per head, no (P x P) tensor. Computed in the state's dtype; the fold uses the deltas at that precision (a
 buffer of a narrower dtype rounds only the stored entries).
 """
 
