@@ -74,7 +74,7 @@ class _Plan:
 
 def _check_inputs(q, k, v, g, beta, cu_seqlens, state, state_slots, buf_k, buf_v, buf_g, buffer_slots, lengths,
                   flush_at, chunk_size):
-    """Every check that needs no device read-back; returns (B, Hk, Hv, cap)."""
+    """Every check that needs no device read-back; returns the number of tokens N."""
     check_tensor("state", state, (None, None, None, None), (torch.float32, torch.float64))
     _, Hv, K, V = state.shape
     dev = state.device
@@ -91,24 +91,27 @@ def _check_inputs(q, k, v, g, beta, cu_seqlens, state, state_slots, buf_k, buf_v
     check_tensor("cu_seqlens", cu_seqlens, (None,), INDEX_DTYPES, dev)
     if cu_seqlens.shape[0] < 1:
         raise ShapeError("cu_seqlens must hold B + 1 offsets (at least [0]), got an empty tensor")
-    B = cu_seqlens.shape[0] - 1
-    _check_rows(state, state_slots, buffer_slots, lengths, B, n_slots)
+    _check_rows(state, state_slots, buffer_slots, lengths, cu_seqlens.shape[0] - 1, n_slots)
     if isinstance(flush_at, bool) or not isinstance(flush_at, int) or not 0 < flush_at <= cap:
         raise ShapeError(f"flush_at must be an int in [1, {cap}] (the buffer capacity), got {flush_at!r}")
     if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
         raise ShapeError(f"chunk_size must be an int >= 1, got {chunk_size!r}")
-    return B, N, cap
+    return N
+
+
+def _cut(lo: int, hi: int, size: int) -> list[tuple[int, int]]:
+    """Tokens lo .. hi-1 as (start, length) chunks of at most `size`."""
+    return [(a, min(size, hi - a)) for a in range(lo, hi, size)]
 
 
 def _plan(cu_seqlens, state_slots, buffer_slots, lengths, N, flush_at, chunk_size) -> _Plan:
     """Read the offsets, slots and fills back, check their values, and cut the prompts."""
-    cu = [int(x) for x in cu_seqlens.tolist()]
+    cu = cu_seqlens.tolist()
     if cu[0] != 0 or cu[-1] != N or any(b < a for a, b in zip(cu, cu[1:])):
         raise ShapeError(f"cu_seqlens must rise from 0 to the {N} tokens of q without falling, got {cu[:8]}"
                          + (" ..." if len(cu) > 8 else ""))
-    fills, sslots, bslots = lengths.tolist(), state_slots.tolist(), buffer_slots.tolist()
-    rows, folds, tails, chunks = [], [], [], []
-    for i, (f, s, b) in enumerate(zip(fills, sslots, bslots)):
+    found = []  # (row, fill, buffer slot, folds, tail, chunks, index of the chunk ending at the fold point)
+    for i, (f, s, b) in enumerate(zip(lengths.tolist(), state_slots.tolist(), buffer_slots.tolist())):
         P = cu[i + 1] - cu[i]
         if b < 0:
             continue
@@ -118,25 +121,21 @@ def _plan(cu_seqlens, state_slots, buffer_slots, lengths, N, flush_at, chunk_siz
         if fold and s < 0:
             raise SlotError(f"row {i}: a prompt of {P} tokens after {f} buffered ones fills the buffer "
                             f"(flush_at={flush_at}); allocate a state slot first")
-        if P == 0:
-            continue
-        tail = (f + P) % flush_at if fold else P
-        cut = [(a, min(chunk_size, e - a)) for lo, e in ((cu[i], cu[i + 1] - tail), (cu[i + 1] - tail, cu[i + 1]))
-               for a in range(lo, e, chunk_size)]
-        fold_chunk = len(range(cu[i], cu[i + 1] - tail, chunk_size)) - 1 if fold else -1
-        rows.append((i, f, b)), folds.append(fold), tails.append(tail), chunks.append((cut, fold_chunk))
-    order = sorted(range(len(rows)), key=lambda a: -len(chunks[a][0]))  # stable: ties keep batch order
-    steps = len(chunks[order[0]][0]) if order else 0
+        if P:
+            tail = (f + P) % flush_at if fold else P
+            head = _cut(cu[i], cu[i + 1] - tail, chunk_size)
+            found.append((i, f, b, fold, tail, head + _cut(cu[i + 1] - tail, cu[i + 1], chunk_size),
+                          len(head) - 1 if fold else -1))
+    found.sort(key=lambda r: -len(r[5]))  # stable: ties keep batch order
     starts, sizes, per_step, fold_ends = [], [], [], []
-    for j in range(steps):
-        running = [a for a in order if len(chunks[a][0]) > j]
+    for j in range(len(found[0][5]) if found else 0):
+        running = [r for r in found if len(r[5]) > j]
         per_step.append(len(running))
-        fold_ends.append([n for n, a in enumerate(running) if chunks[a][1] == j])
-        for a in running:
-            starts.append(chunks[a][0][j][0]), sizes.append(chunks[a][0][j][1])
-    pick = lambda xs: [xs[a] for a in order]  # noqa: E731
-    i, f, b = zip(*pick(rows)) if rows else ((), (), ())
-    return _Plan(list(i), list(f), list(b), pick(folds), pick(tails), starts, sizes, per_step, fold_ends)
+        fold_ends.append([n for n, r in enumerate(running) if r[6] == j])
+        starts += [r[5][j][0] for r in running]
+        sizes += [r[5][j][1] for r in running]
+    rows, fills, slots, folds, tails = ([list(x) for x in zip(*found)][:5] if found else [[]] * 5)
+    return _Plan(rows, fills, slots, folds, tails, starts, sizes, per_step, fold_ends)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -146,7 +145,7 @@ def _plan(cu_seqlens, state_slots, buffer_slots, lengths, N, flush_at, chunk_siz
 def prefill(q, k, v, g, beta, cu_seqlens, state, state_slots, buf_k, buf_v, buf_g, buffer_slots, lengths,
             flush_at: int, chunk_size: int = CHUNK_SIZE):
     """Chunked prefill of packed prompts (module docstring): returns (o (N, Hv, V), new fills (B,))."""
-    B, N, _ = _check_inputs(q, k, v, g, beta, cu_seqlens, state, state_slots, buf_k, buf_v, buf_g, buffer_slots,
+    N = _check_inputs(q, k, v, g, beta, cu_seqlens, state, state_slots, buf_k, buf_v, buf_g, buffer_slots,
                             lengths, flush_at, chunk_size)
     plan = _plan(cu_seqlens, state_slots, buffer_slots, lengths, N, flush_at, chunk_size)
     new_lengths = torch.where(buffer_slots >= 0, (lengths + cu_seqlens.diff().to(lengths.dtype)) % flush_at, lengths)

@@ -33,6 +33,7 @@ CASES = {
     "1000": [(1000, 7, True, False)],
     "every_fill": [(21 + f % 5, f, True, False) for f in range(C)],
     "short_contexts": [(3, 0, False, False), (5, 10, False, False), (C - 4, 3, False, False), (40, 2, True, False)],
+    "fold_exactly": [(C - 5, 5, True, False), (2 * C - 3, 3, True, False), (C, 0, True, False)],
     "padding_and_empty": [(9, 4, True, True), (30, 1, True, False), (0, 6, False, False), (7, 0, False, True),
                           (0, 0, True, False), (C - 2, 2, True, False)],
 }
@@ -93,7 +94,7 @@ def _same_bits(a, b):
         torch.equal(a.isnan(), b.isnan())
 
 
-def _run_core(fam, pb: Problem, pools):
+def _run_core(fam, pb: Problem, pools, flush_at=C):
     """core.prefill request by request on `pools`: o (N, Hv, V) and the new fills."""
     q, k, v, g, beta = _core_inputs(fam, pb.tok)
     state, bk, bv, bg = pools
@@ -105,16 +106,16 @@ def _run_core(fam, pb: Problem, pools):
         s, e = int(pb.cu[i]), int(pb.cu[i + 1])
         part = lambda t: None if t is None else t[s:e]  # noqa: E731
         o[s:e], fills[i] = core.prefill(part(q), part(k), part(v), part(g), part(beta), state, int(pb.state_slots[i]),
-                                        bk, bv, bg, int(pb.buffer_slots[i]), int(pb.lengths[i]), C)
+                                        bk, bv, bg, int(pb.buffer_slots[i]), int(pb.lengths[i]), flush_at)
     return o, fills
 
 
-def _check_against_core(fam, pb: Problem, chunk_size: int):
+def _check_against_core(fam, pb: Problem, chunk_size: int, flush_at: int = C):
     before = pb.clone_pools()
     ref_pools = pb.clone_pools()
-    o_ref, fills_ref = _run_core(fam, pb, ref_pools)
+    o_ref, fills_ref = _run_core(fam, pb, ref_pools, flush_at)
     o, fills = chunked.prefill(*_core_inputs(fam, pb.tok), pb.cu, pb.state, pb.state_slots, pb.buf_k, pb.buf_v,
-                               pb.buf_g, pb.buffer_slots, pb.lengths, C, chunk_size)
+                               pb.buf_g, pb.buffer_slots, pb.lengths, flush_at, chunk_size)
     assert torch.equal(fills, fills_ref)
     torch.testing.assert_close(o, o_ref, rtol=0, atol=TOL)
     real = pb.buffer_slots >= 0
@@ -151,6 +152,17 @@ def test_chunk_size_changes_nothing(family, chunk_size):
     fam = _family(family)
     rows = [(70, 5, True, False), (C + 3, 0, True, False), (C - 6, 4, False, False), (11, 2, True, True)]
     _check_against_core(fam, Problem(fam, rows, seed=chunk_size), chunk_size)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("flush_at", [1, 5, CAP])
+def test_other_flush_sizes(family, flush_at):
+    """C = 1 (every token folds), a C that divides no chunk, C = the whole buffer."""
+    fam = _family(family)
+    rows = [(50, 0, True, False), (flush_at, flush_at - 1, True, False), (flush_at + 2, flush_at // 2, True, False)]
+    if flush_at > 1:
+        rows.append((flush_at - 1, 0, False, False))
+    _check_against_core(fam, Problem(fam, rows, seed=flush_at), 7, flush_at)
 
 
 def test_long_prompt():
