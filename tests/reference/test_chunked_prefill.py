@@ -166,10 +166,44 @@ def test_other_flush_sizes(family, flush_at):
 
 
 def test_long_prompt():
-    """A 10,007-token prompt after a partial buffer, in one call with a short one."""
+    """A 10,007-token prompt after a partial buffer, packed with a short one: the long row against
+    transformers' chunk function from the state its buffer folds into (core.prefill would take a
+    minute), the short row against core.prefill; each row's tail flushed at the end."""
+    from tests.support.oracles import HF
+
     fam = _family("gdn")
-    _check_against_core(fam, Problem(fam, [(10_007, 9, True, False), (C + 5, C - 1, True, False)], seed=3),
-                        chunked.CHUNK_SIZE)
+    P = 10_007
+    pb = Problem(fam, [(P, 9, True, False), (C + 5, C - 1, True, False)], seed=3)
+    s0, b0 = pb.state_slots[:1], pb.buffer_slots[:1]
+    start = pb.clone_pools()
+    core.flush(*start[:1], s0, *start[1:], b0, pb.lengths[:1])  # S_f of the long row
+    ref = pb.clone_pools()
+    o_short, fill_short = _run_core(fam, _only_row(pb, 1), ref)
+    o, fills = chunked_ops.gdn_prefill(*fam.args(pb.tok), pb.cu, pb.state, pb.state_slots, pb.buf_k, pb.buf_v,
+                                       pb.buf_g, pb.buffer_slots, pb.lengths, C)
+    assert fills.tolist() == [(9 + P) % C, int(fill_short[1])]
+    torch.testing.assert_close(o[P:], o_short[P:], rtol=0, atol=TOL)
+    p = fam.params
+    long_tok = fam.slice_tokens(pb.tok, slice(0, P))
+    g = -p["A_log"].exp() * F.softplus(long_tok["a"] + p["dt_bias"])
+    o_ref, S_ref = HF.gdn_chunk_fp64(long_tok["q"][None], long_tok["k"][None], long_tok["v"][None], g=g[None],
+                                     beta=long_tok["b"].sigmoid()[None], chunk_size=64,
+                                     initial_state=start[0][s0.long()], output_final_state=True,
+                                     use_qk_l2norm_in_kernel=True)
+    torch.testing.assert_close(o[:P], o_ref[0], rtol=0, atol=TOL)
+    core.flush(pb.state, pb.state_slots, pb.buf_k, pb.buf_v, pb.buf_g, pb.buffer_slots, fills)
+    core.flush(ref[0], pb.state_slots, *ref[1:], pb.buffer_slots, fill_short)
+    torch.testing.assert_close(pb.state[s0.long()], S_ref, rtol=0, atol=TOL)
+    s1 = int(pb.state_slots[1])
+    torch.testing.assert_close(pb.state[s1], ref[0][s1], rtol=0, atol=TOL)
+
+
+def _only_row(pb: Problem, keep: int) -> Problem:
+    """The same problem with every other row made padding (for core.prefill on one row)."""
+    view = object.__new__(Problem)
+    view.__dict__.update(pb.__dict__)
+    view.buffer_slots = torch.where(torch.arange(pb.B) == keep, pb.buffer_slots, torch.full_like(pb.buffer_slots, -1))
+    return view
 
 
 # ----------------------------------------------------------------------------------------------
