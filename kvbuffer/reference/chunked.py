@@ -24,8 +24,9 @@ k_t . k_s (s < t), so U = Uhat - W S with Uhat, W independent of S (solved for e
 once); then o = exp(gamma) Q S + (exp(gamma_t - gamma_s) q_t . k_s)_{s <= t} U and
 S <- exp(gamma_L) S + (exp(gamma_L - gamma_s) k_s)_s^T U. Only that state carry is sequential,
 over the chunks of all requests in step. Tensors are at most (chunks, Hv, chunk, chunk), with
-at most N / chunk + 2B chunks: O(N x chunk + B x chunk^2) per head, no (P x P) tensor. Computed in the state's dtype; the fold uses the deltas at that precision (a
-buffer of a narrower dtype rounds only the stored entries).
+at most N / chunk + 2B chunks: O(N x chunk + B x chunk^2) per head, no (P x P) tensor.
+Computed in the state's dtype; the fold uses the deltas at that precision (a buffer of a
+narrower dtype rounds only the stored entries).
 """
 
 from __future__ import annotations
@@ -37,7 +38,6 @@ import torch
 from ..checks import FLOAT_DTYPES, INDEX_DTYPES, check_tensor
 from ..errors import ShapeError, SlotError
 from .core import (
-    _by_value_head,
     _check_buffer,
     _check_rows,
     _last_log_decay,
@@ -146,7 +146,7 @@ def prefill(q, k, v, g, beta, cu_seqlens, state, state_slots, buf_k, buf_v, buf_
             flush_at: int, chunk_size: int = CHUNK_SIZE):
     """Chunked prefill of packed prompts (module docstring): returns (o (N, Hv, V), new fills (B,))."""
     N = _check_inputs(q, k, v, g, beta, cu_seqlens, state, state_slots, buf_k, buf_v, buf_g, buffer_slots,
-                            lengths, flush_at, chunk_size)
+                      lengths, flush_at, chunk_size)
     plan = _plan(cu_seqlens, state_slots, buffer_slots, lengths, N, flush_at, chunk_size)
     new_lengths = torch.where(buffer_slots >= 0, (lengths + cu_seqlens.diff().to(lengths.dtype)) % flush_at, lengths)
     Hv, V = state.shape[1], state.shape[3]
