@@ -85,8 +85,8 @@ def geometry_of(model) -> ModelGeometry:
                          g["conv_width"], g["num_attention_layers"], g["num_kv_heads"], g["head_dim"])
 
 
-def request_spec(geo: ModelGeometry, *, scheme: str, context: int, draft_tokens: int = 0, chunk_size: int = DEFAULT_CHUNK_SIZE,
-                 requests: int = 1, states: int | None = None) -> CacheSpec:
+def request_spec(geo: ModelGeometry, *, scheme: str, context: int, draft_tokens: int = 0,
+                 chunk_size: int = DEFAULT_CHUNK_SIZE, requests: int = 1, states: int | None = None) -> CacheSpec:
     """The CacheSpec for `requests` slots under `scheme` ("kvbuffer" or "recurrent"): the one function
     both the planner and kvbuffer.LLM build their caches' description with.
 
@@ -120,8 +120,8 @@ class Plan:
     max_requests: int
 
 
-def plan(geo: ModelGeometry, *, gpu_memory: int, context: int, draft_tokens: int = 0, chunk_size: int = DEFAULT_CHUNK_SIZE,
-         reserve_fraction: float = 0.1, dtype=torch.bfloat16) -> dict[str, Plan]:
+def plan(geo: ModelGeometry, *, gpu_memory: int, context: int, draft_tokens: int = 0,
+         chunk_size: int = DEFAULT_CHUNK_SIZE, reserve_fraction: float = 0.1, dtype=torch.bfloat16) -> dict[str, Plan]:
     """Both schemes' bytes per request and maximum concurrent requests in `gpu_memory` bytes.
 
     `reserve_fraction` of the memory is kept for activations, workspaces and the allocator.
