@@ -9,8 +9,10 @@ from __future__ import annotations
 import click
 
 from kvbuffer.bench import KERNEL_BATCHES
+from kvbuffer.defaults import DEFAULT_CHUNK_SIZE, MAX_DRAFT_TOKENS
+from kvbuffer.option_values import numbers, positive_ints
 
-from .values import numbers, positive_ints
+from .engine_options import engine_options
 
 
 def _out_option(f):
@@ -42,7 +44,7 @@ def _kernel_command(family: str, peer: str):
     @click.option("--shapes",
                   help=f"Model presets whose head shapes to time (default: kvbuffer.bench.{family}.SHAPES).")
     @click.option("--batches", default=",".join(map(str, KERNEL_BATCHES)), show_default=True, help="Batch sizes.")
-    @click.option("--chunk-size", "C", default=16, show_default=True, type=click.IntRange(min=1),
+    @click.option("--chunk-size", "C", default=DEFAULT_CHUNK_SIZE, show_default=True, type=click.IntRange(min=1),
                   help="Buffer chunk size C (the buffered step flushes at C).")
     @click.option("--cap", default=24, show_default=True, type=click.IntRange(min=2), help="Buffer entries per row.")
     @click.option("--launches", default=32, show_default=True, type=click.IntRange(min=1),
@@ -93,12 +95,7 @@ def _engine_options(f):
                      help="Prompt tokens. decode staggers them over one chunk (prompt-len .. prompt-len + "
                           "chunk-size - 1), so each step flushes 1/chunk-size of the rows, as a server does."),
         click.option("--new-tokens", default=32, show_default=True, type=click.IntRange(min=2)),
-        click.option("--chunk-size", default=16, show_default=True, type=click.IntRange(min=1)),
-        click.option("--kernels", default="auto", show_default=True, type=click.Choice(["auto", "true", "false"])),
-        click.option("--cuda-graphs", default="auto", show_default=True, type=click.Choice(["auto", "true", "false"])),
-        click.option("--compile", "compile_", default="false", show_default=True,
-                     type=click.Choice(["auto", "true", "false"]),
-                     help="Decode and verify forwards under torch.compile (auto: on CUDA with CUDA graphs)."),
+        engine_options("chunk_size", "kernels", "cuda_graphs", "compile", chunk_size=DEFAULT_CHUNK_SIZE),
         _out_option,
     ]
     for option in reversed(options):
@@ -106,11 +103,7 @@ def _engine_options(f):
     return f
 
 
-def _flag(text: str):
-    return {"auto": "auto", "true": True, "false": False}[text]
-
-
-def _engine_run(what, preset, modes, kernels, cuda_graphs, compile_, out, **options):
+def _engine_run(what, preset, modes, config, out, **options):
     need_cuda()
     from kvbuffer import presets
     from kvbuffer.bench import e2e
@@ -119,8 +112,8 @@ def _engine_run(what, preset, modes, kernels, cuda_graphs, compile_, out, **opti
         presets.get(preset)
     except ValueError as e:
         raise click.BadParameter(str(e), param_hint="--preset") from None
-    e2e.run(what, preset=preset, out_dir=out, modes=tuple(modes.split(",")), kernels=_flag(kernels),
-            cuda_graphs=_flag(cuda_graphs), compile=_flag(compile_), **options)
+    e2e.run(what, preset=preset, out_dir=out, modes=tuple(modes.split(",")), chunk_size=config.chunk_size,
+            kernels=config.kernels, cuda_graphs=config.cuda_graphs, compile=config.compile, **options)
 
 
 def _profile_option(f):
@@ -136,17 +129,14 @@ def _profile_option(f):
               help="Sample every request at this temperature (0: greedy).")
 @click.option("--top-p", default=1.0, show_default=True, type=click.FloatRange(0.0, 1.0, min_open=True),
               help="Nucleus mass for the sampled requests.")
-@click.option("--gemv", default="auto", show_default=True, type=click.Choice(["auto", "true", "false"]),
-              help="One-token forwards' projections and routed experts' few-token ones on the one-row "
-                   "kernels, routed experts' forwards of up to 512 tokens on the grouped experts kernel (LLM(gemv=...)); the "
-                   "peers row always runs torch's GEMM.")
+@engine_options("gemv")
 @_profile_option
-def decode(preset, modes, prompt_len, new_tokens, chunk_size, kernels, cuda_graphs, compile_, out, batches,
-           temperature, top_p, gemv, profile_batch):
-    """Decode throughput and step latency, kvbuffer vs the recurrent scheme, random-weight model."""
-    _engine_run("decode", preset, modes, kernels, cuda_graphs, compile_, out, prompt_len=prompt_len,
-                new_tokens=new_tokens, chunk_size=chunk_size, batches=positive_ints(batches, "--batches"),
-                temperature=temperature, top_p=top_p, gemv=_flag(gemv), profile_batch=profile_batch)
+def decode(preset, modes, prompt_len, new_tokens, config, out, batches, temperature, top_p, profile_batch):
+    """Decode throughput and step latency, kvbuffer vs the recurrent scheme, random-weight model (the peers
+    row always runs torch's GEMM)."""
+    _engine_run("decode", preset, modes, config, out, prompt_len=prompt_len, new_tokens=new_tokens,
+                batches=positive_ints(batches, "--batches"), temperature=temperature, top_p=top_p, gemv=config.gemv,
+                profile_batch=profile_batch)
 
 
 @bench.command("spec")
@@ -157,17 +147,18 @@ def decode(preset, modes, prompt_len, new_tokens, chunk_size, kernels, cuda_grap
 @click.option("--batches", default="1,16,64,256", show_default=True, help="Batch sizes of the equal setting.")
 @click.option("--alphas", default="0,0.5,0.7,0.9", show_default=True,
               help="Probability that each draft is right (until the first miss).")
-@click.option("--draft-tokens", default=4, show_default=True, type=click.IntRange(min=1), help="Drafts per step.")
+@click.option("--draft-tokens", default=4, show_default=True, type=click.IntRange(1, MAX_DRAFT_TOKENS),
+              help="Drafts per step.")
 @click.option("--memory-budget", default=40.0, show_default=True, type=click.FloatRange(min=0),
               help="GiB for the per-request caches (capacity setting).")
 @click.option("--max-requests", default=1024, show_default=True, type=click.IntRange(min=1),
               help="Cap on the requests admitted (capacity setting).")
 @_profile_option
-def spec(preset, modes, prompt_len, new_tokens, chunk_size, kernels, cuda_graphs, compile_, out, settings, batches,
-         alphas, draft_tokens, memory_budget, max_requests, profile_batch):
+def spec(preset, modes, prompt_len, new_tokens, config, out, settings, batches, alphas, draft_tokens, memory_budget,
+         max_requests, profile_batch):
     """Speculative decoding with a drafter of chosen acceptance: equal batch and under a memory budget."""
-    _engine_run("spec", preset, modes, kernels, cuda_graphs, compile_, out, prompt_len=prompt_len,
-                new_tokens=new_tokens, chunk_size=chunk_size, settings=tuple(settings),
+    _engine_run("spec", preset, modes, config, out, prompt_len=prompt_len, new_tokens=new_tokens,
+                settings=tuple(settings),
                 batches=positive_ints(batches, "--batches"), alphas=numbers(alphas, "--alphas"), drafts=draft_tokens,
                 budget_bytes=int(memory_budget * 2**30), max_requests=max_requests, profile_batch=profile_batch)
 

@@ -9,25 +9,19 @@ from pathlib import Path
 
 import click
 
-from .engine_options import compile_option
+from .engine_options import engine_options
 from .presets import resolve_model
 
 
-def _engine_check(name: str):
-    """A click callback that runs the engine's own check `name` from kvbuffer.engine.options on an
-    option's value and reports a failure as a usage error (exit 2). The import waits for the call
-    so that `kvbuffer --help` does not load torch."""
+def _seed(ctx, param, value):
+    """The engine's own seed check, as a usage error."""
+    from kvbuffer.engine.validate import check_seed
 
-    def callback(ctx, param, value):
-        from kvbuffer.engine import options
-
-        try:
-            getattr(options, name)(value)
-        except (TypeError, ValueError) as e:
-            raise click.BadParameter(str(e)) from None
-        return value
-
-    return callback
+    try:
+        check_seed(value)
+    except (TypeError, ValueError) as e:
+        raise click.BadParameter(str(e)) from None
+    return value
 
 
 @click.command()
@@ -42,41 +36,18 @@ def _engine_check(name: str):
               callback=lambda ctx, param, v: _finite(v), help="0 = greedy.")
 @click.option("--top-k", default=0, show_default=True, type=click.IntRange(min=0))
 @click.option("--top-p", default=1.0, show_default=True, type=click.FloatRange(0.0, 1.0, min_open=True))
-@click.option("--seed", default=None, type=int, callback=_engine_check("check_seed"))
-@click.option("--mode", type=click.Choice(["kvbuffer", "recurrent"]), default="kvbuffer", show_default=True)
-@click.option("--chunk-size", default=None, type=click.IntRange(min=1),
-              help="Buffer entries folded into the state per flush (C) [default: the tuned policy, else 16].")
-@click.option("--speculative", type=click.Choice(["ngram", "mtp"]), default=None,
-              help="Speculative decoding: n-gram prompt lookup, or the checkpoint's MTP head.")
-@click.option("--draft-tokens", default=4, show_default=True, type=click.IntRange(1, 16),
-              help="Draft tokens per step with --speculative.")
-@click.option("--max-len", default=2048, show_default=True, type=click.IntRange(min=2),
-              help="Longest context (prompt + output) per request; a request that reaches it stops there.")
-@click.option("--device", default=None, callback=_engine_check("check_device"),
-              help="cpu, cuda, cuda:1 ... (default: cuda when available).")
-@click.option("--dtype", type=click.Choice(["float32", "bfloat16", "float16"]), default=None)
-@click.option("--cuda-graphs/--no-cuda-graphs", default=True, show_default=True,
-              help="Replay decode steps as CUDA graphs (on CUDA with the compiled kernels).")
-@compile_option
-def generate(model, prompts, prompts_file, max_new_tokens, temperature, top_k, top_p, seed, mode, chunk_size,
-             speculative, draft_tokens, max_len, device, dtype, cuda_graphs, compile_):
+@click.option("--seed", default=None, type=int, callback=_seed)
+@engine_options("mode", "chunk_size", "speculative", "max_len", "device", "dtype", "cuda_graphs", "compile")
+def generate(model, prompts, prompts_file, max_new_tokens, temperature, top_k, top_p, seed, config):
     """Generate text. Streams the output when there is a single prompt."""
-    import torch
-
     from kvbuffer import LLM
     from kvbuffer.detokenize import IncrementalDetokenizer
 
-    if speculative is None and click.get_current_context().get_parameter_source("draft_tokens") is \
-            click.core.ParameterSource.COMMANDLINE:
-        raise click.UsageError("--draft-tokens needs --speculative ngram or --speculative mtp")
     texts = list(prompts) + (_read_prompts(prompts_file) if prompts_file else [])
     if not texts:
         texts = ["The "]
     path = resolve_model(model)
-    llm = LLM(str(path), device=device, dtype=getattr(torch, dtype) if dtype else None, mode=mode,
-              chunk_size=chunk_size, max_batch=max(1, min(len(texts), 64)), max_len=max_len,
-              speculative={"method": speculative, "num_draft_tokens": draft_tokens} if speculative else None,
-              cuda_graphs="auto" if cuda_graphs else False, compile=compile_)
+    llm = LLM(str(path), config, max_batch=max(1, min(len(texts), 64)))
     if llm.tokenizer is None:
         raise click.UsageError(f"{path} has no tokenizer files, so text prompts cannot be encoded")
     stream = len(texts) == 1
@@ -102,19 +73,19 @@ def generate(model, prompts, prompts_file, max_new_tokens, temperature, top_k, t
         for text, out in zip(texts, outs):
             click.echo(f"--- {text!r}\n{out.text}")
     stats = llm.last_stats
-    spec = ""
+    spec, speculative = "", config.speculative
     if speculative:
         acc = llm.acceptance
-        spec = f", {speculative} drafts accepted {acc['acceptance_rate']:.0%}, {acc['tokens_per_step']:.2f} tokens/step"
+        spec = f", {speculative.method} drafts accepted {acc['acceptance_rate']:.0%}, {acc['tokens_per_step']:.2f} tokens/step"
     linear = "kernels" if llm.kernels else "reference ops"
     click.echo(f"[{stats.generated_tokens} tokens from {stats.requests} prompt(s) in {elapsed:.2f}s: "
-               f"{stats.tokens_per_second:.1f} tok/s, mode={mode}, device={llm.device}, linear layers on "
+               f"{stats.tokens_per_second:.1f} tok/s, mode={config.mode}, device={llm.device}, linear layers on "
                f"{linear}{spec}]", err=True)
     if llm.device.type == "cuda" and not llm.kernels and llm.kernels_reason.startswith("no compiled kernel"):
         click.echo(f"note: the linear layers ran on the reference ops: {llm.kernels_reason}", err=True)
     elif llm.kernels and llm.backend.conv_on_reference:
         click.echo("note: the short conv ran on the reference ops (no compiled conv kernel); build it with "
-                   f"`{_tune_command(llm, path, speculative and draft_tokens)}`", err=True)
+                   f"`{_tune_command(llm, path, speculative and speculative.num_draft_tokens)}`", err=True)
 
 
 def _non_empty(prompts: tuple[str, ...]) -> tuple[str, ...]:

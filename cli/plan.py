@@ -6,6 +6,8 @@ import math
 
 import click
 
+from kvbuffer.defaults import DEFAULT_CHUNK_SIZE
+
 
 def _bytes(text: str) -> int:
     """'80GiB', '141GB', '512MiB' or a bare number of GiB -> bytes, finite and positive."""
@@ -31,23 +33,23 @@ def _bytes(text: str) -> int:
 @click.option("--gpu-memory", default="141GiB", show_default=True, help="Memory of one GPU, e.g. 80GiB or 141GB.")
 @click.option("--draft-tokens", default=0, show_default=True, type=click.IntRange(min=0))
 @click.option("--context", default=4096, show_default=True, type=click.IntRange(min=1), help="Tokens per request.")
-@click.option("--chunk-size", default=16, show_default=True, type=click.IntRange(min=1))
+@click.option("--chunk-size", default=DEFAULT_CHUNK_SIZE, show_default=True, type=click.IntRange(min=1))
 @click.option("--reserve", default=0.1, show_default=True, type=click.FloatRange(0, 0.9),
               help="Fraction of memory kept for activations and workspaces.")
 def plan_command(model, gpu_memory, draft_tokens, context, chunk_size, reserve):
     """Bytes per request and maximum concurrent requests for both schemes."""
     from pathlib import Path
 
-    from kvbuffer.plan import PRESETS, format_plan, geometry_of, plan
+    from kvbuffer.plan import GEOMETRIES, format_plan, geometry_of, plan
 
-    if model.lower() in PRESETS:
-        geo = PRESETS[model.lower()]
+    if model.lower() in GEOMETRIES:
+        geo = GEOMETRIES[model.lower()]
     elif Path(model, "config.json").is_file():
         from kvbuffer.models.loader import build_model, read_config
 
         geo = geometry_of(build_model(read_config(model)).to(dtype=__import__("torch").bfloat16))
     else:
-        raise click.BadParameter(f"{model!r} is neither a preset ({', '.join(PRESETS)}) nor a checkpoint dir",
+        raise click.BadParameter(f"{model!r} is neither a preset ({', '.join(GEOMETRIES)}) nor a checkpoint dir",
                                  param_hint="--model")
     try:
         plans = plan(geo, gpu_memory=_bytes(gpu_memory), context=context, draft_tokens=draft_tokens,

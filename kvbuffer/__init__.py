@@ -5,6 +5,7 @@ loads it on demand, and the runtime only loads compiled artifacts.
 """
 
 from . import reference
+from .engine.config import EngineConfig, SpeculativeConfig
 from .engine.llm import LLM, GenerationOutput
 from .errors import (
     ArtifactError,
@@ -27,8 +28,9 @@ def demo_checkpoint():
 
     return Path(__file__).resolve().parent / "demo"
 
+
 __all__ = [
-    "ArtifactError", "GenerationOutput", "LLM", "BufferOverflowError", "BufferPool", "ConvPool", "DTypeError", "DeviceError",
-    "KVBufferError", "LinearLayerShape", "PoolExhaustedError", "ShapeError", "SlotAllocator",
-    "SlotError", "StatePool", "demo_checkpoint", "reference", "__version__",
+    "ArtifactError", "BufferOverflowError", "BufferPool", "ConvPool", "DTypeError", "DeviceError", "EngineConfig",
+    "GenerationOutput", "KVBufferError", "LLM", "LinearLayerShape", "PoolExhaustedError", "ShapeError", "SlotAllocator",
+    "SlotError", "SpeculativeConfig", "StatePool", "demo_checkpoint", "reference", "__version__",
 ]

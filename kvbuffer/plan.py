@@ -15,6 +15,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from . import presets
+from .defaults import DEFAULT_CHUNK_SIZE
 from .pools import LinearLayerShape
 from .runtime.caches import CacheSpec
 
@@ -72,7 +73,8 @@ def preset_geometry(preset: presets.Preset) -> ModelGeometry:
 
 
 # Geometries of kvbuffer.presets' real models (the smoke-test presets are left out)
-PRESETS: Mapping[str, ModelGeometry] = _PresetGeometries()
+GEOMETRIES: Mapping[str, ModelGeometry] = _PresetGeometries()
+PRESETS = GEOMETRIES  # the former name, until tests/bench/test_parts.py imports GEOMETRIES
 
 
 def geometry_of(model) -> ModelGeometry:
@@ -83,8 +85,8 @@ def geometry_of(model) -> ModelGeometry:
                          g["conv_width"], g["num_attention_layers"], g["num_kv_heads"], g["head_dim"])
 
 
-def request_spec(geo: ModelGeometry, *, scheme: str, context: int, draft_tokens: int = 0, chunk_size: int = 16,
-                 requests: int = 1, states: int | None = None) -> CacheSpec:
+def request_spec(geo: ModelGeometry, *, scheme: str, context: int, draft_tokens: int = 0,
+                 chunk_size: int = DEFAULT_CHUNK_SIZE, requests: int = 1, states: int | None = None) -> CacheSpec:
     """The CacheSpec for `requests` slots under `scheme` ("kvbuffer" or "recurrent"): the one function
     both the planner and kvbuffer.LLM build their caches' description with.
 
@@ -118,8 +120,8 @@ class Plan:
     max_requests: int
 
 
-def plan(geo: ModelGeometry, *, gpu_memory: int, context: int, draft_tokens: int = 0, chunk_size: int = 16,
-         reserve_fraction: float = 0.1, dtype=torch.bfloat16) -> dict[str, Plan]:
+def plan(geo: ModelGeometry, *, gpu_memory: int, context: int, draft_tokens: int = 0,
+         chunk_size: int = DEFAULT_CHUNK_SIZE, reserve_fraction: float = 0.1, dtype=torch.bfloat16) -> dict[str, Plan]:
     """Both schemes' bytes per request and maximum concurrent requests in `gpu_memory` bytes.
 
     `reserve_fraction` of the memory is kept for activations, workspaces and the allocator.

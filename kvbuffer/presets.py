@@ -1,8 +1,8 @@
 """The one table of model presets: each named model's transformers-style config dict.
 
 Everything that speaks of a model by name derives from this table instead of keeping its own copy:
-the capacity planner's geometry (kvbuffer.plan.PRESETS), the tuner's head shapes
-(kvbuffer.autotune.models.PRESETS) and the benchmarks' random-weight models (kvbuffer.bench.e2e).
+the capacity planner's geometries (kvbuffer.plan.GEOMETRIES), the tuner's head shapes
+(kvbuffer.autotune.models) and the benchmarks' random-weight models (kvbuffer.bench.e2e).
 A config here is what the model's config.json says (layer mix, head shapes, widths); the fields a
 published config does not pin down for us are listed in `approximate` and marked so in results.
 The two `smoke` presets are tiny models for tests on a CPU; the planner and the tuner skip them.
@@ -90,12 +90,12 @@ _TABLE = (
         moe_shared_expert_intermediate_size=48, intermediate_size=96, eos_token_id=None)), None, smoke=True),
 )
 
-PRESETS: Mapping[str, Preset] = MappingProxyType({p.name: p for p in _TABLE})
+BY_NAME: Mapping[str, Preset] = MappingProxyType({p.name: p for p in _TABLE})
 MODELS: tuple[str, ...] = tuple(p.name for p in _TABLE if not p.smoke)  # the real models, in table order
 
 
 def get(name: str) -> Preset:
     """The preset called `name` (case-insensitive); ValueError listing the presets otherwise."""
-    if not isinstance(name, str) or name.lower() not in PRESETS:
-        raise ValueError(f"unknown model preset {name!r}; presets: {', '.join(PRESETS)}")
-    return PRESETS[name.lower()]
+    if not isinstance(name, str) or name.lower() not in BY_NAME:
+        raise ValueError(f"unknown model preset {name!r}; presets: {', '.join(BY_NAME)}")
+    return BY_NAME[name.lower()]

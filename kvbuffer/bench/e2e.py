@@ -38,6 +38,7 @@ import time
 import torch
 
 from .. import LLM, presets
+from ..defaults import DEFAULT_CHUNK_SIZE
 from ..models.loader import build_model
 from ..plan import geometry_of, request_spec
 from .drafter import ReferenceDrafter, expected_accepted
@@ -276,9 +277,9 @@ def _decode_row(llm, prompts, *, device, new_tokens, sampling: dict | None = Non
                 compiled=llm.runner.compiled is not None, unbuffered_rows=llm.runner.unbuffered_rows, gemv=llm.gemv)
 
 
-def bench_decode(model, *, batches, modes=MODES, prompt_len=128, new_tokens=32, chunk_size=16, device="cuda",
-                 kernels="auto", cuda_graphs="auto", compile="auto", profile_batch=0, temperature=0.0, top_p=1.0,
-                 gemv="auto", on_row=lambda rows: None) -> list[dict]:
+def bench_decode(model, *, batches, modes=MODES, prompt_len=128, new_tokens=32, chunk_size=DEFAULT_CHUNK_SIZE,
+                 device="cuda", kernels="auto", cuda_graphs="auto", compile="auto", profile_batch=0, temperature=0.0,
+                 top_p=1.0, gemv="auto", on_row=lambda rows: None) -> list[dict]:
     """Decode rows per batch and mode; temperature > 0 samples every request (unseeded), which is what
     most serving traffic does: its tokens are drawn after each step rather than picked inside it."""
     sampling = {} if temperature == 0.0 else dict(temperature=temperature, top_p=top_p)
@@ -334,9 +335,10 @@ def _spec_row(llm, prompts, refs, *, alpha, drafts, device, new_tokens, vocab, p
     llm.generate(prompts, max_new_tokens=new_tokens, stop_token_ids=[])
     llm.drafter = ReferenceDrafter(refs, alpha, vocab)
     _sync(device)
-    before = dict(llm.spec_stats)
+    before = llm.stats.drafts
     llm.generate(prompts, max_new_tokens=new_tokens, stop_token_ids=[])
-    st = {k: llm.spec_stats[k] - before[k] for k in before}
+    after = llm.stats.drafts
+    st = {k: getattr(after, k) - getattr(before, k) for k in ("accepted", "proposed", "emitted", "request_steps")}
     secs, _ = _warm_steps(llm.last_stats)
     row = dict(alpha=alpha, draft_tokens=drafts, decode_tokens_per_s=steady_rate(llm.last_stats),
                decode_tokens_per_s_all_steps=all_steps_rate(llm.last_stats),
@@ -355,8 +357,8 @@ def _spec_row(llm, prompts, refs, *, alpha, drafts, device, new_tokens, vocab, p
 
 def bench_spec(model, *, settings=("equal", "capacity"), batches=(1, 16, 64, 256), alphas=ALPHAS, drafts=4,
                budget_bytes=40 * 2**30, max_requests=1024, modes=MODES, prompt_len=128, new_tokens=32,
-               chunk_size=16, device="cuda", kernels="auto", cuda_graphs="auto", compile="auto", profile_batch=0,
-               on_row=lambda rows: None) -> list[dict]:
+               chunk_size=DEFAULT_CHUNK_SIZE, device="cuda", kernels="auto", cuda_graphs="auto", compile="auto",
+               profile_batch=0, on_row=lambda rows: None) -> list[dict]:
     """Speculative rows (per setting, batch, alpha and mode) and a plain-decoding row per (batch, mode).
 
     At `profile_batch`, the last alpha's verify steps and the plain decode steps are profiled."""

@@ -1,16 +1,9 @@
-"""The decode and verify forwards under torch.compile (Inductor): the glue between the GEMMs and
-the state kernels fused.
+"""The decode and verify forwards under torch.compile (Inductor), kvbuffer's kernels kept as custom-op
+graph nodes, so the glue between the GEMMs and the state kernels is fused.
 
-Between its GEMMs and state kernels a decode step of the 9B runs hundreds of small launches: norms
-and their residual adds, the q/k/v split and its copies, gates, rotary, MoE routing. Inductor fuses
-them into a few kernels; kvbuffer's kernels stay graph nodes as the `torch.ops.kvbuffer.*` custom
-ops (their fakes trace them; kvbuffer.kernels.launch.engine_rows calls the op while compiling). The
-compiled forward runs inside kvbuffer's own CUDA graphs (StepGraphs), so Inductor's own graphs are
-off (mode "default"). Dynamo keeps its compilations per model class (the forward's code): engines
-built one after another in one process add to that cache (torch._dynamo.reset() between them, as
-kvbuffer.bench.e2e does, starts afresh).
-Prefill stays uncompiled: a chunk's buffer fill is a host value its chunk plan depends on, so every
-fill would compile anew, for launches a long chunk does not wait on.
+The compiled forward runs inside kvbuffer's own CUDA graphs (StepGraphs), so Inductor's are off.
+Dynamo keeps its compilations per model class; torch._dynamo.reset() between engines starts afresh.
+Prefill stays uncompiled: its chunk plan depends on each buffer fill, which would compile anew.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Drafters for speculative decoding: n-gram prompt lookup, and the model's own MTP head.
 
-A drafter proposes deterministic draft tokens (see kvbuffer.engine.speculative for the acceptance
+A drafter proposes deterministic draft tokens (kvbuffer.engine.acceptance has the acceptance
 rule). The engine tells it what happened through two hooks, so a drafter with state (the MTP
 head's KV cache) can follow each request: `on_prefill` after a prompt was processed and its first
 token sampled, `on_commit` after a verify, with the tokens each request kept.

@@ -1,18 +1,10 @@
-"""Which of a model's projections run a one-token forward on the one-row kernel (LLM(gemv=...)).
+"""Which of a model's projections run a one-token forward on the one-row kernel (EngineConfig.gemv).
 
-A B = 1 decode step is mostly projections, each bound by reading its weight once, and kvbuffer's
-one-row kernel (tiles/gemv.py) streams them faster than torch's GEMM does at one row
-(docs/kernels.md, "One-token projections"). `use_one_row_kernel` turns it on for every bias-free projection
-(kvbuffer.models.layers.one_row_linears) whose kernel loads: from the artifact cache, or built there
-once (untuned) when TileLang and nvcc are here (kvbuffer.kernels.autobuild), or JIT-compiled with
-KVBUFFER_JIT=1. A projection whose kernel is not there keeps torch's GEMM; nothing else changes.
-Forwards of more than one token never take it. A mixture-of-experts layer's routed experts take
-the experts kernel (the same loop through each of a token's chosen experts' weights; where it
-beats torch's grouped matmul: docs/kernels.md, "Routed experts at a few tokens") in forwards of up
-to EXPERT_TOKENS tokens, where both of its matmuls' kernels load, and the grouped experts kernel
-(tiles/grouped.py: each chosen expert's weight streamed once per block of its rows, where torch's
-grouped matmul pads the rows to its tiles; measured in docs/kernels.md, "Routed experts at decode
-batch sizes") in forwards of more tokens, up to GROUPED_TOKENS, where both of those load.
+`use_one_row_kernel` turns the one-row kernel on for every bias-free projection whose kernel loads
+(from the artifact cache, built once by kvbuffer.kernels.autobuild, or JIT-compiled with
+KVBUFFER_JIT=1); the others keep torch's GEMM. Routed experts take the experts kernel in forwards of
+up to EXPERT_TOKENS tokens and the grouped experts kernel up to GROUPED_TOKENS, where their kernels
+load. Forwards of more tokens run torch's matmuls. Where each wins: docs/kernels.md.
 """
 
 from __future__ import annotations
@@ -29,16 +21,11 @@ from ..models.layers import RoutedExperts, one_row_experts, one_row_linears
 log = logging.getLogger("kvbuffer")
 
 OPTIONS = (True, False, "auto")
-# the most tokens a forward's routed experts run on the experts kernel: each token's experts are read
-# apart (an expert two tokens chose is read twice), so past a few tokens the grouped matmul wins again
-# (the measured crossing: docs/kernels.md, "Routed experts at a few tokens"); decode steps up to B = 8
-# and a one-request verify take it
+# most tokens a forward's routed experts run on the experts kernel (it reads each token's experts
+# apart, so past a few tokens the grouped matmul wins; docs/kernels.md, "Routed experts at a few tokens")
 EXPERT_TOKENS = 8
-# the most tokens a forward's routed experts run on the grouped experts kernel: a block streams its
-# expert's weight once per 64 of the expert's rows, so past several hundred tokens, where a busy expert
-# gets hundreds of rows, it reads the weights several times and torch's grouped matmul wins again
-# (measured on even and skewed routing: docs/kernels.md, "Routed experts at decode batch sizes");
-# decode steps up to B = 512 take it, long prompt chunks do not
+# most tokens a forward's routed experts run on the grouped experts kernel (past several hundred a busy
+# expert's weight is streamed several times; docs/kernels.md, "Routed experts at decode batch sizes")
 GROUPED_TOKENS = 512
 
 

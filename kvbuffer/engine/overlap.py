@@ -1,17 +1,10 @@
 """Overlapped decode steps: step n + 1 is queued before step n's tokens are read back.
 
-A synchronous decode step leaves the GPU idle while the host reads the sampled tokens back, emits
-them and prepares the next step's inputs: about 3 ms of a 20 ms step for a 9B model at batch 256.
-Nothing the next step needs from the host depends on the token picked: positions, slots and
-buffer fills advance by one whatever it is, and the pick itself (argmax, or a draw for a sampled
-row: sampling.pick_rows) can stay on the device (StepInputs.hold, then upload(feed=...)). So the
-engine queues step n + 1 first and reads step n's tokens while the GPU runs it; only rows whose
-logits the host wants (kept, or for log-probabilities) make a step synchronous.
-
-The price is one step of lag on a stop token: a request whose step-n token stops it was fed to
-step n + 1 already, and that step's token for it is dropped. Its writes are harmless: the request's
-slots are freed after step n + 1 was queued, and whatever reuses them is queued after it on the
-same stream. Rows that end by length are known in advance and never fed the extra step.
+Positions, slots and buffer fills advance by one whatever token is picked, and the pick (argmax or
+a draw: sampling.pick_rows) stays on the device, so the host reads step n's tokens while the GPU runs
+step n + 1. The price is one step of lag on a stop token: that request's token from step n + 1 is
+dropped (its writes land in slots freed after step n + 1 was queued, on the same stream). Rows that
+end by length are known in advance and never fed the extra step.
 """
 
 from __future__ import annotations
@@ -20,9 +13,7 @@ from dataclasses import dataclass
 
 from .graphs import PendingTokens
 from .request import Request
-
-OVERLAP_CHOICES = (True, False, "auto")
-
+from .sampling import check_drawn, pick_rows
 
 @dataclass
 class InflightStep:
@@ -33,7 +24,7 @@ class InflightStep:
 
 def ends_at_length(req: Request, outputs: int, max_len: int) -> bool:
     """Whether a request with `outputs` tokens generated is done by length: max_new_tokens, or a
-    context that fills max_len (LLM._emit's rule, which plan_feed applies one token ahead)."""
+    context that fills max_len (EngineCore.emit's rule, which plan_feed applies one token ahead)."""
     return outputs >= req.params.max_new_tokens or len(req.prompt) + outputs >= max_len
 
 
@@ -52,7 +43,40 @@ def plan_feed(running: list[Request], inflight: InflightStep | None, max_len: in
 
 
 def use_overlap(overlap, device) -> bool:
-    """LLM(overlap=...): True, False or "auto" (on CUDA, where the host's work can hide behind the GPU's)."""
-    if overlap not in OVERLAP_CHOICES:
-        raise ValueError(f"overlap must be True, False or 'auto', got {overlap!r}")
+    """EngineConfig.overlap (checked there): True, False or "auto" (on CUDA, where the host's work hides
+    behind the GPU's)."""
     return device.type == "cuda" if overlap == "auto" else bool(overlap)
+
+
+class OverlapPipeline:
+    """The overlapped decode steps of an engine: at most one step in flight, whose tokens `emit`
+    (request, token) delivers one step later; `generators` maps a request id to its sampler."""
+
+    def __init__(self, runner, generators: dict, emit):
+        self.runner, self.generators, self.emit = runner, generators, emit
+        self.inflight: InflightStep | None = None
+
+    def step(self, running: list[Request]) -> int:
+        """Queue a step of `running` (picks left on the device), then emit the step in flight's
+        tokens while the GPU runs it. Returns the rows of the step emitted."""
+        rows, feed = plan_feed(running, self.inflight, self.runner.spec.max_len)
+        queued = None
+        if rows:
+            logits = self.runner.decode(rows, feed)
+            picks = pick_rows(logits, [r.params for r in rows], [self.generators[r.rid] for r in rows])
+            queued = InflightStep(rows, self.runner.hold(picks))
+        settled = self.settle()
+        self.inflight = queued
+        return settled
+
+    def settle(self) -> int:
+        """Emit the step in flight's tokens, if any (a request that ended meanwhile drops its own);
+        returns that step's rows (0: none in flight)."""
+        step, self.inflight = self.inflight, None
+        if step is None:
+            return 0
+        tokens = check_drawn(step.tokens.tolist(), [f"request {r.rid}" for r in step.rows])
+        for req, token in zip(step.rows, tokens):
+            if req.finish_reason is None:
+                self.emit(req, token)
+        return len(step.rows)

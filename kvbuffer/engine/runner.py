@@ -33,10 +33,8 @@ class ModelRunner:
     (padding rows only: nothing written) falls back to the uncompiled forward, logged once.
 
     unbuffered_rows (kvbuffer mode): a decode step of at most this many rows folds its rows'
-    buffers into their states and steps the recurrence in place, as the recurrent scheme does.
-    Where the states are few, the buffer saves no traffic worth its step's fixed cost: at one row
-    the recurrent step kernels are the faster ones (docs/engine.md). Later steps of more rows
-    start from empty buffers. 0: every decode step is buffered."""
+    buffers into their states and steps the recurrence in place, as the recurrent scheme does
+    (where the states are few the buffer saves too little). 0: every decode step is buffered."""
 
     def __init__(self, model, spec: CacheSpec, *, mode: str, device, dtype, buffer_dtype=None,
                  backend: Backend = REFERENCE, cuda_graphs: bool = False, compile: bool = False,
@@ -84,10 +82,14 @@ class ModelRunner:
     def _fill(self, req: Request) -> int:
         return self.caches.buffers.length(req.slot) if self.caches.buffers is not None else 0
 
+    def needs_state(self, req: Request, adding: int) -> bool:
+        """Whether `adding` more tokens fill the request's buffer to C, where a fold needs its state."""
+        fill = self._fill(req) if req.slot >= 0 else 0
+        return fill + adding >= self.spec.chunk_size
+
     def _ensure_state(self, req: Request, adding: int) -> None:
         """A short-context request gets its state only when this forward fills its buffer."""
-        if self.caches.buffers is not None and req.state_slot < 0 and \
-                self._fill(req) + adding >= self.spec.chunk_size:
+        if self.caches.buffers is not None and req.state_slot < 0 and self.needs_state(req, adding):
             req.state_slot = self.caches.allocate_state()
 
     def _unbuffered(self, reqs: list[Request]) -> bool:
@@ -179,10 +181,8 @@ class ModelRunner:
     def _advance(self, req: Request, count: int, buffered: bool = True) -> None:
         """After a forward that kept `count` tokens: buffer fill (when buffered) and KV length move on."""
         req.cached += count
-        if self.caches.buffers is not None and buffered:
-            fill = self._fill(req) + count
-            self.caches.buffers.reset(req.slot)
-            self.caches.buffers.accept(req.slot, fill % self.spec.chunk_size)
+        if buffered:
+            self.caches.advance_buffer(req.slot, count, whole=False)
 
     # forwards --------------------------------------------------------------------------------
     @torch.inference_mode()
@@ -338,10 +338,7 @@ class ModelRunner:
         C was folded (commit_rows) and starts empty."""
         for r, m in zip(reqs, kept):
             r.cached += m
-            if self.caches.buffers is not None:
-                fill = self._fill(r) + m
-                self.caches.buffers.reset(r.slot)
-                self.caches.buffers.accept(r.slot, 0 if fill >= self.spec.chunk_size else fill)
+            self.caches.advance_buffer(r.slot, m, whole=True)
 
 
 def _first_line(e: BaseException) -> str:

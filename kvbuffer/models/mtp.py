@@ -18,18 +18,22 @@ from torch import nn
 from .layers import Linear, RMSNorm
 
 
-class MultiTokenPredictor(nn.Module):
-    def __init__(self, cfg):
-        super().__init__()
-        from .qwen3_5 import DecoderLayer
+def mtp_layer_config(cfg):
+    """The config of the head's one decoder layer: full attention, MoE when the model's MLPs are."""
+    return dataclasses.replace(cfg, layer_types=("full_attention",), mlp_only_layers=())
 
+
+class MultiTokenPredictor(nn.Module):
+    """layer: the head's decoder layer, built by the model from mtp_layer_config (it indexes its own KV
+    cache: layer 0)."""
+
+    def __init__(self, cfg, layer: nn.Module):
+        super().__init__()
         H = cfg.hidden_size
         self.fc = Linear(2 * H, H, bias=False)
         self.pre_fc_norm_embedding = RMSNorm(H, cfg.rms_norm_eps, zero_centered=True)
         self.pre_fc_norm_hidden = RMSNorm(H, cfg.rms_norm_eps, zero_centered=True)
-        # one full-attention layer, MoE when the model's MLPs are; it indexes its own KV cache (layer 0)
-        layer_cfg = dataclasses.replace(cfg, layer_types=("full_attention",), mlp_only_layers=())
-        self.layers = nn.ModuleList([DecoderLayer(layer_cfg, 0, linear_index=0, attn_index=0)])
+        self.layers = nn.ModuleList([layer])
         self.norm = RMSNorm(H, cfg.rms_norm_eps, zero_centered=True)
         self.num_attention_layers = 1
 

@@ -15,6 +15,7 @@ from ..pools import LinearLayerShape
 from ..runtime import mixing
 from .layers import (GatedMLP, GatedRMSNorm, Linear, PackedLinear, RMSNorm, SoftmaxTopKMoE, apply_rotary, cache_layout, fp32,
                      rotary_cos_sin)
+from .mtp import MultiTokenPredictor, mtp_layer_config
 
 MODEL_TYPES = ("qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text", "qwen3_next")
 
@@ -250,9 +251,8 @@ class Qwen35ForCausalLM(nn.Module):
 
     def attach_mtp(self) -> None:
         """Add the MTP head (checkpoint tensors mtp.*); its weights are loaded with the rest."""
-        from .mtp import MultiTokenPredictor
-
-        self.mtp = MultiTokenPredictor(self.config)
+        layer = DecoderLayer(mtp_layer_config(self.config), 0, linear_index=0, attn_index=0)
+        self.mtp = MultiTokenPredictor(self.config, layer)
 
     def cache_geometry(self) -> dict:
         """What the engine needs to size the pools and the KV cache."""

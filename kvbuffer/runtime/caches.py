@@ -21,6 +21,16 @@ from ..pools import BufferPool, ConvPool, LinearLayerShape, SlotAllocator, State
 _BYTES = {torch.float32: 4, torch.bfloat16: 2, torch.float16: 2, torch.float64: 8}
 
 
+def fill_after(fill: int, count: int, chunk_size: int, *, whole: bool) -> int:
+    """A buffer's fill after `count` more entries. whole=False (a prefill chunk or a decode step): the
+    forward flushed at every multiple of C, the remainder stays; whole=True (a verify's commit): the
+    commit folds the whole buffer once it reaches C."""
+    total = fill + count
+    if whole:
+        return 0 if total >= chunk_size else total
+    return total % chunk_size
+
+
 class KVCache:
     """Contiguous per-slot attention cache: k, v of shape (layers, slots, max_len + sink, kv_heads, head_dim).
 
@@ -145,6 +155,14 @@ class ModelCaches:
             self.convs.free(slot)
         if state_slot >= 0:
             self.states.free(state_slot)
+
+    def advance_buffer(self, slot: int, count: int, *, whole: bool) -> None:
+        """Record `count` more entries in request `slot`'s buffer, by fill_after's rule (no buffers: nothing)."""
+        if self.buffers is None:
+            return
+        fill = fill_after(self.buffers.length(slot), count, self.spec.chunk_size, whole=whole)
+        self.buffers.reset(slot)
+        self.buffers.accept(slot, fill)
 
     def allocate_state(self) -> int:
         if self.states is None:

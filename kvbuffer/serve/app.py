@@ -67,14 +67,14 @@ def build_app(engine: AsyncEngine, model_name: str, metrics=None) -> FastAPI:
 
     @app.get("/health")
     async def health():
-        sched = llm.scheduler
-        return {"status": "ok", "in_flight": engine.in_flight, "running": len(sched.running),
-                "waiting": len(sched.waiting), "request_slots_free": llm.runner.caches.requests.num_free}
+        stats = llm.stats
+        return {"status": "ok", "in_flight": engine.in_flight, "running": stats.running,
+                "waiting": stats.waiting, "request_slots_free": stats.request_slots_free}
 
     @app.get("/v1/models")
     async def models():
         return {"object": "list", "data": [{"id": model_name, "object": "model", "created": 0, "owned_by": "kvbuffer",
-                                            "max_model_len": llm.runner.spec.max_len}]}
+                                            "max_model_len": llm.limits.max_len}]}
 
     @app.get("/metrics")
     async def metrics_route():
@@ -117,9 +117,9 @@ class _Handler:
         bad = [t for t in ids if not 0 <= t < llm.vocab_size]
         if bad:
             raise BadRequest(f"token id {bad[0]} is outside the vocabulary [0, {llm.vocab_size})", param)
-        if len(ids) >= llm.runner.spec.max_len:
+        if len(ids) >= llm.limits.max_len:
             raise BadRequest(f"the prompt has {len(ids)} tokens; this server's max_len is "
-                             f"{llm.runner.spec.max_len}", param)
+                             f"{llm.limits.max_len}", param)
         return ids
 
     def _prompts(self, kind: str, body) -> list[list[int]]:
@@ -139,7 +139,7 @@ class _Handler:
     def _params(self, kind: str, body, prompt_len: int, choice: int) -> SamplingParams:
         limit = body.max_completion_tokens if kind == "chat" and body.max_completion_tokens else body.max_tokens
         if limit is None:
-            limit = 16 if kind == "completion" else self.llm.runner.spec.max_len - prompt_len
+            limit = 16 if kind == "completion" else self.llm.limits.max_len - prompt_len
         eos = () if body.ignore_eos else tuple(self.llm.model.config.eos_token_ids)
         bad = [t for t in body.stop_token_ids() if t >= self.llm.vocab_size]
         if bad:

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import click
 
-from ..cli.values import positive_ints
+from ..option_values import positive_ints
 
 PROMPT_VOCAB = 256
 

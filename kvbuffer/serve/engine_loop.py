@@ -18,7 +18,7 @@ import threading
 import time
 from dataclasses import dataclass
 
-from ..engine.llm import StepOutput
+from ..engine.outputs import StepOutput
 from ..engine.sampling import SamplingParams
 from ..errors import QueueFullError
 
@@ -47,7 +47,7 @@ class AsyncEngine:
         if llm.has_work():  # (this also creates the scheduler now, before two threads could race to)
             raise ValueError("the LLM has requests in flight; give AsyncEngine an idle one")
         self.llm, self.metrics = llm, metrics
-        self.capacity = llm.runner.spec.max_requests + max_waiting
+        self.capacity = llm.limits.max_requests + max_waiting
         self._keys = itertools.count()
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._wake = threading.Event()
@@ -171,7 +171,7 @@ class AsyncEngine:
     def _fail_running(self, message: str) -> None:
         """After a failed step: every request but those still waiting was in it (running, or
         admitted by it and already released by the engine) and fails; the waiting ones go on."""
-        waiting = {r.rid for r in self.llm.scheduler.waiting}
+        waiting = self.llm.waiting_ids()
         for key, stream in list(self._streams.items()):
             if stream.rid in waiting:
                 continue

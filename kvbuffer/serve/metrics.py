@@ -44,18 +44,16 @@ class ServerMetrics:
         self._window = [(t, n) for t, n in self._window if now - t < RATE_WINDOW_S] + [(now, tokens)]
         span = max(now - self._window[0][0], seconds, 1e-9)
         self.tokens_per_second.set(sum(n for _, n in self._window) / span)
-        sched, caches = llm.scheduler, llm.runner.caches
-        self.running.set(len(sched.running))
-        self.waiting.set(len(sched.waiting))
-        spec = llm.runner.spec
-        self.request_slots.set(1 - caches.requests.num_free / spec.max_requests)
-        if caches.states is not None:
-            self.state_slots.set(1 - caches.states.slots.num_free / spec.max_states)
-        if caches.buffers is not None:
-            used = sum(caches.buffers.length(r.slot) for r in sched.running if r.slot >= 0)
-            self.buffer_fill.set(used / (spec.max_requests * spec.chunk_size))
-        if llm.speculative is not None:
-            self.acceptance.set(llm.acceptance["acceptance_rate"])
+        stats, limits = llm.stats, llm.limits
+        self.running.set(stats.running)
+        self.waiting.set(stats.waiting)
+        self.request_slots.set(1 - stats.request_slots_free / limits.max_requests)
+        if stats.state_slots_free is not None:
+            self.state_slots.set(1 - stats.state_slots_free / limits.max_states)
+        if stats.buffered_tokens is not None:
+            self.buffer_fill.set(stats.buffered_tokens / (limits.max_requests * limits.chunk_size))
+        if stats.drafts is not None:
+            self.acceptance.set(stats.drafts.acceptance_rate)
 
     def on_request_done(self, arrival: float, first: float | None, last: float | None, tokens: int) -> None:
         if first is not None:

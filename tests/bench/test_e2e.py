@@ -67,7 +67,7 @@ def test_kernel_classes():
 def test_steady_rate_counts_the_full_batch_steps_only():
     """A run's last speculative steps feed fewer requests (they end at different steps): the steady
     rate leaves them out, as it leaves out the first (capturing) step; all_steps_rate keeps them."""
-    from kvbuffer.engine.llm import GenerationStats
+    from kvbuffer.engine.outputs import GenerationStats
 
     st = GenerationStats(peak_batch=4, step_seconds=[9.0, 1.0, 1.0, 1.0, 1.0], step_tokens=[4, 12, 8, 2, 1],
                          step_rows=[4, 4, 4, 2, 1])

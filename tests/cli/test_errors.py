@@ -120,9 +120,9 @@ def test_plan_errors(case):
 
 
 def test_plan_says_when_recurrent_fits_none():
-    from kvbuffer.plan import PRESETS, format_plan, plan
+    from kvbuffer.plan import GEOMETRIES, format_plan, plan
 
-    geo = PRESETS["qwen3.5-9b"]
+    geo = GEOMETRIES["qwen3.5-9b"]
     plans = plan(geo, gpu_memory=40 * 2**30, context=8, draft_tokens=4)
     plans["recurrent"] = plans["recurrent"].__class__(**{**plans["recurrent"].__dict__, "max_requests": 0})
     assert "(recurrent fits none)" in format_plan(geo, plans, context=8, draft_tokens=4)

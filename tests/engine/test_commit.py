@@ -6,7 +6,7 @@ import torch
 
 from kvbuffer import LLM
 from kvbuffer.engine.commit import PADDING_DRAFT, greedy_accepts
-from kvbuffer.engine.speculative import accept_drafts
+from kvbuffer.engine.acceptance import accept_drafts
 from kvbuffer.engine.sampling import SamplingParams
 from tests.support.tiny_models import tiny_model
 

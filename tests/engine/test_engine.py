@@ -97,7 +97,7 @@ def test_engine_follows_the_tuned_chunk_policy(ckpt, tmp_path, monkeypatch):
     from kvbuffer import gpus
     from kvbuffer.autotune.cache import ArtifactCache
     from kvbuffer.tuning import ChunkPolicy, tuning_name
-    from kvbuffer.engine.llm import DEFAULT_CHUNK_SIZE
+    from kvbuffer.defaults import DEFAULT_CHUNK_SIZE
 
     monkeypatch.setenv("KVBUFFER_CACHE_DIR", str(tmp_path))
     assert LLM(str(ckpt), device="cpu").chunk_size == DEFAULT_CHUNK_SIZE  # no GPU known here (or no record)
@@ -122,7 +122,7 @@ def test_unbuffered_rows_follow_a_measured_policy(ckpt, tmp_path, monkeypatch):
     from kvbuffer.autotune.cache import ArtifactCache
     from kvbuffer.plan import geometry_of
     from kvbuffer.tuning import ChunkPolicy, tuning_name
-    from kvbuffer.engine.llm import UNBUFFERED_ROWS, tuned_unbuffered_rows
+    from kvbuffer.engine.choices import UNBUFFERED_ROWS, tuned_unbuffered_rows
 
     monkeypatch.setenv("KVBUFFER_CACHE_DIR", str(tmp_path))
     llm = LLM(str(ckpt), device="cpu")

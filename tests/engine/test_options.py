@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from kvbuffer import LLM, demo_checkpoint
-from kvbuffer.engine.speculative import SpeculativeConfig
+from kvbuffer.engine.config import SpeculativeConfig
 from tests.support.pool_slots import free_slots
 
 NO_CUDA = not torch.cuda.is_available()

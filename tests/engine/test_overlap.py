@@ -5,6 +5,7 @@ import pytest
 import torch
 
 from kvbuffer import LLM
+from kvbuffer.engine.config import EngineConfig
 from kvbuffer.engine.graphs import StepInputs
 from kvbuffer.engine.overlap import plan_feed, use_overlap
 from kvbuffer.engine.request import Request
@@ -43,7 +44,7 @@ def test_overlapped_steps_give_the_synchronous_outputs(model, graphs):
         assert _outputs(llm, PROMPTS, max_new_tokens=30, stop_token_ids=stops) == sync
         assert {reason for _, reason in sync} == ({"length"} if not stops else {"length", "stop"})
         assert llm.runner.caches.requests.num_free == llm.runner.spec.max_requests  # every slot back
-        assert llm._inflight is None
+        assert llm.core.overlap.inflight is None
 
 
 def test_sampled_rows_overlap_and_logprob_rows_run_synchronous_steps(model):
@@ -58,7 +59,7 @@ def test_sampled_rows_overlap_and_logprob_rows_run_synchronous_steps(model):
         for _ in range(4):
             for out in llm.step():
                 got[out.rid] += out.token_ids
-        assert (llm._inflight is not None) == overlap  # greedy and sampled rows: an overlapped step
+        assert (llm.core.overlap.inflight is not None) == overlap  # greedy and sampled rows: an overlapped step
         rids.append(llm.add_request(PROMPTS[7], SamplingParams(9, logprobs=True, stop_token_ids=())))
         got[rids[-1]] = []
         while llm.has_work():
@@ -80,7 +81,7 @@ def test_a_request_aborted_in_flight_frees_its_slots_and_spares_the_others(model
     for _ in range(3):
         for out in llm.step():
             got[out.rid] += out.token_ids
-    assert llm._inflight is not None and llm.abort(rids[1]) is not None
+    assert llm.core.overlap.inflight is not None and llm.abort(rids[1]) is not None
     while llm.has_work():
         for out in llm.step():
             got[out.rid] += out.token_ids
@@ -120,5 +121,5 @@ def test_rows_ending_by_length_are_not_fed_again():
 def test_overlap_option_is_checked():
     assert use_overlap("auto", torch.device("cpu")) is False
     assert use_overlap("auto", torch.device("cuda")) is True
-    with pytest.raises(ValueError, match="overlap must be True, False or 'auto', got 'yes'"):
-        use_overlap("yes", torch.device("cpu"))
+    with pytest.raises(ValueError, match="overlap must be True, False or 'auto', got str 'yes'"):
+        EngineConfig(overlap="yes")

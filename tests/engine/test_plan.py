@@ -5,14 +5,14 @@ import torch
 
 from tests.support.hf_models import make_hf_model
 from kvbuffer import LLM
-from kvbuffer.plan import PRESETS, geometry_of, plan, request_spec
+from kvbuffer.plan import GEOMETRIES, geometry_of, plan, request_spec
 
 MiB = 2**20
 
 
 def test_qwen35_9b_bytes_by_hand():
     """Qwen3.5-9B: 24 GDN layers (Hk 16, Hv 32, 128 x 128), 8 attention layers (4 KV heads x 256)."""
-    geo = PRESETS["qwen3.5-9b"]
+    geo = GEOMETRIES["qwen3.5-9b"]
     T, ctx, C = 4, 512, 16
     plans = plan(geo, gpu_memory=141 * 2**30, context=ctx, draft_tokens=T, chunk_size=C)
     kb, rc = plans["kvbuffer"].breakdown, plans["recurrent"].breakdown
@@ -32,13 +32,13 @@ def test_qwen35_9b_bytes_by_hand():
 
 
 def test_short_contexts_need_no_state():
-    plans = plan(PRESETS["nemotron-3-nano"], gpu_memory=141 * 2**30, context=8, chunk_size=16)
+    plans = plan(GEOMETRIES["nemotron-3-nano"], gpu_memory=141 * 2**30, context=8, chunk_size=16)
     assert "states" in plans["recurrent"].breakdown and plans["kvbuffer"].breakdown["states"] == 0
 
 
 def test_weights_that_do_not_fit():
     with pytest.raises(ValueError, match="do not fit"):
-        plan(PRESETS["qwen3.5-122b-a10b"], gpu_memory=80 * 2**30, context=10)
+        plan(GEOMETRIES["qwen3.5-122b-a10b"], gpu_memory=80 * 2**30, context=10)
 
 
 @pytest.mark.parametrize("mode", ["kvbuffer", "recurrent"])

@@ -127,7 +127,7 @@ def test_a_row_without_a_distribution_is_a_clear_error_not_token_0():
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float64])
 def test_sampling_does_not_follow_the_default_dtype(dtype):
-    from kvbuffer.engine.speculative import accept_sampled
+    from kvbuffer.engine.acceptance import accept_sampled
 
     logits = torch.randn(2, 3, 30, generator=torch.Generator().manual_seed(6))
     hot = [SamplingParams(temperature=1.0), SamplingParams(temperature=0.9, seed=1)]
@@ -143,16 +143,16 @@ def test_sampling_does_not_follow_the_default_dtype(dtype):
 
 
 def test_a_wide_verify_is_filtered_in_passes_with_the_same_outcome(monkeypatch):
-    from kvbuffer.engine import sampling, speculative
+    from kvbuffer.engine import acceptance, sampling
 
     logits = torch.randn(6, 4, 50, generator=torch.Generator().manual_seed(7))
     drafts = [[1, 2, 3], [4, None, 5], [6, 7, 8], [9, 9, 9], [0, 1, 2], [3, 4, None]]
     params = [SamplingParams(temperature=1.0, top_p=0.8, seed=i) for i in range(6)]
 
     def run():
-        return speculative.accept_sampled(logits, drafts, params, [seeded_generator(i, "cpu") for i in range(6)])
+        return acceptance.accept_sampled(logits, drafts, params, [seeded_generator(i, "cpu") for i in range(6)])
 
     whole = run()
     monkeypatch.setattr(sampling, "ROWS_PER_PASS", 4)
-    monkeypatch.setattr(speculative, "ROWS_PER_PASS", 4)
+    monkeypatch.setattr(acceptance, "ROWS_PER_PASS", 4)
     assert run() == whole

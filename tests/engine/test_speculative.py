@@ -9,7 +9,8 @@ from kvbuffer import LLM
 from kvbuffer.engine.sampling import SamplingParams
 from kvbuffer.engine.drafters import NgramDrafter
 from tests.support.scripted_drafter import ScriptedDrafter
-from kvbuffer.engine.speculative import SpeculativeConfig, accept_drafts
+from kvbuffer.engine.acceptance import accept_drafts
+from kvbuffer.engine.config import SpeculativeConfig
 
 C, NEW = 5, 24
 PROMPTS = [[3, 1, 4, 1, 5, 9, 2, 6], [7], [2, 7, 1, 8, 2, 8, 1, 8, 2, 8, 4, 5, 9], [1, 2, 3, 4, 5, 6]]
@@ -72,7 +73,7 @@ def test_speculation_off_above_a_batch_keeps_greedy_output(checkpoints, mode, ov
     prompts = PROMPTS + PROMPTS[:2]
     outs = llm.generate(prompts, max_new_tokens=NEW, stop_token_ids=[])
     assert [o.token_ids for o in outs] == [c for _, c in refs] + [c for _, c in refs[:2]]
-    assert 0 < llm.spec_stats["emitted"] <= 2 * (NEW - 1 + 3), "only the two requests that ran alone speculated"
+    assert 0 < llm.stats.drafts.emitted <= 2 * (NEW - 1 + 3), "only the two requests that ran alone speculated"
     assert llm.acceptance["acceptance_rate"] == 1.0 and llm.acceptance["tokens_per_step"] > 1.0
     assert llm.runner.caches.requests.num_free == 4
 
@@ -154,7 +155,7 @@ def test_mtp_without_a_head_is_a_clear_error(tmp_path):
 def test_batched_acceptance_keeps_the_target_distribution_over_two_drafts():
     """accept_sampled on 20,000 copies of one row: the first token emitted is distributed as p_0 and,
     when it was the kept draft, the second as p_1 (drafts are point masses, acceptance p(d))."""
-    from kvbuffer.engine.speculative import accept_sampled
+    from kvbuffer.engine.acceptance import accept_sampled
 
     logits = torch.tensor([[1.0, 0.2, -0.5, 0.7, 0.0], [0.3, 0.1, 0.0, -1.0, 2.0], [0.0, 1.0, 0.0, 0.0, 0.5]])
     params = SamplingParams(temperature=1.0)
@@ -176,7 +177,7 @@ def test_batched_acceptance_per_row():
     """Padding drafts are never kept, a certain draft always is, and a seeded row's outcome does not
     depend on the rows beside it; accept_drafts of one sampled row is the batched rule."""
     from kvbuffer.engine.sampling import seeded_generator
-    from kvbuffer.engine.speculative import accept_sampled
+    from kvbuffer.engine.acceptance import accept_sampled
 
     sure = torch.full((3, 6), -30.0)
     sure[0, 2], sure[1, 5], sure[2, 1] = 30.0, 30.0, 30.0

@@ -32,7 +32,7 @@ def llm():
 def test_a_bad_request_and_a_failed_step_fail_alone(llm, where):
     want = llm.generate([[84, 104, 101, 32]], max_new_tokens=6)[0].token_ids
     engine = AsyncEngine(llm, max_waiting=1)
-    real, calls = getattr(llm, where), []
+    real, calls = getattr(llm.core, where), []
 
     def failing_once(*args):  # the first request fails in its prefill, or in its first decode
         calls.append(1)
@@ -40,7 +40,7 @@ def test_a_bad_request_and_a_failed_step_fail_alone(llm, where):
             raise RuntimeError("injected")
         return real(*args)
 
-    setattr(llm, where, failing_once)
+    setattr(llm.core, where, failing_once)
     engine.start()
     try:
         async def scenario():

@@ -1,10 +1,7 @@
-"""Checks of `LLM(...)` and `LLM.generate(...)` arguments, run before anything is loaded or allocated.
+"""Argument checks for the engine's config and `LLM.generate(...)`, run before anything is loaded.
 
-Python lets 2.5 through where a count is meant and True where an int is meant (bool is an int),
-and a NaN temperature or a float token id would otherwise flow into sampling and the embedding
-table unnoticed. Each check names the argument and what it expects, and since they all run before
-the engine touches its pools, a rejected call leaves the engine exactly as it was. Ranges that the
-engine's own types already enforce (SamplingParams, SpeculativeConfig) are left to them.
+Each raises TypeError/ValueError naming the argument and what it expects (bools are not counts,
+NaN is not a temperature), so a rejected call leaves the engine as it was.
 """
 
 from __future__ import annotations
@@ -24,7 +21,7 @@ def is_int(value) -> bool:
     return isinstance(value, numbers.Integral) and not isinstance(value, bool)
 
 
-def _describe(value) -> str:
+def describe(value) -> str:
     return f"{type(value).__name__} {value!r}"
 
 
@@ -33,7 +30,7 @@ def check_int(name: str, value, low: int, high: int | None = None, *, optional: 
     if value is None and optional:
         return
     if not is_int(value):
-        raise TypeError(f"{name} must be an int{' or None' if optional else ''}, got {_describe(value)}")
+        raise TypeError(f"{name} must be an int{' or None' if optional else ''}, got {describe(value)}")
     if value < low or (high is not None and value > high):
         bounds = f">= {low}" if high is None else f"in [{low}, {high}]"
         raise ValueError(f"{name} must be {bounds}, got {value}")
@@ -42,21 +39,21 @@ def check_int(name: str, value, low: int, high: int | None = None, *, optional: 
 def check_finite(name: str, value) -> None:
     """`value` is a finite real number (ints and floats, not bools)."""
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        raise TypeError(f"{name} must be a number, got {_describe(value)}")
+        raise TypeError(f"{name} must be a number, got {describe(value)}")
     if not math.isfinite(value):
         raise ValueError(f"{name} must be finite, got {value}")
 
 
-def _check_switch(name: str, value) -> None:
+def check_switch(name: str, value) -> None:
     """True, False or "auto"; `1 in (True, False)` holds, so compare by identity."""
     if not (value is True or value is False or (isinstance(value, str) and value == "auto")):
-        raise ValueError(f"{name} must be True, False or 'auto', got {_describe(value)}")
+        raise ValueError(f"{name} must be True, False or 'auto', got {describe(value)}")
 
 
 def check_seed(seed) -> None:
     """None, or a Python int that torch.Generator.manual_seed takes (it refuses numpy ints)."""
     if seed is not None and not isinstance(seed, int):
-        raise TypeError(f"seed must be a Python int or None, got {_describe(seed)}")
+        raise TypeError(f"seed must be a Python int or None, got {describe(seed)}")
     check_int("seed", seed, 0, SEED_LIMIT - 1, optional=True)
 
 
@@ -65,7 +62,7 @@ def check_device(device) -> None:
     if device is None:
         return
     if not isinstance(device, (str, torch.device)):
-        raise TypeError(f"device must be a str or torch.device such as 'cpu' or 'cuda:0', got {_describe(device)}")
+        raise TypeError(f"device must be a str or torch.device such as 'cpu' or 'cuda:0', got {describe(device)}")
     try:
         dev = torch.device(device)
     except RuntimeError:
@@ -86,31 +83,6 @@ def device_memory(device) -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
-def check_llm_args(model, *, device, dtype, chunk_size, max_batch, max_states, max_len, max_prefill_tokens,
-                   speculative, memory_budget, kernels, cuda_graphs) -> None:
-    """Raise TypeError/ValueError naming the first bad `LLM(...)` argument."""
-    from .speculative import SpeculativeConfig
-
-    if not isinstance(model, (str, os.PathLike, torch.nn.Module)):
-        raise TypeError(f"model must be a checkpoint directory or a kvbuffer model, got {_describe(model)}")
-    check_device(device)
-    if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
-        raise TypeError(f"dtype must be a floating torch.dtype such as torch.bfloat16, or None; got {_describe(dtype)}")
-    check_int("chunk_size", chunk_size, 1, optional=True)
-    check_int("max_batch", max_batch, 1)
-    check_int("max_states", max_states, 1, optional=True)
-    check_int("max_len", max_len, 1)
-    check_int("max_prefill_tokens", max_prefill_tokens, 1)
-    SpeculativeConfig.from_dict(speculative)
-    _check_switch("kernels", kernels)
-    _check_switch("cuda_graphs", cuda_graphs)
-    if memory_budget is not None:
-        check_int("memory_budget", memory_budget, 1)
-        have = device_memory(device)
-        if memory_budget > have:
-            raise ValueError(f"memory_budget {memory_budget} B is more than the device has ({have} B)")
-
-
 def check_generate_args(prompts, *, max_new_tokens, temperature, top_k, top_p, seed, stop_token_ids, return_logits,
                         on_token, vocab_size: int) -> None:
     """Raise TypeError/ValueError naming the first bad `generate(...)` argument (the vocabulary
@@ -122,13 +94,13 @@ def check_generate_args(prompts, *, max_new_tokens, temperature, top_k, top_p, s
     check_seed(seed)
     if stop_token_ids is not None:
         if isinstance(stop_token_ids, (str, bytes)) or not isinstance(stop_token_ids, Collection):
-            raise TypeError(f"stop_token_ids must be a list of token ids or None, got {_describe(stop_token_ids)}")
+            raise TypeError(f"stop_token_ids must be a list of token ids or None, got {describe(stop_token_ids)}")
         for t in stop_token_ids:
             check_int("stop_token_ids entry", t, 0, vocab_size - 1)
     if not isinstance(return_logits, bool):
-        raise TypeError(f"return_logits must be True or False, got {_describe(return_logits)}")
+        raise TypeError(f"return_logits must be True or False, got {describe(return_logits)}")
     if on_token is not None and not callable(on_token):
-        raise TypeError(f"on_token must be a callable(index, token_id) or None, got {_describe(on_token)}")
+        raise TypeError(f"on_token must be a callable(index, token_id) or None, got {describe(on_token)}")
     _check_prompt_tokens(prompts)
 
 
@@ -145,6 +117,6 @@ def _check_prompt_tokens(prompts) -> None:
         elif isinstance(p, (list, tuple)):
             for t in p:
                 if not is_int(t):
-                    raise TypeError(f"prompt {i} has token id {_describe(t)}; token ids must be ints")
+                    raise TypeError(f"prompt {i} has token id {describe(t)}; token ids must be ints")
         elif not isinstance(p, str):
-            raise TypeError(f"prompt {i} must be a string or a list of token ids, got {_describe(p)}")
+            raise TypeError(f"prompt {i} must be a string or a list of token ids, got {describe(p)}")

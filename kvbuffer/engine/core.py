@@ -1,0 +1,200 @@
+"""The engine core: a scheduler, a model runner and the decoders that drive them, one `step()` at a time.
+
+Each step admits the waiting requests that fit (each prefilled, in chunks), runs one decode (or draft
++ verify) step for the running ones, samples, and retires the finished ones, whose slots are freed
+at once.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from .outputs import GenerationStats, StepOutput, group_events
+from .overlap import OverlapPipeline, ends_at_length
+from .request import Request
+from .runner import ModelRunner
+from .sampling import sample_rows, sample_token, token_logprob
+from .scheduler import Scheduler
+from .speculative import SpeculativeDecoder
+
+
+class EngineCore:
+    """runner: the model, caches and forwards; drafter and speculative (SpeculativeConfig): speculative
+    decoding, or both None; overlap: queue plain decode steps before reading the last one's tokens."""
+
+    def __init__(self, runner: ModelRunner, *, drafter=None, speculative=None, overlap: bool = False,
+                 max_prefill_tokens: int):
+        self.runner = runner
+        self.max_prefill_tokens = max_prefill_tokens
+        self.scheduler = Scheduler()
+        self.generators: dict[int, torch.Generator | None] = {}  # rid -> the request's sampler
+        self._prepares: dict = {}  # rid -> a callback run right after the request is admitted
+        self.done: dict[int, Request] | None = None  # finished requests, kept while generate() collects them
+        self.stats: GenerationStats | None = None  # generate()'s counts, while it runs
+        self._events: list = []  # (rid, token, logprob) of the step in progress
+        self.overlapped = overlap
+        self.overlap = OverlapPipeline(runner, self.generators, self.emit)
+        self.speculative = None if speculative is None else \
+            SpeculativeDecoder(speculative, drafter, runner, self.generators, self.emit)
+        self._fed = speculative.fed if speculative is not None else 1
+
+    @property
+    def drafter(self):
+        """The speculative decoder's drafter (None without speculative decoding)."""
+        return self.speculative.drafter if self.speculative is not None else None
+
+    # requests ----------------------------------------------------------------------------------
+    def add(self, req: Request, generator, prepare=None) -> None:
+        self.scheduler.add(req)
+        self.generators[req.rid] = generator
+        if prepare is not None:
+            self._prepares[req.rid] = prepare
+
+    def abort(self, rid: int) -> Request | None:
+        req = self.scheduler.remove(rid)
+        if req is None:
+            return None
+        if req.finish_reason is None:
+            req.finish_reason = "abort"
+        self._finish(req)
+        return req
+
+    def has_work(self) -> bool:
+        return bool(self.scheduler)
+
+    # one step ------------------------------------------------------------------------------------
+    def step(self) -> list[StepOutput]:
+        """Admit what fits, prefill it, then one decode (or draft + verify) step for the running requests.
+
+        Returns the tokens each request got, in sampling order (a request admitted in this step may
+        appear twice: its prefill token, then its decode token). Finished requests have freed their
+        slots before this returns.
+        """
+        sched, finished, admitted = self.scheduler, {}, []
+        self._events = []
+        try:
+            chosen = sched.admit(self.runner.caches.requests.num_free, self._free_states(), self._wants_state)
+            for k, req in enumerate(chosen):
+                try:
+                    self._admit(req)
+                except BaseException:  # the requests not admitted yet keep their place in the queue
+                    sched.waiting.extendleft(reversed(chosen[k:]))
+                    raise
+                admitted.append(req)
+            if admitted:
+                self._prefill(admitted)
+            sched.running += admitted
+            admitted = []
+            self._retire_finished(finished)  # before decoding, so their slots serve the others at once
+            running = sched.runnable(self._free_states(), self._fed, self._wants_state)
+            if running or self.overlap.inflight is not None:
+                self._decode_step(running)
+        except BaseException:  # a failed step must not leak slots: what it admitted goes back
+            for req in admitted:
+                self._finish(req, "abort")
+            raise
+        self._retire_finished(finished)
+        return group_events(self._events, finished)
+
+    def _retire_finished(self, finished: dict) -> None:
+        for req in [r for r in self.scheduler.running if r.finish_reason is not None]:
+            self.scheduler.finish(req)
+            self._finish(req)
+            finished[req.rid] = req.finish_reason
+
+    def _admit(self, req: Request) -> None:
+        try:
+            self.runner.admit(req)
+            prepare = self._prepares.pop(req.rid, None)
+            if prepare is not None:
+                prepare(req)
+        except BaseException:  # e.g. a state slot that failed after the request slot: give back what it took
+            if req.slot >= 0:
+                self.runner.release(req)
+            raise
+
+    def _free_states(self) -> int:
+        states = self.runner.caches.states
+        return states.slots.num_free if states is not None else 0
+
+    def _wants_state(self, req: Request, adding: int) -> bool:
+        """Whether feeding `adding` more tokens needs a state slot this request does not hold yet."""
+        caches = self.runner.caches
+        if caches.states is None or req.state_slot >= 0:
+            return False
+        if caches.buffers is None:  # recurrent: the state is taken at admission
+            return True
+        return self.runner.needs_state(req, adding)
+
+    def _finish(self, req: Request, reason: str | None = None) -> None:
+        """Free a request's slots and drafter rows and keep it for generate() to collect."""
+        if reason is not None and req.finish_reason is None:
+            req.finish_reason = reason
+        if req.slot >= 0:
+            if self.drafter is not None:
+                self.drafter.release(req)
+            self.runner.release(req)
+        self.generators.pop(req.rid, None)
+        self._prepares.pop(req.rid, None)
+        if self.done is not None:
+            self.done[req.rid] = req
+
+    def _prefill(self, reqs: list[Request]) -> None:
+        """Feed the admitted requests' prompts, many per forward, then sample each one's first token
+        (and let a drafter that reads hidden states learn the prompt)."""
+        want = self.drafter is not None and self.drafter.needs_hidden
+        start = {r.rid: r.cached for r in reqs}
+        last, hidden = {}, {r.rid: [] for r in reqs}
+        todo = list(reqs)
+        while todo:
+            for req, logits, h in self.runner.prefill(todo, self.max_prefill_tokens, want_hidden=want):
+                if logits is not None:
+                    last[req.rid] = logits
+                if want:
+                    hidden[req.rid].append(h)
+            todo = [r for r in todo if r.pending]
+        for req in reqs:
+            logits = last.get(req.rid)
+            self.emit(req, sample_token(logits, req.params, self.generators[req.rid]), logits)
+            if want:  # the head learns the prompt: each position with the token after it
+                self.drafter.on_prefill(req, torch.cat(hidden[req.rid]), req.context[start[req.rid] + 1:req.cached + 1])
+
+    def _decode_step(self, running: list[Request]) -> None:
+        t0, before = time.perf_counter(), len(self._events)
+        fed = len(running)  # the rows of the forward whose tokens this call emits
+        if self.speculative is not None and self.speculative.applies(running):
+            if self.overlap.inflight is not None:  # a plain overlapped step ran before: its tokens join the contexts
+                self.overlap.settle()
+                running = [r for r in running if r.finish_reason is None]
+                fed = len(running)
+            if running:
+                self.speculative.step(running)
+        elif self.overlapped and all(r.picked_on_device for r in running):
+            fed = self.overlap.step(running)
+        else:
+            self.overlap.settle()
+            running = [r for r in running if r.finish_reason is None]
+            fed = len(running)
+            if running:
+                logits = self.runner.decode(running)
+                tokens = sample_rows(logits, [r.params for r in running], [self.generators[r.rid] for r in running])
+                for req, row, token in zip(running, logits, tokens):
+                    self.emit(req, token, row if req.wants_logits else None)
+        if self.stats is not None:  # reading tokens back waited for the device (overlapped: the step before)
+            self.stats.add_step(time.perf_counter() - t0, len(self._events) - before, fed, len(running))
+
+    def emit(self, req: Request, token: int, logits: torch.Tensor | None = None) -> None:
+        """Append a sampled token; `logits` (its row) is read only when req.wants_logits, else may be None."""
+        req.output.append(token)
+        if req.keep_logits:
+            req.logits.append(logits.detach().float().cpu())
+        logprob = token_logprob(logits, token) if req.params.logprobs else None
+        if logprob is not None:
+            req.logprobs.append(logprob)
+        self._events.append((req.rid, token, logprob))
+        if token in req.params.stop_token_ids:
+            req.finish_reason = "stop"
+        elif ends_at_length(req, len(req.output), self.runner.spec.max_len):
+            req.finish_reason = "length"  # max_new_tokens, or the next token could not be fed within max_len
