@@ -275,37 +275,6 @@ class KernelKey:
                 + (f" --chunk-sizes {C}" if not self.op.startswith("recurrent") else "")
                 + (f" --draft-tokens {drafts}" if drafts else ""))
 
-    # -- what its launcher validates -------------------------------------------------------------
-    def compiled_kind(self) -> str:
-        """The CompiledOp.kind the launchers expect for this kernel."""
-        if self.family == "attention":
-            return f"attention_{self.op}"
-        if self.family == "gemv":
-            return GEMV_KERNELS[self.op]
-        if self.family != "conv1d":
-            return self.op
-        return CONV_UPDATE_KINDS.get(self.op, "conv_accept")
-
-    def launch_params(self, tunables: dict) -> dict:
-        """The compile-time parameters kvbuffer.kernels' launchers validate against."""
-        d = self.dims
-        if self.family == "gemv":
-            rows = {"rows": self.T} if self.op == "gemv" else {}
-            return dict(tunables, N=d.N, K=d.K, dtype=self.in_dtype, **rows)
-        if self.family == "attention":
-            p = dict(tunables, H=d.H, D=d.D, T_len=self.T, dtype=self.in_dtype, T=self.T)
-            return p if self.op == "combine" else dict(p, Hkv=d.Hkv, kv_dtype=self.buf_dtype)
-        if self.family == "conv1d":
-            if self.op == "accept":
-                return dict(tunables, D=d.D, W=d.W, span=d.span, dtype=self.in_dtype)
-            return dict(tunables, D=d.D, W=d.W, span=d.span, T_len=self.T, mode=self.op, dtype=self.in_dtype,
-                        w_dtype=self.w_dtype, has_bias=self.has_bias, silu=self.silu, T=self.T)
-        p = dict(tunables, **d.record_fields(), cap=self.cap, T_new=self.T, flush_at=self.C,
-                 in_dtype=self.in_dtype, buf_dtype=self.buf_dtype, has_z=self.has_z)
-        if self.family == "mamba2":
-            p.update(G=d.G, H=d.H, N=d.N, P=d.P)
-        return p
-
 
 def linear_dims(family: str, Hk: int, Hv: int, K: int, V: int) -> GDNDims | Mamba2Dims:
     """A linear family's dims from the generic (key heads, value heads, key dim, value dim) order."""

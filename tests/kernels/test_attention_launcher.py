@@ -10,6 +10,7 @@ from kvbuffer.kernels import attention as attn
 from kvbuffer.kernels import launch
 from kvbuffer.kernels.compiled import CompiledOp
 from kvbuffer.kernels.keys import AttnDims, KernelKey
+from kvbuffer.kernels.specs import spec_for
 
 B, T, H, HKV, D, NS, ML = 3, 2, 8, 2, 64, 5, 40
 bf16 = torch.bfloat16
@@ -158,8 +159,8 @@ def test_keys_name_their_templates_and_layouts():
     assert KernelKey("attention", "decode", dims, "bfloat16", "bfloat16", T=9).template() is None
     assert step.record_shapes() == [{"family": "attention", "H": 16, "Hkv": 4, "D": 256, "dtype": "bfloat16",
                                      "kv_dtype": "bfloat16"}]
-    assert step.compiled_kind() == "attention_decode"
-    assert step.launch_params({"threads": 128})["kv_dtype"] == "bfloat16"
+    assert spec_for(step).kind == "attention_decode"
+    assert spec_for(step).launch_params(step, {"threads": 128})["kv_dtype"] == "bfloat16"
     assert "--draft-tokens 4" in verify.tune_command()
     with pytest.raises(ValueError, match="op of a attention key"):
         KernelKey("attention", "advance", dims, "bfloat16")

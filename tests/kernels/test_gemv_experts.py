@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from kvbuffer.errors import DTypeError, ExpertIndexError, ShapeError
 from kvbuffer.kernels import launch
 from kvbuffer.kernels.keys import GemvDims, KernelKey
+from kvbuffer.kernels.specs import spec_for
 
 _BUILD = importlib.util.find_spec("tilelang") is not None and bool(
     shutil.which("nvcc") or os.path.exists("/usr/local/cuda/bin/nvcc")) and bool(shutil.which("g++"))
@@ -65,9 +66,9 @@ def test_key_names_its_template_record_and_command():
     w = torch.zeros(6, 32, 64, dtype=torch.bfloat16)
     key = launch.gemv_experts_key(w)
     assert key == KernelKey("gemv", "experts", GemvDims(32, 64), "bfloat16")
-    assert key.template() == "gemv_experts" and key.compiled_kind() == "gemv_experts"
+    assert key.template() == "gemv_experts" and spec_for(key).kind == "gemv_experts"
     assert key.record_shapes() == [{"family": "experts", "N": 32, "K": 64, "dtype": "bfloat16"}]
-    assert key.launch_params({"threads": 128}) == dict(threads=128, N=32, K=64, dtype="bfloat16")
+    assert spec_for(key).launch_params(key, {"threads": 128}) == dict(threads=128, N=32, K=64, dtype="bfloat16")
     assert key.tune_command() == "kvbuffer tune --gpu <gpu> --model <model>"
     assert key != launch.gemv_key(w[0])  # the same weight shape, another kernel
 

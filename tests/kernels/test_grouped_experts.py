@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from kvbuffer.errors import DTypeError, ExpertIndexError, ShapeError
 from kvbuffer.kernels import launch
 from kvbuffer.kernels.keys import GemvDims, KernelKey, grouped_fits
+from kvbuffer.kernels.specs import spec_for
 
 
 def _loop(x, w, ends):
@@ -45,9 +46,9 @@ def test_key_names_its_template_record_and_command():
     w = torch.zeros(6, 32, 64, dtype=torch.bfloat16)
     key = launch.grouped_experts_key(w)
     assert key == KernelKey("gemv", "grouped", GemvDims(32, 64), "bfloat16")
-    assert key.template() == "grouped_experts" and key.compiled_kind() == "grouped_experts"
+    assert key.template() == "grouped_experts" and spec_for(key).kind == "grouped_experts"
     assert key.record_shapes() == [{"family": "grouped", "N": 32, "K": 64, "dtype": "bfloat16"}]
-    assert key.launch_params({"stages": 4}) == dict(stages=4, N=32, K=64, dtype="bfloat16")
+    assert spec_for(key).launch_params(key, {"stages": 4}) == dict(stages=4, N=32, K=64, dtype="bfloat16")
     assert key.tune_command() == "kvbuffer tune --gpu <gpu> --model <model>"
     assert key != launch.gemv_experts_key(w)  # the same experts' weights, another kernel
 
