@@ -12,6 +12,7 @@ import logging
 import os
 
 from ..errors import ArtifactError
+from . import specs
 from .compiled import CompiledOp
 from .keys import KernelKey, linear_dims
 from .specs import spec_for
@@ -75,14 +76,14 @@ def _load(key: KernelKey, batch: int) -> CompiledOp:
 
 
 def _from_artifacts(key: KernelKey, batch: int) -> CompiledOp:
-    template = key.template()
+    template = specs.tune_template(key)
     if template is None:
         raise ArtifactError(f"`kvbuffer tune` builds no {key.op} kernel for {key} (it builds the recurrent step and, for "
                             "buffers of C + T + 1 entries, decode steps, prefill chunks, verifies of T + 1 tokens "
                             "and flushes; for the conv, the SiLU step, prompt, verify and accept; for attention, "
                             "1 .. 8 new tokens per row; for a projection, one row)")
     errors = []
-    for shape in key.record_shapes():
+    for shape in specs.record_shapes(key):
         try:
             return _load_artifact(key, shape, template, batch)
         except ArtifactError as e:
@@ -94,21 +95,20 @@ def _from_artifacts(key: KernelKey, batch: int) -> CompiledOp:
 def _load_artifact(key: KernelKey, shape: dict, template: str, batch: int) -> CompiledOp:
     """The artifact the local GPU's tuning record for `shape` names for `template` at this batch, in
     the first of the key's layouts it was built for; each artifact is loaded once."""
-    from ..artifacts import ArtifactStore
     from ..gpus import detect_local_gpu
-    from ..tuning import select
+    from ..tuning import TuningStore, select
 
     gpu = detect_local_gpu()
     if gpu is None:
         raise ArtifactError("no CUDA GPU here: compiled kernels run on CUDA tensors")
-    store = ArtifactStore()
-    hint = f"build it with `{key.tune_command().replace('<gpu>', gpu.name)}`"
+    store = TuningStore()
+    hint = f"build it with `{specs.tune_command(key).replace('<gpu>', gpu.name)}`"
     try:
         record = store.find_tuning(gpu.name, gpu.arch, shape)
     except ArtifactError as e:
         raise ArtifactError(f"no compiled {template} kernel for {shape} on {gpu.name}: {e}; {hint}") from None
     missing = None
-    for chunk, drafts in key.layouts():
+    for chunk, drafts in specs.layouts(key):
         try:
             name, chunk = select(record, template, batch, chunk, drafts)
             break
