@@ -17,37 +17,26 @@ pass with several splits: against the partials that reference's math gives per s
 
 from __future__ import annotations
 
-import importlib
 import importlib.util
 
-from .registry import Template, _compile, _run, source_digest
+from kvbuffer.kernels.keys import AttnDims, KernelKey
+from kvbuffer.kernels.specs import SPECS
+
+from .template import Template, from_spec
 
 ATTENTION_TILES = "kvbuffer.tiles.attention"
 CONTEXT = 512  # cached positions per row when tuning (rows hold CONTEXT / 2 .. CONTEXT)
 LOG2E = 1.4426950408889634
 
 
-def _tiles():
-    return importlib.import_module(ATTENTION_TILES)
-
-
 def _tokens(T: int | None, drafts: int) -> int:
     return drafts + 1 if T is None else T
 
 
-def _decode_builder(T: int | None):
-    def build(shape, chunk_size, *, target, drafts=0, **t):
-        prim = _tiles().attention_decode(shape["H"], shape["Hkv"], shape["D"], _tokens(T, drafts),
-                                         dtype=shape["dtype"], kv_dtype=shape["kv_dtype"], **t)
-        return _compile(prim, target)
-    return build
-
-
-def _combine_builder(T: int | None):
-    def build(shape, chunk_size, *, target, drafts=0, **t):
-        prim = _tiles().attention_combine(shape["H"], shape["D"], _tokens(T, drafts), dtype=shape["dtype"], **t)
-        return _compile(prim, target)
-    return build
+def _key(op: str, T: int | None):
+    return lambda shape, chunk, drafts: KernelKey(
+        "attention", op, AttnDims(shape["H"], shape["Hkv"], shape["D"]), shape["dtype"], shape["kv_dtype"],
+        T=_tokens(T, drafts))
 
 
 def _splits(shape, batch: int, T: int, device) -> int:
@@ -84,7 +73,8 @@ def _decode_inputs(T: int | None):
         rows, TH = batch if S > 1 else 1, tokens * shape["H"]
         part = torch.zeros(rows, S, TH, shape["D"], device=device)
         stats = torch.zeros(rows, S, TH, 2, device=device)
-        return [q, kc, vc, slots, cached, part, stats, torch.zeros_like(q), shape["D"] ** -0.5]
+        return dict(q=q, k_cache=kc, v_cache=vc, slots=slots, cached=cached, part=part, stats=stats,
+                    out=torch.zeros_like(q), scale=shape["D"] ** -0.5)
     return inputs
 
 
@@ -121,11 +111,11 @@ def split_partials(q, kc, vc, slots, cached, scale: float, splits: int):
 def _decode_reference(shape, chunk_size, args):
     from kvbuffer.kernels.attention import attention_reference
 
-    q, kc, vc, slots, cached, part, stats, out, scale = args
+    q, kc, vc, slots, cached, part = (args[n] for n in ("q", "k_cache", "v_cache", "slots", "cached", "part"))
     if part.shape[1] == 1:
-        return {7: attention_reference(q.double(), kc.double(), vc.double(), slots, cached, scale)}
-    want_part, want_stats = split_partials(q, kc, vc, slots, cached, scale, part.shape[1])
-    return {5: want_part, 6: want_stats}
+        return {"out": attention_reference(q.double(), kc.double(), vc.double(), slots, cached, args["scale"])}
+    want_part, want_stats = split_partials(q, kc, vc, slots, cached, args["scale"], part.shape[1])
+    return {"part": want_part, "stats": want_stats}
 
 
 def _combine_inputs(T: int | None):
@@ -140,36 +130,29 @@ def _combine_inputs(T: int | None):
                              1 + torch.rand(batch, S, TH, generator=gen, device=device)], dim=-1)
         slots = torch.randperm(batch, generator=gen, device=gen.device).to(device=device, dtype=torch.int32)
         out = torch.zeros(batch, tokens, shape["H"], shape["D"], device=device).to(getattr(torch, shape["dtype"]))
-        return [part, stats, slots, out]
+        return dict(part=part, stats=stats, slots=slots, out=out)
     return inputs
 
 
 def _combine_reference(shape, chunk_size, args):
     import torch
 
-    part, stats, slots, out = args
+    part, stats, slots, out = (args[n] for n in ("part", "stats", "slots", "out"))
     w = torch.exp2(stats[..., 0].double() - stats[..., 0].double().max(dim=1, keepdim=True).values)  # (B, S, TH)
     merged = (w[..., None] * part.double()).sum(1) / (w * stats[..., 1].double()).sum(1)[..., None]
     merged = torch.where(slots[:, None, None] >= 0, merged, torch.zeros((), dtype=merged.dtype, device=merged.device))
-    return {3: merged.reshape(out.shape)}
+    return {"out": merged.reshape(out.shape)}
 
 
 def attention_templates() -> list[Template]:
     if importlib.util.find_spec(ATTENTION_TILES) is None:
         return []
-    tiles = _tiles()
-    src = source_digest()
-    common = dict(uses_chunk=False)
-
-    def combine_configs():
-        return [{"threads": t} for t in (128, 256)]
+    decode, combine = SPECS[("attention", "decode")], SPECS[("attention", "combine")]
 
     def pair(suffix: str, T: int | None, **extra):
-        return [
-            Template(f"attention_decode{suffix}", "attention", _decode_builder(T), tiles.get_configs,
-                     {"threads": 128, "unroll": 4}, _decode_inputs(T), _decode_reference, _run, src, **common, **extra),
-            Template(f"attention_combine{suffix}", "attention", _combine_builder(T), combine_configs,
-                     {"threads": 128}, _combine_inputs(T), _combine_reference, _run, src, **common, **extra),
-        ]
+        return [from_spec(decode, f"attention_decode{suffix}", "attention", _key("decode", T), _decode_inputs(T),
+                          _decode_reference, uses_chunk=False, **extra),
+                from_spec(combine, f"attention_combine{suffix}", "attention", _key("combine", T), _combine_inputs(T),
+                          _combine_reference, uses_chunk=False, **extra)]
 
     return pair("", 1) + pair("_verify", None, layouts=True, min_drafts=1)

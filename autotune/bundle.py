@@ -33,9 +33,10 @@ import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from kvbuffer.artifacts import (CHECKED_VERSIONS, ENTRY_NAME, LIBRARY, MANIFEST, META, ArtifactStore, empty_manifest,
+from kvbuffer.artifacts import (CHECKED_VERSIONS, ENTRY_NAME, LIBRARY, MANIFEST, META, empty_manifest,
                                 runtime_versions, sha256_file)
 from kvbuffer.errors import ArtifactError
+from kvbuffer.tuning import TuningStore
 
 from .cache import ArtifactCache
 from .policy import merge_records
@@ -96,7 +97,7 @@ def export_bundle(cache: ArtifactCache, dest: str | os.PathLike, gpu: str | None
     return report
 
 
-def _exportable(cache: ArtifactStore, gpu: str | None, report: BundleReport) -> dict:
+def _exportable(cache: TuningStore, gpu: str | None, report: BundleReport) -> dict:
     """The manifest of what to export: entries that verify, records whose artifacts all go too."""
     manifest, out = cache.manifest(), empty_manifest()
     for name, entry in sorted(manifest["artifacts"].items()):
@@ -123,7 +124,7 @@ def _exportable(cache: ArtifactStore, gpu: str | None, report: BundleReport) -> 
     return out
 
 
-def _nothing(cache: ArtifactStore, gpu: str | None) -> ArtifactError:
+def _nothing(cache: TuningStore, gpu: str | None) -> ArtifactError:
     return ArtifactError(f"nothing to export from {cache.root}{f' for {gpu}' if gpu else ''}; build kernels "
                          "with `kvbuffer tune` first")
 
@@ -159,7 +160,7 @@ def import_bundle(cache: ArtifactCache, src: str | os.PathLike, sha256: str | No
     stage = cache.staging("import")
     try:
         _unpack(src, stage, cache)
-        bundle = ArtifactStore(stage)
+        bundle = TuningStore(stage)
         try:
             manifest, metas, records, notes = _checked(bundle)
         except _MALFORMED as e:  # the reader's words, without its advice about clearing a cache
@@ -239,7 +240,7 @@ def _write_member(data, path: Path, src: Path, cache: ArtifactCache) -> None:
                 raise cache.unwritable(e) from None
 
 
-def _checked(bundle: ArtifactStore):
+def _checked(bundle: TuningStore):
     """(manifest, metas, records, version notes) of an unpacked bundle, or the first thing wrong with it.
     The cheap structural checks come before any file is hashed."""
     manifest = bundle.manifest()  # manifest_problem: every name and field

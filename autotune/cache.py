@@ -40,6 +40,7 @@ from kvbuffer.artifacts import (
     sha256_file,
 )
 from kvbuffer.errors import ArtifactError
+from kvbuffer.tuning import TuningStore
 
 from .policy import merge_records
 
@@ -95,7 +96,7 @@ def write_json(path: Path, obj) -> None:
     os.replace(tmp, path)
 
 
-class ArtifactCache(ArtifactStore):
+class ArtifactCache(TuningStore):
     """A cache root you can write to: publish artifacts and tuning records, set status, clear."""
 
     notes: tuple = ()  # what the last put_tuning's merge kept or dropped (for the CLI to show)

@@ -15,15 +15,16 @@ The check compares against kvbuffer.reference.conv's row functions (SiLU, as the
 
 from __future__ import annotations
 
-import importlib
 import importlib.util
 from typing import Mapping
 
-from .registry import Template, _compile, _run, source_digest
+from kvbuffer.kernels.keys import ConvDims, KernelKey
+from kvbuffer.kernels.specs import SPECS
+
+from .template import Template, from_spec
 
 CONV_TILES = "kvbuffer.tiles.conv1d"
 PREFILL_CHECK_TOKENS = 7  # the any-length prefill kernel is checked and timed on an awkward prompt length
-THREADS = (128, 256, 64)
 
 
 def _span(shape: Mapping, drafts: int) -> int:
@@ -31,25 +32,15 @@ def _span(shape: Mapping, drafts: int) -> int:
     return shape["W"] + drafts
 
 
-def _configs() -> list[dict]:
-    return [{"threads": t} for t in THREADS]
-
-
-def _update_builder(mode: str, T: int | None):
+def _update_key(mode: str, T: int | None):
     """T None: drafts + 1 tokens (verify); 0: any count (prefill)."""
-    def build(shape, chunk_size, *, target, drafts=0, **t):
-        tiles = importlib.import_module(CONV_TILES)
-        prim = tiles.conv1d_update(shape["D"], shape["W"], _span(shape, drafts), drafts + 1 if T is None else T, mode,
-                                   dtype=shape["dtype"], w_dtype=shape["w_dtype"], has_bias=shape["bias"],
-                                   silu=True, **t)
-        return _compile(prim, target)
-    return build
+    return lambda shape, chunk, drafts: KernelKey(
+        "conv1d", mode, ConvDims(shape["D"], shape["W"], _span(shape, drafts)), shape["dtype"],
+        w_dtype=shape["w_dtype"], T=drafts + 1 if T is None else T, has_bias=shape["bias"], silu=True)
 
 
-def _accept_build(shape, chunk_size, *, target, drafts=0, **t):
-    tiles = importlib.import_module(CONV_TILES)
-    return _compile(tiles.conv1d_accept(shape["D"], shape["W"], _span(shape, drafts), dtype=shape["dtype"], **t),
-                    target)
+def _accept_key(shape, chunk, drafts) -> KernelKey:
+    return KernelKey("conv1d", "accept", ConvDims(shape["D"], shape["W"], _span(shape, drafts)), shape["dtype"], T=0)
 
 
 def _pool(shape, batch, drafts, gen, device):
@@ -62,7 +53,7 @@ def _pool(shape, batch, drafts, gen, device):
 
 
 def _update_inputs(T: int | None):
-    def inputs(shape, batch, chunk_size, device, gen, drafts=0):
+    def inputs(shape, batch, chunk_size, device, gen, drafts=0) -> dict:
         import torch
 
         tokens = drafts + 1 if T is None else (T or PREFILL_CHECK_TOKENS)
@@ -71,53 +62,52 @@ def _update_inputs(T: int | None):
         state, slots = _pool(shape, batch, drafts, gen, device)
         weight = (0.5 * torch.randn(shape["D"], shape["W"], generator=gen, device=device)).to(wdt)
         bias = torch.randn(shape["D"], generator=gen, device=device).to(wdt) if shape["bias"] else weight.view(-1)[:1]
-        return [x, state, slots, weight, bias, torch.empty_like(x)]
+        return dict(x=x, conv_state=state, slots=slots, weight=weight, bias=bias, out=torch.empty_like(x))
     return inputs
 
 
 def _update_reference(row_function: str):
-    def reference(shape, chunk_size, args):
+    def reference(shape, chunk_size, args: Mapping) -> dict:
         from kvbuffer.reference import conv
 
-        x, state, slots, weight, bias = args[0], args[1].clone(), args[2], args[3], args[4]
-        bias = bias if shape["bias"] else None
+        x, state = args["x"], args["conv_state"].clone()
+        bias = args["bias"] if shape["bias"] else None
         fn = getattr(conv, row_function)
-        out = fn(x[:, 0], state, slots, weight, bias)[:, None] if row_function == "step_rows" else \
-            fn(x, state, slots, weight, bias)
-        return {1: state, 5: out}
+        row = (x[:, 0], state, args["slots"], args["weight"], bias) if row_function == "step_rows" else \
+            (x, state, args["slots"], args["weight"], bias)
+        out = fn(*row)
+        return {"conv_state": state, "out": out[:, None] if row_function == "step_rows" else out}
     return reference
 
 
-def _accept_inputs(shape, batch, chunk_size, device, gen, drafts=0):
+def _accept_inputs(shape, batch, chunk_size, device, gen, drafts=0) -> dict:
     import torch
 
     state, slots = _pool(shape, batch, drafts, gen, device)
     accepted = torch.randint(0, drafts + 2, (batch,), generator=gen, device=device, dtype=torch.int32)
-    return [state, slots, accepted]
+    return dict(conv_state=state, slots=slots, accepted=accepted)
 
 
-def _accept_reference(shape, chunk_size, args):
+def _accept_reference(shape, chunk_size, args: Mapping) -> dict:
     from kvbuffer.reference import conv
 
-    state = args[0].clone()
-    conv.accept_rows(state, args[1], args[2], shape["W"])
-    return {0: state}
+    state = args["conv_state"].clone()
+    conv.accept_rows(state, args["slots"], args["accepted"], shape["W"])
+    return {"conv_state": state}
 
 
 def conv_templates() -> list[Template]:
     if importlib.util.find_spec(CONV_TILES) is None:
         return []
-    src = source_digest()
+    advance, verify, accept = (SPECS[("conv1d", op)] for op in ("advance", "verify", "accept"))
     common = dict(uses_chunk=False, layouts=True)
-
-    def tpl(name, build, inputs, reference, **extra):
-        return Template(name, "conv1d", build, _configs, {"threads": THREADS[0]}, inputs, reference, _run, src,
-                        **common, **extra)
-
     return [
-        tpl("conv1d_step", _update_builder("advance", 1), _update_inputs(1), _update_reference("step_rows")),
-        tpl("conv1d_prefill", _update_builder("advance", 0), _update_inputs(0), _update_reference("prefill_rows")),
-        tpl("conv1d_verify", _update_builder("verify", None), _update_inputs(None), _update_reference("verify_rows"),
-            min_drafts=1),
-        tpl("conv1d_accept", _accept_build, _accept_inputs, _accept_reference, min_drafts=1),
+        from_spec(advance, "conv1d_step", "conv1d", _update_key("advance", 1), _update_inputs(1),
+                  _update_reference("step_rows"), **common),
+        from_spec(advance, "conv1d_prefill", "conv1d", _update_key("advance", 0), _update_inputs(0),
+                  _update_reference("prefill_rows"), **common),
+        from_spec(verify, "conv1d_verify", "conv1d", _update_key("verify", None), _update_inputs(None),
+                  _update_reference("verify_rows"), min_drafts=1, **common),
+        from_spec(accept, "conv1d_accept", "conv1d", _accept_key, _accept_inputs, _accept_reference, min_drafts=1,
+                  **common),
     ]

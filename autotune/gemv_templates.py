@@ -1,45 +1,29 @@
-"""The projection kernels (tiles/gemv.py, tiles/grouped.py) as tuner templates, families "gemv",
-"experts" and "grouped".
-
-Its shape is kvbuffer.kernels.keys.projection_shape: {"family": "gemv", "N": output features, "K": input
-features, "dtype"}; one per distinct weight matrix of a model's linear layers without bias
-(kvbuffer.autotune.models.model_gemv_shapes). It depends on no chunk size and no buffer layout, and
-only a one-token forward runs it, so the tuner's batch buckets all time the same one-row product
-(the winner is the same in each).
+"""The projection kernels' tuner templates (tiles/gemv.py, tiles/grouped.py), families "gemv", "experts"
+and "grouped"; their shape is kvbuffer.kernels.keys.projection_shape (one expert's N, K for the experts').
 
     gemv            y (1, N) = x (1, K) . W^T
-    gemv_experts    y (1, J, N) = x (1, K) . W[e_j]^T for J distinct experts of a (J, N, K) stack
-    grouped_experts y (M, N) = x (M, K) . W[e(r)]^T for rows sorted by expert
+    gemv_experts    y (1, J, N) = x (1, K) . W[e_j]^T for EXPERTS_TIMED experts of a (J, N, K) stack
+    grouped_experts y (M, N) = x (M, K) . W[e(r)]^T, GROUPED_EXPERTS experts' rows cycling through GROUPED_ROWS
 
-The experts kernel's shape has the same fields, family "experts" (one expert's N, K and the dtype;
-one per distinct expert weight of a model's routed experts, kvbuffer.autotune.models); it is timed
-with EXPERTS_TIMED experts chosen, a mixture-of-experts layer's top-k at one token. The grouped
-experts kernel's shape is family "grouped" (the same fields); it is timed with
-GROUPED_EXPERTS experts whose rows cycle through GROUPED_ROWS, a decode step's routed load at a few
-hundred requests (Nemotron-3-Nano at B = 512: ~24 rows for each of 128 experts on average, the busy
-ones up to twice that on even routing, several times that on skewed), in every batch bucket alike; so
-its winner is the best tile for that load, not for every load the engine gives it (from under one row
-to a few hundred rows an expert).
-Inputs: x and W drawn N(0, 1) and N(0, 1 / K), so outputs are O(1). The check compares against the
-product in fp64.
+They depend on no chunk size or buffer layout, and every batch bucket times the same load (the grouped
+kernel's: a decode step's routed load at a few hundred requests). Inputs: x ~ N(0, 1), W ~ N(0, 1 / K);
+the check is against the product in fp64.
 """
 
 from __future__ import annotations
 
-import importlib
 import importlib.util
 
-from .registry import Template, _compile, _run, source_digest
+from kvbuffer.kernels.keys import GemvDims, KernelKey
+from kvbuffer.kernels.specs import SPECS
+
+from .template import Template, from_spec
 
 GEMV_TILES, GROUPED_TILES = "kvbuffer.tiles.gemv", "kvbuffer.tiles.grouped"
 
 
-def _tiles():
-    return importlib.import_module(GEMV_TILES)
-
-
-def _build(shape, chunk_size, *, target, **t):
-    return _compile(_tiles().gemv(shape["N"], shape["K"], 1, dtype=shape["dtype"], **t), target)
+def _key(op: str):
+    return lambda shape, chunk, drafts: KernelKey("gemv", op, GemvDims(shape["N"], shape["K"]), shape["dtype"])
 
 
 def _inputs(shape, batch, chunk_size, device, gen):
@@ -49,19 +33,14 @@ def _inputs(shape, batch, chunk_size, device, gen):
     N, K = shape["N"], shape["K"]
     x = torch.randn(1, K, generator=gen, device=device).to(dt)
     w = (torch.randn(N, K, generator=gen, device=device) * K ** -0.5).to(dt)
-    return [x, w, torch.empty(1, N, device=device, dtype=dt)]
+    return dict(x=x, weight=w, out=torch.empty(1, N, device=device, dtype=dt))
 
 
 def _reference(shape, chunk_size, args):
-    x, w = args[0], args[1]
-    return {2: x.double() @ w.double().T}
+    return {"out": args["x"].double() @ args["weight"].double().T}
 
 
 EXPERTS_TIMED = 8  # experts a timed call reads (Nemotron-3 takes 6 per token, Qwen3.5's MoE models 8)
-
-
-def _build_experts(shape, chunk_size, *, target, **t):
-    return _compile(_tiles().gemv_experts(shape["N"], shape["K"], dtype=shape["dtype"], **t), target)
 
 
 def _experts_inputs(shape, batch, chunk_size, device, gen):
@@ -72,12 +51,12 @@ def _experts_inputs(shape, batch, chunk_size, device, gen):
     x = torch.randn(1, K, generator=gen, device=device).to(dt)
     w = (torch.randn(J, N, K, generator=gen, device=device) * K ** -0.5).to(dt)
     ids = torch.randperm(J, generator=gen, device=device)[None]
-    return [x, w, ids, torch.empty(1, J, N, device=device, dtype=dt)]
+    return dict(x=x, weight=w, expert=ids, out=torch.empty(1, J, N, device=device, dtype=dt))
 
 
 def _experts_reference(shape, chunk_size, args):
-    x, w, ids = args[0], args[1], args[2]
-    return {3: (w[ids[0]].double() @ x.double()[0]).unsqueeze(0)}  # (1, J, N)
+    x, w, ids = args["x"], args["weight"], args["expert"]
+    return {"out": (w[ids[0]].double() @ x.double()[0]).unsqueeze(0)}  # (1, J, N)
 
 
 GROUPED_EXPERTS, GROUPED_ROWS = 32, (6, 12, 18, 24, 24, 30, 36, 42)  # experts a timed call reads, the rows they get
@@ -88,11 +67,6 @@ def grouped_counts() -> list[int]:
     return [GROUPED_ROWS[e % len(GROUPED_ROWS)] for e in range(GROUPED_EXPERTS)]
 
 
-def _build_grouped(shape, chunk_size, *, target, **t):
-    tiles = importlib.import_module(GROUPED_TILES)
-    return _compile(tiles.grouped_experts(shape["N"], shape["K"], dtype=shape["dtype"], **t), target)
-
-
 def _grouped_inputs(shape, batch, chunk_size, device, gen):
     import torch
 
@@ -101,25 +75,23 @@ def _grouped_inputs(shape, batch, chunk_size, device, gen):
     x = torch.randn(int(counts.sum()), K, generator=gen, device=device).to(dt)
     w = (torch.randn(len(counts), N, K, generator=gen, device=device) * K ** -0.5).to(dt)
     ends = counts.cumsum(0).to(device=device, dtype=torch.int32)
-    return [x, w, ends, torch.empty(x.shape[0], N, device=device, dtype=dt)]
+    return dict(x=x, weight=w, ends=ends, out=torch.empty(x.shape[0], N, device=device, dtype=dt))
 
 
 def _grouped_reference(shape, chunk_size, args):
     import torch
 
-    ends = args[2].tolist()
-    rows = args[0].double().split([e - s for s, e in zip([0] + ends[:-1], ends)])
-    return {3: torch.cat([r @ w.double().T for r, w in zip(rows, args[1])])}  # (M, N)
+    ends = args["ends"].tolist()
+    rows = args["x"].double().split([e - s for s, e in zip([0] + ends[:-1], ends)])
+    return {"out": torch.cat([r @ w.double().T for r, w in zip(rows, args["weight"])])}  # (M, N)
 
 
 def gemv_templates() -> list[Template]:
     if importlib.util.find_spec(GEMV_TILES) is None:
         return []
-    tiles = _tiles()
-    grouped = importlib.import_module(GROUPED_TILES)
-    return [Template("gemv", "gemv", _build, tiles.get_configs, dict(tiles.DEFAULT), _inputs, _reference, _run,
-                     source_digest(), uses_chunk=False),
-            Template("gemv_experts", "experts", _build_experts, tiles.get_configs, dict(tiles.DEFAULT),
-                     _experts_inputs, _experts_reference, _run, source_digest(), uses_chunk=False),
-            Template("grouped_experts", "grouped", _build_grouped, grouped.get_configs, dict(grouped.DEFAULT),
-                     _grouped_inputs, _grouped_reference, _run, source_digest(), uses_chunk=False)]
+    spec = {op: SPECS[("gemv", op)] for op in ("gemv", "experts", "grouped")}
+    return [from_spec(spec["gemv"], "gemv", "gemv", _key("gemv"), _inputs, _reference, uses_chunk=False),
+            from_spec(spec["experts"], "gemv_experts", "experts", _key("experts"), _experts_inputs,
+                      _experts_reference, uses_chunk=False),
+            from_spec(spec["grouped"], "grouped_experts", "grouped", _key("grouped"), _grouped_inputs,
+                      _grouped_reference, uses_chunk=False)]

@@ -26,7 +26,7 @@ from kvbuffer.tuning import TUNING_FORMAT, ChunkPolicy, tuning_name
 from .cache import ArtifactCache, build_versions
 from .policy import POLICY_KERNELS, RECURRENT_KERNELS, Winner
 from .progress import quiet_tilelang
-from .registry import Template
+from .template import Template
 
 CHECK_BATCH = 7                      # an awkward batch for the correctness gate
 BATCH_BUCKETS = (1, 16, 64, 256, 1024)  # what `kvbuffer tune` tunes for unless told otherwise
@@ -151,9 +151,11 @@ def check(tpl: Template, kernel, shape: Mapping, chunk: int, device, seed: int =
 
     gen = torch.Generator(device=device).manual_seed(seed)
     args = tpl.inputs(shape, CHECK_BATCH, chunk, device, gen, drafts)
-    expected = tpl.reference(dict(shape), chunk, [a.clone() if isinstance(a, torch.Tensor) else a for a in args])
+    copies = [a.clone() if isinstance(a, torch.Tensor) else a for a in args]
+    expected = tpl.reference(dict(shape), chunk, tpl.named(copies))
     tpl.run(kernel, args)
-    return max(rel_err(args[i], want) for i, want in expected.items())
+    got = tpl.named(args)
+    return max(rel_err(got[name], want) for name, want in expected.items())
 
 
 def cuda_median_seconds(fn: Callable[[list], None], arg_sets: list) -> float:
@@ -167,9 +169,8 @@ def cuda_median_seconds(fn: Callable[[list], None], arg_sets: list) -> float:
 
 def rotation(args: list, l2_bytes: float, limit: int = 256) -> int:
     """How many input copies it takes to exceed twice the L2 (at least 2, at most `limit`); scalar
-    arguments (attention's scale) take no memory. The limit spans 2x a 60 MB L2 for any input set of
-    0.5 MB or more: one row's states (2 MB for a Qwen3.5 layer) need ~60 copies, and fewer would time
-    reads that hit the L2. Smaller sets (a conv's, attention's merge at a few rows) get 256 copies."""
+    arguments (attention's scale) take no memory. The limit spans twice a 60 MB L2 for any input set of
+    0.5 MB or more; fewer copies would time reads that hit the L2."""
     nbytes = sum(a.numel() * a.element_size() for a in args if hasattr(a, "element_size"))
     return max(2, min(limit, math.ceil(2 * l2_bytes / max(nbytes, 1))))
 

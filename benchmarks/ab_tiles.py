@@ -66,12 +66,7 @@ def templates_of(package: str) -> dict:
     """The registry's GDN and Mamba-2 templates built on `package`'s tiles, by name."""
     from kvbuffer.autotune import registry
 
-    saved = registry.GDN_TILES, registry.MAMBA2_TILES
-    registry.GDN_TILES, registry.MAMBA2_TILES = f"{package}.gdn", f"{package}.mamba2"
-    try:
-        return {t.name: t for t in registry.gdn_templates() + registry.mamba2_templates()}
-    finally:
-        registry.GDN_TILES, registry.MAMBA2_TILES = saved
+    return {t.name: t for t in registry.gdn_templates(package) + registry.mamba2_templates(package)}
 
 
 def _same_outputs(tpl, kernels: dict, shape, drafts: int) -> bool:

@@ -66,7 +66,7 @@ def other_form(shape: dict, T: int):
 
 def run(shape: dict, batches, T: int, held: tuple[int, int], L: int) -> list[dict]:
     from kvbuffer.bench.timing import copy_bandwidth, graph_median, l2_bytes
-    from kvbuffer.kernels import attention, launch, lookup
+    from kvbuffer.kernels import attention, launch, lookup, specs
 
     H, Hkv, D = shape["H"], shape["Hkv"], shape["D"]
     dt = getattr(torch, shape["dtype"])
@@ -98,7 +98,7 @@ def run(shape: dict, batches, T: int, held: tuple[int, int], L: int) -> list[dic
         if other is not None:  # the launcher's split rule for its grid, and the combine
             form, op, blocks = other
             splits = attention.splits_for(B * blocks, L, torch.cuda.get_device_properties(0).multi_processor_count)
-            combine = lookup.kernel_for(launch.attention_key("combine", q, kc)) if splits > 1 else None
+            combine = lookup.kernel_for(launch.attention_key(specs.ATTENTION_COMBINE, q, kc)) if splits > 1 else None
             call = lambda i: attention.attention_decode(op, combine, q, kc, vc, slot_sets[i], cached,  # noqa: E731
                                                         scale, splits=splits, checked=False)
             orel = float((call(0).float() - want).norm() / want.norm())

@@ -333,7 +333,7 @@ class ArtifactStore:
         path = self.root / MANIFEST
         if not path.exists():
             return empty_manifest()
-        return _read_checked_json(path, "cache manifest", manifest_problem, self.repair_hint)
+        return read_checked_json(path, "cache manifest", manifest_problem, self.repair_hint)
 
     @property
     def repair_hint(self) -> str:
@@ -447,35 +447,8 @@ class ArtifactStore:
         module, fn = load_library(path, meta["function"])
         return Artifact(name, meta, path, module, fn)
 
-    # -- tunings
-    def tuning(self, name: str, manifest: dict | None = None) -> dict:
-        """A tuning record, after its checksum (against `manifest`, as in verify) and its structure
-        (kvbuffer.tuning.record_problem)."""
-        from .tuning import record_problem
 
-        hint = rebuild_hint(root=self.root)
-        self._check_files("tunings", name, hint, manifest)
-        return _read_checked_json(self.tuning_path(name), "tuning record", record_problem, hint)
-
-    def find_tuning(self, gpu: str, arch: str, shape: Mapping) -> dict:
-        """The tuning record for this GPU and head shape under this process's versions."""
-        from .tuning import tuning_name  # (kvbuffer.tuning builds on this module)
-
-        name = tuning_name(gpu, arch, shape, runtime_versions())
-        tunings = self.manifest()["tunings"]
-        if name in tunings:
-            return self.tuning(name)
-        hint = rebuild_hint(gpu, shape, self.root)
-        others = [n for n, e in tunings.items()
-                  if e.get("gpu") == gpu and e.get("shape") == dict(shape)]
-        if others:
-            found = {lib: tunings[others[0]]["versions"].get(lib) for lib in CHECKED_VERSIONS}
-            raise ArtifactError(f"kernels for {gpu} {slug(shape)} exist for {found}, not for this "
-                                f"process's {runtime_versions()}; {hint}")
-        raise ArtifactError(f"no kernels built for {gpu} ({arch}) {slug(shape)} in {self.root}; {hint}")
-
-
-def _read_checked_json(path: Path, what: str, problem_of: Callable[[object], str | None], hint: str):
+def read_checked_json(path: Path, what: str, problem_of: Callable[[object], str | None], hint: str):
     """JSON from a cache file, or one ArtifactError naming the file, what is wrong, and the fix."""
     try:
         data = json.loads(path.read_text())

@@ -12,7 +12,8 @@ import bisect
 from dataclasses import dataclass
 from typing import Mapping
 
-from .artifacts import check_entry_name, safe_name, sha256_json, slug
+from .artifacts import (CHECKED_VERSIONS, ArtifactStore, check_entry_name, read_checked_json, rebuild_hint,
+                        runtime_versions, safe_name, sha256_json, slug)
 from .errors import ArtifactError
 
 TUNING_FORMAT = 1
@@ -35,13 +36,12 @@ def local_tuning(shape: Mapping) -> tuple[dict, str]:
     """(the tuning record of this machine's GPU for `shape`, the GPU's name); an ArtifactError says
     why there is none (no CUDA GPU here, or no record for this shape and these versions, naming the
     tune command)."""
-    from .artifacts import ArtifactStore
     from .gpus import detect_local_gpu
 
     gpu = detect_local_gpu()
     if gpu is None:
         raise ArtifactError("no known GPU here")
-    return ArtifactStore().find_tuning(gpu.name, gpu.arch, shape), gpu.name
+    return TuningStore().find_tuning(gpu.name, gpu.arch, shape), gpu.name
 
 
 def make_conv_shape(D: int, W: int, dtype: str, w_dtype: str, bias: bool) -> dict:
@@ -173,3 +173,29 @@ def select(record: Mapping, kernel: str, batch: int, chunk_size: int | None = No
     built = sorted(set(record.get("draft_tokens", [0])) - {0})
     hint = f" (drafts built: {built or 'none'}; add --draft-tokens {drafts})" if drafts and drafts not in built else ""
     raise KeyError(f"no {kernel} kernel for batch bucket {bucket}, chunk size {c}{layout} in this tuning record{hint}")
+
+
+class TuningStore(ArtifactStore):
+    """An artifact store that also reads the tuning records in it."""
+
+    def tuning(self, name: str, manifest: dict | None = None) -> dict:
+        """A tuning record, after its checksum (against `manifest`, as in verify) and its structure
+        (record_problem)."""
+        hint = rebuild_hint(root=self.root)
+        self._check_files("tunings", name, hint, manifest)
+        return read_checked_json(self.tuning_path(name), "tuning record", record_problem, hint)
+
+    def find_tuning(self, gpu: str, arch: str, shape: Mapping) -> dict:
+        """The tuning record for this GPU and head shape under this process's versions."""
+        name = tuning_name(gpu, arch, shape, runtime_versions())
+        tunings = self.manifest()["tunings"]
+        if name in tunings:
+            return self.tuning(name)
+        hint = rebuild_hint(gpu, shape, self.root)
+        others = [n for n, e in tunings.items()
+                  if e.get("gpu") == gpu and e.get("shape") == dict(shape)]
+        if others:
+            found = {lib: tunings[others[0]]["versions"].get(lib) for lib in CHECKED_VERSIONS}
+            raise ArtifactError(f"kernels for {gpu} {slug(shape)} exist for {found}, not for this "
+                                f"process's {runtime_versions()}; {hint}")
+        raise ArtifactError(f"no kernels built for {gpu} ({arch}) {slug(shape)} in {self.root}; {hint}")

@@ -4,9 +4,7 @@ The GDN entry points under their established names. The recurrent step and the f
 family (linear_decode.py: delta rule on, GDN gating front). `gdn_buffered` (buffered step, speculative
 verify, prefill chunk) is GDN's own thread-level template: no T.reduce_sum, four block barriers, S0
 streamed into registers while the front, the Gram and the buffer's history run (see its docstring).
-It replaced an in-block-reduction template (T.reduce_sum chains) on 2026-11-30, 1.4-1.5x slower for the
-step and 2.5-2.7x for verify (docs/kernels.md). Tensor ABI: linear_decode's module docstring (GDN rows);
-the recurrent step takes a token axis of 1.
+Tensor ABI: linear_decode's module docstring (GDN rows); the recurrent step takes a token axis of 1.
 """
 
 from ..reference.core import LOG_DECAY_FLOOR
@@ -45,27 +43,23 @@ def gdn_recurrent_drafts(Hk: int, Hv: int, K: int = 128, V: int = 128, *, T_new:
 
 
 # (BV, threads, blocks): blocks > 0 caps registers so that many blocks share an SM (0: the compiler's
-# choice); best first (H200, Qwen3.5 shapes), since `kvbuffer tune --max-configs N` tries the first N.
-# SMALL_BATCH_CONFIGS: the grid is (V / BV) x Hv x B blocks, only 32 x B at the 9B's winner (BV 128), too
-# few for a GPU's SMs at B <= 16 (132 on an H100 / H200); BV 16 or 8 gives 8-16x the blocks, and a
-# thread holds 4-8 rows x 4 columns of S0 (32 values, not 128), so its S0 loads and FMAs are short. Same
-# kernel ABI. The tuner times them in every batch bucket and keeps them where they win; one sits early in
-# the list so short tuning runs (--max-configs) see it too.
+# choice); best first (docs/kernels.md), since `kvbuffer tune --max-configs N` tries the first N.
+# SMALL_BATCH_CONFIGS: the grid is (V / BV) x Hv x B blocks, too few for a GPU's SMs at small B with
+# BV 128; BV 16 or 8 gives 8-16x the blocks and a thread holds 32 values of S0, not 128. Same kernel ABI;
+# one sits early in the list so short tuning runs (--max-configs) see it too.
 SMALL_BATCH_CONFIGS = ((16, 64, 0), (16, 128, 0), (8, 64, 0))
 _BUFFERED_CONFIGS = ((128, 128, 0), (128, 128, 3), SMALL_BATCH_CONFIGS[0], (64, 64, 0), (64, 128, 0),
                      (64, 128, 5), (128, 256, 0), (32, 64, 0), (32, 64, 10), (32, 128, 0), (64, 256, 0),
                      (32, 256, 0)) + SMALL_BATCH_CONFIGS[1:]
 
 
-# the winner of every GDN shape measured on the H200 (Qwen3.5-9B and -27B, benchmarks/results/gdn_*)
+# the untuned default: the Qwen3.5 shapes' winner (docs/results.md)
 BUFFERED_BEST = {"BV": 128, "threads": 128, "blocks": 3}
 
 
 # Tokens per row at which an untuned kernel runs the S0 products on tensor cores (the 8-token prefill
-# chunk, a verify of 7 drafts): on the H200 that was faster than CUDA cores at every batch from 1 to
-# 1024, while for 5 tokens it lost from B = 16 on (benchmarks/results/gdn_variants_*); the MMA takes at
-# most 8 tokens. Below it an untuned verify runs `lean` (gdn_buffered): 1.01-1.02x at 5 tokens, B = 1 ..
-# 1024 (benchmarks/results/gdn_lean_ab_*).
+# chunk, a verify of 7 drafts; the MMA takes at most 8 tokens); below it an untuned verify runs `lean`.
+# Why these defaults: docs/results.md.
 TENSOR_CORE_TOKENS = 8
 
 
@@ -108,41 +102,26 @@ def gdn_buffered(Hk: int, Hv: int, K: int = 128, V: int = 128, *, cap: int = 16,
                  lean: int = 0, in_dtype: str = "bfloat16", buf_dtype: str = "bfloat16"):
     """T_new tokens after each row's n buffered entries: one read of S0, no state write.
 
-    Writes the T_new entries (k, delta, G) at buffer positions n .. n+T_new-1 (lengths untouched).
-    The deltas of the new tokens are coupled by (I + A) Delta = R, solved by forward substitution.
-    With flush_at = C > 0, a row with n + T_new == C also folds its full buffer into its state in
-    the same launch (the flush fused into the step that fills the buffer; S0 is in registers).
-
-    Thread-level (SIMT) layout: one block per (value tile of BV columns, value head, row); thread
-    (rg, cg) owns rows rg*KR .. rg*KR+KR-1 and columns 4cg .. 4cg+3 of the K x BV S0 tile. No
-    T.reduce_sum: four block barriers in all (a fifth only in the step that flushes):
-      0. the row's q, k, v, a, b are loaded before the slots are known (their latency overlaps the slots'
-         round trip); thread t computes g_t, beta_t in fp64. Then the buffer (keys, deltas, G; entries
-         i < n only) goes to shared memory (bf16 -> fp32) and the S0 slice is issued as float4 loads into
-         registers, first used in phase 3b: phases 1-3a run while it streams in.
-      1. Gram: lane = one vector of [new k, new q, buffer keys], warp = a K slice, dotted with every new
-         k and q (partial sums per warp, no reductions); thread t: G_t = G_{n-1} + g_0 + .. + g_t (fp64).
-      2. Scalars, one task per thread (packed by n): norms, decay weights exp(G_t - G_i) (k_i . k^_t), the
-         T x T system, exp(G_t) / |k_t|, the flush weights; exp of fp64 log-decay differences by
-         simt_parts.exp_of_f64, 1/sqrt in fp32.
-      3. (a) one thread per value column: the buffer's history sums; the new keys and G are written.
-         (b) every thread: S0^T k and S0^T q of the *raw* k, q (normalised by the phase-2 scalars),
-         serial FMAs over its rows; the row groups of a warp are summed by shuffles, the warps in
-         shared memory.
-      4. One thread per value column: forward substitution, outputs, the new deltas.
-    Verifying T drafts costs T times the per-thread FMAs, not more barriers. `blocks` > 0 caps the
-    registers (__launch_bounds__ min blocks per SM) so more S0 bytes are in flight per SM.
-    `tensor_cores` = 1 runs phase 3b as TF32 MMAs at fp32 accuracy (simt_parts.mma_products, T_new <= 8):
-    a warp holds all K rows of its 32 columns (threads == BV), so the per-warp partial sums and the
-    shuffles go away and a verify's 2 T products per column cost 2-3 MMAs per 8 x 8 block of S0.
-    `lean` = 1 keeps fewer values live beside S0 through phase 3b (CUDA cores, T_new >= 2): the 2 T
-    products run in two halves (half the accumulators), and v and the phase-3a history sums wait in
-    shared memory for phase 4 instead of in registers. Under the three-blocks register cap a
-    verify otherwise spills (ptxas: 160 bytes a thread at 5 tokens).
+    Writes the T_new entries (k, delta, G) at buffer positions n .. n+T_new-1 (lengths untouched); the
+    new tokens' deltas solve (I + A) Delta = R by forward substitution. With flush_at = C > 0, a row with
+    n + T_new == C also folds its full buffer into its state in the same launch. `blocks` > 0 caps the
+    registers per thread; `tensor_cores` = 1 runs the S0 products as TF32 MMAs (T_new <= 8, threads ==
+    BV); `lean` = 1 keeps fewer values live beside S0 (CUDA cores, T_new >= 2).
 
     Args: q, k, v, a, b, A_log, dt_bias, state, state_slots, buf_k, buf_v, buf_g, buffer_slots,
     lengths, o (module docstring; token axis T present).
     """
+    # One block per (value tile of BV columns, value head, row); thread (rg, cg) owns rows rg*KR ..
+    # rg*KR+KR-1 and columns 4cg .. 4cg+3 of the K x BV S0 tile. Four block barriers (a fifth where it flushes):
+    #   0. q, k, v, a, b load before the slots are known; g_t, beta_t in fp64; the buffer goes to shared
+    #      memory and S0 is issued as float4 loads into registers, first used in 3b (1-3a run meanwhile).
+    #   1. Gram: lane = one of [new k, new q, buffer keys], warp = a K slice; G_t = G_{n-1} + g_0 + .. + g_t.
+    #   2. Scalars, one task per thread: norms, decay weights, the T x T system, the flush weights.
+    #   3. (a) per value column: the buffer's history sums; the new keys and G are written. (b) S0^T k and
+    #      S0^T q of the raw k, q (scaled by the phase-2 scalars), summed by shuffles and shared memory.
+    #   4. Per value column: forward substitution, outputs, the new deltas.
+    # `lean` runs the 2 T products of 3b in two halves and parks v and the history sums in shared memory:
+    # under the register cap a verify otherwise spills.
     _check_shape(Hk, Hv, K, V, BV)
     if not 1 <= T_new <= cap:
         raise ValueError(f"T_new={T_new} must be in [1, cap={cap}]")

@@ -35,8 +35,8 @@ from ..kernels.keys import GEMV_DTYPES as DTYPES, GROUPED_K as BK  # the rules t
 
 F32 = "float32"
 
-# the untuned default: within 4% of the best at 64-1,024 tokens of even routing and at 512 skewed; busy experts of
-# ~200 rows and more favour 4 row blocks (measured: docs/kernels.md, "Routed experts at decode batch sizes")
+# the untuned default (docs/kernels.md, "Routed experts at decode batch sizes": busy experts of a few hundred
+# rows favour 4 row blocks)
 DEFAULT = {"block_n": 128, "block_t": 32, "row_blocks": 2, "stages": 4, "threads": 128}
 
 

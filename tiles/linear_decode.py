@@ -216,8 +216,8 @@ def recurrence(T, K: int, BV: int, delta: bool):
 
 
 # (BV, threads) of the recurrent step, best first, since `kvbuffer tune --max-configs N` tries the first N:
-# the signature's default, then the H200's winners (Qwen3.5-9B and Nemotron-3 Nano alike) at B >= 64,
-# B <= 16 and B = 1. The one-warp tiles (32 threads) keep every reduction over K inside a warp; BV 8
+# the signature's default, then the measured winners at large, small and one-row batches (docs/results.md).
+# The one-warp tiles (32 threads) keep every reduction over K inside a warp; BV 8
 # gives 4x the default's blocks, for one row.
 RECURRENT_FIRST = ((32, 128), (64, 64), (32, 32), (8, 32))
 

@@ -9,9 +9,9 @@ Args of every kernel: x, dt, A_log, dt_bias, B, C, D, z, state, state_slots, [bu
 buffer_slots, lengths,] y; z is read only by kernels built with has_z=True (pass x otherwise).
 
 The buffered template has two variants with that one ABI (tunable `variant`): "simt", the thread-level
-template of tiles/mamba2_simt.py (fp32 FMA; the GDN design of tiles/gdn.py; the default: on the H200 it
-is 2.3-2.5x the "reduce" variant at B >= 64, benchmarks/results/mamba2_*), and "reduce", the generic
-in-block-reduction template (tiles/linear_decode.py, TF32 GEMMs). `kvbuffer tune` times both.
+template of tiles/mamba2_simt.py (fp32 FMA; the GDN design of tiles/gdn.py; the default), and
+"reduce", the generic in-block-reduction template (tiles/linear_decode.py, TF32 GEMMs). `kvbuffer tune`
+times both.
 """
 
 from .linear_decode import get_buffered_configs as _reduce_configs
@@ -45,12 +45,10 @@ def mamba2_recurrent_drafts(G: int, H: int, N: int = 128, P: int = 64, *, T_new:
                                    has_z=has_z)
 
 
-# The winner at both Nemotron-3 shapes on the H200: two heads of a group per block, 64 threads each,
-# three blocks per SM. The heads share B and C, so a block stages the keys and computes the Gram once
-# for both; against one head per block (ONE_HEAD_BEST, the winner before) it ran 1.06-1.13x on the
-# step and 1.02-1.09x on the 5-token verify at B = 1 .. 1024 (benchmarks/results/mamba2_heads_ab_*).
-# The signature's defaults stay ONE_HEAD_BEST, so tunables recorded without `heads` keep naming the
-# kernel they were measured as.
+# The untuned default (the Nemotron-3 shapes' winner, docs/results.md): two heads of a group per block,
+# which share B and C, so a block stages the keys and computes the Gram once for both. The signature's
+# defaults stay ONE_HEAD_BEST, so tunables recorded without `heads` keep naming the kernel they were
+# measured as.
 ONE_HEAD_BEST = {"variant": "simt", "BV": 64, "threads": 64, "blocks": 6, "heads": 1}
 BUFFERED_BEST = {"variant": "simt", "BV": 64, "threads": 64, "blocks": 3, "heads": 2}
 

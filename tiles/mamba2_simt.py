@@ -16,21 +16,16 @@ from .linear_decode import SOFTPLUS_THRESHOLD, _tl, check_shape
 from .simt_parts import exp_of_f64, flush_weight, row_stager, simt_layout, state_macros
 
 
-# (BV, threads, blocks) for N = 128, P = 64; blocks > 0 caps registers (__launch_bounds__ min blocks/SM) so
-# more S0 bytes are in flight per SM. Unmeasured on a GPU: ordered by the GDN template's H200 results. ptxas
-# (sm_90a, step with fused flush, T = 1): (64,128) 116 registers, 4 blocks/SM = 128 KB of S0 in flight;
-# (64,64,6) 168 (8 B spilled), 192 KB like GDN's winner (128 state values a thread, 3 x 64 KB);
-# (64,64) 182, 160 KB; (32,64,10) 96 (4 B spilled), 160 KB. A cap spills more at T = 8 (240-356 B), where
-# the uncapped configs (151-255 registers) do not spill; tune picks per kernel.
-# SMALL_BATCH_CONFIGS: at B <= 16 a grid of (P / BV) x H x B = 64 x B blocks (BV 64, Nemotron-3 Nano) leaves
+# (BV, threads, blocks) for N = 128, P = 64, in the GDN template's order; blocks > 0 caps registers
+# (__launch_bounds__ min blocks/SM) so more S0 bytes are in flight per SM, at the price of spills at
+# T = 8; tune picks per kernel. SMALL_BATCH_CONFIGS: at small B a grid of (P / BV) x H x B blocks leaves
 # SMs idle; BV 16 or 8 gives 4-8x the blocks, each thread holding 32 state values (same ABI as the rest).
 SMALL_BATCH_CONFIGS = ((16, 64, 0), (16, 128, 0), (8, 64, 0))
 SIMT_CONFIGS = ((64, 128, 0), (64, 64, 6), SMALL_BATCH_CONFIGS[0], (64, 64, 0), (32, 64, 10), (64, 128, 5),
                 (32, 64, 0), (64, 256, 0), (32, 128, 0)) + SMALL_BATCH_CONFIGS[1:]
 # (BV, threads per head, blocks, heads): several heads of a group per block (the keys and the Gram once).
-# Two heads, three blocks: 128 threads and 168 registers like (64, 64, 6), the winner at every batch on
-# the H200 (benchmarks/results/mamba2_heads_ab_*). Four heads in one block was faster still at B <= 4 and
-# slower from B = 16; it is not offered until the GPU tests cover it.
+# Two heads, three blocks: 128 threads like (64, 64, 6) (docs/results.md). Four heads is not offered until
+# the GPU tests cover it.
 GROUPED_CONFIGS = ((64, 64, 3, 2),)
 
 

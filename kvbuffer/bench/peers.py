@@ -14,7 +14,7 @@ the engine's recurrent mode with their state updates:
 - Mamba-2: mamba_ssm's `selective_state_update`, in place through `state_batch_indices`, with the
   per-head dt, A, D and dt_bias broadcast over the head dim (stride 0) as vLLM passes them. Its states
   are kept in its own (H, P, N) layout, as vLLM keeps them (handed kvbuffer's (H, N, P) layout
-  transposed, its loads are strided and it runs ~2x slower): each state slot's memory is read as
+  transposed, its loads are strided and it runs slower): each state slot's memory is read as
   (H, P, N). In recurrent mode every state access (prefill, decode, verify) goes through
   `recurrent_step`, so the pool is only ever read that way; states are copied whole otherwise.
 - Speculative decoding: the recurrent verify, one state written per fed token (what SGLang and vLLM

@@ -156,9 +156,8 @@ def device_kernels(prof) -> list:
 
 def copy_bandwidth(nbytes: int = 2 * 2**30, replays: int = DEFAULT_REPLAYS) -> float:
     """Bytes per second (read + written) of a large device-to-device copy by an SM kernel, timed like the
-    kernels. Not `dst.copy_(src)`: captured in a CUDA graph that is a memcpy node, which read 2.7 TB/s
-    on an H200 where the same copy run eagerly reads 4.3 TB/s; the kernels compared against it are SM
-    kernels in graphs too."""
+    kernels. Not `dst.copy_(src)`: captured in a CUDA graph that is a memcpy node, far slower than the
+    same copy run eagerly (docs/results.md); the kernels compared against it are SM kernels in graphs too."""
     import torch
 
     require_cuda("copy_bandwidth")

@@ -1,8 +1,10 @@
-"""kvbuffer's kernel layer: keys, lookup, validated launchers and the `torch.ops.kvbuffer.*` custom ops.
+"""kvbuffer's kernel layer: keys, specs, lookup, validated launchers and the `torch.ops.kvbuffer.*` custom ops.
 
-    keys.py       KernelKey (family, op, the family's own dims), PREFILL_CHUNKS, tune templates
+    keys.py       KernelKey (family, op, the family's own dims), PREFILL_CHUNKS
+    specs.py      one KernelSpec per kernel: template, defaults, configs, launch parameters, arguments,
+                  reference, custom ops, where tune stores it; every build goes through it
     lookup.py     artifact-else-JIT lookup with one in-process cache (allow_jit, kernel_for, clear_kernels)
-    compiled.py   CompiledOp, the compile step and the checks every launcher shares
+    compiled.py   CompiledOp and the checks every launcher shares
     gdn.py, mamba2.py, conv.py, attention.py, gemv.py   compile (`build_*`) and validated launch per family
     launch.py     a custom op's CUDA call: lookup + launch (checked, or direct for engine-built rows)
     torch_ops.py  the torch.library registrations (CPU reference, CUDA launch, fakes)

@@ -17,24 +17,25 @@ import torch
 
 from ..checks import check_slots, check_tensor
 from ..errors import ShapeError
-from .compiled import ACT_DTYPES, CompiledOp, build_template, check_contiguous, check_on_cuda, expect_kind
-from .keys import ATTENTION_MAX_TOKENS, attention_row_blocks
+from .compiled import ACT_DTYPES, CompiledOp, check_contiguous, check_on_cuda, expect_kind
+from .keys import ATTENTION_MAX_TOKENS, AttnDims, KernelKey, attention_row_blocks
+from .specs import spec_for
 
 MIN_SPLIT_POSITIONS = 32  # a split reads at least this many positions (a warp step of 4 warps x 4 positions x 2)
 BLOCKS_PER_SM = 1         # splits are added until the grid has about this many blocks per SM (docs/kernels.md)
 
 
 def build_attention_decode(H: int, Hkv: int, D: int, T: int = 1, *, dtype: str = "bfloat16",
-                           kv_dtype: str = "bfloat16", threads: int = 128, unroll: int = 4) -> CompiledOp:
-    """Compile the per-split pass of T new tokens per row over the cache."""
-    params = dict(H=H, Hkv=Hkv, D=D, T_len=T, dtype=dtype, kv_dtype=kv_dtype, threads=threads, unroll=unroll)
-    return build_template("attention_decode", "attention_decode", params, module="attention", aliases={"T": T})
+                           kv_dtype: str = "bfloat16", **tunables) -> CompiledOp:
+    """Compile the per-split pass of T new tokens per row over the cache (tunables: threads, unroll)."""
+    key = KernelKey("attention", "decode", AttnDims(H, Hkv, D), dtype, kv_dtype, T=T)
+    return spec_for(key).build(key, {**spec_for(key).defaults(key), **tunables})
 
 
-def build_attention_combine(H: int, D: int, T: int = 1, *, dtype: str = "bfloat16", threads: int = 128) -> CompiledOp:
-    """Compile the merge of the splits' partials."""
-    params = dict(H=H, D=D, T_len=T, dtype=dtype, threads=threads)
-    return build_template("attention_combine", "attention_combine", params, module="attention", aliases={"T": T})
+def build_attention_combine(H: int, D: int, T: int = 1, *, dtype: str = "bfloat16", **tunables) -> CompiledOp:
+    """Compile the merge of the splits' partials (tunables: threads)."""
+    key = KernelKey("attention", "combine", AttnDims(H, H, D), dtype, T=T)
+    return spec_for(key).build(key, {**spec_for(key).defaults(key), **tunables})
 
 
 def decode_blocks(op: CompiledOp, batch: int) -> int:

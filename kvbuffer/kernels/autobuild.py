@@ -1,27 +1,12 @@
 """First use on a GPU: build the model's missing kernels once into the artifact cache.
 
-Without this, an engine on a GPU with no artifacts ran on the slow reference ops (or, with
-KVBUFFER_JIT=1, compiled inside every run). `resolve_backend` calls `ensure_kernels` when the
-kernels an engine launches are not in the artifact cache and JIT is off:
-
-- TileLang installed (found with importlib.util.find_spec; imported only when a build runs) and
-  nvcc found: compile, for the local GPU, what `kvbuffer tune --build-only` builds for the model's
-  head shape and buffer layout (the same builder, kvbuffer.autotune.tuner.build_untuned, with its
-  untuned defaults), saying so in one line and showing a progress bar; this engine and every later
-  one, in this process or the next, then load them from the cache. `kvbuffer tune` measures the
-  fastest tunables for them.
-- otherwise: nothing is built, and the reason is one line naming the command that builds them.
-
-Decode attention's kernels are built the same way on their first use (`ensure_attention_kernels`,
-called by the kernel Backend when the attention layers first run, and by the launcher when a
-compiled forward's first call of a new token count, a verify's, finds them missing): the engine's
-caches do not name the query heads, the calls do. The projection kernels (one-row, experts, grouped experts) are
-built when the engine is (`ensure_gemv_kernels`, from kvbuffer.engine.one_row): the model's weights
-name their shapes.
-
-KVBUFFER_BUILD_KERNELS=0 turns the build off (a server that must not compile at start-up).
-
-`nvcc_problem` is also the hint `kvbuffer tune` and `kvbuffer env` give on a machine without nvcc.
+`resolve_backend` calls `ensure_kernels` when the kernels an engine launches are not in the artifact
+cache and JIT is off: with TileLang and nvcc here, it compiles for the local GPU, untuned, what
+`kvbuffer tune --build-only` builds for the model's head shape and buffer layout (the same builder,
+kvbuffer.autotune.tuner.build_untuned), with one line and a progress bar; otherwise it returns one line
+naming the command that builds them. Decode attention's kernels (`ensure_attention_kernels`) and the
+projections' (`ensure_gemv_kernels`) are built the same way on first use. KVBUFFER_BUILD_KERNELS=0
+turns the build off. `nvcc_problem` is also the hint `kvbuffer tune` and `kvbuffer env` give.
 """
 
 from __future__ import annotations
@@ -33,6 +18,7 @@ import shutil
 import sys
 from pathlib import Path
 
+from . import specs
 from .keys import KernelKey
 
 SWITCH = "KVBUFFER_BUILD_KERNELS"
@@ -88,7 +74,7 @@ def enabled() -> bool:
 
 def tune_command(key: KernelKey, gpu_name: str) -> str:
     """The one command that builds (and on this GPU measures) what `ensure_kernels(key)` builds."""
-    return key.tune_command().replace("<gpu>", gpu_name)
+    return specs.tune_command(key).replace("<gpu>", gpu_name)
 
 
 def ensure_kernels(key: KernelKey, conv_dtype: str) -> str | None:
@@ -114,8 +100,8 @@ def ensure_attention_kernels(key: KernelKey, stream=None) -> str | None:
         from ..autotune import tuner
 
         gpu, command = where
-        drafts = key.layouts()[0][1]
-        req = tuner.TuneRequest(gpu, key.record_shapes()[0], (1,), tuner.BATCH_BUCKETS, (0, drafts) if drafts else (0,))
+        drafts = specs.layouts(key)[0][1]
+        req = tuner.TuneRequest(gpu, specs.record_shapes(key)[0], (1,), tuner.BATCH_BUCKETS, (0, drafts) if drafts else (0,))
         _build_untuned([(req, "attention")], "attention kernels", gpu, command, stream)
     return why
 
@@ -132,7 +118,7 @@ def ensure_gemv_kernels(keys: list[KernelKey], stream=None) -> str | None:
 
         gpu, command = where
         requests = [(tuner.TuneRequest(gpu, shape, (1,), (1,)), shape["family"])
-                    for shape in (key.record_shapes()[0] for key in keys)]
+                    for shape in (specs.record_shapes(key)[0] for key in keys)]
         _build_untuned(requests, "projection kernels", gpu, command, stream)
     return why
 
@@ -159,8 +145,8 @@ def build(key: KernelKey, conv_dtype: str, gpu, command: str, stream=None) -> No
     from ..autotune import tuner
     from ..autotune.models import conv_shape
 
-    shape = key.record_shapes()[0]
-    chunk, drafts = key.layouts()[0]
+    shape = specs.record_shapes(key)[0]
+    chunk, drafts = specs.layouts(key)[0]
     requests = [(tuner.TuneRequest(gpu, s, (chunk,), tuner.BATCH_BUCKETS, (0, drafts) if drafts else (0,)),
                  s["family"]) for s in (shape, conv_shape({**shape, "dtype": conv_dtype}))]
     _build_untuned(requests, "kernels", gpu, command, stream)

@@ -1,9 +1,9 @@
-"""What every kernel launcher shares: the compiled-kernel type, the compile step, and the checks.
+"""What every kernel launcher shares: the compiled-kernel type and the checks.
 
-kvbuffer.kernels.gdn, .mamba2 and .conv launch compiled kernels; they all validate their tensors
-the same way (shape, dtype, device, contiguity, slot ranges, buffer room) before a kernel runs, so
-a bad call raises a typed error and writes nothing. Compiling imports TileLang (through
-kvbuffer.tiles) only when `build_template` is called.
+The launchers validate their tensors the same way (shape, dtype, device, contiguity, slot ranges,
+buffer room) before a kernel runs, so a bad call raises a typed error and writes nothing.
+`build_template` compiles a template outside the specs (another form of a kernel, for tests and
+benchmarks); kernels are built through kvbuffer.kernels.specs.
 """
 
 from __future__ import annotations

@@ -12,8 +12,9 @@ import torch
 
 from ..checks import check_slots, check_tensor, check_unique
 from ..errors import ShapeError
-from .compiled import ACT_DTYPES, CompiledOp, build_template, check_contiguous, check_on_cuda, expect_kind
-from .keys import CONV_UPDATE_KINDS, check_conv_mode
+from .compiled import ACT_DTYPES, CompiledOp, check_contiguous, check_on_cuda, expect_kind
+from .keys import CONV_UPDATE_KINDS, ConvDims, KernelKey, check_conv_mode
+from .specs import spec_for
 
 
 def build_conv1d_update(D: int, W: int, span: int, T: int = 1, mode: str = "advance", *, dtype: str = "bfloat16",
@@ -24,15 +25,15 @@ def build_conv1d_update(D: int, W: int, span: int, T: int = 1, mode: str = "adva
     T = 0 (mode "advance" only): one kernel for any number of tokens (prompts).
     """
     check_conv_mode(mode)
-    params = dict(D=D, W=W, span=span, T_len=T, mode=mode, dtype=dtype, w_dtype=w_dtype or dtype,
-                  has_bias=has_bias, silu=silu, threads=threads)
-    return build_template(CONV_UPDATE_KINDS[mode], "conv1d_update", params, module="conv1d", aliases={"T": T})
+    key = KernelKey("conv1d", mode, ConvDims(D, W, span), dtype, w_dtype=w_dtype or dtype, T=T, has_bias=has_bias,
+                    silu=silu)
+    return spec_for(key).build(key, {"threads": threads})
 
 
 def build_conv1d_accept(D: int, W: int, span: int, *, dtype: str = "bfloat16", threads: int = 128) -> CompiledOp:
     """Compile the accept (shift the first m pending drafts of each row into its history)."""
-    return build_template("conv_accept", "conv1d_accept", dict(D=D, W=W, span=span, dtype=dtype, threads=threads),
-                  module="conv1d")
+    key = KernelKey("conv1d", "accept", ConvDims(D, W, span), dtype, T=0)
+    return spec_for(key).build(key, {"threads": threads})
 
 
 def _check_pool(op: CompiledOp, conv_state, slots, B: int, dev, checked: bool) -> None:

@@ -12,31 +12,41 @@ import torch
 
 from ..checks import check_capacity, check_tensor
 from ..errors import ShapeError, SlotError
-from .compiled import (ACT_DTYPES, CompiledOp, build_template, check_buffer, check_contiguous, check_draft_states,
+from .compiled import (ACT_DTYPES, CompiledOp, check_buffer, check_contiguous, check_draft_states,
                        check_fill_rules, check_on_cuda, check_state, expect_kind, out_tensor, prefill_chunks)
+from .keys import GDNDims, KernelKey
+from .specs import spec_for
+
+
+def _key(op: str, Hk, Hv, K, V, tunables: dict, dtypes=("in_dtype", "buf_dtype"), **fields) -> KernelKey:
+    """The key of a `build_gdn_*` call: the `dtypes` it names (bfloat16 unless in `tunables`) are key fields."""
+    named = {n: tunables.pop(n, "bfloat16") for n in dtypes}
+    return KernelKey("gdn", op, GDNDims(Hk, Hv, K, V), **named, **fields)
 
 
 def build_gdn_recurrent(Hk: int, Hv: int, K: int = 128, V: int = 128, **tunables) -> CompiledOp:
     """Compile the recurrent step (baseline) for one head shape; tunables: BV, threads, in_dtype."""
-    return build_template("recurrent", "gdn_recurrent", dict(Hk=Hk, Hv=Hv, K=K, V=V, **tunables))
+    key = _key("recurrent", Hk, Hv, K, V, tunables, ("in_dtype",))
+    return spec_for(key).build(key, tunables)
 
 
 def build_gdn_recurrent_drafts(Hk: int, Hv: int, K: int = 128, V: int = 128, *, T_new: int, **tunables) -> CompiledOp:
     """Compile the recurrent verify of T_new fed tokens, one state per token (the servers' scheme)."""
-    return build_template("recurrent_drafts", "gdn_recurrent_drafts", dict(Hk=Hk, Hv=Hv, K=K, V=V, T_new=T_new,
-                                                                           **tunables))
+    key = _key("recurrent_drafts", Hk, Hv, K, V, tunables, ("in_dtype",), T=T_new)
+    return spec_for(key).build(key, tunables)
 
 
 def build_gdn_buffered(Hk: int, Hv: int, K: int = 128, V: int = 128, *, cap: int, T_new: int = 1,
                        flush_at: int = 0, **tunables) -> CompiledOp:
     """Compile the buffered step (T_new=1) / verify (T_new drafts) with an optional fused flush."""
-    return build_template("buffered", "gdn_buffered",
-                          dict(Hk=Hk, Hv=Hv, K=K, V=V, cap=cap, T_new=T_new, flush_at=flush_at, **tunables))
+    key = _key("buffered", Hk, Hv, K, V, tunables, cap=cap, T=T_new, C=flush_at)
+    return spec_for(key).build(key, tunables)
 
 
 def build_gdn_flush(Hk: int, Hv: int, K: int = 128, V: int = 128, *, cap: int, **tunables) -> CompiledOp:
     """Compile the stand-alone flush."""
-    return build_template("flush", "gdn_flush", dict(Hk=Hk, Hv=Hv, K=K, V=V, cap=cap, **tunables))
+    key = _key("flush", Hk, Hv, K, V, tunables, ("buf_dtype",), cap=cap)
+    return spec_for(key).build(key, tunables)
 
 
 def _check_tokens(op: CompiledOp, q, k, v, a, b, A_log, dt_bias, lead: tuple) -> torch.device:

@@ -15,12 +15,15 @@ import torch
 
 from ..checks import check_expert_ends, check_expert_ids, check_tensor
 from ..errors import ShapeError
-from .compiled import ACT_DTYPES, CompiledOp, build_template, check_contiguous, check_on_cuda, expect_kind, out_tensor
+from .compiled import ACT_DTYPES, CompiledOp, check_contiguous, check_on_cuda, expect_kind, out_tensor
+from .keys import GemvDims, KernelKey
+from .specs import spec_for
 
 
 def build_gemv(N: int, K: int, rows: int = 1, *, dtype: str = "bfloat16", **tunables) -> CompiledOp:
     """Compile y (rows, N) = x (rows, K) . W (N, K)^T for the local GPU (tunables: tiles.gemv.DEFAULT's)."""
-    return build_template("gemv", "gemv", dict(N=N, K=K, rows=rows, dtype=dtype, **tunables), module="gemv")
+    key = KernelKey("gemv", "gemv", GemvDims(N, K), dtype, T=rows)
+    return spec_for(key).build(key, tunables)
 
 
 def gemv(op: CompiledOp, x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
@@ -59,7 +62,8 @@ def _check_experts_call(op: CompiledOp, kind: str, x, weight, index_name: str, i
 
 def build_gemv_experts(N: int, K: int, *, dtype: str = "bfloat16", **tunables) -> CompiledOp:
     """Compile y[s, j] = x[s] . W[expert[s, j]]^T for experts' weights (E, N, K), any E, rows and k."""
-    return build_template("gemv_experts", "gemv_experts", dict(N=N, K=K, dtype=dtype, **tunables), module="gemv")
+    key = KernelKey("gemv", "experts", GemvDims(N, K), dtype)
+    return spec_for(key).build(key, tunables)
 
 
 def gemv_experts(op: CompiledOp, x: torch.Tensor, weight: torch.Tensor, expert: torch.Tensor,
@@ -83,8 +87,8 @@ def gemv_experts(op: CompiledOp, x: torch.Tensor, weight: torch.Tensor, expert: 
 def build_grouped_experts(N: int, K: int, *, dtype: str = "bfloat16", **tunables) -> CompiledOp:
     """Compile y[r] = x[r] . W[e(r)]^T for rows sorted by expert and experts' weights (E, N, K), any E
     and rows (tunables: tiles.grouped.DEFAULT's)."""
-    return build_template("grouped_experts", "grouped_experts", dict(N=N, K=K, dtype=dtype, **tunables),
-                          module="grouped")
+    key = KernelKey("gemv", "grouped", GemvDims(N, K), dtype)
+    return spec_for(key).build(key, tunables)
 
 
 def grouped_experts(op: CompiledOp, x: torch.Tensor, weight: torch.Tensor, ends: torch.Tensor,

@@ -6,10 +6,9 @@ One key type serves every family: Gated DeltaNet ("gdn"), Mamba-2 ("mamba2"), th
 expert, each expert's rows through its weight). Its `op` names the kernel within the family; its
 `dims` carry the family's own dimension
 names (GDN's Hk, Hv, K, V; Mamba-2's G, H, N, P; the conv's D, W, span; attention's H, Hkv, D; a
-projection's N, K). Batch, pool and cache sizes are dynamic, so
-they are not part of a key. From a key follow: the `kvbuffer tune` template
-that builds it, the tuning record shapes it is stored under, the buffer layouts it fits, and the
-command that builds it. PREFILL_CHUNKS, the prompt-chunk lengths the engine feeds the kernels and
+projection's N, K). Batch, pool and cache sizes are dynamic, so they are not part of a key. What a key
+means to the cache (its tune template, record shapes, layouts, build command) is its KernelSpec's
+(kvbuffer.kernels.specs). PREFILL_CHUNKS, the prompt-chunk lengths the engine feeds the kernels and
 `kvbuffer tune` builds, is written here once.
 """
 
@@ -19,8 +18,6 @@ from dataclasses import dataclass
 from typing import Union
 
 import torch
-
-from ..tuning import make_conv_shape
 
 PREFILL_CHUNKS = (8, 4, 2)  # multi-token prompt chunks (flush fused at C); a prompt's rest goes 1 token at a time
 LINEAR_OPS = ("recurrent", "buffered", "flush", "recurrent_drafts")
@@ -177,135 +174,6 @@ class KernelKey:
         """The dtype a tuning record's shape names (activations, or the entries of a flush)."""
         return self.in_dtype or self.buf_dtype
 
-    # -- where tune stores it ------------------------------------------------------------------
-    def record_shapes(self) -> list[dict]:
-        """The tuning record shapes that can hold this kernel: the conv accept reads no weights, so
-        it is found in a record of any weight dtype and bias."""
-        if self.family == "attention":
-            d = self.dims
-            return [attention_shape(d.H, d.Hkv, d.D, self.in_dtype, self.buf_dtype)]
-        if self.family == "gemv":
-            return [projection_shape(self.op, self.dims.N, self.dims.K, self.in_dtype)]
-        if self.family != "conv1d":
-            return [{"family": self.family, **self.dims.record_fields(), "dtype": self.dtype}]  # make_shape's form
-        D, W = self.dims.D, self.dims.W
-        if self.op != "accept":
-            return [make_conv_shape(D, W, self.in_dtype, self.w_dtype, self.has_bias)]
-        w_dtypes = dict.fromkeys((self.in_dtype, "bfloat16", "float16", "float32"))
-        return [make_conv_shape(D, W, self.in_dtype, w, bias) for bias in (False, True) for w in w_dtypes]
-
-    def layouts(self) -> list[tuple[int | None, int]]:
-        """The (chunk size C, speculative drafts) buffer layouts, C + drafts + 1 entries, this kernel fits.
-
-        The decode step and prefill chunks name C (flush_at), so drafts = cap - C - 1; a verify (no
-        flush) is fed drafts + 1 = T tokens, so drafts = T - 1 and C = cap - T; a flush fits every
-        split of its capacity (the first one built is used). Conv kernels serve every C: their
-        layout is the drafts their span makes room for; attention's, the drafts its T - 1 are; a
-        projection fits every layout.
-        """
-        if self.family == "gemv":
-            return [(None, 0)]
-        if self.family == "attention":
-            return [(None, self.T - 1)]
-        if self.family == "conv1d":
-            return [(None, self.dims.span - self.dims.W)]
-        if self.op == "recurrent":
-            return [(None, 0)]
-        if self.op == "recurrent_drafts":
-            return [(None, self.T - 1)]
-        if self.op == "flush":
-            return [(self.cap - 1 - d, d) for d in range(self.cap - 1)]
-        if self.C:
-            return [(self.C, self.cap - self.C - 1)] if self.cap > self.C else []
-        return [(self.cap - self.T, self.T - 1)] if self.T > 1 and self.cap > self.T else []
-
-    def template(self) -> str | None:
-        """The `kvbuffer tune` template that builds this kernel, or None if tune builds no such variant.
-
-        Linear families: the recurrent step, and per buffer layout (C + T + 1 entries for T
-        speculative drafts; C + 1 for plain decoding) the decode step (flush fused at C), the
-        PREFILL_CHUNKS prompt chunks (flush fused at C), the verify of T drafts plus the last token
-        and the flush, all without z and with activations and entries of one dtype. conv1d: with
-        SiLU, the step, the any-length prompt, the verify of all T drafts + 1 and the accept.
-        attention: the decode step (T = 1) and the verify of T - 1 drafts + 1, each with its combine.
-        gemv: the one-row product, the experts' one (a forward of a few tokens) and the grouped
-        experts' product (any tokens).
-        """
-        if self.family == "gemv":
-            return GEMV_KERNELS[self.op] if self.T == 1 else None
-        if self.family == "attention":
-            if not 1 <= self.T <= ATTENTION_MAX_TOKENS:
-                return None
-            return f"attention_{self.op}" + ("_verify" if self.T > 1 else "")
-        if self.family == "conv1d":
-            return self._conv_template()
-        if self.has_z or (self.op == "buffered" and self.in_dtype != self.buf_dtype) or not self.layouts():
-            return None
-        if self.op in ("recurrent", "flush", "recurrent_drafts"):
-            return f"{self.family}_{self.op}"
-        if self.C == 0:
-            return f"{self.family}_verify"
-        if self.T == 1:
-            return f"{self.family}_buffered_step"
-        if self.T in PREFILL_CHUNKS and self.C >= self.T:
-            return f"{self.family}_prefill_chunk{self.T}"
-        return None
-
-    def _conv_template(self) -> str | None:
-        drafts = self.dims.span - self.dims.W
-        if drafts < 0 or not self.silu:
-            return None
-        if self.op == "accept":
-            return "conv1d_accept" if drafts >= 1 else None
-        if self.op == "verify":
-            return "conv1d_verify" if drafts >= 1 and self.T == drafts + 1 else None
-        return {1: "conv1d_step", 0: "conv1d_prefill"}.get(self.T)
-
-    def tune_command(self) -> str:
-        """The `kvbuffer tune` command that builds this kernel (`<gpu>` left for the caller)."""
-        if self.family in ("conv1d", "attention", "gemv"):
-            drafts = self.layouts()[0][1]
-            return "kvbuffer tune --gpu <gpu> --model <model>" + (f" --draft-tokens {drafts}" if drafts > 0 else "")
-        layouts = self.layouts()
-        C, drafts = layouts[0] if len(layouts) == 1 else (self.cap - 1, 0)
-        heads = ",".join(str(n) for n in self.dims.record_fields().values())
-        return (f"kvbuffer tune --gpu <gpu> --heads {heads}"
-                + (f" --family {self.family}" if self.family != "gdn" else "")
-                + (f" --dtype {self.dtype}" if self.dtype != "bfloat16" else "")
-                + (f" --chunk-sizes {C}" if not self.op.startswith("recurrent") else "")
-                + (f" --draft-tokens {drafts}" if drafts else ""))
-
-    # -- what its launcher validates -------------------------------------------------------------
-    def compiled_kind(self) -> str:
-        """The CompiledOp.kind the launchers expect for this kernel."""
-        if self.family == "attention":
-            return f"attention_{self.op}"
-        if self.family == "gemv":
-            return GEMV_KERNELS[self.op]
-        if self.family != "conv1d":
-            return self.op
-        return CONV_UPDATE_KINDS.get(self.op, "conv_accept")
-
-    def launch_params(self, tunables: dict) -> dict:
-        """The compile-time parameters kvbuffer.kernels' launchers validate against."""
-        d = self.dims
-        if self.family == "gemv":
-            rows = {"rows": self.T} if self.op == "gemv" else {}
-            return dict(tunables, N=d.N, K=d.K, dtype=self.in_dtype, **rows)
-        if self.family == "attention":
-            p = dict(tunables, H=d.H, D=d.D, T_len=self.T, dtype=self.in_dtype, T=self.T)
-            return p if self.op == "combine" else dict(p, Hkv=d.Hkv, kv_dtype=self.buf_dtype)
-        if self.family == "conv1d":
-            if self.op == "accept":
-                return dict(tunables, D=d.D, W=d.W, span=d.span, dtype=self.in_dtype)
-            return dict(tunables, D=d.D, W=d.W, span=d.span, T_len=self.T, mode=self.op, dtype=self.in_dtype,
-                        w_dtype=self.w_dtype, has_bias=self.has_bias, silu=self.silu, T=self.T)
-        p = dict(tunables, **d.record_fields(), cap=self.cap, T_new=self.T, flush_at=self.C,
-                 in_dtype=self.in_dtype, buf_dtype=self.buf_dtype, has_z=self.has_z)
-        if self.family == "mamba2":
-            p.update(G=d.G, H=d.H, N=d.N, P=d.P)
-        return p
-
 
 def linear_dims(family: str, Hk: int, Hv: int, K: int, V: int) -> GDNDims | Mamba2Dims:
     """A linear family's dims from the generic (key heads, value heads, key dim, value dim) order."""
@@ -318,10 +186,8 @@ ATTENTION_MMA_ROWS = (8, 48)  # query rows (G x T) a KV head for which the tenso
 def attention_on_tensor_cores(G: int, T: int, D: int, dtype: str, kv_dtype: str) -> bool:
     """Whether the attention decode kernel runs a KV head's G x T query rows as one tensor-core tile
     (tiles/attention.py, `attention_decode_mma`, one block a KV head): 8 to 48 rows (padded to tiles
-    of 16; TileLang would pick warpgroup products at 64), q and the cache in one 16-bit dtype. The
-    thread-level template spends a shuffle tree per query row per position, so it loses once a KV
-    head has many rows (Nemotron-3's decode of G = 16, a verify's G x T), and wins at a few (Qwen3.5's
-    decode step, G = 4, where the tile would be three quarters padding)."""
+    of 16), q and the cache in one 16-bit dtype. Fewer rows stay thread-level, where a tile would be
+    mostly padding; the thread-level form spends a shuffle tree per query row and loses at many."""
     lo, hi = ATTENTION_MMA_ROWS
     return (lo <= G * T and -(-G * T // 16) * 16 <= hi and D in ATTENTION_HEAD_DIMS and dtype == kv_dtype
             and dtype in ("bfloat16", "float16"))

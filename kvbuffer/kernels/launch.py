@@ -12,6 +12,8 @@ launch during CUDA-graph capture is always direct (a capture forbids reading the
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 
@@ -20,8 +22,10 @@ from . import attention as attn
 from . import autobuild
 from . import conv, gdn, mamba2
 from . import gemv as projections
-from .keys import AttnDims, ConvDims, GDNDims, GemvDims, KernelKey, Mamba2Dims, check_conv_mode, dtype_name
+from . import specs
+from .keys import AttnDims, ConvDims, GemvDims, KernelKey, check_conv_mode, dtype_name, linear_dims
 from .lookup import kernel_for
+from .specs import KernelSpec
 
 
 def capturing() -> bool:
@@ -41,30 +45,30 @@ def _token_axis(t):
     return None if t is None else t.unsqueeze(1)
 
 
-def _linear_key(family, op, key_t, val_t, buf_k=None, T=1, C=0, z=None) -> KernelKey:
+def _linear_key(spec: KernelSpec, key_t, val_t, buf_k=None, T=1, C=0, z=None) -> KernelKey:
     """The key of a linear op from its key-side tensor (k / B) and value-side tensor (v / x)."""
-    dims = (key_t.shape[-2], val_t.shape[-2], key_t.shape[-1], val_t.shape[-1])
-    dims = GDNDims(*dims) if family == "gdn" else Mamba2Dims(*dims)
+    dims = linear_dims(spec.family, key_t.shape[-2], val_t.shape[-2], key_t.shape[-1], val_t.shape[-1])
     cap = buf_k.shape[1] if buf_k is not None else 0
-    return KernelKey(family, op, dims, dtype_name(val_t), dtype_name(buf_k) if buf_k is not None else "",
+    return KernelKey(spec.family, spec.op, dims, dtype_name(val_t), dtype_name(buf_k) if buf_k is not None else "",
                      cap=cap, T=T, C=C, has_z=z is not None)
 
 
-def _flush_key(family, state, buf_k) -> KernelKey:
-    dims = (buf_k.shape[2], state.shape[1], state.shape[2], state.shape[3])
-    dims = GDNDims(*dims) if family == "gdn" else Mamba2Dims(*dims)
-    return KernelKey(family, "flush", dims, "", dtype_name(buf_k), cap=buf_k.shape[1])
+def _flush_key(spec: KernelSpec, state, buf_k) -> KernelKey:
+    dims = linear_dims(spec.family, buf_k.shape[2], state.shape[1], state.shape[2], state.shape[3])
+    return KernelKey(spec.family, spec.op, dims, "", dtype_name(buf_k), cap=buf_k.shape[1])
 
 
 def conv_update_key(mode: str, x, conv_state, weight, bias, silu: bool) -> KernelKey:
     """The kernel a conv1d_update call needs: advance with T > 1 is the any-length kernel (T = 0)."""
     T = 0 if mode == "advance" and x.shape[1] > 1 else x.shape[1]
-    return KernelKey("conv1d", mode, ConvDims(conv_state.shape[1], weight.shape[1], conv_state.shape[2]),
+    spec = specs.CONV_ADVANCE if mode == "advance" else specs.CONV_VERIFY
+    return KernelKey(spec.family, spec.op, ConvDims(conv_state.shape[1], weight.shape[1], conv_state.shape[2]),
                      dtype_name(x), w_dtype=dtype_name(weight), T=T, has_bias=bias is not None, silu=bool(silu))
 
 
 def conv_accept_key(conv_state, width: int) -> KernelKey:
-    return KernelKey("conv1d", "accept", ConvDims(conv_state.shape[1], int(width), conv_state.shape[2]),
+    spec = specs.CONV_ACCEPT
+    return KernelKey(spec.family, spec.op, ConvDims(conv_state.shape[1], int(width), conv_state.shape[2]),
                      dtype_name(conv_state), T=0)
 
 
@@ -73,7 +77,7 @@ def conv_accept_key(conv_state, width: int) -> KernelKey:
 
 
 def gdn_recurrent_step(q, k, v, a, b, A_log, dt_bias, state, state_slots, *, checked=True):
-    op = kernel_for(_linear_key("gdn", "recurrent", k, v), q.shape[0])
+    op = kernel_for(_linear_key(specs.GDN_RECURRENT, k, v), q.shape[0])
     if checked and not capturing():
         return _on_torch_stream(gdn.gdn_recurrent_step, op, q, k, v, a, b, A_log, dt_bias, state, state_slots)
     o = torch.empty_like(v)
@@ -84,7 +88,7 @@ def gdn_recurrent_step(q, k, v, a, b, A_log, dt_bias, state, state_slots, *, che
 
 def gdn_buffered_step(q, k, v, a, b, A_log, dt_bias, state, state_slots, buf_k, buf_v, buf_g, buffer_slots,
                       lengths, flush_at, *, checked=True):
-    op = kernel_for(_linear_key("gdn", "buffered", k, v, buf_k, 1, flush_at), q.shape[0])
+    op = kernel_for(_linear_key(specs.GDN_BUFFERED, k, v, buf_k, 1, flush_at), q.shape[0])
     pools = (state, state_slots, buf_k, buf_v, buf_g, buffer_slots, lengths)
     if checked and not capturing():
         return _on_torch_stream(gdn.gdn_buffered_step, op, q, k, v, a, b, A_log, dt_bias, *pools)
@@ -96,7 +100,7 @@ def gdn_buffered_step(q, k, v, a, b, A_log, dt_bias, state, state_slots, buf_k, 
 
 def gdn_verify(q, k, v, a, b, A_log, dt_bias, state, state_slots, buf_k, buf_v, buf_g, buffer_slots, lengths,
                flush_at=0, *, checked=True):
-    op = kernel_for(_linear_key("gdn", "buffered", k, v, buf_k, q.shape[1], flush_at), q.shape[0])
+    op = kernel_for(_linear_key(specs.GDN_BUFFERED, k, v, buf_k, q.shape[1], flush_at), q.shape[0])
     args = (q, k, v, a, b, A_log, dt_bias, state, state_slots, buf_k, buf_v, buf_g, buffer_slots, lengths)
     if checked and not capturing():
         return _on_torch_stream(gdn.gdn_verify, op, *args)
@@ -106,7 +110,7 @@ def gdn_verify(q, k, v, a, b, A_log, dt_bias, state, state_slots, buf_k, buf_v, 
 
 
 def gdn_recurrent_drafts(q, k, v, a, b, A_log, dt_bias, state, state_slots, draft_states, draft_rows, *, checked=True):
-    op = kernel_for(_linear_key("gdn", "recurrent_drafts", k, v, T=q.shape[1]), q.shape[0])
+    op = kernel_for(_linear_key(specs.GDN_RECURRENT_DRAFTS, k, v, T=q.shape[1]), q.shape[0])
     args = (q, k, v, a, b, A_log, dt_bias, state, state_slots, draft_states, draft_rows)
     if checked and not capturing():
         return _on_torch_stream(gdn.gdn_recurrent_drafts, op, *args)
@@ -120,7 +124,7 @@ def gdn_recurrent_drafts(q, k, v, a, b, A_log, dt_bias, state, state_slots, draf
 
 
 def mamba2_recurrent_step(x, dt, A_log, dt_bias, B, C, D, state, state_slots, z=None, *, checked=True):
-    op = kernel_for(_linear_key("mamba2", "recurrent", B, x, z=z), x.shape[0])
+    op = kernel_for(_linear_key(specs.MAMBA2_RECURRENT, B, x, z=z), x.shape[0])
     if checked and not capturing():
         return _on_torch_stream(mamba2.mamba2_recurrent_step, op, x, dt, A_log, dt_bias, B, C, D, state,
                                 state_slots, z)
@@ -133,7 +137,7 @@ def mamba2_recurrent_step(x, dt, A_log, dt_bias, B, C, D, state, state_slots, z=
 
 def mamba2_recurrent_drafts(x, dt, A_log, dt_bias, B, C, D, state, state_slots, draft_states, draft_rows, z=None, *,
                             checked=True):
-    op = kernel_for(_linear_key("mamba2", "recurrent_drafts", B, x, T=x.shape[1], z=z), x.shape[0])
+    op = kernel_for(_linear_key(specs.MAMBA2_RECURRENT_DRAFTS, B, x, T=x.shape[1], z=z), x.shape[0])
     if checked and not capturing():
         return _on_torch_stream(mamba2.mamba2_recurrent_drafts, op, x, dt, A_log, dt_bias, B, C, D, state,
                                 state_slots, draft_states, draft_rows, z)
@@ -145,7 +149,7 @@ def mamba2_recurrent_drafts(x, dt, A_log, dt_bias, B, C, D, state, state_slots, 
 
 def mamba2_buffered_step(x, dt, A_log, dt_bias, B, C, D, state, state_slots, buf_k, buf_v, buf_g, buffer_slots,
                          lengths, flush_at, z=None, *, checked=True):
-    op = kernel_for(_linear_key("mamba2", "buffered", B, x, buf_k, 1, flush_at, z), x.shape[0])
+    op = kernel_for(_linear_key(specs.MAMBA2_BUFFERED, B, x, buf_k, 1, flush_at, z), x.shape[0])
     pools = (state, state_slots, buf_k, buf_v, buf_g, buffer_slots, lengths)
     if checked and not capturing():
         return _on_torch_stream(mamba2.mamba2_buffered_step, op, x, dt, A_log, dt_bias, B, C, D, *pools, z)
@@ -157,7 +161,7 @@ def mamba2_buffered_step(x, dt, A_log, dt_bias, B, C, D, state, state_slots, buf
 
 def mamba2_verify(x, dt, A_log, dt_bias, B, C, D, state, state_slots, buf_k, buf_v, buf_g, buffer_slots, lengths,
                   flush_at=0, z=None, *, checked=True):
-    op = kernel_for(_linear_key("mamba2", "buffered", B, x, buf_k, x.shape[1], flush_at, z), x.shape[0])
+    op = kernel_for(_linear_key(specs.MAMBA2_BUFFERED, B, x, buf_k, x.shape[1], flush_at, z), x.shape[0])
     pools = (state, state_slots, buf_k, buf_v, buf_g, buffer_slots, lengths)
     if checked and not capturing():
         return _on_torch_stream(mamba2.mamba2_verify, op, x, dt, A_log, dt_bias, B, C, D, *pools, z)
@@ -170,15 +174,25 @@ def mamba2_verify(x, dt, A_log, dt_bias, B, C, D, state, state_slots, buf_k, buf
 # the flush (one kernel shape for both families) and the short conv
 
 
-def flush(family: str, state, state_slots, buf_k, buf_v, buf_g, buffer_slots, lengths, *, checked=True) -> None:
-    """Fold each row's lengths[b] buffer entries into its state (`family`: "gdn" or "mamba2")."""
-    op = kernel_for(_flush_key(family, state, buf_k), buffer_slots.shape[0])
+
+def _flush(spec: KernelSpec, launcher, state, state_slots, buf_k, buf_v, buf_g, buffer_slots, lengths, *,
+           checked=True) -> None:
+    """Fold each row's lengths[b] buffer entries into its state with `spec`'s kernel."""
+    op = kernel_for(_flush_key(spec, state, buf_k), buffer_slots.shape[0])
     args = (state, state_slots, buf_k, buf_v, buf_g, buffer_slots, lengths)
-    launcher = gdn.gdn_flush if family == "gdn" else mamba2.mamba2_flush
     if checked and not capturing():
         _on_torch_stream(launcher, op, *args)
     else:
         _on_torch_stream(op.fn, *args)
+
+
+gdn_flush = functools.partial(_flush, specs.GDN_FLUSH, gdn.gdn_flush)
+mamba2_flush = functools.partial(_flush, specs.MAMBA2_FLUSH, mamba2.mamba2_flush)
+
+
+def flush(family: str, *args, checked=True) -> None:
+    """gdn_flush or mamba2_flush by family name (kept for callers that hold a family's name)."""
+    {"gdn": gdn_flush, "mamba2": mamba2_flush}[family](*args, checked=checked)
 
 
 def conv1d_update(x, conv_state, slots, weight, bias=None, mode="advance", silu=True, *, checked=True):
@@ -201,10 +215,11 @@ def conv1d_accept(conv_state, slots, accepted, width, *, checked=True) -> None:
 # decode attention over the KV cache
 
 
-def attention_key(op: str, q, k_cache) -> KernelKey:
-    """The kernel an attention_decode call needs: op "decode" (the pass over the cache) or "combine"."""
+def attention_key(spec: KernelSpec, q, k_cache) -> KernelKey:
+    """The kernel an attention_decode call needs of `spec` (ATTENTION_DECODE, the pass over the cache, or
+    ATTENTION_COMBINE)."""
     B, T, H, D = q.shape
-    return KernelKey("attention", op, AttnDims(H, k_cache.shape[2], D), dtype_name(q), dtype_name(k_cache), T=T)
+    return KernelKey(spec.family, spec.op, AttnDims(H, k_cache.shape[2], D), dtype_name(q), dtype_name(k_cache), T=T)
 
 
 @functools.lru_cache(maxsize=None)
@@ -216,20 +231,18 @@ def attention_decode(q, k_cache, v_cache, slots, cached, scale, context_len=0, *
     """Attention of q's T new tokens over each row's cache, read in place; context_len (0: the cache's
     max_len) bounds the rows' positions on the host and sets the split count."""
     B = q.shape[0]
-    op = _attention_kernel(attention_key("decode", q, k_cache), B)
+    op = _attention_kernel(attention_key(specs.ATTENTION_DECODE, q, k_cache), B)
     device = q.device.index if q.device.index is not None else torch.cuda.current_device()
     splits = attn.splits_for(attn.decode_blocks(op, B), context_len or k_cache.shape[1], _sm_count(device))
-    combine = _attention_kernel(attention_key("combine", q, k_cache), B) if splits > 1 else None
+    combine = _attention_kernel(attention_key(specs.ATTENTION_COMBINE, q, k_cache), B) if splits > 1 else None
     return _on_torch_stream(attn.attention_decode, op, combine, q, k_cache, v_cache, slots, cached, scale,
                             splits=splits, checked=checked and not capturing())
 
 
 def _attention_kernel(key: KernelKey, batch: int):
     """kernel_for, building the attention kernels of `key`'s token count once into the artifact cache
-    when they are missing (autobuild.ensure_attention_kernels), outside a CUDA-graph capture. The
-    kernel Backend's eager check does that for a forward's first call, but a compiled forward skips
-    it, so a verify whose kernels were never built would otherwise fail its warm-up, and the engine
-    would drop the compiled forward for every step."""
+    when they are missing (autobuild.ensure_attention_kernels), outside a CUDA-graph capture: a compiled
+    forward skips the Backend's eager check, and its warm-up must not fail on an unbuilt verify."""
     try:
         return kernel_for(key, batch)
     except ArtifactError:
@@ -244,7 +257,8 @@ def _attention_kernel(key: KernelKey, batch: int):
 
 def gemv_key(weight, rows: int = 1) -> KernelKey:
     """The kernel a gemv call of `rows` rows needs: the weight's shape and dtype."""
-    return KernelKey("gemv", "gemv", GemvDims(weight.shape[0], weight.shape[1]), dtype_name(weight), T=rows)
+    spec = specs.GEMV
+    return KernelKey(spec.family, spec.op, GemvDims(weight.shape[0], weight.shape[1]), dtype_name(weight), T=rows)
 
 
 def gemv(x, weight, *, checked=True):
@@ -256,7 +270,8 @@ def gemv(x, weight, *, checked=True):
 
 def gemv_experts_key(weight) -> KernelKey:
     """The kernel a gemv_experts call needs: one expert's weight shape (N, K) and the dtype."""
-    return KernelKey("gemv", "experts", GemvDims(weight.shape[1], weight.shape[2]), dtype_name(weight))
+    spec = specs.GEMV_EXPERTS
+    return KernelKey(spec.family, spec.op, GemvDims(weight.shape[1], weight.shape[2]), dtype_name(weight))
 
 
 def gemv_experts(x, weight, expert, *, checked=True):
@@ -268,7 +283,8 @@ def gemv_experts(x, weight, expert, *, checked=True):
 
 def grouped_experts_key(weight) -> KernelKey:
     """The kernel a grouped_experts call needs: one expert's weight shape (N, K) and the dtype."""
-    return KernelKey("gemv", "grouped", GemvDims(weight.shape[1], weight.shape[2]), dtype_name(weight))
+    spec = specs.GROUPED_EXPERTS
+    return KernelKey(spec.family, spec.op, GemvDims(weight.shape[1], weight.shape[2]), dtype_name(weight))
 
 
 def grouped_experts(x, weight, ends, *, checked=True):
@@ -280,20 +296,64 @@ def grouped_experts(x, weight, ends, *, checked=True):
 
 CUDA_LAUNCHES = {
     "gdn_recurrent_step": gdn_recurrent_step, "gdn_buffered_step": gdn_buffered_step, "gdn_verify": gdn_verify,
-    "gdn_flush": functools.partial(flush, "gdn"), "gdn_recurrent_drafts": gdn_recurrent_drafts,
+    "gdn_flush": gdn_flush, "gdn_recurrent_drafts": gdn_recurrent_drafts,
     "mamba2_recurrent_step": mamba2_recurrent_step, "mamba2_buffered_step": mamba2_buffered_step,
-    "mamba2_verify": mamba2_verify, "mamba2_flush": functools.partial(flush, "mamba2"),
+    "mamba2_verify": mamba2_verify, "mamba2_flush": mamba2_flush,
     "mamba2_recurrent_drafts": mamba2_recurrent_drafts,
     "conv1d_update": conv1d_update, "conv1d_accept": conv1d_accept, "attention_decode": attention_decode,
     "gemv": gemv, "gemv_experts": gemv_experts, "grouped_experts": grouped_experts,
 }  # op name -> the CUDA implementation of torch.ops.kvbuffer.<name>
 
 
+@dataclass(frozen=True)
+class EngineOp:
+    """A custom op as the engine calls it on rows whose slots and fills it built and checked itself: on
+    CUDA the direct launch (it skips the checks that read the device back); elsewhere, or under
+    torch.compile, the op itself (its CPU implementation is the reference; compiled, a graph node)."""
+
+    launch: Callable = field(repr=False)  # the CUDA launch (takes checked=False)
+    op: Callable = field(repr=False)      # () -> torch.ops.kvbuffer.<the op>
+
+    def __call__(self, *args):
+        if args[0].is_cuda and not torch.compiler.is_compiling():
+            return self.launch(*args, checked=False)
+        return self.op()(*args)
+
+
+@dataclass(frozen=True)
+class LinearOps:
+    """A linear family's ops as the engine calls them."""
+
+    recurrent_step: EngineOp
+    buffered_step: EngineOp
+    verify: EngineOp
+    recurrent_drafts: EngineOp
+    flush: EngineOp
+
+
+GDN_OPS = LinearOps(
+    EngineOp(gdn_recurrent_step, lambda: torch.ops.kvbuffer.gdn_recurrent_step),
+    EngineOp(gdn_buffered_step, lambda: torch.ops.kvbuffer.gdn_buffered_step),
+    EngineOp(gdn_verify, lambda: torch.ops.kvbuffer.gdn_verify),
+    EngineOp(gdn_recurrent_drafts, lambda: torch.ops.kvbuffer.gdn_recurrent_drafts),
+    EngineOp(gdn_flush, lambda: torch.ops.kvbuffer.gdn_flush))
+MAMBA2_OPS = LinearOps(
+    EngineOp(mamba2_recurrent_step, lambda: torch.ops.kvbuffer.mamba2_recurrent_step),
+    EngineOp(mamba2_buffered_step, lambda: torch.ops.kvbuffer.mamba2_buffered_step),
+    EngineOp(mamba2_verify, lambda: torch.ops.kvbuffer.mamba2_verify),
+    EngineOp(mamba2_recurrent_drafts, lambda: torch.ops.kvbuffer.mamba2_recurrent_drafts),
+    EngineOp(mamba2_flush, lambda: torch.ops.kvbuffer.mamba2_flush))
+CONV_UPDATE = EngineOp(conv1d_update, lambda: torch.ops.kvbuffer.conv1d_update)
+CONV_ACCEPT = EngineOp(conv1d_accept, lambda: torch.ops.kvbuffer.conv1d_accept)
+ATTENTION_DECODE = EngineOp(attention_decode, lambda: torch.ops.kvbuffer.attention_decode)
+GEMV = EngineOp(gemv, lambda: torch.ops.kvbuffer.gemv)
+GEMV_EXPERTS = EngineOp(gemv_experts, lambda: torch.ops.kvbuffer.gemv_experts)
+GROUPED_EXPERTS = EngineOp(grouped_experts, lambda: torch.ops.kvbuffer.grouped_experts)
+
+
 def engine_rows(name: str, *args):
-    """torch.ops.kvbuffer.<name>(*args) for rows whose slots and fills the caller built and checked
-    itself: on CUDA the launch skips the checks that read the device back; elsewhere the op runs
-    (its CPU implementation is the reference). Under torch.compile the op itself, a graph node (its
-    CUDA implementation launches directly inside a CUDA-graph capture, which is where kvbuffer runs it)."""
+    """torch.ops.kvbuffer.<name>(*args) as EngineOp runs it (for callers that hold the op's name; the
+    engine's own layers hold the EngineOp)."""
     if args[0].is_cuda and not torch.compiler.is_compiling():
         return CUDA_LAUNCHES[name](*args, checked=False)
     return getattr(torch.ops.kvbuffer, name)(*args)

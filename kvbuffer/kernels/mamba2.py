@@ -12,37 +12,43 @@ import torch
 
 from ..checks import check_tensor
 from ..errors import ShapeError
-from .compiled import (ACT_DTYPES, CompiledOp, build_template, check_buffer, check_contiguous, check_draft_states,
+from .compiled import (ACT_DTYPES, CompiledOp, check_buffer, check_contiguous, check_draft_states,
                        check_fill_rules, check_on_cuda, check_state, expect_kind, out_tensor, prefill_chunks)
+from .keys import KernelKey, Mamba2Dims
+from .specs import spec_for
 
 
-def _aliases(G, H, N, P) -> dict:
-    return dict(Hk=G, Hv=H, K=N, V=P)
+def _key(op: str, G, H, N, P, tunables: dict, dtypes=("in_dtype", "buf_dtype"), **fields) -> KernelKey:
+    """The key of a `build_mamba2_*` call: the `dtypes` it names (bfloat16 unless in `tunables`) and has_z
+    are key fields."""
+    named = {n: tunables.pop(n, "bfloat16") for n in dtypes}
+    has_z = bool(tunables.pop("has_z", False))
+    return KernelKey("mamba2", op, Mamba2Dims(G, H, N, P), **named, has_z=has_z, **fields)
 
 
 def build_mamba2_recurrent(G: int, H: int, N: int = 128, P: int = 64, **tunables) -> CompiledOp:
     """Compile the recurrent step (selective_state_update; the baseline); tunables: BV, threads, in_dtype, has_z."""
-    return build_template("recurrent", "mamba2_recurrent", dict(G=G, H=H, N=N, P=P, **tunables), "mamba2",
-                  _aliases(G, H, N, P))
+    key = _key("recurrent", G, H, N, P, tunables, ("in_dtype",))
+    return spec_for(key).build(key, tunables)
 
 
 def build_mamba2_recurrent_drafts(G: int, H: int, N: int = 128, P: int = 64, *, T_new: int, **tunables) -> CompiledOp:
     """Compile the recurrent verify of T_new fed tokens, one state per token (the servers' scheme)."""
-    params = dict(G=G, H=H, N=N, P=P, T_new=T_new, **tunables)
-    return build_template("recurrent_drafts", "mamba2_recurrent_drafts", params, "mamba2", _aliases(G, H, N, P))
+    key = _key("recurrent_drafts", G, H, N, P, tunables, ("in_dtype",), T=T_new)
+    return spec_for(key).build(key, tunables)
 
 
 def build_mamba2_buffered(G: int, H: int, N: int = 128, P: int = 64, *, cap: int, T_new: int = 1,
                           flush_at: int = 0, **tunables) -> CompiledOp:
     """Compile the buffered step (T_new=1) / verify (T_new drafts) / prefill chunk, optional fused flush."""
-    params = dict(G=G, H=H, N=N, P=P, cap=cap, T_new=T_new, flush_at=flush_at, **tunables)
-    return build_template("buffered", "mamba2_buffered", params, "mamba2", _aliases(G, H, N, P))
+    key = _key("buffered", G, H, N, P, tunables, cap=cap, T=T_new, C=flush_at)
+    return spec_for(key).build(key, tunables)
 
 
 def build_mamba2_flush(G: int, H: int, N: int = 128, P: int = 64, *, cap: int, **tunables) -> CompiledOp:
     """Compile the stand-alone flush (the same kernel as GDN's flush)."""
-    return build_template("flush", "mamba2_flush", dict(G=G, H=H, N=N, P=P, cap=cap, **tunables), "mamba2",
-                  _aliases(G, H, N, P))
+    key = _key("flush", G, H, N, P, tunables, ("buf_dtype",), cap=cap)
+    return spec_for(key).build(key, tunables)
 
 
 # ----------------------------------------------------------------------------------------------

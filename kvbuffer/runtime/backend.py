@@ -22,7 +22,7 @@ from typing import NamedTuple, Union
 import torch
 
 from ..errors import ArtifactError
-from ..kernels import autobuild, launch, lookup
+from ..kernels import autobuild, launch, lookup, specs
 from ..kernels.keys import (
     ATTENTION_HEAD_DIMS,
     ATTENTION_MAX_TOKENS,
@@ -39,6 +39,7 @@ from ..reference import gdn as ref_gdn
 from ..reference import mamba2 as ref_mamba2
 
 log = logging.getLogger("kvbuffer")
+_OPS = {"gdn": launch.GDN_OPS, "mamba2": launch.MAMBA2_OPS}  # a linear family's ops, by its inputs' family
 
 
 class GDNInputs(NamedTuple):
@@ -157,28 +158,26 @@ class KernelBackend(ReferenceBackend):
 
     def recurrent_step(self, inputs: LinearInputs, state, state_slots):
         args = self._cast(inputs, kernel_dtype(out_dtype(inputs)))
-        o = launch.engine_rows(f"{inputs.family}_recurrent_step", *args, state, state_slots)
+        o = _OPS[inputs.family].recurrent_step(*args, state, state_slots)
         return o.to(out_dtype(inputs))
 
     def buffered_step(self, inputs: LinearInputs, state, state_slots, buf, slots, lengths, flush_at: int):
         args = self._cast(inputs, buf[0].dtype)
-        o = launch.engine_rows(f"{inputs.family}_buffered_step", *args, state, state_slots, *buf, slots, lengths,
-                               flush_at)
+        o = _OPS[inputs.family].buffered_step(*args, state, state_slots, *buf, slots, lengths, flush_at)
         return o.to(out_dtype(inputs))
 
     def verify(self, inputs: LinearInputs, state, state_slots, buf, slots, lengths, flush_at: int = 0):
         args = self._cast(inputs, buf[0].dtype)
-        o = launch.engine_rows(f"{inputs.family}_verify", *args, state, state_slots, *buf, slots, lengths, flush_at)
+        o = _OPS[inputs.family].verify(*args, state, state_slots, *buf, slots, lengths, flush_at)
         return o.to(out_dtype(inputs))
 
     def recurrent_drafts(self, inputs: LinearInputs, state, state_slots, draft_states, draft_rows):
         args = self._cast(inputs, kernel_dtype(out_dtype(inputs)))
-        o = launch.engine_rows(f"{inputs.family}_recurrent_drafts", *args, state, state_slots, draft_states,
-                               draft_rows)
+        o = _OPS[inputs.family].recurrent_drafts(*args, state, state_slots, draft_states, draft_rows)
         return o.to(out_dtype(inputs))
 
     def flush(self, family: str, state, state_slots, buf, slots, lengths) -> None:
-        launch.engine_rows(f"{family}_flush", state, state_slots, *buf, slots, lengths)
+        _OPS[family].flush(state, state_slots, *buf, slots, lengths)
 
     def prefill_plan(self, fill: int, tokens: int, flush_at: int) -> list[int]:
         return prefill_plan(fill, tokens, flush_at, kernels=True)
@@ -190,14 +189,14 @@ class KernelBackend(ReferenceBackend):
         if not suits or not self._conv_kernel_loads(launch.conv_update_key(mode, x, conv_state, weight, bias, True),
                                                     x.shape[0]):
             return super().short_conv(x, conv_state, slots, weight, bias, phase)
-        return launch.engine_rows("conv1d_update", x.contiguous(), conv_state, slots.contiguous(), weight.contiguous(),
+        return launch.CONV_UPDATE(x.contiguous(), conv_state, slots.contiguous(), weight.contiguous(),
                                   None if bias is None else bias.contiguous(), mode)
 
     def conv_accept(self, conv_state, slots, accepted, width: int) -> None:
         if conv_state.dtype not in _CONV_DTYPES or \
                 not self._conv_kernel_loads(launch.conv_accept_key(conv_state, width), slots.shape[0]):
             return super().conv_accept(conv_state, slots, accepted, width)
-        launch.engine_rows("conv1d_accept", conv_state, slots.to(torch.int32), accepted.to(torch.int32), int(width))
+        launch.CONV_ACCEPT(conv_state, slots.to(torch.int32), accepted.to(torch.int32), int(width))
 
     def _conv_kernel_loads(self, key: KernelKey, batch: int) -> bool:
         """Whether the conv kernel for `key` is there (an artifact, or JIT-compiled now); logs once per
@@ -217,7 +216,7 @@ class KernelBackend(ReferenceBackend):
                 and k_cache.dtype in _CONV_DTYPES and q.shape[3] in ATTENTION_HEAD_DIMS
                 and q.shape[2] % k_cache.shape[2] == 0):
             return False
-        keys = [launch.attention_key(op, q, k_cache) for op in ("decode", "combine")]
+        keys = [launch.attention_key(spec, q, k_cache) for spec in (specs.ATTENTION_DECODE, specs.ATTENTION_COMBINE)]
         missing = self.attention_on_window_path
         if not torch.compiler.is_compiling() and keys[0] not in missing and not lookup.jit_allowed():
             try:
@@ -231,8 +230,8 @@ class KernelBackend(ReferenceBackend):
 
     def cache_attention(self, q, k_cache, v_cache, slots, cached, scale: float, context_len: int):
         """Attention of q's new tokens over each row's cache positions 0 .. cached + t (written already)."""
-        return launch.engine_rows("attention_decode", q.contiguous(), k_cache, v_cache, slots.to(torch.int32),
-                                  cached.to(torch.int32), float(scale), int(context_len))
+        return launch.ATTENTION_DECODE(q.contiguous(), k_cache, v_cache, slots.to(torch.int32),
+                                       cached.to(torch.int32), float(scale), int(context_len))
 
 
 def _loads(keys: list[KernelKey], batch: int, missing: set, fallback: str) -> bool:

@@ -8,6 +8,8 @@ from pathlib import Path
 
 import pytest
 
+from kvbuffer.kernels.specs import SPECS
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -24,16 +26,16 @@ def ab():
 def test_a_revisions_tiles_load_beside_the_working_trees(ab, tmp_path):
     import kvbuffer.reference.core as core
     import kvbuffer.tiles.linear_decode as current
-    from kvbuffer.autotune import registry
 
     name = ab.base_tiles("HEAD", tmp_path)
     base = importlib.import_module(f"{name}.linear_decode")
     assert base is not current and Path(base.__file__).is_relative_to(tmp_path)
     assert base.LOG_DECAY_FLOOR == core.LOG_DECAY_FLOOR  # its ..reference imports reach the installed kvbuffer
-    before = registry.GDN_TILES, registry.MAMBA2_TILES
     tpls = ab.templates_of(name)
-    assert (registry.GDN_TILES, registry.MAMBA2_TILES) == before
     assert {"gdn_recurrent", "gdn_buffered_step", "mamba2_recurrent", "mamba2_verify"} <= set(tpls)
+    spec = SPECS[("gdn", "recurrent")]  # the templates build from the base's module, the working tree's by default
+    assert spec.template(name).__module__ == f"{name}.gdn"
+    assert spec.template().__module__ == "kvbuffer.tiles.gdn"
     assert sys.modules[f"{name}.gdn"] is not importlib.import_module("kvbuffer.tiles.gdn")
 
 

@@ -14,7 +14,7 @@ import torch
 
 from kvbuffer import ops
 from kvbuffer.kernels import attention as attn
-from kvbuffer.kernels import launch, lookup
+from kvbuffer.kernels import launch, lookup, specs
 
 pytestmark = pytest.mark.gpu
 
@@ -56,8 +56,8 @@ def _reference(q, kc, vc, slots, cached, scale):
 
 
 def _launch(q, kc, vc, slots, cached, scale, splits):
-    op = lookup.kernel_for(launch.attention_key("decode", q, kc))
-    combine = lookup.kernel_for(launch.attention_key("combine", q, kc)) if splits > 1 else None
+    op = lookup.kernel_for(launch.attention_key(specs.ATTENTION_DECODE, q, kc))
+    combine = lookup.kernel_for(launch.attention_key(specs.ATTENTION_COMBINE, q, kc)) if splits > 1 else None
     out = torch.full_like(q, float("nan"))
     return attn.attention_decode(op, combine, q, kc, vc, slots, cached, scale, out, splits=splits)
 
@@ -113,7 +113,7 @@ def test_attention_matches_reference(B, T, H, Hkv, D, dtype, kv_dtype, long_ctx)
     scale = D ** -0.5
     want = _reference(q, kc, vc, slots, cached, scale)
     ctx = max(lengths) + T
-    auto = attn.splits_for(attn.decode_blocks(lookup.kernel_for(launch.attention_key("decode", q, kc)), B), ctx,
+    auto = attn.splits_for(attn.decode_blocks(lookup.kernel_for(launch.attention_key(specs.ATTENTION_DECODE, q, kc)), B), ctx,
                            torch.cuda.get_device_properties(0).multi_processor_count)
     for splits in sorted({1, 3, auto}):
         out = _launch(q, kc, vc, slots, cached, scale, splits)
@@ -260,7 +260,7 @@ def test_tensor_core_form_follows_the_thread_level_one(B):
     want = _reference(q, kc, vc, slots, cached, 128 ** -0.5)
     params = dict(H=32, Hkv=2, D=128, T_len=1, dtype="bfloat16", kv_dtype="bfloat16", threads=128, unroll=4)
     simt = build_template("attention_decode", "attention_decode_simt", params, module="attention", aliases={"T": 1})
-    fast = lookup.kernel_for(launch.attention_key("decode", q, kc))
+    fast = lookup.kernel_for(launch.attention_key(specs.ATTENTION_DECODE, q, kc))
     outs = [attn.attention_decode(op, None, q, kc, vc, slots, cached, 128 ** -0.5) for op in (fast, simt)]
     for out, label in zip(outs, ("tensor cores", "thread-level")):
         _check(out, want, q, slots, f"B={B} {label}")
@@ -282,7 +282,7 @@ def test_tensor_core_form_for_verifies_and_fewer_query_heads(B, T, H, Hkv, D):
     params = dict(H=H, Hkv=Hkv, D=D, T_len=T, dtype="bfloat16", threads=128, unroll=4)  # its cache is q's dtype
     op = build_template("attention_decode", "attention_decode_mma", params, module="attention",
                         aliases={"T": T, "kv_dtype": "bfloat16"})
-    combine = lookup.kernel_for(launch.attention_key("combine", q, kc))
+    combine = lookup.kernel_for(launch.attention_key(specs.ATTENTION_COMBINE, q, kc))
     for splits in (1, 3):
         out = torch.full_like(q, float("nan"))
         attn.attention_decode(op, combine, q, kc, vc, slots, cached, D ** -0.5, out, splits=splits)

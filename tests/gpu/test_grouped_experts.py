@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from kvbuffer import ops
-from kvbuffer.kernels import build_grouped_experts, grouped_experts, launch, lookup
+from kvbuffer.kernels import build_grouped_experts, grouped_experts, launch, lookup, specs
 from kvbuffer.tiles.grouped import get_configs
 
 pytestmark = pytest.mark.gpu
@@ -170,5 +170,6 @@ def test_engine_grouped_experts_follow_torchs_grouped_matmul(compiled):
     assert all(m.grouped for m in one_row_experts(llm.model))
     got = llm.generate(PROMPTS, max_new_tokens=20, return_logits=True)
     assert any(k.op == "grouped" for k in lookup.loaded_keys())
-    assert launch.grouped_experts_key(one_row_experts(llm.model)[0].expert_weights()[0]).template() == "grouped_experts"
+    key = launch.grouped_experts_key(one_row_experts(llm.model)[0].expert_weights()[0])
+    assert specs.tune_template(key) == "grouped_experts"
     compare_greedy(got, want, tol=0.1)

@@ -16,7 +16,7 @@ import pytest
 
 from kvbuffer.artifacts import LIBRARY, META, ArtifactKey, ArtifactStore, embedded_cubin_sms, runtime_versions
 from kvbuffer.autotune.cache import ArtifactCache
-from kvbuffer.tuning import ChunkPolicy, select, tuning_name
+from kvbuffer.tuning import ChunkPolicy, TuningStore, select, tuning_name
 from kvbuffer.errors import ArtifactError
 
 HAVE_TILELANG = importlib.util.find_spec("tilelang") is not None and shutil.which("nvcc") is not None
@@ -179,9 +179,9 @@ def test_tuning_record_from_other_versions_is_rejected_clearly(tmp_path):
     name = tuning_name("h200", "sm_90a", SHAPE, old)
     cache.put_tuning(name, empty_record(), gpu="h200", shape=SHAPE, versions=old)
     with pytest.raises(ArtifactError, match=r"exist for \{'kvbuffer': '0.0.1'"):
-        ArtifactStore(tmp_path).find_tuning("h200", "sm_90a", SHAPE)
+        TuningStore(tmp_path).find_tuning("h200", "sm_90a", SHAPE)
     with pytest.raises(ArtifactError, match="no kernels built for h100"):
-        ArtifactStore(tmp_path).find_tuning("h100", "sm_90a", SHAPE)
+        TuningStore(tmp_path).find_tuning("h100", "sm_90a", SHAPE)
 
 
 def test_cache_dir_resolution(tmp_path, monkeypatch):

@@ -7,9 +7,10 @@ import torch
 
 from kvbuffer.errors import DeviceError, DTypeError, ShapeError, SlotError
 from kvbuffer.kernels import attention as attn
-from kvbuffer.kernels import launch
+from kvbuffer.kernels import launch, specs
 from kvbuffer.kernels.compiled import CompiledOp
 from kvbuffer.kernels.keys import AttnDims, KernelKey
+from kvbuffer.kernels.specs import spec_for
 
 B, T, H, HKV, D, NS, ML = 3, 2, 8, 2, 64, 5, 40
 bf16 = torch.bfloat16
@@ -153,18 +154,19 @@ def test_keys_name_their_templates_and_layouts():
     dims = AttnDims(16, 4, 256)
     step = KernelKey("attention", "decode", dims, "bfloat16", "bfloat16")
     verify = KernelKey("attention", "combine", dims, "bfloat16", "bfloat16", T=5)
-    assert step.template() == "attention_decode" and verify.template() == "attention_combine_verify"
-    assert step.layouts() == [(None, 0)] and verify.layouts() == [(None, 4)]
-    assert KernelKey("attention", "decode", dims, "bfloat16", "bfloat16", T=9).template() is None
-    assert step.record_shapes() == [{"family": "attention", "H": 16, "Hkv": 4, "D": 256, "dtype": "bfloat16",
+    assert specs.tune_template(step) == "attention_decode" and specs.tune_template(verify) == "attention_combine_verify"
+    assert specs.layouts(step) == [(None, 0)] and specs.layouts(verify) == [(None, 4)]
+    assert specs.tune_template(KernelKey("attention", "decode", dims, "bfloat16", "bfloat16", T=9)) is None
+    assert specs.record_shapes(step) == [{"family": "attention", "H": 16, "Hkv": 4, "D": 256, "dtype": "bfloat16",
                                      "kv_dtype": "bfloat16"}]
-    assert step.compiled_kind() == "attention_decode"
-    assert step.launch_params({"threads": 128})["kv_dtype"] == "bfloat16"
-    assert "--draft-tokens 4" in verify.tune_command()
+    assert spec_for(step).kind == "attention_decode"
+    assert spec_for(step).launch_params(step, {"threads": 128})["kv_dtype"] == "bfloat16"
+    assert "--draft-tokens 4" in specs.tune_command(verify)
     with pytest.raises(ValueError, match="op of a attention key"):
         KernelKey("attention", "advance", dims, "bfloat16")
     q, kc = torch.zeros(3, 5, 16, 256, dtype=bf16), torch.zeros(2, 9, 4, 256, dtype=torch.float32)
-    assert launch.attention_key("decode", q, kc) == KernelKey("attention", "decode", dims, "bfloat16", "float32", T=5)
+    want = KernelKey("attention", "decode", dims, "bfloat16", "float32", T=5)
+    assert launch.attention_key(specs.ATTENTION_DECODE, q, kc) == want
 
 
 def test_templates_are_registered_for_tune_and_autobuild():
@@ -189,7 +191,8 @@ def test_split_partials_merge_to_the_reference():
     a = _args(slots=torch.tensor([4, 1, 0], dtype=torch.int32))
     q = a["q"].double()
     part, stats = split_partials(q, a["k_cache"], a["v_cache"], a["slots"], a["cached"], 0.125, 3)
-    merged = _combine_reference(None, 0, [part, stats, a["slots"], torch.zeros(B, T, H, D, dtype=torch.float64)])[3]
+    out = torch.zeros(B, T, H, D, dtype=torch.float64)
+    merged = _combine_reference(None, 0, dict(part=part, stats=stats, slots=a["slots"], out=out))["out"]
     want = attn.attention_reference(q, a["k_cache"].double(), a["v_cache"].double(), a["slots"], a["cached"], 0.125)
     torch.testing.assert_close(merged, want)
 
@@ -209,8 +212,9 @@ def test_tuner_check_plumbing_with_a_kernel_that_writes_the_expected_values(batc
         drafts = 3 if tpl.layouts else 0
 
         def stand_in(*args, tpl=tpl):
-            for i, want in tpl.reference(shape, 0, list(args)).items():
-                args[i].copy_(want)
+            named = tpl.named(args)
+            for name, want in tpl.reference(shape, 0, named).items():
+                named[name].copy_(want)
         assert tuner.check(tpl, stand_in, shape, 0, "cpu", drafts=drafts) < 5e-3, tpl.name  # fp32 / bf16 outputs
         assert tuner.rotation(tpl.inputs(shape, batch, 0, "cpu", torch.Generator().manual_seed(0), drafts), 2**20) >= 2
 

@@ -21,7 +21,7 @@ from kvbuffer.autotune.cache import ArtifactCache
 from kvbuffer.cli.main import main
 from kvbuffer.errors import ArtifactError
 from kvbuffer.kernels.keys import GDNDims, KernelKey
-from kvbuffer.tuning import tuning_name
+from kvbuffer.tuning import TuningStore, tuning_name
 from tests.kernels.test_artifacts import SHAPE, make_key, put
 from tests.kernels.test_cache_hardening import record_for, winner
 
@@ -173,7 +173,7 @@ CORRUPTIONS = {f.__name__: f for f in (replace_manifest, garble_manifest, drop_f
 
 
 def _readers(root: Path):
-    store = ArtifactStore(root)
+    store = TuningStore(root)
 
     def verify_all():
         for name in store.manifest()["artifacts"]:

@@ -17,7 +17,7 @@ from kvbuffer import gpus
 from kvbuffer.autotune import registry
 from kvbuffer.autotune.cache import ArtifactCache
 from kvbuffer.errors import ArtifactError
-from kvbuffer.kernels import autobuild, lookup
+from kvbuffer.kernels import autobuild, lookup, specs
 from kvbuffer.runtime import backend
 from tests.kernels.test_tune_cli import fake_template
 
@@ -45,7 +45,7 @@ def gpu_here(monkeypatch, tmp_path):
 
     def kernel_for(key, batch=1):
         if not builds:
-            raise ArtifactError(f"no compiled kernel for {key}; build it with `{key.tune_command()}`")
+            raise ArtifactError(f"no compiled kernel for {key}; build it with `{specs.tune_command(key)}`")
         return object()
 
     monkeypatch.setattr(lookup, "kernel_for", kernel_for)
@@ -66,8 +66,8 @@ def test_missing_kernels_are_built_once_then_loaded(demo, gpu_here):
     chosen, why = backend.resolve_backend("auto", CUDA, spec, dtype, "kvbuffer")
     assert chosen.kernels and why == "compiled kernels"
     (key, conv_dtype, gpu, command), = gpu_here
-    assert (key.C, key.cap, key.layouts(), gpu, command) == (16, 17, [(16, 0)], "h200", COMMAND)
-    assert key.record_shapes()[0] == {"family": "gdn", "Hk": 2, "Hv": 4, "K": 32, "V": 32, "dtype": "bfloat16"}
+    assert (key.C, key.cap, specs.layouts(key), gpu, command) == (16, 17, [(16, 0)], "h200", COMMAND)
+    assert specs.record_shapes(key)[0] == {"family": "gdn", "Hk": 2, "Hv": 4, "K": 32, "V": 32, "dtype": "bfloat16"}
     assert conv_dtype == "float32"  # the demo runs in fp32; its linear kernels in bf16, its conv in fp32
     again, _ = backend.resolve_backend("auto", CUDA, spec, dtype, "kvbuffer")  # a second engine
     assert again.kernels and len(gpu_here) == 1
@@ -93,7 +93,7 @@ def test_speculative_layout_names_its_drafts(demo, gpu_here):
     spec = demo[0].__class__(**{**vars(demo[0]), "chunk_size": 8, "max_drafts": 5})
     backend.resolve_backend("auto", CUDA, spec, torch.bfloat16, "kvbuffer")
     (key, conv_dtype, _, command), = gpu_here
-    assert key.layouts() == [(8, 4)] and conv_dtype == "bfloat16"
+    assert specs.layouts(key) == [(8, 4)] and conv_dtype == "bfloat16"
     assert command.endswith("--chunk-sizes 8 --draft-tokens 4")
 
 

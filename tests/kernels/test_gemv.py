@@ -11,8 +11,9 @@ import shutil
 import pytest
 import torch
 
-from kvbuffer.kernels import launch
+from kvbuffer.kernels import launch, specs
 from kvbuffer.kernels.keys import GemvDims, KernelKey
+from kvbuffer.kernels.specs import spec_for
 
 _BUILD = importlib.util.find_spec("tilelang") is not None and bool(
     shutil.which("nvcc") or os.path.exists("/usr/local/cuda/bin/nvcc")) and bool(shutil.which("g++"))
@@ -60,11 +61,11 @@ def test_key_names_its_template_record_and_command():
     x, w = torch.zeros(1, 64, dtype=torch.bfloat16), torch.zeros(32, 64, dtype=torch.bfloat16)
     key = launch.gemv_key(w, x.shape[0])
     assert key == KernelKey("gemv", "gemv", GemvDims(32, 64), "bfloat16", T=1)
-    assert key.template() == "gemv" and key.layouts() == [(None, 0)] and key.compiled_kind() == "gemv"
-    assert key.record_shapes() == [{"family": "gemv", "N": 32, "K": 64, "dtype": "bfloat16"}]
-    assert key.tune_command() == "kvbuffer tune --gpu <gpu> --model <model>"
-    assert key.launch_params({"threads": 128}) == dict(threads=128, N=32, K=64, rows=1, dtype="bfloat16")
-    assert launch.gemv_key(w, 2).template() is None  # tune builds one row
+    assert specs.tune_template(key) == "gemv" and specs.layouts(key) == [(None, 0)] and spec_for(key).kind == "gemv"
+    assert specs.record_shapes(key) == [{"family": "gemv", "N": 32, "K": 64, "dtype": "bfloat16"}]
+    assert specs.tune_command(key) == "kvbuffer tune --gpu <gpu> --model <model>"
+    assert spec_for(key).launch_params(key, {"threads": 128}) == dict(threads=128, N=32, K=64, rows=1, dtype="bfloat16")
+    assert specs.tune_template(launch.gemv_key(w, 2)) is None  # tune builds one row
 
 
 def test_custom_op_is_linear_on_cpu_and_its_fake_has_the_output_shape():

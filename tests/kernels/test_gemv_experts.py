@@ -15,8 +15,9 @@ import torch
 import torch.nn.functional as F
 
 from kvbuffer.errors import DTypeError, ExpertIndexError, ShapeError
-from kvbuffer.kernels import launch
+from kvbuffer.kernels import launch, specs
 from kvbuffer.kernels.keys import GemvDims, KernelKey
+from kvbuffer.kernels.specs import spec_for
 
 _BUILD = importlib.util.find_spec("tilelang") is not None and bool(
     shutil.which("nvcc") or os.path.exists("/usr/local/cuda/bin/nvcc")) and bool(shutil.which("g++"))
@@ -65,10 +66,10 @@ def test_key_names_its_template_record_and_command():
     w = torch.zeros(6, 32, 64, dtype=torch.bfloat16)
     key = launch.gemv_experts_key(w)
     assert key == KernelKey("gemv", "experts", GemvDims(32, 64), "bfloat16")
-    assert key.template() == "gemv_experts" and key.compiled_kind() == "gemv_experts"
-    assert key.record_shapes() == [{"family": "experts", "N": 32, "K": 64, "dtype": "bfloat16"}]
-    assert key.launch_params({"threads": 128}) == dict(threads=128, N=32, K=64, dtype="bfloat16")
-    assert key.tune_command() == "kvbuffer tune --gpu <gpu> --model <model>"
+    assert specs.tune_template(key) == "gemv_experts" and spec_for(key).kind == "gemv_experts"
+    assert specs.record_shapes(key) == [{"family": "experts", "N": 32, "K": 64, "dtype": "bfloat16"}]
+    assert spec_for(key).launch_params(key, {"threads": 128}) == dict(threads=128, N=32, K=64, dtype="bfloat16")
+    assert specs.tune_command(key) == "kvbuffer tune --gpu <gpu> --model <model>"
     assert key != launch.gemv_key(w[0])  # the same weight shape, another kernel
 
 

@@ -9,8 +9,9 @@ import torch
 import torch.nn.functional as F
 
 from kvbuffer.errors import DTypeError, ExpertIndexError, ShapeError
-from kvbuffer.kernels import launch
+from kvbuffer.kernels import launch, specs
 from kvbuffer.kernels.keys import GemvDims, KernelKey, grouped_fits
+from kvbuffer.kernels.specs import spec_for
 
 
 def _loop(x, w, ends):
@@ -45,10 +46,10 @@ def test_key_names_its_template_record_and_command():
     w = torch.zeros(6, 32, 64, dtype=torch.bfloat16)
     key = launch.grouped_experts_key(w)
     assert key == KernelKey("gemv", "grouped", GemvDims(32, 64), "bfloat16")
-    assert key.template() == "grouped_experts" and key.compiled_kind() == "grouped_experts"
-    assert key.record_shapes() == [{"family": "grouped", "N": 32, "K": 64, "dtype": "bfloat16"}]
-    assert key.launch_params({"stages": 4}) == dict(stages=4, N=32, K=64, dtype="bfloat16")
-    assert key.tune_command() == "kvbuffer tune --gpu <gpu> --model <model>"
+    assert specs.tune_template(key) == "grouped_experts" and spec_for(key).kind == "grouped_experts"
+    assert specs.record_shapes(key) == [{"family": "grouped", "N": 32, "K": 64, "dtype": "bfloat16"}]
+    assert spec_for(key).launch_params(key, {"stages": 4}) == dict(stages=4, N=32, K=64, dtype="bfloat16")
+    assert specs.tune_command(key) == "kvbuffer tune --gpu <gpu> --model <model>"
     assert key != launch.gemv_experts_key(w)  # the same experts' weights, another kernel
 
 
@@ -135,6 +136,7 @@ def test_tuner_times_an_uneven_load_and_checks_it_in_fp64():
     shape = {"family": "grouped", "N": 40, "K": 64, "dtype": "float32"}
     args = template.make_inputs(shape, 1, 16, "cpu", torch.Generator().manual_seed(0))
     counts = grouped_counts()
-    assert max(counts) > 32 > min(counts) and args[2].tolist() == torch.tensor(counts).cumsum(0).tolist()
-    want = template.reference(shape, 16, args)[3]
-    torch.testing.assert_close(torch.ops.kvbuffer.grouped_experts(*args[:3]).double(), want, rtol=1e-5, atol=1e-5)
+    assert max(counts) > 32 > min(counts) and args["ends"].tolist() == torch.tensor(counts).cumsum(0).tolist()
+    want = template.reference(shape, 16, args)["out"]
+    got = torch.ops.kvbuffer.grouped_experts(args["x"], args["weight"], args["ends"])
+    torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5)

@@ -18,7 +18,7 @@ from kvbuffer.autotune.cache import ArtifactCache
 from kvbuffer.gpus import get_gpu, match_device
 from kvbuffer.autotune.models import checkpoint_shape, preset_shape
 from kvbuffer.tuning import ChunkPolicy, select
-from kvbuffer.autotune.registry import Template
+from kvbuffer.autotune.template import Template
 from kvbuffer.cli.main import main
 
 HAVE_TILELANG = importlib.util.find_spec("tilelang") is not None and shutil.which("nvcc") is not None
@@ -121,10 +121,11 @@ def fake_template(name, factor=lambda b: 1.0):
         return FakeKernel(3.0 if v == "wrong" else 2.0, lambda b: base[v](b) * by_c(b) * factor(b))
 
     def make_inputs(shape, batch, chunk, device, gen):
-        return [torch.randn(batch, 4, generator=gen), torch.empty(batch, 4), torch.zeros(())]
+        return {"x": torch.randn(batch, 4, generator=gen), "y": torch.empty(batch, 4), "cost": torch.zeros(())}
 
-    return Template(name, "gdn", build, lambda: [{"v": "slow"}, {"v": "wrong"}, {"v": "fast"}], {"v": "slow"},
-                    make_inputs, lambda shape, chunk, args: {1: 2.0 * args[0]}, lambda k, args: k(*args), "src")
+    return Template(name, "gdn", build, lambda: [{"v": "slow"}, {"v": "wrong"}, {"v": "fast"}],
+                    lambda shape, drafts: {"v": "slow"}, make_inputs, lambda shape, chunk, args: {"y": 2.0 * args["x"]},
+                    ("x", "y", "cost"), "src")
 
 
 def fake_timer(fn, arg_sets):
@@ -184,10 +185,9 @@ def test_untuned_build_records_defaults_for_every_bucket(tmp_path):
 LOAD_BLOCKED = '''
 import sys
 sys.modules["tilelang"] = None
-from kvbuffer.artifacts import ArtifactStore
 from kvbuffer.gpus import get_gpu
-from kvbuffer.tuning import make_shape, select
-store, gpu = ArtifactStore(sys.argv[1]), get_gpu("h100")
+from kvbuffer.tuning import TuningStore, make_shape, select
+store, gpu = TuningStore(sys.argv[1]), get_gpu("h100")
 record = store.find_tuning(gpu.name, gpu.arch, make_shape("gdn", 16, 32, 128, 128))
 name, c = select(record, "gdn_flush", 3)
 art = store.load(name, arch=gpu.arch, gpu=gpu.name)

@@ -17,7 +17,7 @@ from kvbuffer.autotune import tuner
 from kvbuffer.autotune.models import conv_shape
 from kvbuffer.autotune.registry import templates
 from kvbuffer.errors import ArtifactError
-from kvbuffer.kernels import launch, lookup
+from kvbuffer.kernels import launch, lookup, specs
 from kvbuffer.kernels.keys import ConvDims, GDNDims, KernelKey
 from kvbuffer.pools import LinearLayerShape
 from kvbuffer.runtime.backend import needed_kernels, unbuffered_kernels
@@ -50,9 +50,9 @@ def test_every_kernel_the_engine_needs_is_in_the_plan(family, drafts):
     unbuffered = unbuffered_kernels(spec, torch.bfloat16)  # what a one-row kvbuffer step launches
     for mode in ("kvbuffer", "recurrent"):
         for key in needed_kernels(spec, torch.bfloat16, mode) + unbuffered:
-            name = key.template()
+            name = specs.tune_template(key)
             assert name is not None, key
-            layouts = [(c or 0, d) for c, d in key.layouts()]
+            layouts = [(c or 0, d) for c, d in specs.layouts(key)]
             assert any((name, c, d) in planned for c, d in layouts), (key, name, layouts)
 
 
@@ -66,10 +66,10 @@ def test_every_conv_kernel_the_engine_needs_maps_to_a_template(drafts):
     if drafts:
         keys += [launch.conv_update_key("verify", torch.zeros(2, drafts + 1, D), state, weight, None, True),
                  launch.conv_accept_key(state, W)]
-    names = [(k.template(), k.layouts()[0][1]) for k in keys]
+    names = [(specs.tune_template(k), specs.layouts(k)[0][1]) for k in keys]
     assert names == [(n, drafts) for n in ("conv1d_step", "conv1d_prefill", "conv1d_verify", "conv1d_accept")[:len(keys)]]
     short = launch.conv_update_key("verify", torch.zeros(2, 2, D), torch.zeros(3, D, W + 3), weight, None, True)
-    assert short.template() is None  # tune builds the verify of all T drafts + 1 only
+    assert specs.tune_template(short) is None  # tune builds the verify of all T drafts + 1 only
 
 
 # ----------------------------------------------------------------------------------------------
@@ -224,8 +224,8 @@ def test_plain_layout_keys_keep_their_names():
 ])
 def test_kernel_keys_map_back_to_layouts(op, T, C, cap, want):
     key = KernelKey("gdn", op, GDNDims(2, 4, 32, 32), "bfloat16", "bfloat16", cap=cap, T=T, C=C)
-    assert key.layouts() == want
-    assert (key.template() is None) == (not want)
+    assert specs.layouts(key) == want
+    assert (specs.tune_template(key) is None) == (not want)
 
 
 def test_records_merge_run_by_run():
@@ -257,11 +257,11 @@ def test_a_build_with_nothing_to_build_is_a_usage_error(tmp_path):
 
 def test_the_conv_accept_is_found_in_a_record_of_any_weight_dtype_and_bias():
     key = KernelKey("conv1d", "accept", ConvDims(256, 4, 8), "bfloat16", T=0)
-    shapes = key.record_shapes()
+    shapes = specs.record_shapes(key)
     assert {(s["w_dtype"], s["bias"]) for s in shapes} == {(w, b) for w in ("bfloat16", "float16", "float32")
                                                           for b in (False, True)}
     update = KernelKey("conv1d", "advance", ConvDims(256, 4, 8), "bfloat16", w_dtype="float32", has_bias=True)
-    assert update.record_shapes() == [make_conv_shape(256, 4, "bfloat16", "float32", True)]
+    assert specs.record_shapes(update) == [make_conv_shape(256, 4, "bfloat16", "float32", True)]
 
 
 def test_a_measured_record_without_a_policy_kernel_is_tuned():

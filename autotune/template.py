@@ -1,0 +1,110 @@
+"""What the tuner builds, checks and times: a `Template`, one tuned variant of a kernel.
+
+    build(shape, chunk_size, *, target, drafts, **tunables) -> a compiled TileLang kernel
+    configs() -> the tunables worth trying; defaults(shape, drafts) -> the untuned ones
+    make_inputs(shape, batch, chunk_size, device, gen, drafts) -> {argument name: value}
+    reference(shape, chunk_size, {argument name: value}) -> {argument name: expected value after the run}
+    args: the kernel's argument names, in the order it takes them
+
+`from_spec` makes one from a kernel's KernelSpec (kvbuffer.kernels.specs) and the key a (shape, chunk
+size, drafts) names, so the tuner compiles through the spec as the JIT does. `shape` is a tuning
+record's shape dict. Layout-dependent templates (`layouts=True`) are built per draft count T
+(buffers of C + T + 1 entries); `min_drafts=1` marks kernels only speculative decoding launches.
+TileLang and torch are imported only inside the callables.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib
+import importlib.util
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Mapping
+
+from kvbuffer.kernels.keys import KernelKey
+from kvbuffer.kernels.specs import TILES, KernelSpec
+
+TEMPLATE_IMPORTS = ("kvbuffer.reference.core", "kvbuffer.kernels.keys")  # runtime modules the templates use
+
+
+@dataclass(frozen=True)
+class Template:
+    name: str
+    family: str                                  # the tuning record's family
+    build: Callable[..., Any] = field(repr=False)
+    configs: Callable[[], list] = field(repr=False)
+    defaults: Callable[[Mapping, int], dict] = field(repr=False)
+    make_inputs: Callable[..., dict] = field(repr=False)
+    reference: Callable[..., dict] = field(repr=False)
+    args: tuple[str, ...]
+    source: str = ""          # sha256 of the templates' sources: part of the artifact key
+    uses_chunk: bool = True   # False: one kernel serves every chunk size (stored with chunk_size 0)
+    tolerance: float = 2e-2   # relative error (vs the reference) a variant may have
+    min_chunk: int = 1        # smallest chunk size the kernel makes sense for (a T-token chunk needs C >= T)
+    layouts: bool = False     # build / make_inputs take drafts=T (buffers of C + T + 1 entries)
+    min_drafts: int = 0       # 1: only speculative decoding launches it (the verify)
+
+    def defaults_for(self, shape: Mapping, drafts: int = 0) -> dict:
+        """The untuned tunables for one shape and buffer layout."""
+        return dict(self.defaults(shape, drafts))
+
+    def drafts_for(self, draft_tokens) -> list[int]:
+        """The buffer layouts (draft counts) to build this kernel for: 0 alone unless it depends on them."""
+        if not self.layouts:
+            return [0]
+        return [d for d in sorted(set(draft_tokens)) if d >= self.min_drafts]
+
+    def compile(self, shape: Mapping, chunk_size: int, drafts: int, *, target, **tunables):
+        return self.build(dict(shape), chunk_size, target=target, **self._layout(drafts), **tunables)
+
+    def inputs(self, shape: Mapping, batch: int, chunk_size: int, device, gen, drafts: int = 0) -> list:
+        """The kernel's arguments in its order (make_inputs names each of `args`, no other)."""
+        named = self.make_inputs(dict(shape), batch, chunk_size, device, gen, **self._layout(drafts))
+        if set(named) != set(self.args):
+            raise TypeError(f"{self.name}: make_inputs must name exactly {self.args}, got {tuple(named)}")
+        return [named[n] for n in self.args]
+
+    def named(self, args: list) -> dict:
+        """Arguments in the kernel's order, by name."""
+        return dict(zip(self.args, args))
+
+    def run(self, kernel, args: list) -> None:
+        kernel(*args)
+
+    def _layout(self, drafts: int) -> dict:
+        if drafts and not self.layouts:
+            raise ValueError(f"{self.name} does not depend on the buffer layout; build it with drafts=0")
+        return {"drafts": drafts} if self.layouts else {}
+
+
+def from_spec(spec: KernelSpec, name: str, family: str, key: Callable[[Mapping, int, int], KernelKey],
+              make_inputs: Callable[..., dict], reference: Callable[..., dict], *, package: str = TILES,
+              configs: Callable[[], list] | None = None, **fields) -> Template:
+    """A template that compiles `spec` for the key `key(shape, chunk_size, drafts)` names, from `package`'s
+    templates (another revision's, for an A/B run); its defaults are the spec's for that key."""
+    def build(shape, chunk_size, *, target, drafts=0, **tunables):
+        prim = spec.prim(key(shape, chunk_size, drafts), tunables, package)
+        return importlib.import_module(TILES).compile_template(prim, target)
+
+    def defaults(shape, drafts):
+        return spec.defaults(key(shape, fields.get("min_chunk", 1), drafts))
+
+    return Template(name, family, build, configs or spec.configs, defaults, make_inputs, reference, spec.args,
+                    source_digest(), **fields)
+
+
+def capacity(chunk_size: int, drafts: int = 0) -> int:
+    """Buffer entries per slot in the engine's layout: C to fold, T drafts past them, one more token."""
+    return chunk_size + drafts + 1
+
+
+def source_digest(package: str = TILES, imports: tuple[str, ...] = TEMPLATE_IMPORTS) -> str:
+    """sha256 over every .py file of the templates' package and the runtime modules they import: an edit
+    to any of them gives new artifacts."""
+    spec = importlib.util.find_spec(package)
+    paths = sorted(Path(spec.origin).parent.glob("*.py")) + [Path(importlib.util.find_spec(m).origin) for m in imports]
+    h = hashlib.sha256()
+    for path in paths:
+        h.update(path.name.encode() + b"\0" + path.read_bytes())
+    return h.hexdigest()

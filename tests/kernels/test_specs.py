@@ -1,0 +1,96 @@
+"""One KernelSpec per kernel: every key has one, and the JIT, the `build_*` functions and the tuner build
+the same TileLang function through it (compiling stubbed: the prim functions' scripts compare)."""
+
+import importlib.util
+
+import pytest
+import torch
+
+from kvbuffer.autotune import tuner
+from kvbuffer.autotune.registry import templates
+from kvbuffer.kernels import keys, specs
+from kvbuffer.kernels.keys import ConvDims, GDNDims, GemvDims, KernelKey, Mamba2Dims
+
+SHAPES = {
+    "gdn": {"family": "gdn", "Hk": 2, "Hv": 4, "K": 32, "V": 32, "dtype": "bfloat16"},
+    "mamba2": {"family": "mamba2", "Hk": 2, "Hv": 4, "K": 32, "V": 32, "dtype": "bfloat16"},
+    "conv1d": {"family": "conv1d", "D": 64, "W": 4, "dtype": "bfloat16", "w_dtype": "float32", "bias": True},
+    "gemv": {"family": "gemv", "N": 64, "K": 128, "dtype": "bfloat16"},
+}
+TILELANG = importlib.util.find_spec("tilelang") is not None
+
+
+def test_every_key_has_one_spec_and_every_spec_a_key():
+    pairs = {(family, op) for family, ops in keys._OPS.items() for op in ops}
+    assert set(specs.SPECS) == pairs
+    assert all(len(s.args) == len(set(s.args)) for s in specs.SPECS.values())
+
+
+@pytest.mark.parametrize("family", ["gdn", "mamba2", "conv1d"])
+def test_tuner_inputs_name_the_spec_arguments(family):
+    """Each template's inputs are its spec's arguments, by name (Template.inputs checks the names)."""
+    for tpl, chunk, drafts in tuner.plan(templates(family), (8,), (0, 2)):
+        args = tpl.inputs(SHAPES[family], 3, chunk or 8, "cpu", torch.Generator().manual_seed(0), drafts)
+        assert len(args) == len(tpl.args), tpl.name
+
+
+@pytest.fixture
+def prims(monkeypatch):
+    """Compiling returns the prim function, for the local GPU an sm_90a target."""
+    import kvbuffer.tiles as tiles
+    from kvbuffer.kernels import specs as specs_module
+
+    monkeypatch.setattr(tiles, "compile_template", lambda prim, target: prim)
+    monkeypatch.setattr(specs_module, "local_target", lambda: {"kind": "cuda", "arch": "sm_90a"})
+
+
+@pytest.mark.tilelang
+@pytest.mark.skipif(not TILELANG, reason="needs TileLang")
+@pytest.mark.parametrize("family", ["gdn", "mamba2", "conv1d", "gemv"])
+def test_tuner_and_jit_build_the_same_function(prims, family):
+    from kvbuffer.kernels import lookup
+
+    shape = SHAPES[family]
+    for tpl, chunk, drafts in tuner.plan(templates(family), (8,), (0, 2)):
+        defaults = tpl.defaults_for(shape, drafts)
+        tuned = tpl.compile(shape, chunk, drafts, target={}, **defaults)
+        key = _key_of(tpl.name, shape, chunk, drafts)
+        assert specs.tune_template(key) == tpl.name
+        assert tuned.script() == lookup.jit(key).fn.script(), tpl.name
+
+
+@pytest.mark.tilelang
+@pytest.mark.skipif(not TILELANG, reason="needs TileLang")
+def test_build_functions_compile_their_spec(prims):
+    from kvbuffer.kernels import build_gdn_buffered, build_mamba2_recurrent
+
+    op = build_gdn_buffered(2, 4, 32, 32, cap=11, T_new=3, flush_at=8, BV=32, threads=64)
+    key = KernelKey("gdn", "buffered", GDNDims(2, 4, 32, 32), "bfloat16", "bfloat16", cap=11, T=3, C=8)
+    assert op.fn.script() == specs.spec_for(key).prim(key, {"BV": 32, "threads": 64}).script()
+    assert op.params == specs.spec_for(key).launch_params(key, {"BV": 32, "threads": 64})
+    op = build_mamba2_recurrent(2, 4, 32, 32, has_z=True)
+    key = KernelKey("mamba2", "recurrent", Mamba2Dims(2, 4, 32, 32), "bfloat16", has_z=True)
+    assert op.fn.script() == specs.spec_for(key).prim(key, {}).script() and op.params["has_z"]
+
+
+def _key_of(name: str, shape, chunk: int, drafts: int):
+    """The key the engine asks for that `name` builds at (chunk, drafts)."""
+    family, dtype = shape["family"], shape["dtype"]
+    if family == "conv1d":
+        dims = ConvDims(shape["D"], shape["W"], shape["W"] + drafts)
+        if name == "conv1d_accept":
+            return KernelKey("conv1d", "accept", dims, dtype, T=0)
+        mode, T = {"conv1d_step": ("advance", 1), "conv1d_prefill": ("advance", 0),
+                   "conv1d_verify": ("verify", drafts + 1)}[name]
+        return KernelKey("conv1d", mode, dims, dtype, w_dtype=shape["w_dtype"], T=T, has_bias=True)
+    if family == "gemv":
+        return KernelKey("gemv", "gemv", GemvDims(shape["N"], shape["K"]), dtype)
+    dims = keys.linear_dims(family, shape["Hk"], shape["Hv"], shape["K"], shape["V"])
+    cap = chunk + drafts + 1
+    op = name.removeprefix(f"{family}_")
+    if op in ("recurrent", "recurrent_drafts"):
+        return KernelKey(family, op, dims, dtype, T=drafts + 1 if op == "recurrent_drafts" else 1)
+    if op == "flush":
+        return KernelKey(family, "flush", dims, "", dtype, cap=cap)
+    T, C = (1, chunk) if op == "buffered_step" else (drafts + 1, 0) if op == "verify" else (int(op[-1]), chunk)
+    return KernelKey(family, "buffered", dims, dtype, dtype, cap=cap, T=T, C=C)
