@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..errors import CheckpointError
 from ..pools import LinearLayerShape
 from ..runtime import mixing
 from .layers import Linear, PackedLinear, RoutedExperts, cache_layout, fp32, rms_normalize, route_to_experts
@@ -38,8 +39,6 @@ _ACTIVATIONS = {"relu2": _relu2, "silu": F.silu, "relu": F.relu, "gelu": F.gelu}
 
 
 def _unsupported(message: str):
-    from .loader import CheckpointError  # lazy: the loader imports this package's registry
-
     return CheckpointError(f"nemotron_h: {message}")
 
 
