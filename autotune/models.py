@@ -27,9 +27,9 @@ DEFAULT_DTYPE = "bfloat16"
 
 
 def preset_shape(name: str, dtype: str = DEFAULT_DTYPE) -> dict:
-    if name.lower() not in PRESETS:
-        raise ValueError(f"unknown model preset {name!r}; presets: {', '.join(PRESETS)} (or a checkpoint dir)")
-    return make_shape(**PRESETS[name.lower()], dtype=dtype)
+    if name.lower() not in HEAD_SHAPES:
+        raise ValueError(f"unknown model preset {name!r}; presets: {', '.join(HEAD_SHAPES)} (or a checkpoint dir)")
+    return make_shape(**HEAD_SHAPES[name.lower()], dtype=dtype)
 
 
 def parse_heads(text: str, family: str = "gdn", dtype: str = DEFAULT_DTYPE) -> dict:
@@ -70,7 +70,7 @@ def config_shape(cfg: dict, dtype: str | None = None, source: str = "config") ->
 
 
 # Head shapes of kvbuffer.presets' real models (the one preset table), without the dtype
-PRESETS: dict[str, dict] = {
+HEAD_SHAPES: dict[str, dict] = {
     name: {k: v for k, v in config_shape(presets.get(name).hf_config()).items() if k != "dtype"}
     for name in presets.MODELS
 }

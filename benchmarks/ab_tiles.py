@@ -35,7 +35,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 BASE_PACKAGE = "kvbuffer._base_tiles"
-PRESETS = {"gdn": "qwen3.5-9b", "mamba2": "nemotron-3-nano"}
+FAMILY_MODELS = {"gdn": "qwen3.5-9b", "mamba2": "nemotron-3-nano"}
 CHECK_BATCH = 257  # awkward: no power of two, more rows than SMs
 
 
@@ -92,7 +92,7 @@ def compare(name: str, sides: dict, *, tunables: dict | None, batches: list[int]
     from kvbuffer.bench.timing import graph_median, l2_bytes
 
     family = name.split("_")[0]
-    shape = preset_shape(PRESETS[family])
+    shape = preset_shape(FAMILY_MODELS[family])
     drafts = drafts if sides["change"][name].min_drafts else 0
     tun = dict(tunables) if tunables is not None else sides["change"][name].defaults_for(shape, drafts)
     tuns = {"base": tun, "change": {**tun, **(change_tunables or {})}}

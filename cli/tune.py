@@ -6,7 +6,8 @@ import sys
 
 import click
 
-from .values import positive_ints
+from kvbuffer.defaults import MAX_DRAFT_TOKENS
+from kvbuffer.option_values import positive_ints
 
 DEFAULT_CHUNKS = "8,16,32"
 DEFAULT_BUCKETS = "1,16,64,256,1024"
@@ -49,7 +50,7 @@ def _resolve_shapes(model, heads, family, dtype, conv: bool, attention: bool = F
     if model and heads:
         raise click.UsageError("give --model or --heads, not both")
     try:
-        if model is not None and model.lower() not in models.PRESETS and Path(model).exists():
+        if model is not None and model.lower() not in models.HEAD_SHAPES and Path(model).exists():
             shape = models.checkpoint_shape(model, dtype)
             pairs = [(shape, models.checkpoint_conv_shape(model, shape))]
             softmax = [models.checkpoint_attention_shape(model, dtype)]
@@ -58,7 +59,7 @@ def _resolve_shapes(model, heads, family, dtype, conv: bool, attention: bool = F
             if heads:
                 linear, names = [models.parse_heads(heads, family, dtype or models.DEFAULT_DTYPE)], []
             else:  # unknown preset: preset_shape lists them
-                names = [model] if model else list(models.PRESETS)
+                names = [model] if model else list(models.HEAD_SHAPES)
                 linear = [models.preset_shape(name, dtype or models.DEFAULT_DTYPE) for name in names]
             pairs = [(shape, models.conv_shape(shape)) for shape in linear]
             softmax = [models.preset_attention_shape(name, dtype or models.DEFAULT_DTYPE) for name in names]
@@ -72,12 +73,12 @@ def _resolve_shapes(model, heads, family, dtype, conv: bool, attention: bool = F
 
 
 def _drafts(text: str) -> tuple[int, ...]:
-    """--draft-tokens: speculative draft counts (1..16); plain decoding's layout (0) is always built."""
+    """--draft-tokens: speculative draft counts (1..MAX_DRAFT_TOKENS); plain decoding's layout (0) is always built."""
     if not text.strip():
         return (0,)
     values = _ints(text, "--draft-tokens")
-    if values[-1] > 16:
-        raise click.BadParameter(f"draft counts must be in [1, 16] (the engine's limit), got {text!r}",
+    if values[-1] > MAX_DRAFT_TOKENS:
+        raise click.BadParameter(f"draft counts must be in [1, {MAX_DRAFT_TOKENS}] (the engine's limit), got {text!r}",
                                  param_hint="--draft-tokens")
     return (0,) + values
 

@@ -74,7 +74,6 @@ def preset_geometry(preset: presets.Preset) -> ModelGeometry:
 
 # Geometries of kvbuffer.presets' real models (the smoke-test presets are left out)
 GEOMETRIES: Mapping[str, ModelGeometry] = _PresetGeometries()
-PRESETS = GEOMETRIES  # the former name, until tests/bench/test_parts.py imports GEOMETRIES
 
 
 def geometry_of(model) -> ModelGeometry:

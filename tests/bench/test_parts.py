@@ -7,7 +7,7 @@ from kvbuffer import LLM, presets
 from kvbuffer.autotune import models
 from kvbuffer.bench import e2e, kernels, timing
 from kvbuffer.bench.drafter import ReferenceDrafter, expected_accepted
-from kvbuffer.plan import PRESETS as GEOMETRIES
+from kvbuffer.plan import GEOMETRIES
 
 
 @pytest.mark.parametrize("per_set, cache, multiple, want", [
@@ -124,10 +124,10 @@ def test_alpha_drafter_rejects_bad_arguments():
 
 
 def test_one_preset_table_feeds_planner_and_tuner():
-    assert set(GEOMETRIES) == set(models.PRESETS) == set(presets.MODELS)
+    assert set(GEOMETRIES) == set(models.HEAD_SHAPES) == set(presets.MODELS)
     assert not {"tiny-qwen", "tiny-nemotron"} & set(GEOMETRIES)
     for name in presets.MODELS:
-        geo, heads = GEOMETRIES[name], models.PRESETS[name]
+        geo, heads = GEOMETRIES[name], models.HEAD_SHAPES[name]
         s = geo.linear_shape
         assert (heads["Hk"], heads["Hv"], heads["K"], heads["V"]) == (s.num_k_heads, s.num_v_heads, s.head_k_dim,
                                                                       s.head_v_dim)

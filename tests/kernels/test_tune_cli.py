@@ -246,10 +246,10 @@ def test_tune_without_a_model_builds_every_preset_shape_once(monkeypatch, tmp_pa
     monkeypatch.setattr(registry, "templates", lambda family=None: [fake_template(f"{family}_toy")])
     result = run("tune", "--gpu", "h100", "--chunk-sizes", "8", "--cache-dir", str(tmp_path))
     assert result.exit_code == 0, result.output
-    linear = {tuple(sorted(preset_shape(name).items())) for name in models.PRESETS}
+    linear = {tuple(sorted(preset_shape(name).items())) for name in models.HEAD_SHAPES}
     convs = {tuple(sorted(models.conv_shape(dict(s)).items())) for s in linear}
-    softmax = {tuple(sorted(models.preset_attention_shape(name).items())) for name in models.PRESETS}
-    projections = {tuple(sorted(p.items())) for name in models.PRESETS for p in models.preset_gemv_shapes(name)}
+    softmax = {tuple(sorted(models.preset_attention_shape(name).items())) for name in models.HEAD_SHAPES}
+    projections = {tuple(sorted(p.items())) for name in models.HEAD_SHAPES for p in models.preset_gemv_shapes(name)}
     headers = [line for line in result.output.splitlines() if "building (untuned)" in line]
     n = len(linear) + len(convs) + len(softmax) + len(projections)
     assert len(headers) == n and len(linear) + len(convs) == 10  # three presets share one linear head shape
