@@ -308,9 +308,13 @@ def gdn_prefill_output(Hk: int, Hv: int, K: int = 128, V: int = 128, *, BV: int 
 
 
 def gdn_prefill_configs() -> list[dict]:
-    """Tunables of the three templates, the default first: BV of the state pass (its grid is V / BV x Hv x B
-    blocks, so a small BV feeds the SMs at B = 1) and of the output."""
-    return [{"states_BV": bv, "output_BV": obv} for bv in (32, 64, 16, 128) for obv in (128, 64)]
+    """Tunables of the templates, the defaults first. states_BV sets the state pass's grid (V / BV x Hv x B
+    blocks, one sequence each): a small BV feeds the SMs when few sequences run (B = 1), a large one
+    halves the chunk loads per block when many do; output_BV is the output's value tile."""
+    first = [{"states_BV": 32, "output_BV": 128}, {"states_BV": 16, "output_BV": 64},
+             {"states_BV": 64, "output_BV": 128}]
+    rest = [{"states_BV": bv, "output_BV": obv} for bv in (16, 32, 64, 128) for obv in (128, 64)]
+    return first + [c for c in rest if c not in first]
 
 
 configs = gdn_prefill_configs

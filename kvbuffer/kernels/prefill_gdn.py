@@ -105,7 +105,8 @@ def gdn_chunk_prefill(op: GdnChunkPrefill, q, k, v, g, beta, cu_seqlens, state, 
     empty = lambda shape, dtype: torch.empty(shape, dtype=dtype, device=q.device)  # noqa: E731
     NC = chunk_slots(N, B)
     chunks = empty((NC, 2), torch.int32)
-    w, u, delta = empty((N, Hv, K), torch.bfloat16), empty((N, Hv, V), torch.bfloat16), empty((N, Hv, V), torch.bfloat16)
+    w = empty((N, Hv, K), torch.bfloat16)
+    u, delta = empty((N, Hv, V), torch.bfloat16), empty((N, Hv, V), torch.bfloat16)
     gcum = empty((N, Hv), torch.float32)
     h = empty((NC, Hv, K, V), torch.bfloat16)
     op.chunks(cu_seqlens, chunks)

@@ -23,9 +23,11 @@ from tests.support.gdn_cases import bits_equal, record, rel_err
 pytestmark = [pytest.mark.gpu, pytest.mark.tilelang]
 
 # bf16 tensor-core operands (k, v, q; Tinv, w, u, the chunk states and the deltas rounded to bf16) with fp32
-# accumulation and an fp32 state carried across chunks
-OUT_TOL = 2e-2
-STATE_TOL = 2e-2
+# accumulation and an fp32 state carried across chunks: on an H100 the outputs came within 4.1e-3 of fp64 and
+# the final states within 3.4e-3 over every case here (FLA's chunk_gated_delta_rule: 4.0e-3 and 3.2e-3 on a
+# 4096-token prompt); the bounds leave 2.5x room
+OUT_TOL = 1e-2
+STATE_TOL = 1e-2
 HEADS = {"qwen35_9b": (16, 32), "ratio1": (4, 4)}
 LENGTHS = {"len1": [1], "len63": [63], "len64": [64], "len65": [65], "len1000": [1000], "len10007": [10007],
            "mixed": [65, 1, 0, 1000, 64, 63, 130, 7], "mixed_long": [3000, 129, 4097]}
