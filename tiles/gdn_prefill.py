@@ -20,6 +20,10 @@ starting state h (bf16) and the deltas), `gdn_prefill_output` (per chunk, head a
 the deltas). The tensor-core operands are bf16 (k, v, q as given; Tinv, w, u, h and the deltas rounded to
 bf16), accumulation fp32.
 
+Decay-only form (`delta_rule=False` in gdn_prefill_states: Mamba-2's SSD, no beta and no delta correction):
+the values are folded as they are (delta = v), so there is no prep launch: the state pass forms G itself,
+and the output kernel reads v where it reads the deltas.
+
 Chunk slots: chunk c of sequence i owns slot cu_seqlens[i] // BT + i + c (unique, below
 ceil(N / BT) + B), so the sequential kernel finds its chunks' slots without a table, and the table
 (`chunks`: first token and token count per slot, 0 tokens for a slot owning no chunk) is built on the
@@ -175,12 +179,16 @@ def gdn_prefill_prep(Hk: int, Hv: int, K: int = 128, V: int = 128, *, threads: i
     return gdn_prefill_prep_kernel
 
 
-def gdn_prefill_states(Hk: int, Hv: int, K: int = 128, V: int = 128, *, BV: int = 32, threads: int = 128):
+def gdn_prefill_states(Hk: int, Hv: int, K: int = 128, V: int = 128, *, BV: int = 32, threads: int = 128,
+                       delta_rule: bool = True):
     """Per (value tile, value head, sequence): the chunks in order from state[slot] (zero for slot -1).
 
-    Writes h[chunk slot] (the state at each chunk's start, bf16), delta = u - w h (bf16) and the final
-    state back into its slot (none for slot -1).
+    Delta rule: writes h[chunk slot] (the state at each chunk's start, bf16), delta = u - w h (bf16) and
+    the final state back into its slot (none for slot -1).
     Args: k, w, u, gcum, cu_seqlens, state, state_slots, h (chunk slots, Hv, K, V), delta (N, Hv, V).
+    Decay-only (delta_rule=False, Mamba-2: no prep launch, the values are folded as they are): the chunk's
+    cumulative decay is formed here from g (clamped) and written to gcum by the first value tile.
+    Args: k, v, g, cu_seqlens, state, state_slots, h, gcum (N, Hv).
     """
     _check(Hk, Hv, K, V, BV)
     T = _tl()
@@ -190,6 +198,32 @@ def gdn_prefill_states(Hk: int, Hv: int, K: int = 128, V: int = 128, *, BV: int 
     NC = T.dynamic("chunk_slots")
     r = Hv // Hk
     f32, bf16 = "float32", "bfloat16"
+
+    @T.macro
+    def load_state(hf, state, slot, hv, v0):
+        for i, j in T.Parallel(K, BV):
+            hf[i, j] = T.if_then_else(slot >= 0, state[T.max(slot, 0), hv, i, v0 + j], 0.0)
+
+    @T.macro
+    def start_chunk(hf, hs, h, base, c, hv, v0):
+        # h[chunk slot] <- the state at the chunk's start (bf16, also the products' operand)
+        T.copy(hf, hs)
+        T.copy(hs, h[base + c, hv, 0:K, v0:v0 + BV])
+
+    @T.macro
+    def fold(hf, ks, ds, df, Gs, L):
+        # h <- exp(G_last) h + (exp(G_last - G_s) k_s)^T delta_s
+        for i, j in T.Parallel(BT, BV):
+            ds[i, j] = T.cast(df[i, j] * T.exp(Gs[L - 1] - Gs[i]), bf16)
+        for i, j in T.Parallel(K, BV):
+            hf[i, j] = hf[i, j] * T.exp(Gs[L - 1])
+        T.gemm(ks, ds, hf, transpose_A=True)
+
+    @T.macro
+    def store_state(hf, state, slot, hv, v0):
+        if slot >= 0:
+            for i, j in T.Parallel(K, BV):
+                state[slot, hv, i, v0 + j] = hf[i, j]
 
     @T.prim_func
     def gdn_prefill_states_kernel(
@@ -217,13 +251,11 @@ def gdn_prefill_states(Hk: int, Hv: int, K: int = 128, V: int = 128, *, BV: int 
             bos = cu_seqlens[bb]
             eos = cu_seqlens[bb + 1]
             base = bos // BT + bb
-            for i, j in T.Parallel(K, BV):
-                hf[i, j] = T.if_then_else(slot >= 0, state[T.max(slot, 0), hv, i, v0 + j], 0.0)
+            load_state(hf, state, slot, hv, v0)
             for c in T.serial(T.ceildiv(eos - bos, BT)):
                 t0 = bos + c * BT
                 L = T.min(BT, eos - t0)
-                T.copy(hf, hs)
-                T.copy(hs, h[base + c, hv, 0:K, v0:v0 + BV])
+                start_chunk(hf, hs, h, base, c, hv, v0)
                 for i, d in T.Parallel(BT, K):
                     ws[i, d] = T.if_then_else(i < L, w[T.min(t0 + i, N - 1), hv, d], T.cast(0.0, bf16))
                     ks[i, d] = T.if_then_else(i < L, k[T.min(t0 + i, N - 1), hk, d], T.cast(0.0, bf16))
@@ -236,17 +268,59 @@ def gdn_prefill_states(Hk: int, Hv: int, K: int = 128, V: int = 128, *, BV: int 
                 for i, j in T.Parallel(BT, BV):
                     if i < L:
                         delta[t0 + i, hv, v0 + j] = T.cast(df[i, j], bf16)
-                # fold the chunk: h <- exp(G_last) h + (exp(G_last - G_s) k_s)^T delta_s
-                for i, j in T.Parallel(BT, BV):
-                    ds[i, j] = T.cast(df[i, j] * T.exp(Gs[L - 1] - Gs[i]), bf16)
-                for i, j in T.Parallel(K, BV):
-                    hf[i, j] = hf[i, j] * T.exp(Gs[L - 1])
-                T.gemm(ks, ds, hf, transpose_A=True)
-            if slot >= 0:
-                for i, j in T.Parallel(K, BV):
-                    state[slot, hv, i, v0 + j] = hf[i, j]
+                fold(hf, ks, ds, df, Gs, L)
+            store_state(hf, state, slot, hv, v0)
 
-    return gdn_prefill_states_kernel
+    @T.prim_func
+    def decay_only_states_kernel(
+        k: T.Tensor((N, Hk, K), bf16),
+        v: T.Tensor((N, Hv, V), bf16),
+        g: T.Tensor((N, Hv), f32),
+        cu_seqlens: T.Tensor((B + 1,), "int32"),
+        state: T.Tensor((NS, Hv, K, V), f32),
+        state_slots: T.Tensor((B,), "int32"),
+        h: T.Tensor((NC, Hv, K, V), bf16),
+        gcum: T.Tensor((N, Hv), f32),
+    ):
+        with T.Kernel(V // BV, Hv, B, threads=threads) as (bv, hv, bb):
+            tx = T.get_thread_binding()
+            hf = T.alloc_fragment((K, BV), f32)
+            hs = T.alloc_shared((K, BV), bf16)
+            ks = T.alloc_shared((BT, K), bf16)
+            ds = T.alloc_shared((BT, BV), bf16)
+            df = T.alloc_fragment((BT, BV), f32)
+            gl = T.alloc_shared((BT,), f32)
+            Gs = T.alloc_shared((BT,), f32)
+            acc = T.alloc_local((1,), f32)
+            hk = hv // r
+            v0 = bv * BV
+            slot = state_slots[bb]
+            bos = cu_seqlens[bb]
+            eos = cu_seqlens[bb + 1]
+            base = bos // BT + bb
+            load_state(hf, state, slot, hv, v0)
+            for c in T.serial(T.ceildiv(eos - bos, BT)):
+                t0 = bos + c * BT
+                L = T.min(BT, eos - t0)
+                start_chunk(hf, hs, h, base, c, hv, v0)
+                for i, d in T.Parallel(BT, K):
+                    ks[i, d] = T.if_then_else(i < L, k[T.min(t0 + i, N - 1), hk, d], T.cast(0.0, bf16))
+                for i in T.Parallel(BT):
+                    gl[i] = T.if_then_else(i < L, T.max(g[T.min(t0 + i, N - 1), hv], LOG_DECAY_FLOOR), 0.0)
+                if tx < BT:
+                    acc[0] = 0.0
+                    for j in T.serial(BT):
+                        if j <= tx:
+                            acc[0] = acc[0] + gl[j]
+                    Gs[tx] = acc[0]
+                    if bv == 0 and tx < L:
+                        gcum[t0 + tx, hv] = acc[0]
+                for i, j in T.Parallel(BT, BV):
+                    df[i, j] = T.if_then_else(i < L, T.cast(v[T.min(t0 + i, N - 1), hv, v0 + j], f32), 0.0)
+                fold(hf, ks, ds, df, Gs, L)
+            store_state(hf, state, slot, hv, v0)
+
+    return gdn_prefill_states_kernel if delta_rule else decay_only_states_kernel
 
 
 def gdn_prefill_output(Hk: int, Hv: int, K: int = 128, V: int = 128, *, BV: int = 128, threads: int = 128):

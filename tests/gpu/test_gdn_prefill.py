@@ -4,6 +4,7 @@ Awkward lengths (1, 63, 64, 65, 1000, 10007 and packed batches of mixed lengths,
 them), random non-zero starting states, decays from slow to fast across the heads. Outputs are poisoned
 with NaN before the kernel runs; pool slots outside the batch must come back bit-exact; a slot -1
 sequence starts from zero and writes no state. FLA's naive recurrence checks the fp64 reference itself.
+The decay-only form (Mamba-2) runs at Nemotron-3 Nano's shape.
 Errors are relative Frobenius norms (tests.support.gdn_cases.rel_err); figures go to $KVB_ERROR_LOG.
 """
 
@@ -34,11 +35,11 @@ LENGTHS = {"len1": [1], "len63": [63], "len64": [64], "len65": [65], "len1000": 
 
 
 @functools.cache
-def prefill_op(Hk: int, Hv: int, **tunables):
-    return build_gdn_chunk_prefill(Hk, Hv, **tunables)
+def prefill_op(Hk: int, Hv: int, K: int = 128, V: int = 128, **tunables):
+    return build_gdn_chunk_prefill(Hk, Hv, K, V, **tunables)
 
 
-def inputs(lengths, Hk, Hv, K=128, V=128, *, slots, num_slots, gen):
+def inputs(lengths, Hk, Hv, K=128, V=128, *, slots, num_slots, gen, delta_rule=True):
     """Packed q, k, v, g, beta, cu_seqlens, a state pool and the rows' slots (fresh random values)."""
     N = sum(lengths)
     dev = "cuda"
@@ -48,7 +49,7 @@ def inputs(lengths, Hk, Hv, K=128, V=128, *, slots, num_slots, gen):
     v = rn(N, Hv, V)
     rate = torch.logspace(-2.5, 0.5, Hv, device=dev)  # slow to fast decay across the heads
     g = -torch.nn.functional.softplus(rn(N, Hv)) * rate
-    beta = torch.sigmoid(rn(N, Hv))
+    beta = torch.sigmoid(rn(N, Hv)) if delta_rule else None
     cu = torch.tensor([0] + list(torch.tensor(lengths).cumsum(0).tolist()), dtype=torch.int32, device=dev)
     state = rn(num_slots, Hv, K, V) * 0.1
     return (q.bfloat16(), k.bfloat16(), v.bfloat16(), g, beta, cu, state,
@@ -56,18 +57,20 @@ def inputs(lengths, Hk, Hv, K=128, V=128, *, slots, num_slots, gen):
 
 
 def recurrence64(q, k, v, g, beta, cu, state, slots):
-    """The plain recurrence in fp64 (reference.core's order): outputs and the final state of each sequence."""
+    """The plain recurrence in fp64 (reference.core's order; beta None: decay-only): outputs and the final
+    state of each sequence."""
     Hv = v.shape[1]
     r = Hv // k.shape[1]
     q, k = (x.double().repeat_interleave(r, dim=1) for x in (q, k))
-    v, g, beta = v.double(), clamp_log_decay(g.double()), beta.double()
+    v, g = v.double(), clamp_log_decay(g.double())
+    beta = None if beta is None else beta.double()
     o = torch.zeros_like(v)
     finals = []
     for i, slot in enumerate(slots.tolist()):
         S = state[slot].double() if slot >= 0 else torch.zeros(state.shape[1:], dtype=torch.float64, device=v.device)
         for t in range(int(cu[i]), int(cu[i + 1])):
             S = S * g[t].exp()[:, None, None]
-            delta = beta[t][:, None] * (v[t] - torch.einsum("hkv,hk->hv", S, k[t]))
+            delta = v[t] if beta is None else beta[t][:, None] * (v[t] - torch.einsum("hkv,hk->hv", S, k[t]))
             S = S + k[t][:, :, None] * delta[:, None, :]
             o[t] = torch.einsum("hkv,hk->hv", S, q[t])
         finals.append(S)
@@ -102,6 +105,28 @@ def test_prefill_matches_fp64_recurrence(case, heads):
             assert s_err < STATE_TOL, f"sequence {i}: state rel err {s_err:.2e}"
     untouched = [s for s in range(state.shape[0]) if s not in slots]
     assert bits_equal(state[untouched], before[untouched]), "a slot outside the batch changed"
+
+
+@pytest.mark.parametrize("case", ["len65", "len1000", "mixed"])
+def test_decay_only_prefill_matches_fp64_recurrence(case):
+    """The decay-only form (Mamba-2's SSD) at Nemotron-3 Nano's shape: values folded as they are."""
+    Hk, Hv, K, V = 8, 64, 128, 64
+    lengths = LENGTHS[case]
+    B = len(lengths)
+    gen = torch.Generator(device="cuda").manual_seed(zlib.crc32(f"decay/{case}".encode()))
+    slots = list(range(B))
+    q, k, v, g, _, cu, state, slot_t = inputs(lengths, Hk, Hv, K, V, slots=slots, num_slots=B + 1, gen=gen,
+                                              delta_rule=False)
+    before = state.clone()
+    o_ref, finals = recurrence64(q, k, v, g, None, cu, before, slot_t)
+    o = gdn_chunk_prefill(prefill_op(Hk, Hv, K, V, delta_rule=False), q, k, v, g, None, cu, state, slot_t)
+    err = rel_err(o, o_ref)
+    record(f"gdn_prefill/decay_only/{case}/o", err)
+    assert err < OUT_TOL, f"output rel err {err:.2e}"
+    s_err = max(rel_err(state[i], finals[i]) for i in slots)
+    record(f"gdn_prefill/decay_only/{case}/state", s_err)
+    assert s_err < STATE_TOL, f"state rel err {s_err:.2e}"
+    assert bits_equal(state[B], before[B]), "a slot outside the batch changed"
 
 
 @pytest.mark.parametrize("tunables", [{"states_BV": 64, "output_BV": 64}, {"states_BV": 16}], ids=str)

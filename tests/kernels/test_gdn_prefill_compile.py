@@ -23,6 +23,9 @@ CASES = {
     "prep_qwen35_9b": (gdn_prefill.gdn_prefill_prep, dict(Hk=16, Hv=32)),
     "states_qwen35_9b": (gdn_prefill.gdn_prefill_states, dict(Hk=16, Hv=32)),
     "output_qwen35_9b": (gdn_prefill.gdn_prefill_output, dict(Hk=16, Hv=32)),
+    # the decay-only form at Nemotron-3 Nano's shape (8 groups, 64 heads, state 128, head dim 64)
+    "states_decay_only_nano": (gdn_prefill.gdn_prefill_states, dict(Hk=8, Hv=64, K=128, V=64, delta_rule=False)),
+    "output_nano": (gdn_prefill.gdn_prefill_output, dict(Hk=8, Hv=64, K=128, V=64, BV=64)),
 }
 
 
