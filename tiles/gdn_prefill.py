@@ -180,7 +180,7 @@ def gdn_prefill_prep(Hk: int, Hv: int, K: int = 128, V: int = 128, *, threads: i
 
 
 def gdn_prefill_states(Hk: int, Hv: int, K: int = 128, V: int = 128, *, BV: int = 32, threads: int = 128,
-                       delta_rule: bool = True):
+                       stages: int = 0, delta_rule: bool = True):
     """Per (value tile, value head, sequence): the chunks in order from state[slot] (zero for slot -1).
 
     Delta rule: writes h[chunk slot] (the state at each chunk's start, bf16), delta = u - w h (bf16) and
@@ -189,8 +189,14 @@ def gdn_prefill_states(Hk: int, Hv: int, K: int = 128, V: int = 128, *, BV: int 
     Decay-only (delta_rule=False, Mamba-2: no prep launch, the values are folded as they are): the chunk's
     cumulative decay is formed here from g (clamped) and written to gcum by the first value tile.
     Args: k, v, g, cu_seqlens, state, state_slots, h, gcum (N, Hv).
+    `stages` > 0 (delta rule): the chunk's w, k, u and G are whole-tile copies in a T.Pipelined loop of that
+    many stages (TileLang lowers them to TMA loads from a producer warpgroup, the next chunk's loads
+    overlapping this chunk's products); rows past the sequence are read as they are (the next sequence's
+    tokens, or zeros past the end) and masked out of the deltas and of the fold. Same arguments.
     """
     _check(Hk, Hv, K, V, BV)
+    if stages < 0 or (stages and not delta_rule):
+        raise ValueError(f"stages={stages} must be 0, or > 0 for the delta rule's state pass")
     T = _tl()
     N = T.dynamic("num_tokens")
     B = T.dynamic("batch")
@@ -320,7 +326,57 @@ def gdn_prefill_states(Hk: int, Hv: int, K: int = 128, V: int = 128, *, BV: int 
                 fold(hf, ks, ds, df, Gs, L)
             store_state(hf, state, slot, hv, v0)
 
-    return gdn_prefill_states_kernel if delta_rule else decay_only_states_kernel
+    @T.prim_func
+    def pipelined_states_kernel(
+        k: T.Tensor((N, Hk, K), bf16),
+        w: T.Tensor((N, Hv, K), bf16),
+        u: T.Tensor((N, Hv, V), bf16),
+        gcum: T.Tensor((N, Hv), f32),
+        cu_seqlens: T.Tensor((B + 1,), "int32"),
+        state: T.Tensor((NS, Hv, K, V), f32),
+        state_slots: T.Tensor((B,), "int32"),
+        h: T.Tensor((NC, Hv, K, V), bf16),
+        delta: T.Tensor((N, Hv, V), bf16),
+    ):
+        with T.Kernel(V // BV, Hv, B, threads=threads) as (bv, hv, bb):
+            hf = T.alloc_fragment((K, BV), f32)
+            hs = T.alloc_shared((K, BV), bf16)
+            ws = T.alloc_shared((BT, K), bf16)
+            ks = T.alloc_shared((BT, K), bf16)
+            us = T.alloc_shared((BT, BV), bf16)
+            ds = T.alloc_shared((BT, BV), bf16)
+            df = T.alloc_fragment((BT, BV), f32)
+            Gs = T.alloc_shared((BT,), f32)
+            hk = hv // r
+            v0 = bv * BV
+            slot = state_slots[bb]
+            bos = cu_seqlens[bb]
+            eos = cu_seqlens[bb + 1]
+            base = bos // BT + bb
+            load_state(hf, state, slot, hv, v0)
+            for c in T.Pipelined(T.ceildiv(eos - bos, BT), num_stages=stages):
+                T.copy(w[bos + c * BT:bos + c * BT + BT, hv, 0:K], ws)
+                T.copy(k[bos + c * BT:bos + c * BT + BT, hk, 0:K], ks)
+                T.copy(u[bos + c * BT:bos + c * BT + BT, hv, v0:v0 + BV], us)
+                T.copy(gcum[bos + c * BT:bos + c * BT + BT, hv], Gs)
+                start_chunk(hf, hs, h, base, c, hv, v0)
+                T.gemm(ws, hs, df, clear_accum=True)
+                for i, j in T.Parallel(BT, BV):
+                    df[i, j] = T.if_then_else(i < eos - bos - c * BT, T.cast(us[i, j], f32) - df[i, j], 0.0)
+                for i, j in T.Parallel(BT, BV):
+                    if i < eos - bos - c * BT:
+                        delta[bos + c * BT + i, hv, v0 + j] = T.cast(df[i, j], bf16)
+                for i, j in T.Parallel(BT, BV):  # masked before the product: G past the sequence is not ours
+                    ds[i, j] = T.cast(T.if_then_else(i < eos - bos - c * BT, df[i, j] * T.exp(
+                        Gs[T.min(BT, eos - bos - c * BT) - 1] - Gs[i]), 0.0), bf16)
+                for i, j in T.Parallel(K, BV):
+                    hf[i, j] = hf[i, j] * T.exp(Gs[T.min(BT, eos - bos - c * BT) - 1])
+                T.gemm(ks, ds, hf, transpose_A=True)
+            store_state(hf, state, slot, hv, v0)
+
+    if not delta_rule:
+        return decay_only_states_kernel
+    return pipelined_states_kernel if stages else gdn_prefill_states_kernel
 
 
 def gdn_prefill_output(Hk: int, Hv: int, K: int = 128, V: int = 128, *, BV: int = 128, threads: int = 128):
@@ -384,11 +440,13 @@ def gdn_prefill_output(Hk: int, Hv: int, K: int = 128, V: int = 128, *, BV: int 
 def gdn_prefill_configs() -> list[dict]:
     """Tunables of the templates, the defaults first. states_BV sets the state pass's grid (V / BV x Hv x B
     blocks, one sequence each): a small BV feeds the SMs when few sequences run (B = 1), a large one
-    halves the chunk loads per block when many do; output_BV is the output's value tile."""
+    halves the chunk loads per block when many do; states_stages > 0 pipelines the state pass's chunk
+    loads (gdn_prefill_states' `stages`); output_BV is the output's value tile."""
     first = [{"states_BV": 32, "output_BV": 128}, {"states_BV": 16, "output_BV": 64},
              {"states_BV": 64, "output_BV": 128}]
     rest = [{"states_BV": bv, "output_BV": obv} for bv in (16, 32, 64, 128) for obv in (128, 64)]
-    return first + [c for c in rest if c not in first]
+    piped = [{"states_BV": bv, "states_stages": 2, "output_BV": 128} for bv in (32, 64, 16)]
+    return first + piped + [c for c in rest if c not in first]
 
 
 configs = gdn_prefill_configs

@@ -39,7 +39,8 @@ class GdnChunkPrefill:
 
 
 def build_gdn_chunk_prefill(Hk: int, Hv: int, K: int = 128, V: int = 128, *, delta_rule: bool = True,
-                            states_BV: int = 32, output_BV: int = 128, threads: int = 128) -> GdnChunkPrefill:
+                            states_BV: int = 32, states_stages: int = 0, output_BV: int = 128,
+                            threads: int = 128) -> GdnChunkPrefill:
     """Compile the chunked prefill for one head shape for the local GPU (tunables: tiles.gdn_prefill.configs;
     each value tile is capped at V)."""
     from ..gpus import local_target
@@ -51,10 +52,11 @@ def build_gdn_chunk_prefill(Hk: int, Hv: int, K: int = 128, V: int = 128, *, del
     return GdnChunkPrefill(
         chunks=build(tiles.gdn_prefill_chunks(threads=threads)),
         prep=build(tiles.gdn_prefill_prep(Hk, Hv, K, V, threads=threads)) if delta_rule else None,
-        states=build(tiles.gdn_prefill_states(Hk, Hv, K, V, BV=states_BV, threads=threads, delta_rule=delta_rule)),
+        states=build(tiles.gdn_prefill_states(Hk, Hv, K, V, BV=states_BV, threads=threads, stages=states_stages,
+                                              delta_rule=delta_rule)),
         output=build(tiles.gdn_prefill_output(Hk, Hv, K, V, BV=output_BV, threads=threads)),
-        params=dict(Hk=Hk, Hv=Hv, K=K, V=V, delta_rule=delta_rule, states_BV=states_BV, output_BV=output_BV,
-                    threads=threads),
+        params=dict(Hk=Hk, Hv=Hv, K=K, V=V, delta_rule=delta_rule, states_BV=states_BV,
+                    states_stages=states_stages, output_BV=output_BV, threads=threads),
     )
 
 

@@ -129,16 +129,18 @@ def test_decay_only_prefill_matches_fp64_recurrence(case):
     assert bits_equal(state[B], before[B]), "a slot outside the batch changed"
 
 
-@pytest.mark.parametrize("tunables", [{"states_BV": 64, "output_BV": 64}, {"states_BV": 16}], ids=str)
+@pytest.mark.parametrize("tunables", [{"states_BV": 64, "output_BV": 64}, {"states_BV": 16},
+                                      {"states_stages": 2}, {"states_BV": 64, "states_stages": 2}], ids=str)
 def test_prefill_tunables_agree(tunables):
-    """Other value tiles of the state pass and the output give the same results within rounding."""
+    """Other value tiles of the state pass and the output, and the pipelined state pass, give the same
+    results within rounding."""
     gen = torch.Generator(device="cuda").manual_seed(7)
-    args = inputs([200, 64, 1], 16, 32, slots=[0, 1, 2], num_slots=3, gen=gen)
+    args = inputs([200, 64, 1, 1000, 63], 16, 32, slots=[0, 1, 2, 3, 4], num_slots=5, gen=gen)
     state0 = args[6].clone()
     o_ref, finals = recurrence64(*args[:6], state0, args[7])
     o = gdn_chunk_prefill(prefill_op(16, 32, **tunables), *args)
     assert rel_err(o, o_ref) < OUT_TOL
-    assert max(rel_err(args[6][i], finals[i]) for i in range(3)) < STATE_TOL
+    assert max(rel_err(args[6][i], finals[i]) for i in range(5)) < STATE_TOL
 
 
 def test_reference_matches_fla_naive():

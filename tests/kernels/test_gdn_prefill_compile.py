@@ -23,6 +23,8 @@ CASES = {
     "prep_qwen35_9b": (gdn_prefill.gdn_prefill_prep, dict(Hk=16, Hv=32)),
     "states_qwen35_9b": (gdn_prefill.gdn_prefill_states, dict(Hk=16, Hv=32)),
     "output_qwen35_9b": (gdn_prefill.gdn_prefill_output, dict(Hk=16, Hv=32)),
+    # the state pass with its chunk loads pipelined (TMA loads from a producer warpgroup)
+    "states_pipelined_qwen35_9b": (gdn_prefill.gdn_prefill_states, dict(Hk=16, Hv=32, stages=2)),
     # the decay-only form at Nemotron-3 Nano's shape (8 groups, 64 heads, state 128, head dim 64)
     "states_decay_only_nano": (gdn_prefill.gdn_prefill_states, dict(Hk=8, Hv=64, K=128, V=64, delta_rule=False)),
     "output_nano": (gdn_prefill.gdn_prefill_output, dict(Hk=8, Hv=64, K=128, V=64, BV=64)),
@@ -36,12 +38,14 @@ def test_prefill_template_compiles_for_sm90a(case):
     assert "__global__" in src
     if case != "chunks":  # the products run on tensor cores
         assert "wgmma" in src
+    if params.get("stages"):
+        assert "tma_load" in src
 
 
 def test_configs_fit_the_templates():
     """Every tunable configuration is accepted by the templates it names (no compile)."""
     for cfg in gdn_prefill.configs():
-        gdn_prefill.gdn_prefill_states(16, 32, BV=cfg["states_BV"])
+        gdn_prefill.gdn_prefill_states(16, 32, BV=cfg["states_BV"], stages=cfg.get("states_stages", 0))
         gdn_prefill.gdn_prefill_output(16, 32, BV=cfg["output_BV"])
 
 
@@ -50,3 +54,5 @@ def test_bad_shapes_are_refused():
         gdn_prefill.gdn_prefill_states(16, 32, BV=48)
     with pytest.raises(ValueError, match="multiple"):
         gdn_prefill.gdn_prefill_prep(16, 24)
+    with pytest.raises(ValueError, match="stages"):
+        gdn_prefill.gdn_prefill_states(8, 64, 128, 64, stages=2, delta_rule=False)
