@@ -1,4 +1,4 @@
-"""Chunked Gated DeltaNet prefill: three TileLang templates for packed variable-length prompts.
+"""Chunked Gated DeltaNet prefill: four TileLang templates for packed variable-length prompts.
 
 Contract of the op they make up (kvbuffer.kernels.prefill_gdn.gdn_chunk_prefill):
     q, k (N, Hk, K) bf16, L2-normalised, q also scaled by K**-0.5; v (N, Hv, V) bf16; g (N, Hv) fp32 log
@@ -34,11 +34,6 @@ from ..reference.core import LOG_DECAY_FLOOR
 from .linear_decode import _tl
 
 BT = 64  # tokens per chunk
-
-
-def chunk_slots(num_tokens: int, batch: int) -> int:
-    """Chunk slots the workspace holds for N packed tokens in B sequences (see the module docstring)."""
-    return -(-num_tokens // BT) + batch
 
 
 def _check(Hk: int, Hv: int, K: int, V: int, BV: int) -> None:

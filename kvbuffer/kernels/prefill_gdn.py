@@ -61,7 +61,8 @@ def build_gdn_chunk_prefill(Hk: int, Hv: int, K: int = 128, V: int = 128, *, del
 
 
 def chunk_slots(num_tokens: int, batch: int) -> int:
-    """Rows of the per-chunk workspace (tiles.gdn_prefill.chunk_slots)."""
+    """Rows of the per-chunk workspace: chunk c of sequence i owns row cu_seqlens[i] // CHUNK + i + c, below
+    ceil(N / CHUNK) + B (tiles.gdn_prefill's module docstring)."""
     return -(-num_tokens // CHUNK) + batch
 
 
