@@ -1,0 +1,447 @@
+"""Chunked Gated DeltaNet prefill: four TileLang templates for packed variable-length prompts.
+
+Contract of the op they make up (kvbuffer.kernels.prefill_gdn.gdn_chunk_prefill):
+    q, k (N, Hk, K) bf16, L2-normalised, q also scaled by K**-0.5; v (N, Hv, V) bf16; g (N, Hv) fp32 log
+    decay (<= 0); beta (N, Hv) fp32; cu_seqlens (B + 1,) int32; state (num_slots, Hv, K, V) fp32;
+    state_slots (B,) int32. Sequence i (tokens cu_seqlens[i] .. cu_seqlens[i+1] - 1) starts from
+    state[state_slots[i]] (zero for slot -1), runs the recurrence of reference.core over its tokens, writes
+    o (N, Hv, V) bf16 and its final state back into its slot in place (nothing for slot -1). Value head h
+    reads key head h // (Hv // Hk). Each step's log decay is clamped at LOG_DECAY_FLOOR, as everywhere.
+
+The chunkwise (WY / UT) form, chunks of BT = 64 tokens, G the within-chunk cumulative log decay:
+    A = strictly lower (beta_t exp(G_t - G_s) k_t . k_s),  Tinv = (I + A)^-1
+    w = Tinv (beta exp(G) k),  u = Tinv (beta v),  delta = u - w h       (h: the state at the chunk's start)
+    o_t = exp(G_t) h^T q_t + sum_{s <= t} exp(G_t - G_s) (k_s . q_t) delta_s
+    h <- exp(G_last) h + sum_s exp(G_last - G_s) k_s delta_s^T
+Four launches: `gdn_prefill_chunks` (the chunk table), `gdn_prefill_prep` (per chunk and value head: G, A
+on tensor cores, Tinv by forward substitution in fp32, w and u on tensor cores), `gdn_prefill_states` (per
+value tile, head and sequence: the chunks in order, the state in an fp32 fragment; writes each chunk's
+starting state h (bf16) and the deltas), `gdn_prefill_output` (per chunk, head and value tile: o from h and
+the deltas). The tensor-core operands are bf16 (k, v, q as given; Tinv, w, u, h and the deltas rounded to
+bf16), accumulation fp32.
+
+Decay-only form (`delta_rule=False` in gdn_prefill_states: Mamba-2's SSD, no beta and no delta correction):
+the values are folded as they are (delta = v), so there is no prep launch: the state pass forms G itself,
+and the output kernel reads v where it reads the deltas.
+
+Chunk slots: chunk c of sequence i owns slot cu_seqlens[i] // BT + i + c (unique, below
+ceil(N / BT) + B), so the sequential kernel finds its chunks' slots without a table, and the table
+(`chunks`: first token and token count per slot, 0 tokens for a slot owning no chunk) is built on the
+device from cu_seqlens alone: no host round trip, so the op can be captured in a CUDA graph.
+"""
+
+from ..reference.core import LOG_DECAY_FLOOR
+from .linear_decode import _tl
+
+BT = 64  # tokens per chunk
+
+
+def _check(Hk: int, Hv: int, K: int, V: int, BV: int) -> None:
+    if Hk < 1 or Hv % Hk:
+        raise ValueError(f"Hv={Hv} must be a positive multiple of Hk={Hk}")
+    if K % 16 or V % 16 or K > 256 or V > 256:
+        raise ValueError(f"K={K} and V={V} must be multiples of 16 up to 256")
+    if BV % 16 or V % BV:
+        raise ValueError(f"BV={BV} must be a multiple of 16 that divides V={V}")
+
+
+def gdn_prefill_chunks(*, threads: int = 128):
+    """The chunk table: chunks[s] = (first token, tokens) of the chunk owning chunk slot s, (0, 0) for none.
+
+    Args: cu_seqlens (B + 1,), chunks (chunk slots, 2) int32.
+    """
+    T = _tl()
+    B = T.dynamic("batch")
+    NC = T.dynamic("chunk_slots")
+
+    @T.prim_func
+    def gdn_prefill_chunks_kernel(
+        cu_seqlens: T.Tensor((B + 1,), "int32"),
+        chunks: T.Tensor((NC, 2), "int32"),
+    ):
+        with T.Kernel(T.ceildiv(NC, threads), threads=threads) as bx:
+            tx = T.get_thread_binding()
+            first = T.alloc_local((1,), "int32")
+            count = T.alloc_local((1,), "int32")
+            s = bx * threads + tx
+            first[0] = 0
+            count[0] = 0
+            for i in T.serial(B):
+                base = cu_seqlens[i] // BT + i
+                if s >= base and (s - base) * BT < cu_seqlens[i + 1] - cu_seqlens[i]:
+                    first[0] = cu_seqlens[i] + (s - base) * BT
+                    count[0] = T.min(BT, cu_seqlens[i + 1] - first[0])
+            if s < NC:
+                chunks[s, 0] = first[0]
+                chunks[s, 1] = count[0]
+
+    return gdn_prefill_chunks_kernel
+
+
+def gdn_prefill_prep(Hk: int, Hv: int, K: int = 128, V: int = 128, *, threads: int = 128):
+    """Per (chunk slot, value head): gcum = G (clamped, within the chunk), w, u (bf16) for the chunk's tokens.
+
+    Args: k, v, g, beta, chunks, w (N, Hv, K), u (N, Hv, V), gcum (N, Hv).
+    """
+    _check(Hk, Hv, K, V, 16)
+    T = _tl()
+    N = T.dynamic("num_tokens")
+    NC = T.dynamic("chunk_slots")
+    r = Hv // Hk
+    f32, bf16 = "float32", "bfloat16"
+
+    @T.prim_func
+    def gdn_prefill_prep_kernel(
+        k: T.Tensor((N, Hk, K), bf16),
+        v: T.Tensor((N, Hv, V), bf16),
+        g: T.Tensor((N, Hv), f32),
+        beta: T.Tensor((N, Hv), f32),
+        chunks: T.Tensor((NC, 2), "int32"),
+        w: T.Tensor((N, Hv, K), bf16),
+        u: T.Tensor((N, Hv, V), bf16),
+        gcum: T.Tensor((N, Hv), f32),
+    ):
+        with T.Kernel(NC, Hv, threads=threads) as (s, hv):
+            tx = T.get_thread_binding()
+            gl = T.alloc_shared((BT,), f32)
+            Gs = T.alloc_shared((BT,), f32)
+            bs = T.alloc_shared((BT,), f32)
+            ks = T.alloc_shared((BT, K), bf16)
+            kb = T.alloc_shared((BT, K), bf16)
+            vs = T.alloc_shared((BT, V), bf16)
+            At = T.alloc_shared((BT, BT), f32)
+            Xs = T.alloc_shared((BT, BT), f32)
+            Ai = T.alloc_shared((BT, BT), bf16)
+            gram = T.alloc_fragment((BT, BT), f32)
+            wf = T.alloc_fragment((BT, K), f32)
+            uf = T.alloc_fragment((BT, V), f32)
+            xb = T.alloc_local((16,), f32)
+            xj = T.alloc_local((1,), f32)
+            acc = T.alloc_local((1,), f32)
+
+            t0 = chunks[s, 0]
+            L = chunks[s, 1]
+            if L > 0:
+                hk = hv // r
+                for i in T.Parallel(BT):
+                    gl[i] = T.if_then_else(i < L, T.max(g[T.min(t0 + i, N - 1), hv], LOG_DECAY_FLOOR), 0.0)
+                    bs[i] = T.if_then_else(i < L, beta[T.min(t0 + i, N - 1), hv], 0.0)
+                if tx < BT:
+                    acc[0] = 0.0
+                    for j in T.serial(BT):
+                        if j <= tx:
+                            acc[0] = acc[0] + gl[j]
+                    Gs[tx] = acc[0]
+                    if tx < L:
+                        gcum[t0 + tx, hv] = acc[0]
+                # raw k for the Gram; the right-hand sides beta exp(G) k and beta v
+                for i, d in T.Parallel(BT, K):
+                    ks[i, d] = T.if_then_else(i < L, k[T.min(t0 + i, N - 1), hk, d], T.cast(0.0, bf16))
+                    kb[i, d] = T.cast(T.if_then_else(i < L, T.cast(k[T.min(t0 + i, N - 1), hk, d], f32), 0.0)
+                                      * bs[i] * T.exp(Gs[i]), bf16)
+                for i, d in T.Parallel(BT, V):
+                    vs[i, d] = T.cast(T.if_then_else(i < L, T.cast(v[T.min(t0 + i, N - 1), hv, d], f32), 0.0) * bs[i],
+                                      bf16)
+                T.gemm(ks, ks, gram, transpose_B=True, clear_accum=True)
+                for i, j in T.Parallel(BT, BT):  # stored transposed: At[s, t] = A[t, s]
+                    At[j, i] = T.if_then_else(i > j, bs[i] * T.exp(Gs[i] - Gs[j]) * gram[i, j], 0.0)
+                # Tinv by forward substitution in fp32, one column a thread, 16 rows at a time in registers:
+                # the rows of the earlier blocks come from shared memory, one load per row for 16 FMAs
+                if tx < BT:
+                    for blk in T.serial(BT // 16):
+                        for ii in T.unroll(16):
+                            xb[ii] = T.if_then_else(blk * 16 + ii == tx, 1.0, 0.0)
+                        for j in T.serial(blk * 16):
+                            xj[0] = Xs[j, tx]
+                            for ii in T.unroll(16):
+                                xb[ii] = xb[ii] - At[j, blk * 16 + ii] * xj[0]
+                        for ii in T.unroll(16):
+                            for jj in T.unroll(16):
+                                if jj < ii:
+                                    xb[ii] = xb[ii] - At[blk * 16 + jj, blk * 16 + ii] * xb[jj]
+                        for ii in T.unroll(16):
+                            Xs[blk * 16 + ii, tx] = xb[ii]
+                            Ai[blk * 16 + ii, tx] = T.cast(xb[ii], bf16)
+                T.gemm(Ai, kb, wf, clear_accum=True)
+                T.gemm(Ai, vs, uf, clear_accum=True)
+                for i, d in T.Parallel(BT, K):
+                    if i < L:
+                        w[t0 + i, hv, d] = T.cast(wf[i, d], bf16)
+                for i, d in T.Parallel(BT, V):
+                    if i < L:
+                        u[t0 + i, hv, d] = T.cast(uf[i, d], bf16)
+
+    return gdn_prefill_prep_kernel
+
+
+def gdn_prefill_states(Hk: int, Hv: int, K: int = 128, V: int = 128, *, BV: int = 32, threads: int = 128,
+                       stages: int = 0, delta_rule: bool = True):
+    """Per (value tile, value head, sequence): the chunks in order from state[slot] (zero for slot -1).
+
+    Delta rule: writes h[chunk slot] (the state at each chunk's start, bf16), delta = u - w h (bf16) and
+    the final state back into its slot (none for slot -1).
+    Args: k, w, u, gcum, cu_seqlens, state, state_slots, h (chunk slots, Hv, K, V), delta (N, Hv, V).
+    Decay-only (delta_rule=False, Mamba-2: no prep launch, the values are folded as they are): the chunk's
+    cumulative decay is formed here from g (clamped) and written to gcum by the first value tile.
+    Args: k, v, g, cu_seqlens, state, state_slots, h, gcum (N, Hv).
+    `stages` > 0 (delta rule): the chunk's w, k, u and G are whole-tile copies in a T.Pipelined loop of that
+    many stages (TileLang lowers them to TMA loads from a producer warpgroup, the next chunk's loads
+    overlapping this chunk's products); rows past the sequence are read as they are (the next sequence's
+    tokens, or zeros past the end) and masked out of the deltas and of the fold. Same arguments.
+    """
+    _check(Hk, Hv, K, V, BV)
+    if stages < 0 or (stages and not delta_rule):
+        raise ValueError(f"stages={stages} must be 0, or > 0 for the delta rule's state pass")
+    T = _tl()
+    N = T.dynamic("num_tokens")
+    B = T.dynamic("batch")
+    NS = T.dynamic("num_state_slots")
+    NC = T.dynamic("chunk_slots")
+    r = Hv // Hk
+    f32, bf16 = "float32", "bfloat16"
+
+    @T.macro
+    def load_state(hf, state, slot, hv, v0):
+        for i, j in T.Parallel(K, BV):
+            hf[i, j] = T.if_then_else(slot >= 0, state[T.max(slot, 0), hv, i, v0 + j], 0.0)
+
+    @T.macro
+    def start_chunk(hf, hs, h, base, c, hv, v0):
+        # h[chunk slot] <- the state at the chunk's start (bf16, also the products' operand)
+        T.copy(hf, hs)
+        T.copy(hs, h[base + c, hv, 0:K, v0:v0 + BV])
+
+    @T.macro
+    def fold(hf, ks, ds, df, Gs, L):
+        # h <- exp(G_last) h + (exp(G_last - G_s) k_s)^T delta_s
+        for i, j in T.Parallel(BT, BV):
+            ds[i, j] = T.cast(df[i, j] * T.exp(Gs[L - 1] - Gs[i]), bf16)
+        for i, j in T.Parallel(K, BV):
+            hf[i, j] = hf[i, j] * T.exp(Gs[L - 1])
+        T.gemm(ks, ds, hf, transpose_A=True)
+
+    @T.macro
+    def store_state(hf, state, slot, hv, v0):
+        if slot >= 0:
+            for i, j in T.Parallel(K, BV):
+                state[slot, hv, i, v0 + j] = hf[i, j]
+
+    @T.prim_func
+    def gdn_prefill_states_kernel(
+        k: T.Tensor((N, Hk, K), bf16),
+        w: T.Tensor((N, Hv, K), bf16),
+        u: T.Tensor((N, Hv, V), bf16),
+        gcum: T.Tensor((N, Hv), f32),
+        cu_seqlens: T.Tensor((B + 1,), "int32"),
+        state: T.Tensor((NS, Hv, K, V), f32),
+        state_slots: T.Tensor((B,), "int32"),
+        h: T.Tensor((NC, Hv, K, V), bf16),
+        delta: T.Tensor((N, Hv, V), bf16),
+    ):
+        with T.Kernel(V // BV, Hv, B, threads=threads) as (bv, hv, bb):
+            hf = T.alloc_fragment((K, BV), f32)
+            hs = T.alloc_shared((K, BV), bf16)
+            ws = T.alloc_shared((BT, K), bf16)
+            ks = T.alloc_shared((BT, K), bf16)
+            ds = T.alloc_shared((BT, BV), bf16)
+            df = T.alloc_fragment((BT, BV), f32)
+            Gs = T.alloc_shared((BT,), f32)
+            hk = hv // r
+            v0 = bv * BV
+            slot = state_slots[bb]
+            bos = cu_seqlens[bb]
+            eos = cu_seqlens[bb + 1]
+            base = bos // BT + bb
+            load_state(hf, state, slot, hv, v0)
+            for c in T.serial(T.ceildiv(eos - bos, BT)):
+                t0 = bos + c * BT
+                L = T.min(BT, eos - t0)
+                start_chunk(hf, hs, h, base, c, hv, v0)
+                for i, d in T.Parallel(BT, K):
+                    ws[i, d] = T.if_then_else(i < L, w[T.min(t0 + i, N - 1), hv, d], T.cast(0.0, bf16))
+                    ks[i, d] = T.if_then_else(i < L, k[T.min(t0 + i, N - 1), hk, d], T.cast(0.0, bf16))
+                for i in T.Parallel(BT):
+                    Gs[i] = T.if_then_else(i < L, gcum[T.min(t0 + i, N - 1), hv], 0.0)
+                T.gemm(ws, hs, df, clear_accum=True)
+                for i, j in T.Parallel(BT, BV):
+                    df[i, j] = T.if_then_else(i < L, T.cast(u[T.min(t0 + i, N - 1), hv, v0 + j], f32) - df[i, j],
+                                              0.0)
+                for i, j in T.Parallel(BT, BV):
+                    if i < L:
+                        delta[t0 + i, hv, v0 + j] = T.cast(df[i, j], bf16)
+                fold(hf, ks, ds, df, Gs, L)
+            store_state(hf, state, slot, hv, v0)
+
+    @T.prim_func
+    def decay_only_states_kernel(
+        k: T.Tensor((N, Hk, K), bf16),
+        v: T.Tensor((N, Hv, V), bf16),
+        g: T.Tensor((N, Hv), f32),
+        cu_seqlens: T.Tensor((B + 1,), "int32"),
+        state: T.Tensor((NS, Hv, K, V), f32),
+        state_slots: T.Tensor((B,), "int32"),
+        h: T.Tensor((NC, Hv, K, V), bf16),
+        gcum: T.Tensor((N, Hv), f32),
+    ):
+        with T.Kernel(V // BV, Hv, B, threads=threads) as (bv, hv, bb):
+            tx = T.get_thread_binding()
+            hf = T.alloc_fragment((K, BV), f32)
+            hs = T.alloc_shared((K, BV), bf16)
+            ks = T.alloc_shared((BT, K), bf16)
+            ds = T.alloc_shared((BT, BV), bf16)
+            df = T.alloc_fragment((BT, BV), f32)
+            gl = T.alloc_shared((BT,), f32)
+            Gs = T.alloc_shared((BT,), f32)
+            acc = T.alloc_local((1,), f32)
+            hk = hv // r
+            v0 = bv * BV
+            slot = state_slots[bb]
+            bos = cu_seqlens[bb]
+            eos = cu_seqlens[bb + 1]
+            base = bos // BT + bb
+            load_state(hf, state, slot, hv, v0)
+            for c in T.serial(T.ceildiv(eos - bos, BT)):
+                t0 = bos + c * BT
+                L = T.min(BT, eos - t0)
+                start_chunk(hf, hs, h, base, c, hv, v0)
+                for i, d in T.Parallel(BT, K):
+                    ks[i, d] = T.if_then_else(i < L, k[T.min(t0 + i, N - 1), hk, d], T.cast(0.0, bf16))
+                for i in T.Parallel(BT):
+                    gl[i] = T.if_then_else(i < L, T.max(g[T.min(t0 + i, N - 1), hv], LOG_DECAY_FLOOR), 0.0)
+                if tx < BT:
+                    acc[0] = 0.0
+                    for j in T.serial(BT):
+                        if j <= tx:
+                            acc[0] = acc[0] + gl[j]
+                    Gs[tx] = acc[0]
+                    if bv == 0 and tx < L:
+                        gcum[t0 + tx, hv] = acc[0]
+                for i, j in T.Parallel(BT, BV):
+                    df[i, j] = T.if_then_else(i < L, T.cast(v[T.min(t0 + i, N - 1), hv, v0 + j], f32), 0.0)
+                fold(hf, ks, ds, df, Gs, L)
+            store_state(hf, state, slot, hv, v0)
+
+    @T.prim_func
+    def pipelined_states_kernel(
+        k: T.Tensor((N, Hk, K), bf16),
+        w: T.Tensor((N, Hv, K), bf16),
+        u: T.Tensor((N, Hv, V), bf16),
+        gcum: T.Tensor((N, Hv), f32),
+        cu_seqlens: T.Tensor((B + 1,), "int32"),
+        state: T.Tensor((NS, Hv, K, V), f32),
+        state_slots: T.Tensor((B,), "int32"),
+        h: T.Tensor((NC, Hv, K, V), bf16),
+        delta: T.Tensor((N, Hv, V), bf16),
+    ):
+        with T.Kernel(V // BV, Hv, B, threads=threads) as (bv, hv, bb):
+            hf = T.alloc_fragment((K, BV), f32)
+            hs = T.alloc_shared((K, BV), bf16)
+            ws = T.alloc_shared((BT, K), bf16)
+            ks = T.alloc_shared((BT, K), bf16)
+            us = T.alloc_shared((BT, BV), bf16)
+            ds = T.alloc_shared((BT, BV), bf16)
+            df = T.alloc_fragment((BT, BV), f32)
+            Gs = T.alloc_shared((BT,), f32)
+            hk = hv // r
+            v0 = bv * BV
+            slot = state_slots[bb]
+            bos = cu_seqlens[bb]
+            eos = cu_seqlens[bb + 1]
+            base = bos // BT + bb
+            load_state(hf, state, slot, hv, v0)
+            for c in T.Pipelined(T.ceildiv(eos - bos, BT), num_stages=stages):
+                T.copy(w[bos + c * BT:bos + c * BT + BT, hv, 0:K], ws)
+                T.copy(k[bos + c * BT:bos + c * BT + BT, hk, 0:K], ks)
+                T.copy(u[bos + c * BT:bos + c * BT + BT, hv, v0:v0 + BV], us)
+                T.copy(gcum[bos + c * BT:bos + c * BT + BT, hv], Gs)
+                start_chunk(hf, hs, h, base, c, hv, v0)
+                T.gemm(ws, hs, df, clear_accum=True)
+                for i, j in T.Parallel(BT, BV):
+                    df[i, j] = T.if_then_else(i < eos - bos - c * BT, T.cast(us[i, j], f32) - df[i, j], 0.0)
+                for i, j in T.Parallel(BT, BV):
+                    if i < eos - bos - c * BT:
+                        delta[bos + c * BT + i, hv, v0 + j] = T.cast(df[i, j], bf16)
+                for i, j in T.Parallel(BT, BV):  # masked before the product: G past the sequence is not ours
+                    ds[i, j] = T.cast(T.if_then_else(i < eos - bos - c * BT, df[i, j] * T.exp(
+                        Gs[T.min(BT, eos - bos - c * BT) - 1] - Gs[i]), 0.0), bf16)
+                for i, j in T.Parallel(K, BV):
+                    hf[i, j] = hf[i, j] * T.exp(Gs[T.min(BT, eos - bos - c * BT) - 1])
+                T.gemm(ks, ds, hf, transpose_A=True)
+            store_state(hf, state, slot, hv, v0)
+
+    if not delta_rule:
+        return decay_only_states_kernel
+    return pipelined_states_kernel if stages else gdn_prefill_states_kernel
+
+
+def gdn_prefill_output(Hk: int, Hv: int, K: int = 128, V: int = 128, *, BV: int = 128, threads: int = 128):
+    """Per (chunk slot, value head, value tile): o = exp(G) q h + causal(exp(G_t - G_s) q k^T) delta (bf16).
+
+    Args: q, k, h, delta, gcum, chunks, o (N, Hv, V).
+    """
+    _check(Hk, Hv, K, V, BV)
+    T = _tl()
+    N = T.dynamic("num_tokens")
+    NC = T.dynamic("chunk_slots")
+    r = Hv // Hk
+    f32, bf16 = "float32", "bfloat16"
+
+    @T.prim_func
+    def gdn_prefill_output_kernel(
+        q: T.Tensor((N, Hk, K), bf16),
+        k: T.Tensor((N, Hk, K), bf16),
+        h: T.Tensor((NC, Hv, K, V), bf16),
+        delta: T.Tensor((N, Hv, V), bf16),
+        gcum: T.Tensor((N, Hv), f32),
+        chunks: T.Tensor((NC, 2), "int32"),
+        o: T.Tensor((N, Hv, V), bf16),
+    ):
+        with T.Kernel(NC, Hv, V // BV, threads=threads) as (s, hv, bv):
+            qs = T.alloc_shared((BT, K), bf16)
+            ks = T.alloc_shared((BT, K), bf16)
+            hs = T.alloc_shared((K, BV), bf16)
+            ds = T.alloc_shared((BT, BV), bf16)
+            ps = T.alloc_shared((BT, BT), bf16)
+            Gs = T.alloc_shared((BT,), f32)
+            sc = T.alloc_fragment((BT, BT), f32)
+            of = T.alloc_fragment((BT, BV), f32)
+            t0 = chunks[s, 0]
+            L = chunks[s, 1]
+            if L > 0:
+                hk = hv // r
+                v0 = bv * BV
+                for i, d in T.Parallel(BT, K):
+                    qs[i, d] = T.if_then_else(i < L, q[T.min(t0 + i, N - 1), hk, d], T.cast(0.0, bf16))
+                    ks[i, d] = T.if_then_else(i < L, k[T.min(t0 + i, N - 1), hk, d], T.cast(0.0, bf16))
+                for i, j in T.Parallel(BT, BV):
+                    ds[i, j] = T.if_then_else(i < L, delta[T.min(t0 + i, N - 1), hv, v0 + j], T.cast(0.0, bf16))
+                for i in T.Parallel(BT):
+                    Gs[i] = T.if_then_else(i < L, gcum[T.min(t0 + i, N - 1), hv], 0.0)
+                T.copy(h[s, hv, 0:K, v0:v0 + BV], hs)
+                T.gemm(qs, ks, sc, transpose_B=True, clear_accum=True)
+                T.gemm(qs, hs, of, clear_accum=True)
+                for i, j in T.Parallel(BT, BT):
+                    ps[i, j] = T.cast(T.if_then_else(i >= j, T.exp(Gs[i] - Gs[j]) * sc[i, j], 0.0), bf16)
+                for i, j in T.Parallel(BT, BV):
+                    of[i, j] = of[i, j] * T.exp(Gs[i])
+                T.gemm(ps, ds, of)
+                for i, j in T.Parallel(BT, BV):
+                    if i < L:
+                        o[t0 + i, hv, v0 + j] = T.cast(of[i, j], bf16)
+
+    return gdn_prefill_output_kernel
+
+
+def gdn_prefill_configs() -> list[dict]:
+    """Tunables of the templates, the defaults first. states_BV sets the state pass's grid (V / BV x Hv x B
+    blocks, one sequence each): a small BV feeds the SMs when few sequences run (B = 1), a large one
+    halves the chunk loads per block when many do; states_stages > 0 pipelines the state pass's chunk
+    loads (gdn_prefill_states' `stages`); output_BV is the output's value tile."""
+    first = [{"states_BV": 32, "output_BV": 128}, {"states_BV": 16, "output_BV": 64},
+             {"states_BV": 64, "output_BV": 128}]
+    rest = [{"states_BV": bv, "output_BV": obv} for bv in (16, 32, 64, 128) for obv in (128, 64)]
+    piped = [{"states_BV": bv, "states_stages": 2, "output_BV": 128} for bv in (32, 64, 16)]
+    return first + piped + [c for c in rest if c not in first]
+
+
+configs = gdn_prefill_configs
