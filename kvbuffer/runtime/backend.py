@@ -34,6 +34,7 @@ from ..kernels.keys import (
     prefill_plan,
 )
 from ..reference import conv as ref_conv
+from ..reference import chunked_ops as ref_chunked
 from ..reference import core as ref_core
 from ..reference import gdn as ref_gdn
 from ..reference import mamba2 as ref_mamba2
@@ -112,8 +113,29 @@ class ReferenceBackend:
     def flush(self, family: str, state, state_slots, buf, slots, lengths) -> None:
         ref_core.flush(state, state_slots, *buf, slots, lengths)
 
-    def prefill_plan(self, fill: int, tokens: int, flush_at: int) -> list[int]:
-        return prefill_plan(fill, tokens, flush_at, kernels=False)
+    _PREFILL = {"gdn": ref_chunked.gdn_prefill, "mamba2": ref_chunked.mamba2_prefill}
+
+    def prefill(self, inputs: LinearInputs, state, state_slots, buf, slots, fill: int, flush_at: int):
+        """A prompt of T tokens per row (inputs (B, T, ...)), every row at buffer fill `fill`: the
+        chunked form (kvbuffer.reference.chunked) folds up to the last flush point and buffers the rest.
+        Returns o (B, T, Hv, V)."""
+        B, T = getattr(inputs, inputs.output_like).shape[:2]
+        packed = per_token(inputs, lambda t: t.reshape(B * T, *t.shape[2:]))
+        cu_seqlens = torch.arange(B + 1, dtype=torch.int64, device=state.device) * T
+        lengths = torch.full((B,), fill, dtype=torch.int64, device=state.device)
+        o, _ = self._PREFILL[inputs.family](*packed, cu_seqlens, state, state_slots, *buf, slots, lengths, flush_at)
+        return o.reshape(B, T, *o.shape[1:])
+
+    def prefill_in_chunks(self, inputs: LinearInputs, state, state_slots, buf, slots, fill: int, flush_at: int):
+        """The same prompt as verify chunks that stop at each flush point (the chunk reaching it folds
+        the buffer): kvbuffer.kernels.PREFILL_CHUNKS on the kernels, any length on the reference."""
+        outs, start, T = [], 0, getattr(inputs, inputs.output_like).shape[1]
+        for take in prefill_plan(fill, T, flush_at, kernels=self.kernels):
+            part = per_token(inputs, lambda t: t[:, start:start + take])
+            lengths = torch.full_like(slots, fill)
+            outs.append(self.verify(part, state, state_slots, buf, slots, lengths, flush_at=flush_at))
+            fill, start = (fill + take) % flush_at, start + take
+        return torch.cat(outs, 1)
 
     def short_conv(self, x, conv_state, slots, weight, bias, phase: str):
         """Causal depthwise conv + SiLU over x (B, T, D) after each row's history; a verify keeps
@@ -179,8 +201,8 @@ class KernelBackend(ReferenceBackend):
     def flush(self, family: str, state, state_slots, buf, slots, lengths) -> None:
         _OPS[family].flush(state, state_slots, *buf, slots, lengths)
 
-    def prefill_plan(self, fill: int, tokens: int, flush_at: int) -> list[int]:
-        return prefill_plan(fill, tokens, flush_at, kernels=True)
+    def prefill(self, inputs: LinearInputs, state, state_slots, buf, slots, fill: int, flush_at: int):
+        return self.prefill_in_chunks(inputs, state, state_slots, buf, slots, fill, flush_at)
 
     def short_conv(self, x, conv_state, slots, weight, bias, phase: str):
         mode = "verify" if phase == "verify" else "advance"

@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from ..reference.prefill_attention import prefill_attention
 from ..rows import put_rows
 from .backend import GDNInputs, LinearInputs, Mamba2Inputs, per_token
 from .batch import ForwardBatch
@@ -47,15 +48,8 @@ def _linear_mix(inputs: LinearInputs, batch: ForwardBatch, caches: ModelCaches, 
     if caches.buffers is None:
         raise ValueError("kvbuffer mode needs caches built with buffers=True")
     buf = caches.buffers.layer(layer).tensors()
-    if batch.phase == "prefill":  # chunks that stop at each flush point; the chunk reaching it folds the buffer
-        outs, start, fill = [], 0, batch.common_fill
-        for take in backend.prefill_plan(fill, batch.num_tokens, batch.flush_at):
-            part = per_token(inputs, lambda t: t[:, start:start + take])
-            lengths = torch.full_like(batch.lengths, fill)
-            outs.append(backend.verify(part, state, batch.state_slots, buf, batch.slots, lengths,
-                                       flush_at=batch.flush_at))
-            fill, start = (fill + take) % batch.flush_at, start + take
-        return torch.cat(outs, 1)
+    if batch.phase == "prefill":  # folded up to the last flush point, the rest buffered
+        return backend.prefill(inputs, state, batch.state_slots, buf, batch.slots, batch.common_fill, batch.flush_at)
     if batch.phase == "decode":
         o = backend.buffered_step(per_token(inputs, _token(0)), state, batch.state_slots, buf, batch.slots,
                                   batch.lengths, flush_at=batch.flush_at)
@@ -94,6 +88,8 @@ def attention(q, k, v, batch: ForwardBatch, caches: ModelCaches, layer: int, sca
     kc, vc = caches.kv.layer(layer)
     if batch.phase != "prefill" and batch.backend.attends_in_place(q, kc):  # tune builds decode and verify T
         return _attention_in_place(q, k, v, kc, vc, caches.kv.max_len, batch, scaling)
+    if batch.phase == "prefill" and not batch.backend.kernels:
+        return _prompt_attention(q, k, v, kc, vc, batch, scaling)
     B, T, H, D = q.shape
     real = batch.slots >= 0
     rows = batch.slots.clamp(min=0).long()
@@ -118,6 +114,21 @@ def attention(q, k, v, batch: ForwardBatch, caches: ModelCaches, layer: int, sca
     probs = F.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
     out = torch.matmul(probs, vals).reshape(B, Hkv, G, T, D).permute(0, 3, 1, 2, 4).reshape(B, T, H, D)
     return torch.where(real[:, None, None, None], out, torch.zeros((), dtype=out.dtype, device=out.device))
+
+
+def _prompt_attention(q, k, v, kc, vc, batch: ForwardBatch, scaling: float):
+    """A prompt's attention on the reference path: the new keys and values written at cached ..
+    cached+T-1, then query and key tiles with an online softmax (kvbuffer.reference.prefill_attention),
+    so memory stays linear in the context: no (T x context) score tensor."""
+    B, T, H, D = q.shape
+    real = batch.slots >= 0
+    rows = batch.slots.clamp(min=0).long()[:, None].expand(B, T)
+    pos = batch.cached.long()[:, None] + torch.arange(T, device=q.device)[None, :]
+    put_slot_rows(kc, rows, pos, k, real)
+    put_slot_rows(vc, rows, pos, v, real)
+    cu_seqlens = torch.arange(B + 1, dtype=torch.int64, device=q.device) * T
+    out = prefill_attention(q.reshape(B * T, H, D), kc, vc, cu_seqlens, batch.slots, batch.cached, scaling)
+    return out.view(B, T, H, D)
 
 
 def _attention_in_place(q, k, v, kc, vc, max_len: int, batch: ForwardBatch, scaling: float):
