@@ -87,6 +87,15 @@ class LLM:
     def runner(self) -> ModelRunner:
         return self.core.runner
 
+    @runner.setter
+    def runner(self, runner: ModelRunner) -> None:
+        """Run this engine on another runner (tests and tools: another Backend for the same model); the
+        engine must be idle, and keeps its drafter and options."""
+        if len(self.core.scheduler):
+            raise RuntimeError("the runner can only be replaced while no request is running or waiting")
+        self.core = EngineCore(runner, drafter=self.core.drafter, speculative=self.speculative, overlap=self.overlap,
+                               max_prefill_tokens=self.max_prefill_tokens)
+
     @property
     def scheduler(self):
         return self.core.scheduler
