@@ -13,6 +13,7 @@ import torch.nn.functional as F
 
 from ..reference.prefill_attention import prefill_attention
 from ..rows import put_rows
+from . import flash_prompt
 from .backend import GDNInputs, LinearInputs, Mamba2Inputs, per_token
 from .batch import ForwardBatch
 from .caches import ModelCaches
@@ -79,16 +80,17 @@ def attention(q, k, v, batch: ForwardBatch, caches: ModelCaches, layer: int, sca
     heads are grouped per KV head in the matmuls instead of repeating the keys. Each row's window
     is gathered once, straight into the (B, Hkv, L, D) layout both matmuls read as they are (an
     index of the cache's (slots, L, Hkv, D) layout would need a second, transposing copy).
+    A prompt run eagerly takes _prompt_attention (no score tensor); one captured in a CUDA graph (a
+    short chunk) the window path below.
     On the kernel Backend, for decode and verify forwards, when its attention kernel serves the call
-    (Backend.attends_in_place; prompt chunks keep the window path: `kvbuffer tune` builds the
-    kernels for the decode and verify token counts only),
+    (Backend.attends_in_place; `kvbuffer tune` builds the kernels for the decode and verify token counts),
     the new keys and values are written first and the kernel reads each row's valid positions
     straight from the cache: no window is gathered (also under torch.compile, as a custom op).
     """
     kc, vc = caches.kv.layer(layer)
     if batch.phase != "prefill" and batch.backend.attends_in_place(q, kc):  # tune builds decode and verify T
         return _attention_in_place(q, k, v, kc, vc, caches.kv.max_len, batch, scaling)
-    if batch.phase == "prefill" and not batch.backend.kernels:
+    if batch.phase == "prefill" and not (q.is_cuda and torch.cuda.is_current_stream_capturing()):
         return _prompt_attention(q, k, v, kc, vc, batch, scaling)
     B, T, H, D = q.shape
     real = batch.slots >= 0
@@ -117,15 +119,19 @@ def attention(q, k, v, batch: ForwardBatch, caches: ModelCaches, layer: int, sca
 
 
 def _prompt_attention(q, k, v, kc, vc, batch: ForwardBatch, scaling: float):
-    """A prompt's attention on the reference path: the new keys and values written at cached ..
-    cached+T-1, then query and key tiles with an online softmax (kvbuffer.reference.prefill_attention),
-    so memory stays linear in the context: no (T x context) score tensor."""
+    """A prompt's attention, run eagerly: the new keys and values written at cached .. cached+T-1, then
+    FlashAttention-2 where it fits (kvbuffer.runtime.flash_prompt: CUDA, half precision), else query and
+    key tiles with an online softmax (kvbuffer.reference.prefill_attention). Memory stays linear in the
+    context either way: no (T x context) score tensor."""
     B, T, H, D = q.shape
     real = batch.slots >= 0
     rows = batch.slots.clamp(min=0).long()[:, None].expand(B, T)
     pos = batch.cached.long()[:, None] + torch.arange(T, device=q.device)[None, :]
     put_slot_rows(kc, rows, pos, k, real)
     put_slot_rows(vc, rows, pos, v, real)
+    if flash_prompt.fits(q, kc):
+        host = torch.stack([batch.slots, batch.cached]).tolist()  # the rows' views are sliced on the host
+        return flash_prompt.flash_prompt_attention(q, k, v, kc, vc, host[0], host[1], scaling)
     cu_seqlens = torch.arange(B + 1, dtype=torch.int64, device=q.device) * T
     out = prefill_attention(q.reshape(B * T, H, D), kc, vc, cu_seqlens, batch.slots, batch.cached, scaling)
     return out.view(B, T, H, D)
