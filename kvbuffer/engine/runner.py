@@ -152,7 +152,10 @@ class ModelRunner:
         return (picks, accepted, hidden) if want_hidden else (picks, accepted)
 
     def _forward(self, ids, batch: ForwardBatch, **kw):
+        """The model's forward; a prompt's gives only each row's last logits (the only ones read)."""
         fn = self.compiled if self.compiled is not None and batch.phase in COMPILED_PHASES else self.model
+        if batch.phase == "prefill":
+            kw["last_logits"] = True
         return fn(ids, batch, self.caches, **kw)
 
     def _replayed(self, graphs: StepGraphs | None, columns, context_len: int, *extra, feed=None):

@@ -398,13 +398,15 @@ class NemotronHForCausalLM(nn.Module):
     def embed(self, input_ids):
         return self.model.embeddings(input_ids)
 
-    def forward(self, input_ids, batch, caches, return_hidden: bool = False):
-        """Logits (B, T, vocab); with return_hidden also the final-norm hidden states the MTP head reads."""
+    def forward(self, input_ids, batch, caches, return_hidden: bool = False, last_logits: bool = False):
+        """Logits (B, T, vocab), or (B, 1, vocab) of each row's last token with last_logits (a prompt's
+        forward: the vocabulary product and the logits tensor of every other position are not made);
+        with return_hidden also the final-norm hidden states (B, T, hidden) the MTP head reads."""
         x = self.model.embeddings(input_ids)
         for layer in self.model.layers:
             x = layer(x, batch, caches)
         h = self.model.norm_f(x)
-        logits = self.lm_head(h)
+        logits = self.lm_head(h[:, -1:] if last_logits else h)
         return (logits, h) if return_hidden else logits
 
     def attach_mtp(self) -> None:

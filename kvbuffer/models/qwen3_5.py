@@ -238,15 +238,17 @@ class Qwen35ForCausalLM(nn.Module):
     def embed(self, input_ids):
         return self.model.embed_tokens(input_ids)
 
-    def forward(self, input_ids, batch, caches, return_hidden: bool = False):
-        """Logits (B, T, vocab); with return_hidden also the final-norm hidden states the MTP head reads."""
+    def forward(self, input_ids, batch, caches, return_hidden: bool = False, last_logits: bool = False):
+        """Logits (B, T, vocab), or (B, 1, vocab) of each row's last token with last_logits (a prompt's
+        forward: the vocabulary product and the logits tensor of every other position are not made);
+        with return_hidden also the final-norm hidden states (B, T, hidden) the MTP head reads."""
         x = self.model.embed_tokens(input_ids)
         rope = GatedAttention.rope(self.config, batch.positions, x.dtype) \
             if "full_attention" in self.config.layer_types else None
         for layer in self.model.layers:
             x = layer(x, batch, caches, rope)
         h = self.model.norm(x)
-        logits = self.lm_head(h)
+        logits = self.lm_head(h[:, -1:] if last_logits else h)
         return (logits, h) if return_hidden else logits
 
     def attach_mtp(self) -> None:
