@@ -82,7 +82,7 @@ class Scheduler:
     def prefill_shares(self, budget: int) -> list[tuple[Request, int]]:
         """The prefilling requests, in admission order, each with the prompt tokens it feeds out of
         `budget` (prefill_shares below); empty when no prompt is pending."""
-        reqs = [r for r in self.running if r.prefilling and r.finish_reason is None]
+        reqs = [r for r in self.running if r.prefilling]
         return [(r, n) for r, n in zip(reqs, prefill_shares(budget, [len(r.pending) for r in reqs])) if n]
 
     def finish(self, req: Request) -> None:
