@@ -81,15 +81,15 @@ class Scheduler:
 
     def prefill_shares(self, budget: int) -> list[tuple[Request, int]]:
         """The prefilling requests, in admission order, each with the prompt tokens it feeds out of
-        `budget` (prefill_shares below); empty when no prompt is pending."""
+        `budget` (fair_shares); empty when no prompt is pending."""
         reqs = [r for r in self.running if r.prefilling]
-        return [(r, n) for r, n in zip(reqs, prefill_shares(budget, [len(r.pending) for r in reqs])) if n]
+        return [(r, n) for r, n in zip(reqs, fair_shares(budget, [len(r.pending) for r in reqs])) if n]
 
     def finish(self, req: Request) -> None:
         self.running.remove(req)
 
 
-def prefill_shares(budget: int, needs: list[int]) -> list[int]:
+def fair_shares(budget: int, needs: list[int]) -> list[int]:
     """A max-min fair split of `budget` prompt tokens over prompts with `needs` tokens left (in
     admission order): each gets min(need, L) for the highest level L whose total fits, so short
     prompts finish at once and long ones share the rest equally (equal shares of equal buffer fill

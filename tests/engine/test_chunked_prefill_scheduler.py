@@ -8,7 +8,7 @@ import torch
 from kvbuffer import LLM
 from kvbuffer.engine.request import Request
 from kvbuffer.engine.sampling import SamplingParams
-from kvbuffer.engine.scheduler import prefill_shares
+from kvbuffer.engine.scheduler import Scheduler, fair_shares
 from tests.support.pool_slots import all_free
 from tests.support.scripted_drafter import ScriptedDrafter
 from tests.support.tiny_models import tiny_model
@@ -67,15 +67,33 @@ def _finish(llm, got, reasons=None, limit=200):
     (7, [], []),
 ], ids=["fits", "one-long", "level-2", "mixed", "equal-longs", "short-first", "budget-1", "budget-2",
         "budget-3", "none"])
-def test_prefill_shares_are_max_min_fair(budget, needs, shares):
-    got = prefill_shares(budget, needs)
+def test_fair_shares_are_max_min(budget, needs, shares):
+    got = fair_shares(budget, needs)
     assert got == shares
     assert sum(got) <= budget and all(0 <= s <= n for s, n in zip(got, needs))
 
 
-def test_prefill_shares_reject_an_empty_budget():
+def test_fair_shares_reject_an_empty_budget():
     with pytest.raises(ValueError, match="budget must be >= 1, got 0"):
-        prefill_shares(0, [3])
+        fair_shares(0, [3])
+
+
+def test_the_scheduler_shares_prompt_tokens_and_decodes_only_requests_past_their_prompt():
+    s = Scheduler()
+    decoding = Request(0, [1], _params(4), output=[2], cached=1)
+    s.running = [decoding, Request(1, [1] * 30, _params(4), cached=4), Request(2, [1] * 3, _params(4))]
+    assert [(r.rid, n) for r, n in s.prefill_shares(8)] == [(1, 5), (2, 3)]
+    assert s.runnable(4, 1, lambda r, adding: False) == [decoding]
+
+
+def test_admission_keeps_the_state_a_prefilling_request_needs_for_its_first_decode():
+    """A 7-token prompt with 3 fed (C = 8, no state yet): its prompt and first decode fill the buffer,
+    so the one free state is not spare for a long arrival."""
+    s = Scheduler()
+    s.running = [Request(0, [1] * 7, _params(4), cached=3)]
+    s.add(Request(1, [1] * 20, _params(4)))
+    assert s.admit(4, 1, lambda r, adding: r.state_slot < 0 and r.cached + adding >= 8) == []
+    assert s.admit(4, 2, lambda r, adding: r.state_slot < 0 and r.cached + adding >= 8)[0].rid == 1
 
 
 # a long prompt beside decoding requests ----------------------------------------------------------------
