@@ -136,8 +136,11 @@ class EngineConfig:
         _count(1, optional=True), cli="--max-states")
     max_len: int = _option(2048, "Longest context (prompt + output) per request; a request that reaches it stops "
                                  "there with finish_reason 'length'.", _count(1), cli="--max-len")
-    max_prefill_tokens: int = _option(1024, "Most prompt tokens one prefill forward feeds.", _count(1),
-                                      cli="--max-prefill-tokens")
+    max_prefill_tokens: int = _option(
+        1024, "Prompt tokens one engine step feeds, shared among the prompts in progress (a longer prompt "
+              "continues over the next steps while the other requests decode; with none decoding, a step feeds "
+              "until a prompt is done); also the most one prefill forward feeds.", _count(1),
+        cli="--max-prefill-tokens")
     speculative: SpeculativeConfig | None = _option(None, "Speculative decoding (SpeculativeConfig or its dict).",
                                                     kind="nested")
     memory_budget: int | None = _option(None, "Bytes for the per-request caches: as many requests as fit are "

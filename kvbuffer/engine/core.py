@@ -1,8 +1,9 @@
 """The engine core: a scheduler, a model runner and the decoders that drive them, one `step()` at a time.
 
-Each step admits the waiting requests that fit (each prefilled, in chunks), runs one decode (or draft
-+ verify) step for the running ones, samples, and retires the finished ones, whose slots are freed
-at once.
+Each step admits the waiting requests that fit, feeds at most `max_prefill_tokens` prompt tokens
+(chunked prefill: a long prompt spreads over steps while the others keep decoding), runs one
+decode (or draft + verify) step for the requests whose prompts are done, samples, and retires the
+finished ones, whose slots are freed at once.
 """
 
 from __future__ import annotations
@@ -22,7 +23,8 @@ from .speculative import SpeculativeDecoder
 
 class EngineCore:
     """runner: the model, caches and forwards; drafter and speculative (SpeculativeConfig): speculative
-    decoding, or both None; overlap: queue plain decode steps before reading the last one's tokens."""
+    decoding, or both None; overlap: queue plain decode steps before reading the last one's tokens;
+    max_prefill_tokens: the prompt tokens one step feeds (Scheduler.prefill_shares splits them)."""
 
     def __init__(self, runner: ModelRunner, *, drafter=None, speculative=None, overlap: bool = False,
                  max_prefill_tokens: int):
@@ -34,6 +36,7 @@ class EngineCore:
         self.done: dict[int, Request] | None = None  # finished requests, kept while generate() collects them
         self.stats: GenerationStats | None = None  # generate()'s counts, while it runs
         self._events: list = []  # (rid, token, logprob) of the step in progress
+        self._prompt_hidden: dict[int, list[torch.Tensor]] = {}  # rid -> hidden states of its prompt so far
         self.overlapped = overlap
         self.overlap = OverlapPipeline(runner, self.generators, self.emit)
         self.speculative = None if speculative is None else \
@@ -66,11 +69,12 @@ class EngineCore:
 
     # one step ------------------------------------------------------------------------------------
     def step(self) -> list[StepOutput]:
-        """Admit what fits, prefill it, then one decode (or draft + verify) step for the running requests.
+        """Admit what fits, feed prompts within the budget (_prefill), then one decode (or draft + verify)
+        step for the running requests whose prompts are done.
 
-        Returns the tokens each request got, in sampling order (a request admitted in this step may
-        appear twice: its prefill token, then its decode token). Finished requests have freed their
-        slots before this returns.
+        Returns the tokens each request got, in sampling order (a request whose prompt ends in this
+        step may appear twice: its first token, then its decode token). Finished requests have freed
+        their slots before this returns. If the step raises, the requests it admitted are aborted.
         """
         sched, finished, admitted = self.scheduler, {}, []
         self._events = []
@@ -83,9 +87,9 @@ class EngineCore:
                     sched.waiting.extendleft(reversed(chosen[k:]))
                     raise
                 admitted.append(req)
-            if admitted:
-                self._prefill(admitted)
             sched.running += admitted
+            if any(r.prefilling for r in sched.running):
+                self._prefill()
             admitted = []
             self._retire_finished(finished)  # before decoding, so their slots serve the others at once
             running = sched.runnable(self._free_states(), self._fed, self._wants_state)
@@ -93,6 +97,7 @@ class EngineCore:
                 self._decode_step(running)
         except BaseException:  # a failed step must not leak slots: what it admitted goes back
             for req in admitted:
+                sched.remove(req.rid)
                 self._finish(req, "abort")
             raise
         self._retire_finished(finished)
@@ -138,28 +143,39 @@ class EngineCore:
             self.runner.release(req)
         self.generators.pop(req.rid, None)
         self._prepares.pop(req.rid, None)
+        self._prompt_hidden.pop(req.rid, None)
         if self.done is not None:
             self.done[req.rid] = req
 
-    def _prefill(self, reqs: list[Request]) -> None:
-        """Feed the admitted requests' prompts, many per forward, then sample each one's first token
-        (and let a drafter that reads hidden states learn the prompt)."""
+    def _prefill(self) -> None:
+        """Feed the prefilling requests' prompts: one round of max_prefill_tokens, shared out by the
+        scheduler, or, while no request decodes, rounds until a prompt is done. A request whose
+        prompt is done samples its first token (and a drafter that reads hidden states learns the
+        whole prompt)."""
         want = self.drafter is not None and self.drafter.needs_hidden
-        start = {r.rid: r.cached for r in reqs}
-        last, hidden = {}, {r.rid: [] for r in reqs}
-        todo = list(reqs)
-        while todo:
-            for req, logits, h in self.runner.prefill(todo, self.max_prefill_tokens, want_hidden=want):
-                if logits is not None:
-                    last[req.rid] = logits
+        decoding = any(not r.prefilling and r.finish_reason is None for r in self.scheduler.running)
+        while True:
+            shares = self.scheduler.prefill_shares(self.max_prefill_tokens)
+            if not shares:
+                return
+            done = {}
+            for req, logits, h in self.runner.prefill([r for r, _ in shares], [n for _, n in shares],
+                                                      want_hidden=want):
                 if want:
-                    hidden[req.rid].append(h)
-            todo = [r for r in todo if r.pending]
-        for req in reqs:
-            logits = last.get(req.rid)
-            self.emit(req, sample_token(logits, req.params, self.generators[req.rid]), logits)
-            if want:  # the head learns the prompt: each position with the token after it
-                self.drafter.on_prefill(req, torch.cat(hidden[req.rid]), req.context[start[req.rid] + 1:req.cached + 1])
+                    self._prompt_hidden.setdefault(req.rid, []).append(h)
+                if logits is not None:
+                    done[req.rid] = logits
+            for req, _ in shares:  # in admission order
+                if req.rid in done:
+                    self._first_token(req, done[req.rid], want)
+            if decoding or done:
+                return
+
+    def _first_token(self, req: Request, logits: torch.Tensor, want_hidden: bool) -> None:
+        self.emit(req, sample_token(logits, req.params, self.generators[req.rid]), logits)
+        if want_hidden:  # the head learns the prompt: each position fed with the token after it
+            hidden = torch.cat(self._prompt_hidden.pop(req.rid))
+            self.drafter.on_prefill(req, hidden, req.context[req.cached - len(hidden) + 1:req.cached + 1])
 
     def _decode_step(self, running: list[Request]) -> None:
         t0, before = time.perf_counter(), len(self._events)

@@ -43,6 +43,11 @@ class Request:
         return self.picked_on_device and self.params.temperature == 0.0
 
     @property
+    def prefilling(self) -> bool:
+        """Whether part of the prompt is still to be fed (its first token not sampled yet)."""
+        return self.cached < len(self.prompt)
+
+    @property
     def pending(self) -> list[int]:
         """Tokens not yet fed to the model: the prompt at first, then the last sampled token."""
         return self.context[self.cached:]

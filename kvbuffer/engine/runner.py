@@ -71,9 +71,17 @@ class ModelRunner:
 
     # slots -----------------------------------------------------------------------------------
     def admit(self, req: Request) -> None:
+        """The request's slot, and its state slot now if it runs recurrent or its prompt will fill the
+        buffer (a prompt fed over several steps never waits for a state halfway)."""
         req.slot = self.caches.allocate_request()
-        if self.mode == "recurrent" and self.has_linear:
-            req.state_slot = self.caches.allocate_state()
+        try:
+            if self.mode == "recurrent" and self.has_linear:
+                req.state_slot = self.caches.allocate_state()
+            else:
+                self._ensure_state(req, len(req.pending))
+        except BaseException:  # e.g. a full state pool: the request slot goes back
+            self.release(req)
+            raise
 
     def release(self, req: Request) -> None:
         self.caches.free_request(req.slot, req.state_slot)
@@ -189,27 +197,35 @@ class ModelRunner:
 
     # forwards --------------------------------------------------------------------------------
     @torch.inference_mode()
-    def prefill(self, reqs: list[Request], max_tokens: int, want_hidden: bool = False):
-        """One prefill forward: up to max_tokens pending tokens for each of as many of `reqs` as have
-        the same buffer fill and the same number of tokens to feed (at least one request; prompts
-        of equal length go together). The linear layers cut the chunk at the flush points.
+    def prefill(self, reqs: list[Request], tokens: int | list[int], want_hidden: bool = False):
+        """Feed the next pending prompt tokens of each of `reqs`: tokens[i] for reqs[i] (an int: that
+        many for each, or all it has pending if fewer). One forward per group of requests with the
+        same buffer fill and the same count (prompts of equal length go together); the linear
+        layers cut each forward at the flush points.
 
         Returns [(request, logits of its last prompt token if it has none pending now, else None,
-        hidden states (T, H) of the tokens fed with want_hidden, else None)] for the rows fed.
-        Call again until no request has pending tokens.
+        hidden states (T, H) of the tokens fed with want_hidden, else None)], group after group.
+        ValueError, before any forward, for a count outside [1, pending] or past max_len.
         """
+        counts = [min(len(r.pending), tokens) for r in reqs] if isinstance(tokens, int) else list(tokens)
+        if len(counts) != len(reqs):
+            raise ValueError(f"tokens: {len(counts)} counts for {len(reqs)} requests")
         groups: dict[tuple[int, int], list[Request]] = {}
-        for r in reqs:
-            if r.pending:
-                groups.setdefault((self._fill(r), min(len(r.pending), max_tokens)), []).append(r)
-        if not groups:
-            return []
-        (fill, T), rows = max(groups.items(), key=lambda kv: kv[0][1] * len(kv[1]))
-        rows = rows[:max(1, max_tokens // T)]
-        for r in rows:
+        for r, T in zip(reqs, counts):
+            if not 1 <= T <= len(r.pending):
+                raise ValueError(f"request {r.rid}: tokens={T}, expected 1 to {len(r.pending)} (its pending tokens)")
             if r.cached + T > self.spec.max_len:
                 raise ValueError(f"request {r.rid}: context of {r.cached + T} tokens exceeds "
                                  f"max_len={self.spec.max_len}")
+            groups.setdefault((self._fill(r), T), []).append(r)
+        out = []
+        for (fill, T), rows in groups.items():
+            out += self._prefill_rows(rows, T, fill, want_hidden)
+        return out
+
+    def _prefill_rows(self, rows: list[Request], T: int, fill: int, want_hidden: bool):
+        """One prefill forward: T pending tokens of each row, all rows with buffer fill `fill`."""
+        for r in rows:
             self._ensure_state(r, T)
         columns = self._columns(rows, [r.pending[:T] for r in rows])
         context_len = max(r.cached for r in rows) + T

@@ -11,6 +11,11 @@ def _req(rid, prompt_len, state=-1):
     return Request(rid, [1] * prompt_len, SamplingParams(), state_slot=state)
 
 
+def _decoding(rid, state=-1):
+    """A running request whose prompt is fed and whose first token is sampled."""
+    return Request(rid, [1], SamplingParams(), output=[2], state_slot=state, cached=1)
+
+
 def _long_prompts_need_states(req, adding):  # as mode kvbuffer with C = 8
     return req.state_slot < 0 and adding >= 8
 
@@ -31,7 +36,7 @@ def test_admission_in_arrival_order(free_requests, free_states, admitted):
 
 def test_new_arrivals_do_not_take_the_state_a_running_request_waits_for():
     s = Scheduler()
-    s.running = [_req(0, 1), _req(1, 1, state=0)]
+    s.running = [_decoding(0), _decoding(1, state=0)]
     s.add(_req(2, 20))
     wants = lambda r, adding: r.state_slot < 0 and (adding >= 8 or r.rid == 0)  # noqa: E731
     assert s.admit(4, 1, wants) == []  # rid 0 needs the one free state next step
