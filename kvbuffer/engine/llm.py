@@ -126,7 +126,8 @@ class LLM:
         decoder = self.core.speculative
         return EngineStats(len(sched.running), len(sched.waiting), caches.requests.num_free,
                            None if caches.states is None else caches.states.slots.num_free, buffered,
-                           None if decoder is None else dataclasses.replace(decoder.stats))
+                           None if decoder is None else dataclasses.replace(decoder.stats),
+                           sum(r.prefilling for r in sched.running))
 
     @property
     def acceptance(self) -> dict:

@@ -108,10 +108,12 @@ class EngineLimits:
 
 @dataclass(frozen=True)
 class EngineStats:
-    """A snapshot of the engine between steps."""
+    """A snapshot of the engine between steps (`running` counts the admitted requests, `prefilling` those of
+    them still feeding their prompts)."""
     running: int
     waiting: int
     request_slots_free: int
     state_slots_free: int | None  # None: no recurrent states (a model without linear layers)
     buffered_tokens: int | None  # entries in the running requests' buffers; None: no buffers (recurrent mode)
     drafts: DraftStats | None  # None without speculative decoding
+    prefilling: int = 0

@@ -13,7 +13,7 @@ RATE_WINDOW_S = 10.0  # tokens/s is averaged over the steps of this many seconds
 class ServerMetrics:
     def __init__(self):
         r = self.registry = CollectorRegistry()
-        self.running = Gauge("kvbuffer_requests_running", "Requests decoding now", registry=r)
+        self.running = Gauge("kvbuffer_requests_running", "Requests admitted now (feeding their prompts or decoding)", registry=r)
         self.waiting = Gauge("kvbuffer_requests_waiting", "Requests waiting for a slot", registry=r)
         self.request_slots = Gauge("kvbuffer_request_slots_used_ratio", "Request slots (buffer, conv, KV) in use",
                                    registry=r)

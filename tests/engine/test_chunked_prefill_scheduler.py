@@ -117,6 +117,7 @@ def test_a_long_prompt_does_not_stall_the_decoding_requests(model, engine):
         steps += 1
         assert set(rids) <= emitted, f"step {steps}: a decoding request got no token"
         assert llm.stats.running == 3
+        assert llm.stats.prefilling == (long not in got)
     assert steps == 7
     _finish(llm, got)
     assert [got[r] for r in (*rids, long)] == [t for _, t in refs]
