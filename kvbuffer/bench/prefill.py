@@ -66,6 +66,7 @@ CHUNK = 64  # the chunk of the FLOP count (kvbuffer's and FLA's)
 MAMBA_SSM_CHUNK = 128  # Nemotron-3's config chunk_size, which vLLM passes to the scan
 GATE_LENGTHS = {"packed": (1000, 1, 63, 64, 65, 4097, 130, 7), "single": (3001,)}
 DEFAULT_LAUNCHES, DEFAULT_REPLAYS = 4, 10  # each launch is a whole prefill (milliseconds)
+KERNEL_ONLY = "kvbuffer_kernel"  # Mamba-2's kernel alone: its output is the recurrence's, before the D skip
 
 
 def check_lengths(lengths, *, lo: int = 1, hi: int | None = None, option: str = "--prompt-lens") -> tuple[int, ...]:
@@ -231,7 +232,7 @@ def _mamba2_ops(inp: Packed, ours, peers) -> dict:
              inp.slots(s), inp.out)
         return (inp.out + D[:, None] * t["x"]).to(torch.bfloat16), inp.state[inp.slots(s).long()]
 
-    ops = {"kvbuffer": kvbuffer, "kvbuffer_kernel": kernel_only}
+    ops = {"kvbuffer": kvbuffer, KERNEL_ONLY: kernel_only}
     if "mamba_ssm" in peers:
         ops["mamba_ssm"] = _mamba_ssm_op(inp, peers["mamba_ssm"], A)
     return ops
@@ -255,8 +256,9 @@ def _mamba_ssm_op(inp: Packed, fn, A):
     return run
 
 
-def reference(inp: Packed, s: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-    """fp64 outputs (N, Hv, V) and final states (B, Hv, K, V) of set s, every token folded
+def reference(inp: Packed, s: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """fp64 outputs (N, Hv, V) of the layer and of the recurrence alone (Mamba-2's without the D skip;
+    GDN's are the same) and final states (B, Hv, K, V) of set s, every token folded
     (kvbuffer.reference.chunked with flush_at = 1), from a copy of the pool."""
     from ..reference import chunked, chunked_ops
 
@@ -270,27 +272,28 @@ def reference(inp: Packed, s: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     if inp.family == "gdn":
         o, _ = chunked.prefill(t["qn"], t["kn"], t["v"], t["g"], t["beta"], inp.cu, state, slots, *bufs, *rows,
                                flush_at=1)
-    else:
-        A_log, dt_bias, D = (p.to(f64) for p in inp.params)
-        o, _ = chunked_ops.mamba2_prefill(t["x"], t["dt"], A_log, dt_bias, t["B"], t["C"], D, inp.cu, state, slots,
-                                          *bufs, *rows, flush_at=1)
-    return o, state[slots.long()]
+        return o, o, state[slots.long()]
+    A_log, dt_bias, D = (p.to(f64) for p in inp.params)
+    y, _ = chunked_ops.mamba2_prefill(t["x"], t["dt"], A_log, dt_bias, t["B"], t["C"], D, inp.cu, state, slots,
+                                      *bufs, *rows, flush_at=1)
+    return y, y - D[:, None] * t["x"], state[slots.long()]
 
 
-def gate(family: str, heads: Mapping, ours: Callable, peers: Mapping, *, device="cuda") -> dict:
+def gate(family: str, heads: Mapping, ours: Callable, peers: Mapping, *, device="cuda",
+         cases: Mapping = GATE_LENGTHS) -> dict:
     """{"op/case/o" and "op/case/state": relative error against the fp64 reference} for every op, on
-    GATE_LENGTHS (outputs poisoned with NaN first; each op on a fresh copy of the pool)."""
+    `cases` (outputs poisoned with NaN first; each op from the same starting pool)."""
     errors = {}
-    for case, lengths in GATE_LENGTHS.items():
+    for case, lengths in cases.items():
         inp = Packed(family, heads, lengths, zero_states=family == "mamba2" and len(lengths) > 1, device=device,
                      seed=1)
-        want_o, want_s = reference(inp)
+        want_y, want_core, want_s = reference(inp)
         start = inp.state.clone()
         for name, op in make_ops(inp, ours, peers).items():
             inp.state.copy_(start)
             inp.out.fill_(float("nan"))
             o, final = op(0)
-            errors[f"{name}/{case}/o"] = common.rel_err(o, want_o)
+            errors[f"{name}/{case}/o"] = common.rel_err(o, want_core if name == KERNEL_ONLY else want_y)
             errors[f"{name}/{case}/state"] = common.rel_err(final, want_s)
     return errors
 
