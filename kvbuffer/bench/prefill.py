@@ -45,8 +45,8 @@ and which backend kvbuffer's engine ran.
 from __future__ import annotations
 
 import datetime
+import functools
 import importlib
-import math
 import statistics
 import time
 from typing import Callable, Mapping
@@ -98,9 +98,9 @@ class Packed:
         self.family, self.heads, self.lengths, self.sets = family, dict(heads), tuple(lengths), sets
         B, N = len(self.lengths), sum(self.lengths)
         self.B, self.N, self.device = B, N, device
-        Hk, Hv, K, V = heads["Hk"], heads["Hv"], heads["K"], heads["V"]
+        Hv, K, V = heads["Hv"], heads["K"], heads["V"]
         g = torch.Generator(device=device).manual_seed(seed)
-        fam = _family_module(family)
+        fam = importlib.import_module(f"kvbuffer.bench.{family}")  # its token inputs and parameters
         self.params = fam.params(heads, g, device)
         self.cu = torch.tensor([0, *torch.tensor(self.lengths).cumsum(0).tolist()], dtype=torch.int32, device=device)
         self.tokens = []
@@ -131,13 +131,9 @@ class Packed:
         return self.state[w * self.B:(w + 1) * self.B]
 
     def set_bytes(self) -> int:
-        """Bytes one set's launch reads and writes at least: its token inputs, states and output."""
+        """One set's bytes: its token inputs (every op's), its states read and written, the output."""
         per_token = sum(t.nbytes for t in self.tokens[0].values()) / self.N
         return int(self.N * per_token + 2 * self.window(0).nbytes + self.out.nbytes)
-
-
-def _family_module(family: str):
-    return importlib.import_module(f"kvbuffer.bench.{family}")
 
 
 def our_kernel(heads: Mapping, *, delta_rule: bool) -> Callable:
@@ -491,7 +487,7 @@ def kvbuffer_rows(preset: str, prompt_lens, *, device, dtype, repeats: int, engi
     rows = []
     for P in prompt_lens:
         prompt = _prompt(P, llm.vocab_size)
-        m = measure_ttft(lambda: llm.generate(prompt, max_new_tokens=1, stop_token_ids=[]), device=device,
+        m = measure_ttft(functools.partial(llm.generate, prompt, max_new_tokens=1, stop_token_ids=[]), device=device,
                          repeats=repeats)
         rows.append(dict(side="kvbuffer", P=P, path=path, max_prefill_tokens=llm.max_prefill_tokens, **m))
         print(_e2e_line(rows[-1]), flush=True)
@@ -513,11 +509,8 @@ def transformers_rows(preset: str, prompt_lens, *, device, dtype, repeats: int) 
     rows = []
     for P in prompt_lens:
         ids = torch.tensor([_prompt(P, model.config.vocab_size)], device=device)
-
-        def call():
-            with torch.no_grad():
-                return model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=1, do_sample=False,
-                                      pad_token_id=0)
+        call = functools.partial(model.generate, ids, attention_mask=torch.ones_like(ids), max_new_tokens=1,
+                                 do_sample=False, pad_token_id=0)
         rows.append(dict(side="transformers", P=P, path=path, **measure_ttft(call, device=device, repeats=repeats)))
         print(_e2e_line(rows[-1]), flush=True)
     del model
