@@ -1,4 +1,5 @@
-"""`kvbuffer bench gdn|mamba2|decode|spec`: the benchmarks of kvbuffer.bench (they need a CUDA GPU).
+"""`kvbuffer bench gdn|mamba2|decode|spec|prefill|transformers|serve`: the benchmarks of kvbuffer.bench
+(CUDA; `prefill --what e2e --device cpu` also runs on a CPU).
 
 Each subcommand parses its options and calls kvbuffer.bench; `kvbuffer bench SUBCOMMAND --help`
 lists them. Results (JSON, figure, table) land in --out, benchmarks/results/ by default.
@@ -174,6 +175,71 @@ def transformers_bench(args):
     if "--help" not in args and "-h" not in args:
         need_cuda()
     main(list(args))
+
+
+@bench.command("prefill")
+@click.option("--what", type=click.Choice(["kernels", "e2e"]), default="kernels", show_default=True,
+              help="kernels: our chunked prefill kernels vs FLA's chunk_gated_delta_rule and mamba_ssm's "
+                   "mamba_chunk_scan_combined; e2e: time to first token, kvbuffer's engine vs transformers.")
+@click.option("--prompt-lens", help="Tokens per prompt, comma-separated [default: 4096,32768 (kernels, 512 to "
+                                    "131072), 512,4096,16384 (e2e)].")
+@click.option("--families", default="gdn,mamba2", show_default=True, help="kernels: gdn (Qwen3.5-9B heads), "
+                                                                          "mamba2 (Nemotron-3-Nano heads).")
+@click.option("--batches", default="1,8", show_default=True, help="kernels: prompts packed into one launch.")
+@click.option("--launches", default=4, show_default=True, type=click.IntRange(min=1),
+              help="kernels: launches captured in one CUDA graph (each a whole prefill).")
+@click.option("--replays", default=10, show_default=True, type=click.IntRange(min=1),
+              help="kernels: graph replays; the median is reported.")
+@click.option("--preset", default="qwen3.5-9b", show_default=True,
+              help="e2e: model preset (kvbuffer.presets), random weights in its shapes.")
+@click.option("--device", default="cuda", show_default=True, help="e2e: cuda, cuda:N or cpu (kernels need CUDA).")
+@click.option("--repeats", default=3, show_default=True, type=click.IntRange(min=1),
+              help="e2e: timed calls per length after one warm-up; the median is reported.")
+@engine_options("chunk_size", "kernels", "cuda_graphs", "compile", "max_prefill_tokens")
+@_out_option
+def prefill(what, prompt_lens, families, batches, launches, replays, preset, device, repeats, config, out):
+    """Prefill: the chunked prompt kernels against FLA and mamba_ssm (CUDA graphs, packed prompts), or the time to
+    first token of the engine against transformers (B = 1)."""
+    from kvbuffer import presets
+    from kvbuffer.bench import prefill as bench_prefill
+    from kvbuffer.bench import results
+
+    kernels = what == "kernels"
+    default = bench_prefill.PROMPT_LENS if kernels else bench_prefill.E2E_PROMPT_LENS
+    lens = positive_ints(prompt_lens, "--prompt-lens") if prompt_lens else default
+    try:
+        bench_prefill.check_lengths(lens, lo=bench_prefill.MIN_LEN if kernels else 1,
+                                    hi=bench_prefill.MAX_LEN if kernels else None)
+    except ValueError as e:
+        raise click.BadParameter(str(e).split(": ", 1)[1], param_hint="--prompt-lens") from None
+    chosen = tuple(f.strip() for f in families.split(",") if f.strip())
+    if not chosen or any(f not in bench_prefill.FAMILIES for f in chosen):
+        raise click.BadParameter(f"expected families among {', '.join(bench_prefill.FAMILIES)}, got {families!r}",
+                                 param_hint="--families")
+    sizes = positive_ints(batches, "--batches")
+    try:
+        presets.get(preset)
+    except ValueError as e:
+        raise click.BadParameter(str(e), param_hint="--preset") from None
+    if kernels or not device.startswith("cpu"):
+        need_cuda()
+    if kernels:
+        stem = "prefill_kernels_" + "-".join(chosen)
+        save = lambda r: results.write(r, results.result_path(out, stem, r))  # noqa: E731
+        result = bench_prefill.run_kernels(families=chosen, prompt_lens=lens, batches=sizes, launches=launches,
+                                           replays=replays, on_row=save)
+        text = bench_prefill.kernels_table(result)
+    else:
+        stem = f"prefill_e2e_{preset}"
+        save = lambda r: results.write(r, results.result_path(out, stem, r))  # noqa: E731
+        engine = dict(chunk_size=config.chunk_size, kernels=config.kernels, cuda_graphs=config.cuda_graphs,
+                      compile=config.compile, max_prefill_tokens=config.max_prefill_tokens)
+        result = bench_prefill.run_e2e(preset=preset, prompt_lens=lens, device=device, repeats=repeats, engine=engine,
+                                       on_row=save)
+        text = bench_prefill.e2e_table(result)
+    for p in results.finish(result, results.result_path(out, stem, result), text):
+        click.echo(f"wrote {p}")
+    click.echo(text)
 
 
 def _serve_command():

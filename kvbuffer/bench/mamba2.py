@@ -87,27 +87,26 @@ def reference(kind: str, toks: tuple, prm: tuple, pools: common.Pools, s: int) -
     return ref.verify(*args, *bufs, z=z).double()
 
 
-def _import_peer():
-    """mamba_ssm's Triton selective_state_update.
+def import_mamba_ssm(module: str, attr: str):
+    """(mamba_ssm's `module`.`attr`, a note for the peer line).
 
     A mamba_ssm installed without its CUDA extension (MAMBA_SKIP_CUDA_BUILD) fails to import its
-    package for want of `selective_scan_cuda`, which the Triton kernel does not use; only then is
-    an empty module registered under that name, and the peer note says so.
+    package for want of `selective_scan_cuda`, which the Triton kernels do not use; only then is
+    an empty module registered under that name, and the note says so.
     """
-    name = "mamba_ssm.ops.triton.selective_state_update"
     try:
-        return importlib.import_module(name).selective_state_update, ""
+        return getattr(importlib.import_module(module), attr), ""
     except ModuleNotFoundError as e:
         if e.name != "selective_scan_cuda":
             raise
     sys.modules["selective_scan_cuda"] = types.ModuleType("selective_scan_cuda")
-    return importlib.import_module(name).selective_state_update, " (its CUDA extension is not built; unused here)"
+    return getattr(importlib.import_module(module), attr), " (its CUDA extension is not built; unused here)"
 
 
 def load_peers() -> tuple[list, list[str]]:
     """(mamba_ssm's selective_state_update as a Peer, or none, and one line saying which)."""
     try:
-        fn, extra = _import_peer()
+        fn, extra = import_mamba_ssm("mamba_ssm.ops.triton.selective_state_update", "selective_state_update")
     except ImportError as e:
         return [], [f"mamba_ssm: not importable ({e}); its rows are skipped (an optional peer: "
                     "pip install mamba-ssm --no-build-isolation, on a machine with CUDA)"]

@@ -2,7 +2,7 @@
 
 `plot(result, path)` picks the figure from the result's "benchmark" field: kernel µs per row
 against the batch (gdn, mamba2), decode throughput per batch (decode), speculative capacity and
-throughput (spec). It returns False, drawing nothing, when matplotlib is not installed.
+throughput (spec), prompt tokens/s against the prompt length (prefill_kernels, prefill_e2e). It returns False, drawing nothing, when matplotlib is not installed.
 """
 
 from __future__ import annotations
@@ -26,7 +26,8 @@ def plot(result: dict, path: str) -> bool:
     plt = _pyplot()
     if plt is None:
         return False
-    draw = {"gdn": _kernels, "mamba2": _kernels, "decode": _decode, "spec": _spec}[result["benchmark"]]
+    draw = {"gdn": _kernels, "mamba2": _kernels, "decode": _decode, "spec": _spec, "prefill_kernels": _prefill_kernels,
+            "prefill_e2e": _prefill_e2e}[result["benchmark"]]
     fig = draw(plt, result)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
@@ -88,4 +89,33 @@ def _spec(plt, result):
         ax.set_ylabel(label)
         ax.legend()
     fig.suptitle(_title(result))
+    return fig
+
+
+def _prefill_kernels(plt, result):
+    groups = list(dict.fromkeys((r["family"], r["B"]) for r in result["rows"]))
+    fig, axes = plt.subplots(1, max(1, len(groups)), figsize=(5 * max(1, len(groups)), 4), squeeze=False)
+    for ax, (family, B) in zip(axes[0], groups):
+        rows = sorted((r for r in result["rows"] if (r["family"], r["B"]) == (family, B)), key=lambda r: r["P"])
+        for op in rows[0]["tokens_per_s"]:
+            ax.plot([r["P"] for r in rows], [r["tokens_per_s"][op] / 1e6 for r in rows], marker="o", label=op)
+        ax.set_xscale("log", base=2)
+        ax.set_title(f"{family} prefill, B = {B} ({result['gpu']})")
+        ax.set_xlabel("prompt tokens")
+        ax.set_ylabel("M tokens / s")
+        ax.legend()
+    return fig
+
+
+def _prefill_e2e(plt, result):
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for side in dict.fromkeys(r["side"] for r in result["rows"]):
+        rows = sorted((r for r in result["rows"] if r["side"] == side), key=lambda r: r["P"])
+        ax.plot([r["P"] for r in rows], [r["ttft_s"] * 1e3 for r in rows], marker="o", label=side)
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xlabel("prompt tokens")
+    ax.set_ylabel("time to first token (ms)")
+    ax.legend()
+    fig.suptitle(f"{result['preset']} ({result['gpu']}, {result['date']}, random {result['dtype']} weights, B = 1)")
     return fig

@@ -8,6 +8,13 @@ weights), or measures a server already running (--url). Requests arrive at --req
 drawn uniformly within --range-ratio of --input-len and --output-len. Prompts are random token
 ids below 256 (valid in every vocabulary, and the model needs no tokenizer); `ignore_eos` makes
 each request generate exactly its output length. A warm-up request runs before the clock starts.
+
+Decode stalls: every stream's inter-token gaps (between the arrivals of its streamed chunks after the
+first) give the median gap and the largest gap over that median, over all streams of a run. With
+--long-prompt-len N --long-prompt-at S, one more request of N prompt tokens is sent S seconds after
+the clock starts (outside the concurrency limit); the gaps that overlap its prefill (from its send to
+its first token) are also reported on their own: how long the other streams stalled while it was
+prefilled. That request is left out of the other figures and reported by its time to first token.
 """
 
 from __future__ import annotations
@@ -17,7 +24,7 @@ import json
 import random
 import statistics
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import click
@@ -35,6 +42,8 @@ class RequestResult:
     ttft: float = 0.0
     latency: float = 0.0
     error: str = ""
+    sent: float = 0.0  # perf_counter when the request was sent
+    token_times: list[float] = field(default_factory=list)  # perf_counter of each streamed chunk with text
 
 
 @dataclass
@@ -52,6 +61,13 @@ class Summary:
     ttft_p99_ms: float
     tpot_median_ms: float
     tpot_p99_ms: float
+    itl_median_ms: float = float("nan")  # inter-token gaps over all streams
+    itl_max_ms: float = float("nan")
+    itl_max_over_median: float = float("nan")
+    long_prompt_len: int = 0  # the long prompt's figures (0 and NaN: none was sent)
+    long_prompt_ttft_ms: float = float("nan")
+    long_prefill_itl_max_ms: float = float("nan")  # the largest gap overlapping its prefill
+    long_prefill_itl_max_over_median: float = float("nan")  # ... over the median gap of the run
 
 
 def _percentile(xs: list[float], q: float) -> float:
@@ -75,7 +91,7 @@ def workload(num_requests: int, input_len: int, output_len: int, range_ratio: fl
 async def _one(client, url: str, model: str, prompt: list[int], output_len: int) -> RequestResult:
     body = {"model": model, "prompt": prompt, "max_tokens": output_len, "temperature": 0, "ignore_eos": True,
             "stream": True, "stream_options": {"include_usage": True}}
-    start, first, tokens = time.perf_counter(), None, 0
+    start, first, tokens, times = time.perf_counter(), None, 0, []
     try:
         async with client.stream("POST", url + "/v1/completions", json=body) as r:
             if r.status_code != 200:
@@ -86,17 +102,21 @@ async def _one(client, url: str, model: str, prompt: list[int], output_len: int)
                 chunk = json.loads(line[6:])
                 if "error" in chunk:
                     return RequestResult(False, len(prompt), error=chunk["error"]["message"])
-                if chunk.get("choices") and first is None:
-                    first = time.perf_counter()
+                if chunk.get("choices"):
+                    times.append(time.perf_counter())
+                    first = times[0]
                 if chunk.get("usage"):
                     tokens = chunk["usage"]["completion_tokens"]
     except Exception as e:  # a failed request is counted, not fatal
-        return RequestResult(False, len(prompt), error=f"{type(e).__name__}: {e}")
-    return RequestResult(first is not None, len(prompt), tokens, (first or start) - start, time.perf_counter() - start)
+        return RequestResult(False, len(prompt), error=f"{type(e).__name__}: {e}", sent=start)
+    return RequestResult(first is not None, len(prompt), tokens, (first or start) - start, time.perf_counter() - start,
+                         sent=start, token_times=times)
 
 
-async def run_load(url: str, model: str, requests, *, concurrency: int, request_rate: float, seed: int):
-    """Send the requests; returns (results, seconds from the first send to the last answer)."""
+async def run_load(url: str, model: str, requests, *, concurrency: int, request_rate: float, seed: int,
+                   long_prompt: tuple[list[int], int, float] | None = None):
+    """Send the requests; returns (results, seconds from the first send to the last answer, the long
+    prompt's result or None). `long_prompt`: (prompt, output length, seconds after the start to send it)."""
     import httpx
 
     gate = asyncio.Semaphore(concurrency)
@@ -112,35 +132,72 @@ async def run_load(url: str, model: str, requests, *, concurrency: int, request_
             async with gate:
                 return await _one(client, url, model, prompt, n)
 
+        async def later(prompt, n, delay):
+            await asyncio.sleep(delay)
+            return await _one(client, url, model, prompt, n)
+
         tasks, start = [], time.perf_counter()
+        extra = asyncio.create_task(later(*long_prompt)) if long_prompt else None
         for prompt, n in requests:
             tasks.append(asyncio.create_task(gated(prompt, n)))
             if request_rate != float("inf"):
                 await asyncio.sleep(rng.expovariate(request_rate))
         results = await asyncio.gather(*tasks)
-    return results, time.perf_counter() - start
+        seconds = time.perf_counter() - start
+        long = await extra if extra is not None else None
+    return results, seconds, long
 
 
-def summarize(mode: str, concurrency: int, request_rate: float, results, seconds: float) -> Summary:
+def stall_stats(streams: list[list[float]], window: tuple[float, float] | None = None) -> dict:
+    """Inter-token gaps of `streams` (each a list of token arrival times, seconds): the median gap, the
+    largest, their ratio; with `window` (start, end), also the largest gap overlapping it and that over
+    the median of all gaps. Milliseconds; NaN where there is no gap."""
+    nan = float("nan")
+    gaps = [(a, b) for times in streams for a, b in zip(times, times[1:])]
+    sizes = [b - a for a, b in gaps]
+    med = statistics.median(sizes) if sizes else nan
+    out = {"itl_median_ms": med * 1e3, "itl_max_ms": max(sizes, default=nan) * 1e3,
+           "itl_max_over_median": max(sizes) / med if sizes and med > 0 else nan}
+    if window is not None:
+        lo, hi = window
+        inside = [b - a for a, b in gaps if a < hi and b > lo]
+        out["long_prefill_itl_max_ms"] = max(inside, default=nan) * 1e3
+        out["long_prefill_itl_max_over_median"] = max(inside) / med if inside and med > 0 else nan
+    return out
+
+
+def summarize(mode: str, concurrency: int, request_rate: float, results, seconds: float,
+              long: RequestResult | None = None) -> Summary:
+    """The run's figures; `long`: the long prompt's result (its prefill window: its send to its first token)."""
     ok = [r for r in results if r.ok]
     out = sum(r.output_len for r in ok)
     tpot = [(r.latency - r.ttft) / (r.output_len - 1) for r in ok if r.output_len > 1]
     ms = 1000.0
+    window = None
+    if long is not None:
+        window = (long.sent, long.sent + (long.ttft if long.ok else long.latency))
+    stalls = stall_stats([r.token_times for r in ok], window)
+    if long is not None:
+        stalls.update(long_prompt_len=long.prompt_len, long_prompt_ttft_ms=long.ttft * ms if long.ok else float("nan"))
     return Summary(mode, concurrency, request_rate, len(ok), len(results) - len(ok), seconds, len(ok) / seconds,
                    out / seconds, (out + sum(r.prompt_len for r in ok)) / seconds,
                    statistics.median([r.ttft for r in ok]) * ms if ok else float("nan"),
                    _percentile([r.ttft for r in ok], 99) * ms,
-                   statistics.median(tpot) * ms if tpot else float("nan"), _percentile(tpot, 99) * ms)
+                   statistics.median(tpot) * ms if tpot else float("nan"), _percentile(tpot, 99) * ms, **stalls)
 
 
 def _table(rows: list[Summary]) -> str:
+    long = any(s.long_prompt_len for s in rows)
     head = (f"{'mode':<10} {'conc':>5} {'done':>5} {'fail':>4} {'req/s':>8} {'out tok/s':>10} "
-            f"{'TTFT med':>9} {'TTFT p99':>9} {'TPOT med':>9} {'TPOT p99':>9}  (ms)")
+            f"{'TTFT med':>9} {'TTFT p99':>9} {'TPOT med':>9} {'TPOT p99':>9} {'ITL med':>8} {'max/med':>8}"
+            + (f" {'long TTFT':>10} {'prefill max/med':>15}" if long else "") + "  (ms)")
     lines = [head]
     for s in rows:
         lines.append(f"{s.mode:<10} {s.concurrency:>5} {s.completed:>5} {s.failed:>4} {s.requests_per_s:>8.2f} "
                      f"{s.output_tokens_per_s:>10.1f} {s.ttft_median_ms:>9.1f} {s.ttft_p99_ms:>9.1f} "
-                     f"{s.tpot_median_ms:>9.2f} {s.tpot_p99_ms:>9.2f}")
+                     f"{s.tpot_median_ms:>9.2f} {s.tpot_p99_ms:>9.2f} {s.itl_median_ms:>8.2f} "
+                     f"{s.itl_max_over_median:>8.1f}"
+                     + (f" {s.long_prompt_ttft_ms:>10.1f} {s.long_prefill_itl_max_over_median:>15.1f}" if long else ""))
     return "\n".join(lines)
 
 
@@ -167,12 +224,17 @@ def _table(rows: list[Summary]) -> str:
               help="The servers' --max-len [default: longest prompt + output].")
 @click.option("--server-arg", "server_args", multiple=True,
               help="More `kvbuffer serve` options for the servers it starts (repeat), e.g. --server-arg=--device=cuda.")
+@click.option("--long-prompt-len", default=0, show_default=True, type=click.IntRange(min=0),
+              help="Send one more request of this many prompt tokens (0: none) and report the decode stalls "
+                   "during its prefill.")
+@click.option("--long-prompt-at", default=1.0, show_default=True, type=click.FloatRange(min=0),
+              help="Seconds after the clock starts to send the long prompt.")
 @click.option("--seed", default=0, show_default=True, type=int)
 @click.option("--out", "out_path", default=None, type=click.Path(dir_okay=False, path_type=Path),
               help="Write the results as JSON here.")
 def bench_serve(url, model_dir, preset, modes, concurrency_list, request_rate, num_requests, input_len, output_len,
-                range_ratio, max_batch, max_len, server_args, seed, out_path):
-    """Serving benchmark: throughput, TTFT and TPOT (median, p99) per mode and concurrency."""
+                range_ratio, max_batch, max_len, server_args, long_prompt_len, long_prompt_at, seed, out_path):
+    """Serving benchmark: throughput, TTFT, TPOT (median, p99) and decode stalls per mode and concurrency."""
     from .launch import ServerProcess
 
     levels = positive_ints(concurrency_list, "--concurrency")
@@ -185,12 +247,19 @@ def bench_serve(url, model_dir, preset, modes, concurrency_list, request_rate, n
     count = {c: num_requests or max(16, 4 * c) for c in levels}
     loads = {c: workload(count[c], input_len, output_len, range_ratio, seed) for c in levels}
     longest = max(len(p) + n for load in loads.values() for p, n in load)
+    long_prompt = None
+    if long_prompt_len:
+        rng = random.Random(seed + 1)
+        long_prompt = ([rng.randrange(PROMPT_VOCAB) for _ in range(long_prompt_len)], output_len, long_prompt_at)
+        longest = max(longest, long_prompt_len + output_len)
+    extra = 1 if long_prompt else 0  # the long prompt's slot and place in the queue
     rows = []
     for mode in ([None] if url else mode_list):
         server = None
         if url is None:
-            args = ["--mode", mode, "--max-batch", str(max_batch or max(levels)), "--max-len", str(max_len or longest),
-                    "--max-waiting", str(max(count.values())), "--log-level", "warning", *server_args]
+            args = ["--mode", mode, "--max-batch", str(max_batch or max(levels) + extra),
+                    "--max-len", str(max_len or longest), "--max-waiting", str(max(count.values()) + extra),
+                    "--log-level", "warning", *server_args]
             args += ["--preset", preset] if preset else (["--model", model_dir] if model_dir else [])
             click.echo(f"starting kvbuffer serve {' '.join(args)}", err=True)
             server = ServerProcess(*args)
@@ -200,10 +269,11 @@ def bench_serve(url, model_dir, preset, modes, concurrency_list, request_rate, n
 
             model = httpx.get(target + "/v1/models", timeout=30).json()["data"][0]["id"]
             for c in levels:
-                results, seconds = asyncio.run(run_load(target, model, loads[c], concurrency=c,
-                                                        request_rate=request_rate, seed=seed))
-                rows.append(summarize(mode or "(url)", c, request_rate, results, seconds))
-                failed = [r.error for r in results if not r.ok]
+                results, seconds, long = asyncio.run(run_load(target, model, loads[c], concurrency=c,
+                                                              request_rate=request_rate, seed=seed,
+                                                              long_prompt=long_prompt))
+                rows.append(summarize(mode or "(url)", c, request_rate, results, seconds, long))
+                failed = [r.error for r in results + ([long] if long else []) if not r.ok]
                 if failed:
                     click.echo(f"{len(failed)} requests failed, first: {failed[0]}", err=True)
                 click.echo(_table(rows[-1:]).splitlines()[1], err=True)
@@ -214,5 +284,7 @@ def bench_serve(url, model_dir, preset, modes, concurrency_list, request_rate, n
     if out_path is not None:
         out_path.write_text(json.dumps({"config": {"input_len": input_len, "output_len": output_len,
                                                    "range_ratio": range_ratio, "request_rate": request_rate,
-                                                   "preset": preset, "model": model_dir, "url": url},
+                                                   "preset": preset, "model": model_dir, "url": url,
+                                                   "long_prompt_len": long_prompt_len,
+                                                   "long_prompt_at": long_prompt_at},
                                         "results": [asdict(r) for r in rows]}, indent=2))

@@ -1,0 +1,561 @@
+"""Prefill: the chunked prompt kernels against the servers' kernels, and the time to first token.
+
+`kvbuffer bench prefill --what kernels|e2e` runs it.
+
+kernels (one GPU): kvbuffer's chunked prefill (`our_kernel`: kvbuffer.kernels.prefill_gdn, its
+decay-only form for Mamba-2) against FLA's `chunk_gated_delta_rule` (fla-core) and mamba_ssm's Triton
+`mamba_chunk_scan_combined`, in one process on the same packed inputs: B prompts of P tokens
+concatenated, `cu_seqlens`, an initial state per prompt, every final state written. The ops:
+
+- gdn (Qwen3.5-9B heads): "kvbuffer" on q, k L2-normalised (q scaled by K**-0.5), g and beta; "fla" on
+  the same q, k, g, beta (scale K**-0.5); "fla_qk_l2norm" on the raw q, k, normalised in the kernel
+  (`use_qk_l2norm_in_kernel`, as vLLM and SGLang call it). g and beta are made before all three, as the
+  servers make them (fused_gdn_gating).
+- mamba2 (Nemotron-3-Nano heads): "mamba_ssm" on the layer's raw x, dt, A, B, C, D, dt_bias with
+  dt_softplus (seq_idx and cu_seqlens when packed, as vLLM calls it); "kvbuffer" from the same raw
+  inputs (dt = softplus(dt + dt_bias), g = dt A, v = dt x in torch, the kernel, then y += D x);
+  "kvbuffer_kernel" the kernel alone on v and g made beforehand. mamba_ssm 2.3 takes one initial state
+  per batch row, so its packed call starts every prompt but the first from zero: packed Mamba-2 rows
+  start every prompt from zero, for every op; B = 1 starts from a random state.
+
+Method: a correctness gate first: every op against the fp64 chunked reference (kvbuffer.reference
+.chunked with every token folded) on awkward packed lengths and on one long prompt, outputs and final
+states, relative error below kernels.GATE_TOLERANCE. Then every op timed by timing.graph_median, its
+inputs in sets rotated past twice the L2 (one set where one alone exceeds it). An op that cannot be
+captured in a CUDA graph is timed eagerly instead (CUDA events around `launches` calls, median of
+`replays`); its row says so.
+
+Work: the FLOPs of the chunk form's matrix products, per value head and token, with C = 64 tokens per
+chunk (every product counted as if per value head; the triangular solve and the masks not counted):
+    delta rule (GDN):    6 C K + 4 C V + 6 K V
+    decay only (SSD):    2 C (K + V) + 4 K V
+times Hv and the tokens (`chunk_flops`). Every op of a row gets the same count (the peers' own chunk
+sizes differ), so TFLOP/s compare as tokens/s do; the repository has no measured tensor-core peak to
+set them against.
+
+e2e (CUDA or CPU): time to first token, `LLM(...).generate(prompt, max_new_tokens=1)`, against stock
+transformers' `generate` with one new token, B = 1, each side on its own random-weight model of the
+preset's shapes (kvbuffer.bench.e2e.random_model; transformers' own init), built one after the other;
+prefill time does not depend on the values (the MoE routing aside). Per length: one warm-up call,
+then the median of `repeats`; on CUDA also the peak memory of the prefill. Each row says which
+path transformers took (FLA / mamba_ssm where importable and the inputs on CUDA, else its torch path)
+and which backend kvbuffer's engine ran.
+"""
+
+from __future__ import annotations
+
+import datetime
+import functools
+import importlib
+import statistics
+import time
+from typing import Callable, Mapping
+
+import torch
+
+from . import kernels as common
+from . import timing
+
+WHATS = ("kernels", "e2e")
+FAMILIES = {"gdn": "qwen3.5-9b", "mamba2": "nemotron-3-nano"}  # the preset whose heads each family times
+PROMPT_LENS = (4096, 32768)  # kernels: tokens per prompt
+E2E_PROMPT_LENS = (512, 4096, 16384)
+BATCHES = (1, 8)
+MIN_LEN, MAX_LEN = 512, 131072  # the kernels' prompt lengths
+CHUNK = 64  # the chunk of the FLOP count (kvbuffer's and FLA's)
+MAMBA_SSM_CHUNK = 128  # Nemotron-3's config chunk_size, which vLLM passes to the scan
+GATE_LENGTHS = {"packed": (1000, 1, 63, 64, 65, 4097, 130, 7), "single": (3001,)}
+DEFAULT_LAUNCHES, DEFAULT_REPLAYS = 4, 10  # each launch is a whole prefill (milliseconds)
+KERNEL_ONLY = "kvbuffer_kernel"  # Mamba-2's kernel alone: its output is the recurrence's, before the D skip
+
+
+def check_lengths(lengths, *, lo: int = 1, hi: int | None = None, option: str = "--prompt-lens") -> tuple[int, ...]:
+    """The prompt lengths as a tuple of ints in [lo, hi]; ValueError naming `option` otherwise."""
+    values = tuple(lengths)
+    bad = [n for n in values if isinstance(n, bool) or not isinstance(n, int) or n < lo or (hi is not None and n > hi)]
+    if not values or bad:
+        span = f"[{lo}, {hi}]" if hi is not None else f">= {lo}"
+        raise ValueError(f"{option}: prompt lengths must be integers in {span}, got {list(values)}")
+    return values
+
+
+def chunk_flops(delta_rule: bool, tokens: int, Hv: int, K: int, V: int, C: int = CHUNK) -> float:
+    """The chunk form's matrix-product FLOPs for `tokens` tokens of Hv value heads (module docstring)."""
+    per_token = 6 * C * K + 4 * C * V + 6 * K * V if delta_rule else 2 * C * (K + V) + 4 * K * V
+    return float(Hv * tokens * per_token)
+
+
+# -- the kernels' inputs and ops --------------------------------------------------------------------
+
+class Packed:
+    """`sets` copies of the packed inputs of B prompts, a state pool of `sets` windows of B states, and
+    the layer's parameters; set s's prompts use window s (slots s*B .. s*B + B - 1)."""
+
+    def __init__(self, family: str, heads: Mapping, lengths, *, sets: int = 1, zero_states: bool = False,
+                 device="cuda", seed: int = 0):
+        from ..reference.gating import gdn_front, l2norm, mamba2_front
+
+        self.family, self.heads, self.lengths, self.sets = family, dict(heads), tuple(lengths), sets
+        B, N = len(self.lengths), sum(self.lengths)
+        self.B, self.N, self.device = B, N, device
+        Hv, K, V = heads["Hv"], heads["K"], heads["V"]
+        g = torch.Generator(device=device).manual_seed(seed)
+        fam = importlib.import_module(f"kvbuffer.bench.{family}")  # its token inputs and parameters
+        self.params = fam.params(heads, g, device)
+        self.cu = torch.tensor([0, *torch.tensor(self.lengths).cumsum(0).tolist()], dtype=torch.int32, device=device)
+        self.tokens = []
+        for _ in range(sets):
+            toks = tuple(t[0] for t in fam.tokens(heads, 1, N, g, device))  # (N, ...) each
+            if family == "gdn":
+                q, k, v, a, b = toks
+                qn, kn, gate, beta = gdn_front(q, k, a, b, *self.params)
+                self.tokens.append(dict(q=q, k=k, v=v, qn=qn.to(torch.bfloat16), kn=kn.to(torch.bfloat16),
+                                        q_unit=l2norm(q.float()).to(torch.bfloat16), g=gate, beta=beta))
+            else:
+                x, dt, Bm, Cm, _ = toks  # the gate z stays outside the scan
+                value, gate, _ = mamba2_front(x, dt, *self.params[:2])
+                self.tokens.append(dict(x=x, dt=dt, B=Bm, C=Cm, v=value.to(torch.bfloat16), g=gate))
+        self.state = torch.zeros(sets * B, Hv, K, V, device=device)
+        if not zero_states:
+            self.state.normal_(0.0, 0.1, generator=g)
+        rows = torch.arange(B, dtype=torch.int32, device=device)
+        self._slots = [(s * B + rows).to(torch.int32) for s in range(sets)]
+        self.out = torch.empty(N, Hv, V, dtype=torch.bfloat16, device=device)
+
+    def slots(self, s: int) -> torch.Tensor:
+        return self._slots[s % self.sets]
+
+    def window(self, s: int) -> torch.Tensor:
+        """Set s's initial states as one contiguous view of the pool (B, Hv, K, V)."""
+        w = s % self.sets
+        return self.state[w * self.B:(w + 1) * self.B]
+
+    def set_bytes(self) -> int:
+        """One set's bytes: its token inputs (every op's), its states read and written, the output."""
+        per_token = sum(t.nbytes for t in self.tokens[0].values()) / self.N
+        return int(self.N * per_token + 2 * self.window(0).nbytes + self.out.nbytes)
+
+
+def our_kernel(heads: Mapping, *, delta_rule: bool) -> Callable:
+    """kvbuffer's chunked prefill for one head shape: run(q, k, v, g, beta, cu_seqlens, state, state_slots,
+    out) -> out (N, Hv, V), each final state written at its slot. The one place this module calls the
+    kernel's builder and launcher, so they can move without touching the rest."""
+    from ..kernels.prefill_gdn import build_gdn_chunk_prefill, gdn_chunk_prefill
+
+    op = build_gdn_chunk_prefill(heads["Hk"], heads["Hv"], heads["K"], heads["V"], delta_rule=delta_rule)
+
+    def run(q, k, v, g, beta, cu_seqlens, state, state_slots, out):
+        return gdn_chunk_prefill(op, q, k, v, g, beta, cu_seqlens, state, state_slots, out, check_values=False)
+    return run
+
+
+def load_peers(family: str) -> tuple[dict, list[str]]:
+    """({peer name: its function}, one line per peer saying what was loaded or why not)."""
+    if family == "gdn":
+        try:
+            import fla
+            from fla.ops.gated_delta_rule import chunk_gated_delta_rule
+        except ImportError as e:
+            return {}, [f"fla: not importable ({e}); its rows are skipped (pip install fla-core)"]
+        note = (f"fla-core {getattr(fla, '__version__', '?')} chunk_gated_delta_rule: cu_seqlens, initial_state, "
+                "output_final_state=True, scale K**-0.5, g and beta given")
+        return ({"fla": chunk_gated_delta_rule, "fla_qk_l2norm": chunk_gated_delta_rule},
+                [f"fla: {note}, q and k normalised", f"fla_qk_l2norm: {note}, use_qk_l2norm_in_kernel on raw q and k"])
+    from .mamba2 import import_mamba_ssm
+
+    try:
+        fn, extra = import_mamba_ssm("mamba_ssm.ops.triton.ssd_combined", "mamba_chunk_scan_combined")
+    except ImportError as e:
+        return {}, [f"mamba_ssm: not importable ({e}); its rows are skipped (its Triton modules suffice: put them "
+                    "on PYTHONPATH)"]
+    import mamba_ssm
+
+    return {"mamba_ssm": fn}, [f"mamba_ssm: {getattr(mamba_ssm, '__version__', '?')} Triton mamba_chunk_scan_combined, "
+                               f"chunk_size {MAMBA_SSM_CHUNK}, dt_bias, dt_softplus, D, seq_idx and cu_seqlens "
+                               f"(return_varlen_states) when packed, initial_states at B = 1{extra}"]
+
+
+def make_ops(inp: Packed, ours: Callable, peers: Mapping) -> dict:
+    """{op name: f(set index) -> (output (N, Hv, V), final states (B, Hv, K, V) in kvbuffer's layout, or None
+    where the op wrote them into the pool at the set's slots, as our kernel does)}.
+
+    Everything an op's call needs besides its inputs (A = -exp(A_log), seq_idx, mamba_ssm's initial
+    states in its (H, P, N) layout) is made here, before any timing."""
+    if inp.family == "gdn":
+        return _gdn_ops(inp, ours, peers)
+    return _mamba2_ops(inp, ours, peers)
+
+
+def _gdn_ops(inp: Packed, ours, peers) -> dict:
+    K = inp.heads["K"]
+    cu_long = inp.cu.long()
+
+    def kvbuffer(s):
+        t = inp.tokens[s % inp.sets]
+        ours(t["qn"], t["kn"], t["v"], t["g"], t["beta"], inp.cu, inp.state, inp.slots(s), inp.out)
+        return inp.out, None
+
+    def fla(fn, raw: bool):
+        def run(s):
+            t = inp.tokens[s % inp.sets]
+            q, k = (t["q"], t["k"]) if raw else (t["q_unit"], t["kn"])
+            o, final = fn(q[None], k[None], t["v"][None], t["g"][None], t["beta"][None], scale=K ** -0.5,
+                          initial_state=inp.window(s), output_final_state=True, cu_seqlens=cu_long,
+                          use_qk_l2norm_in_kernel=raw)
+            return o[0], final
+        return run
+
+    ops = {"kvbuffer": kvbuffer}
+    if "fla" in peers:
+        ops["fla"] = fla(peers["fla"], raw=False)
+        ops["fla_qk_l2norm"] = fla(peers["fla_qk_l2norm"], raw=True)
+    return ops
+
+
+def _mamba2_ops(inp: Packed, ours, peers) -> dict:
+    A_log, dt_bias, D = inp.params
+    A = -torch.exp(A_log.float())
+
+    def kernel_only(s):
+        t = inp.tokens[s % inp.sets]
+        ours(t["C"], t["B"], t["v"], t["g"], None, inp.cu, inp.state, inp.slots(s), inp.out)
+        return inp.out, None
+
+    def kvbuffer(s):  # the front and the D skip around the kernel, in torch
+        t = inp.tokens[s % inp.sets]
+        dt = torch.nn.functional.softplus(t["dt"].float() + dt_bias)
+        ours(t["C"], t["B"], (dt[..., None] * t["x"]).to(torch.bfloat16), dt * A, None, inp.cu, inp.state,
+             inp.slots(s), inp.out)
+        return (inp.out + D[:, None] * t["x"]).to(torch.bfloat16), None
+
+    ops = {"kvbuffer": kvbuffer, KERNEL_ONLY: kernel_only}
+    if "mamba_ssm" in peers:
+        ops["mamba_ssm"] = _mamba_ssm_op(inp, peers["mamba_ssm"], A)
+    return ops
+
+
+def _mamba_ssm_op(inp: Packed, fn, A):
+    """mamba_chunk_scan_combined as vLLM calls it on a packed batch (B = 1: with the initial state)."""
+    _, dt_bias, D = inp.params
+    packed = inp.B > 1
+    seq_idx = torch.repeat_interleave(torch.arange(inp.B, dtype=torch.int32, device=inp.device),
+                                      inp.cu.diff().long())[None] if packed else None
+    initial = [None if packed else inp.window(s).transpose(-1, -2).contiguous() for s in range(inp.sets)]
+
+    def run(s):
+        t = inp.tokens[s % inp.sets]
+        out = fn(t["x"][None], t["dt"][None], A, t["B"][None], t["C"][None], MAMBA_SSM_CHUNK, D=D, dt_bias=dt_bias,
+                 dt_softplus=True, initial_states=initial[s % inp.sets], seq_idx=seq_idx, cu_seqlens=inp.cu,
+                 return_final_states=not packed, return_varlen_states=packed)
+        y, final = out
+        return y[0], final.transpose(-1, -2)  # its (B, H, P, N) states in kvbuffer's (B, H, N, P)
+    return run
+
+
+def reference(inp: Packed, s: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """fp64 outputs (N, Hv, V) of the layer and of the recurrence alone (Mamba-2's without the D skip;
+    GDN's are the same) and final states (B, Hv, K, V) of set s, every token folded
+    (kvbuffer.reference.chunked with flush_at = 1), from a copy of the pool."""
+    from ..reference import chunked, chunked_ops
+
+    h, B, f64 = inp.heads, inp.B, torch.float64
+    state = inp.state.to(f64)
+    dev = state.device
+    bufs = (torch.zeros(B, 1, h["Hk"], h["K"], dtype=f64, device=dev), torch.zeros(B, 1, h["Hv"], h["V"], dtype=f64,
+            device=dev), torch.zeros(B, 1, h["Hv"], dtype=f64, device=dev))
+    rows = (torch.arange(B, dtype=torch.int32, device=dev), torch.zeros(B, dtype=torch.int32, device=dev))
+    t, slots = {k: v.to(f64) for k, v in inp.tokens[s % inp.sets].items()}, inp.slots(s)
+    if inp.family == "gdn":
+        o, _ = chunked.prefill(t["qn"], t["kn"], t["v"], t["g"], t["beta"], inp.cu, state, slots, *bufs, *rows,
+                               flush_at=1)
+        return o, o, state[slots.long()]
+    A_log, dt_bias, D = (p.to(f64) for p in inp.params)
+    y, _ = chunked_ops.mamba2_prefill(t["x"], t["dt"], A_log, dt_bias, t["B"], t["C"], D, inp.cu, state, slots,
+                                      *bufs, *rows, flush_at=1)
+    return y, y - D[:, None] * t["x"], state[slots.long()]
+
+
+def gate(family: str, heads: Mapping, ours: Callable, peers: Mapping, *, device="cuda",
+         cases: Mapping = GATE_LENGTHS) -> dict:
+    """{"op/case/o" and "op/case/state": relative error against the fp64 reference} for every op, on
+    `cases` (outputs poisoned with NaN first; each op from the same starting pool)."""
+    errors = {}
+    for case, lengths in cases.items():
+        inp = Packed(family, heads, lengths, zero_states=family == "mamba2" and len(lengths) > 1, device=device,
+                     seed=1)
+        want_y, want_core, want_s = reference(inp)
+        start = inp.state.clone()
+        for name, op in make_ops(inp, ours, peers).items():
+            inp.state.copy_(start)
+            inp.out.fill_(float("nan"))
+            o, final = op(0)
+            final = inp.state[inp.slots(0).long()] if final is None else final
+            errors[f"{name}/{case}/o"] = common.rel_err(o, want_core if name == KERNEL_ONLY else want_y)
+            errors[f"{name}/{case}/state"] = common.rel_err(final, want_s)
+    return errors
+
+
+def eager_median(fn: Callable[[int], object], sets: int, *, launches: int, replays: int) -> float:
+    """Median seconds per call of `launches` eager calls between two CUDA events (after one warm-up call)."""
+    fn(0)
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(replays):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for i in range(launches):
+            fn(i % sets)
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1e3 / launches)
+    return statistics.median(times)
+
+
+def time_op(fn: Callable[[int], object], inp: Packed, rotated: float, *, launches: int, replays: int):
+    """(seconds per call, "graph" or "eager: why the capture failed")."""
+    try:
+        return timing.graph_median(fn, inp.sets, rotated_bytes=rotated, launches=launches, replays=replays).seconds, \
+            "graph"
+    except RuntimeError as e:  # a peer that syncs with the host inside its call cannot be captured
+        torch.cuda.synchronize()
+        why = str(e).splitlines()[0][:160]
+        return eager_median(fn, inp.sets, launches=launches, replays=replays), f"eager: capture failed ({why})"
+
+
+def kernel_row(family: str, preset: str, heads: Mapping, B: int, P: int, measured: Mapping) -> dict:
+    """One (family, B, P)'s figures: µs, tokens/s, TFLOP/s per op, and each peer's time over kvbuffer's."""
+    tokens = B * P
+    flops = chunk_flops(family == "gdn", tokens, heads["Hv"], heads["K"], heads["V"])
+    secs = {op: s for op, (s, _) in measured.items()}
+    row = {"family": family, "preset": preset, "B": B, "P": P, "tokens": tokens, "flops": flops,
+           "us": {op: s * 1e6 for op, s in secs.items()}, "tokens_per_s": {op: tokens / s for op, s in secs.items()},
+           "tflops": {op: flops / s / 1e12 for op, s in secs.items()},
+           "method": {op: m for op, (_, m) in measured.items()}}
+    row["over_kvbuffer"] = {op: s / secs["kvbuffer"] for op, s in secs.items() if not op.startswith("kvbuffer")}
+    return row
+
+
+def new_result(what: str, **fields) -> dict:
+    gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu"
+    return {"benchmark": f"prefill_{what}", "date": datetime.date.today().isoformat(), "gpu": gpu, **fields,
+            "rows": []}
+
+
+def run_kernels(*, families=tuple(FAMILIES), prompt_lens=PROMPT_LENS, batches=BATCHES,
+                launches: int = DEFAULT_LAUNCHES, replays: int = DEFAULT_REPLAYS,
+                on_row: Callable[[dict], None] = lambda result: None) -> dict:
+    """Gate, then time every op at every (family, B, P); returns the result dict."""
+    check_lengths(prompt_lens, lo=MIN_LEN, hi=MAX_LEN)
+    check_lengths(batches, option="--batches")
+    unknown = [f for f in families if f not in FAMILIES]
+    if unknown:
+        raise ValueError(f"--families: unknown {unknown}; families: {', '.join(FAMILIES)}")
+    timing.require_cuda("kvbuffer bench prefill --what kernels")
+    result = new_result("kernels", flops=f"chunk form, C = {CHUNK}: Hv x tokens x (6CK + 4CV + 6KV) (delta rule), "
+                                         "(2C(K + V) + 4KV) (decay only)", launches=launches, replays=replays,
+                        timing=f"cuda-graph, {launches} launches, median of {replays} replays, inputs rotated past "
+                               "twice the L2 (eager where a capture failed: see each row's method)", peers={}, gate={})
+    for family in families:
+        preset = FAMILIES[family]
+        heads = common.heads_of(preset)
+        peers, notes = load_peers(family)
+        print("\n".join(notes), flush=True)
+        result["peers"][family] = notes
+        ours = our_kernel(heads, delta_rule=family == "gdn")
+        errors = gate(family, heads, ours, peers)
+        print(f"gate {family}: " + " ".join(f"{k}={v:.1e}" for k, v in errors.items()), flush=True)
+        result["gate"][family] = errors
+        common.check_gate(errors, preset)
+        for B in batches:
+            for P in prompt_lens:
+                result["rows"].append(_time_case(family, preset, heads, B, P, ours, peers, launches, replays))
+                on_row(result)
+    return result
+
+
+def _time_case(family, preset, heads, B, P, ours, peers, launches, replays) -> dict:
+    probe = Packed(family, heads, (P,) * B, sets=1, zero_states=family == "mamba2" and B > 1)
+    sets = timing.sets_to_exceed(probe.set_bytes(), 2 * timing.l2_bytes(), at_least=1)
+    inp = probe if sets == 1 else Packed(family, heads, (P,) * B, sets=sets, zero_states=family == "mamba2" and B > 1)
+    del probe
+    rotated = sets * inp.set_bytes()
+    measured = {name: time_op(op, inp, rotated, launches=launches, replays=replays)
+                for name, op in make_ops(inp, ours, peers).items()}
+    row = kernel_row(family, preset, heads, B, P, measured)
+    row["rotated_MB"] = round(rotated / 1e6)
+    print(f"{family:6s} B={B:2d} P={P:6d} " + " ".join(f"{k}={v / 1e3:.2f}ms" for k, v in row["us"].items()), flush=True)
+    del inp
+    torch.cuda.empty_cache()
+    return row
+
+
+def kernels_table(result: dict) -> str:
+    lines = [f"{result['gpu']}  {result['timing']}",
+             f"{'family':7s} {'B':>3s} {'P':>7s}  {'op':16s} {'ms':>9s} {'Mtok/s':>8s} {'TFLOP/s':>8s} {'x kvb':>6s}"]
+    for r in result["rows"]:
+        for op in r["us"]:
+            over = r["over_kvbuffer"].get(op)
+            lines.append(f"{r['family']:7s} {r['B']:3d} {r['P']:7d}  {op:16s} {r['us'][op] / 1e3:9.3f} "
+                         f"{r['tokens_per_s'][op] / 1e6:8.3f} {r['tflops'][op]:8.1f} "
+                         + (f"{over:6.2f}" if over is not None else f"{'':6s}")
+                         + ("" if r["method"][op] == "graph" else "  (eager)"))
+    lines.append("x kvb: the op's time over kvbuffer's (above 1: kvbuffer is faster)")
+    return "\n".join(lines)
+
+
+# -- end to end: time to first token ---------------------------------------------------------------
+
+def hf_config(preset: str) -> dict:
+    """The preset's config as transformers' config class takes it (num_hidden_layers from the layer list)."""
+    from .. import presets
+
+    cfg = presets.get(preset).hf_config()
+    if "layer_types" in cfg:
+        cfg["num_hidden_layers"] = len(cfg["layer_types"])
+    return cfg
+
+
+def hf_model(preset: str, device, dtype) -> torch.nn.Module:
+    """Stock transformers' model of the preset's shapes, random weights (transformers' init), built on `device`."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.for_model(**hf_config(preset))
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device(device):
+            model = AutoModelForCausalLM.from_config(config)
+    finally:
+        torch.set_default_dtype(old)
+    return model.eval()
+
+
+def hf_path(family: str, device) -> str:
+    """Which linear-attention kernel transformers runs the prompt on: the package's where it is importable
+    and the inputs are on CUDA (transformers picks it so), else its torch path."""
+    package, module, fn = {"gdn": ("fla", "fla.ops.gated_delta_rule", "chunk_gated_delta_rule"),
+                           "mamba2": ("mamba_ssm", "mamba_ssm.ops.triton.ssd_combined",
+                                      "mamba_chunk_scan_combined")}[family]
+    if torch.device(device).type != "cuda":
+        return f"torch (inputs on {torch.device(device).type})"
+    try:
+        importlib.import_module(module)
+    except ImportError as e:
+        return f"torch ({package} not importable: {e})"
+    return f"{package} {getattr(importlib.import_module(package), '__version__', '?')} {fn}"
+
+
+def _sync(device) -> None:
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize()
+
+
+def measure_ttft(call: Callable[[], object], *, device, repeats: int) -> dict:
+    """One warm-up call, then `repeats` timed ones: median seconds, and on CUDA the peak memory of the
+    last (absolute, and above what was allocated before it)."""
+    call()
+    _sync(device)
+    cuda = torch.device(device).type == "cuda"
+    times, before = [], 0
+    for _ in range(repeats):
+        if cuda:
+            before = torch.cuda.memory_allocated()
+            torch.cuda.reset_peak_memory_stats()
+        start = time.perf_counter()
+        call()
+        _sync(device)
+        times.append(time.perf_counter() - start)
+    peak = torch.cuda.max_memory_allocated() if cuda else None
+    return {"ttft_s": statistics.median(times), "peak_gib": peak / 2**30 if cuda else None,
+            "prefill_gib": (peak - before) / 2**30 if cuda else None}
+
+
+def _prompt(P: int, vocab: int) -> list[int]:
+    from .e2e import random_prompts
+
+    return random_prompts(1, P, vocab, seed=P)[0]
+
+
+def kvbuffer_rows(preset: str, prompt_lens, *, device, dtype, repeats: int, engine: Mapping) -> list[dict]:
+    """TTFT rows of kvbuffer's engine (LLM with `engine`'s EngineConfig fields) on the preset's random model."""
+    from .. import LLM
+    from .e2e import random_model, release
+
+    model = random_model(preset, device, dtype)
+    llm = LLM(model, device=device, max_batch=1, max_len=max(prompt_lens) + 8, **engine)
+    path = f"{llm.backend.name} backend" + ("" if llm.kernels else f" ({llm.kernels_reason})")
+    rows = []
+    for P in prompt_lens:
+        prompt = _prompt(P, llm.vocab_size)
+        m = measure_ttft(functools.partial(llm.generate, prompt, max_new_tokens=1, stop_token_ids=[]), device=device,
+                         repeats=repeats)
+        rows.append(dict(side="kvbuffer", P=P, path=path, max_prefill_tokens=llm.max_prefill_tokens, **m))
+        print(_e2e_line(rows[-1]), flush=True)
+    del llm, model
+    release(device)
+    return rows
+
+
+def transformers_rows(preset: str, prompt_lens, *, device, dtype, repeats: int) -> list[dict]:
+    """TTFT rows of stock transformers' generate (one new token); none, with a line, without transformers."""
+    from .e2e import release
+
+    try:
+        model = hf_model(preset, device, dtype)
+    except ImportError as e:
+        print(f"transformers: rows skipped ({e})", flush=True)
+        return []
+    path = hf_path(common.heads_of(preset)["family"], device)
+    rows = []
+    for P in prompt_lens:
+        ids = torch.tensor([_prompt(P, model.config.vocab_size)], device=device)
+        call = functools.partial(model.generate, ids, attention_mask=torch.ones_like(ids), max_new_tokens=1,
+                                 do_sample=False, pad_token_id=0)
+        rows.append(dict(side="transformers", P=P, path=path, **measure_ttft(call, device=device, repeats=repeats)))
+        print(_e2e_line(rows[-1]), flush=True)
+    del model
+    release(device)
+    return rows
+
+
+def _e2e_line(r: dict) -> str:
+    mem = f" peak {r['peak_gib']:.2f} GiB (prefill +{r['prefill_gib']:.2f})" if r.get("peak_gib") is not None else ""
+    return (f"{r['side']:12s} P={r['P']:6d} TTFT {r['ttft_s'] * 1e3:9.1f} ms  {r['P'] / r['ttft_s']:10.0f} tok/s"
+            f"{mem}  [{r['path']}]")
+
+
+def run_e2e(*, preset: str, prompt_lens=E2E_PROMPT_LENS, device="cuda", dtype=None, repeats: int = 3,
+            engine: Mapping | None = None, on_row: Callable[[dict], None] = lambda result: None) -> dict:
+    """TTFT and prompt tokens/s of kvbuffer's engine and of transformers at every prompt length, B = 1."""
+    from .. import presets
+
+    check_lengths(prompt_lens)
+    presets.get(preset)
+    if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < 1:
+        raise ValueError(f"--repeats must be an integer >= 1, got {repeats!r}")
+    if torch.device(device).type == "cuda":
+        timing.require_cuda("kvbuffer bench prefill --what e2e")
+    dtype = dtype or (torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32)
+    result = new_result("e2e", preset=preset, dtype=str(dtype).replace("torch.", ""), batch=1, repeats=repeats,
+                        engine={k: v for k, v in (engine or {}).items()},
+                        timing=f"wall clock of generate(max_new_tokens=1), host-synchronised, median of {repeats} "
+                               "after one warm-up", note="random weights; each side its own")
+    result["rows"] = kvbuffer_rows(preset, prompt_lens, device=device, dtype=dtype, repeats=repeats,
+                                   engine=engine or {})
+    on_row(result)
+    result["rows"] += transformers_rows(preset, prompt_lens, device=device, dtype=dtype, repeats=repeats)
+    for r in result["rows"]:
+        r["tokens_per_s"] = r["P"] / r["ttft_s"]
+    on_row(result)
+    return result
+
+
+def e2e_table(result: dict) -> str:
+    lines = [f"{result['preset']}  {result['gpu']}  {result['dtype']}  B = 1  {result['timing']}",
+             f"{'side':12s} {'P':>7s} {'TTFT ms':>10s} {'tok/s':>10s} {'peak GiB':>9s} {'+prefill':>9s}  path"]
+    for r in result["rows"]:
+        mem = (f"{r['peak_gib']:9.2f} {r['prefill_gib']:9.2f}" if r.get("peak_gib") is not None
+               else f"{'-':>9s} {'-':>9s}")
+        lines.append(f"{r['side']:12s} {r['P']:7d} {r['ttft_s'] * 1e3:10.1f} {r['tokens_per_s']:10.0f} {mem}  "
+                     f"{r['path']}")
+    return "\n".join(lines)

@@ -1,0 +1,47 @@
+"""`kvbuffer bench prefill` on a CUDA GPU, small: the gate with the real kernels and peers, the timed rows, the
+end-to-end harness on a tiny preset.
+
+Run: PYTHONPATH=.kvb-dev/peers pytest -v tests/gpu/test_bench_prefill.py (mamba_ssm's Triton modules there;
+without them its rows are skipped and the tests say so).
+"""
+
+import json
+
+import pytest
+import torch
+
+from kvbuffer.bench import kernels as common
+from kvbuffer.bench import prefill
+
+pytestmark = [pytest.mark.gpu, pytest.mark.tilelang]
+
+
+@pytest.mark.parametrize("family", ["gdn", "mamba2"])
+def test_gate_with_the_real_kernels_and_peers(family):
+    heads = common.heads_of(prefill.FAMILIES[family])
+    peers, notes = prefill.load_peers(family)
+    ours = prefill.our_kernel(heads, delta_rule=family == "gdn")
+    errors = prefill.gate(family, heads, ours, peers)
+    print(notes, errors)
+    common.check_gate(errors, family)
+    want = {"gdn": {"kvbuffer", "fla", "fla_qk_l2norm"}, "mamba2": {"kvbuffer", "kvbuffer_kernel", "mamba_ssm"}}[family]
+    assert {k.split("/")[0] for k in errors} == want & ({"kvbuffer", "kvbuffer_kernel"} | set(peers))
+
+
+def test_run_kernels_small():
+    result = prefill.run_kernels(prompt_lens=(512, 1000), batches=(1, 3), launches=2, replays=2)
+    assert {(r["family"], r["B"], r["P"]) for r in result["rows"]} == {
+        (f, B, P) for f in prefill.FAMILIES for B in (1, 3) for P in (512, 1000)}
+    for row in result["rows"]:
+        assert all(v > 0 for v in row["us"].values()) and "kvbuffer" in row["method"]
+        assert row["method"]["kvbuffer"] == "graph"  # our kernel captures in a CUDA graph
+    json.dumps(result)
+    print(prefill.kernels_table(result))
+
+
+def test_e2e_on_a_tiny_preset():
+    result = prefill.run_e2e(preset="tiny-qwen", prompt_lens=(64, 300), device="cuda", dtype=torch.float32, repeats=2)
+    mine = [r for r in result["rows"] if r["side"] == "kvbuffer"]
+    assert [r["P"] for r in mine] == [64, 300]
+    assert all(r["peak_gib"] >= r["prefill_gib"] > 0 for r in mine)
+    print(prefill.e2e_table(result))
