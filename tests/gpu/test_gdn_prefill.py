@@ -1,4 +1,4 @@
-"""The chunked GDN prefill (kvbuffer.kernels.prefill_gdn) against the fp64 recurrence, on a CUDA GPU.
+"""The chunked GDN prefill (kvbuffer.kernels.prefill) against the fp64 recurrence, on a CUDA GPU.
 
 Awkward lengths (1, 63, 64, 65, 1000, 10007 and packed batches of mixed lengths, an empty prompt among
 them), random non-zero starting states, decays from slow to fast across the heads. Outputs are poisoned
@@ -16,7 +16,7 @@ import zlib
 import pytest
 import torch
 
-from kvbuffer.kernels.prefill_gdn import build_gdn_chunk_prefill, gdn_chunk_prefill
+from kvbuffer.kernels.prefill import build_gdn_chunk_prefill, chunk_prefill
 from kvbuffer.reference.core import clamp_log_decay
 
 from tests.support.gdn_cases import bits_equal, record, rel_err
@@ -91,7 +91,7 @@ def test_prefill_matches_fp64_recurrence(case, heads):
     before = state.clone()
     o_ref, finals = recurrence64(q, k, v, g, beta, cu, before, slot_t)
     out = torch.full_like(v, float("nan"))
-    o = gdn_chunk_prefill(prefill_op(Hk, Hv), q, k, v, g, beta, cu, state, slot_t, out=out)
+    o = chunk_prefill(prefill_op(Hk, Hv), q, k, v, g, beta, cu, state, slot_t, out=out)
     torch.cuda.synchronize()
     assert o.data_ptr() == out.data_ptr()
     err = rel_err(o, o_ref)
@@ -118,7 +118,7 @@ def test_decay_only_prefill_matches_fp64_recurrence(case):
                                               delta_rule=False)
     before = state.clone()
     o_ref, finals = recurrence64(q, k, v, g, None, cu, before, slot_t)
-    o = gdn_chunk_prefill(prefill_op(Hk, Hv, K, V, delta_rule=False), q, k, v, g, None, cu, state, slot_t)
+    o = chunk_prefill(prefill_op(Hk, Hv, K, V, delta_rule=False), q, k, v, g, None, cu, state, slot_t)
     err = rel_err(o, o_ref)
     record(f"gdn_prefill/decay_only/{case}/o", err)
     assert err < OUT_TOL, f"output rel err {err:.2e}"
@@ -137,7 +137,7 @@ def test_prefill_tunables_agree(tunables):
     args = inputs([200, 64, 1, 1000, 63], 16, 32, slots=[0, 1, 2, 3, 4], num_slots=5, gen=gen)
     state0 = args[6].clone()
     o_ref, finals = recurrence64(*args[:6], state0, args[7])
-    o = gdn_chunk_prefill(prefill_op(16, 32, **tunables), *args)
+    o = chunk_prefill(prefill_op(16, 32, **tunables), *args)
     assert rel_err(o, o_ref) < OUT_TOL
     assert max(rel_err(args[6][i], finals[i]) for i in range(5)) < STATE_TOL
 
@@ -161,9 +161,9 @@ def test_prefill_rejects_bad_offsets():
     q, k, v, g, beta, cu, state, slots = inputs([10, 20], 16, 32, slots=[0, 1], num_slots=2, gen=gen)
     before = state.clone()
     with pytest.raises(ValueError, match="cu_seqlens"):
-        gdn_chunk_prefill(prefill_op(16, 32), q, k, v, g, beta, cu.flip(0).contiguous(), state, slots)
+        chunk_prefill(prefill_op(16, 32), q, k, v, g, beta, cu.flip(0).contiguous(), state, slots)
     with pytest.raises(IndexError, match="state_slots"):
-        gdn_chunk_prefill(prefill_op(16, 32), q, k, v, g, beta, cu, state, slots + 5)
+        chunk_prefill(prefill_op(16, 32), q, k, v, g, beta, cu, state, slots + 5)
     with pytest.raises(TypeError, match="beta"):
-        gdn_chunk_prefill(prefill_op(16, 32), q, k, v, g, beta.bfloat16(), cu, state, slots)
+        chunk_prefill(prefill_op(16, 32), q, k, v, g, beta.bfloat16(), cu, state, slots)
     assert bits_equal(state, before)
