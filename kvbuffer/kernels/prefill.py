@@ -25,7 +25,7 @@ from ..errors import ShapeError
 from ..reference import chunked
 from .compiled import CompiledOp, check_contiguous, check_on_cuda, expect_kind
 from .keys import KernelKey, linear_dims
-from .specs import prefill_tunables, spec_for
+from .specs import spec_for
 
 CHUNK = 64  # tiles.gdn_prefill.BT (that module imports TileLang's front end lazily, this one never)
 HEAD_DIMS = range(16, 257, 16)  # K and V the templates take
@@ -44,7 +44,7 @@ def build_gdn_chunk_prefill(Hk: int, Hv: int, K: int = 128, V: int = 128, *, del
     output_BV, threads."""
     key = KernelKey("gdn" if delta_rule else "mamba2", "chunk_prefill",
                     linear_dims("gdn" if delta_rule else "mamba2", Hk, Hv, K, V), "bfloat16")
-    return spec_for(key).build(key, prefill_tunables(key, tunables))
+    return spec_for(key).build(key, tunables)
 
 
 def build_mamba2_chunk_prefill(G: int, H: int, N: int = 128, P: int = 64, **tunables) -> CompiledOp:

@@ -48,9 +48,13 @@ class KernelSpec:
     tune_template: Callable[[KernelKey], str | None] = field(default=lambda k: None, repr=False)
     record_shapes: Callable[[KernelKey], list] = field(default=lambda k: [], repr=False)
     tune_command: Callable[[KernelKey], str] = field(default=lambda k: MODEL_TUNE, repr=False)
-    # a kernel of several launches: (the template module, template_args, tunables) -> {part: prim_func};
-    # its CompiledOp's fn maps the same names to the compiled functions
-    parts: Callable[..., dict] | None = field(default=None, repr=False)
+    # a partial set of tunables completed for a key (defaults filled in, tiles fitted to the head)
+    complete_tunables: Callable[[KernelKey, dict], dict] = field(default=lambda k, t: dict(t), repr=False)
+    # a kernel of several launches: its parts' names for a key, and (the template module, key, complete
+    # tunables) -> {part: prim_func}; its CompiledOp's fn maps the names to the compiled functions, and
+    # `kvbuffer tune` stores each part as the template `<tune_template>_<part>`
+    parts: Callable[[KernelKey], tuple] | None = field(default=None, repr=False)
+    part_templates: Callable[..., dict] | None = field(default=None, repr=False)
 
     def template(self, package: str = TILES) -> Callable:
         """The template function (imported now: the runtime calls this only to compile)."""
@@ -59,13 +63,13 @@ class KernelSpec:
     def prim(self, key: KernelKey, tunables: dict, package: str = TILES):
         """The TileLang prim_func of `key` with `tunables` (from `package`'s copy of the templates); for a
         kernel of several launches, {part: prim_func}."""
+        tunables = self.complete_tunables(key, tunables)
         if self.parts is not None:
-            module = importlib.import_module(f"{package}.{self.module}")
-            return self.parts(module, self.template_args(key), tunables)
+            return self.part_templates(importlib.import_module(f"{package}.{self.module}"), key, tunables)
         return self.template(package)(**self.template_args(key), **tunables)
 
     def launch_params(self, key: KernelKey, tunables: dict) -> dict:
-        return dict(tunables, **self.params(key))
+        return dict(self.complete_tunables(key, tunables), **self.params(key))
 
     def build(self, key: KernelKey, tunables: dict | None = None) -> CompiledOp:
         """Compile `key` for the local GPU (its defaults unless `tunables`) into a CompiledOp."""
@@ -248,30 +252,46 @@ def _prefill_configs(family: str) -> Callable[[], list]:
     return configs
 
 
-def _prefill_parts(tiles, dims: dict, t: dict) -> dict:
+def _prefill_parts(key: KernelKey) -> tuple:
+    return ("chunks", "prep", "states", "output") if key.family == "gdn" else ("chunks", "states", "output")
+
+
+def _prefill_templates(tiles, key: KernelKey, t: dict) -> dict:
     """The launches of one chunked prefill: the chunk table, GDN's prep, the state pass, the output."""
-    delta_rule = dims["delta_rule"]
-    dims = {n: dims[n] for n in ("Hk", "Hv", "K", "V")}
-    parts = {"chunks": tiles.gdn_prefill_chunks(threads=t["threads"])}
+    dims = key.dims.record_fields()
+    delta_rule = key.family == "gdn"
+    prims = {"chunks": tiles.gdn_prefill_chunks(threads=t["threads"])}
     if delta_rule:
-        parts["prep"] = tiles.gdn_prefill_prep(**dims, threads=t["threads"])
-    parts["states"] = tiles.gdn_prefill_states(**dims, BV=t["states_BV"], threads=t["threads"],
+        prims["prep"] = tiles.gdn_prefill_prep(**dims, threads=t["threads"])
+    prims["states"] = tiles.gdn_prefill_states(**dims, BV=t["states_BV"], threads=t["threads"],
                                                stages=t["states_stages"], delta_rule=delta_rule)
-    parts["output"] = tiles.gdn_prefill_output(**dims, BV=t["output_BV"], threads=t["threads"])
-    return parts
+    prims["output"] = tiles.gdn_prefill_output(**dims, BV=t["output_BV"], threads=t["threads"])
+    return prims
 
 
 def _prefill_args(key: KernelKey) -> dict:
     return dict(key.dims.record_fields(), delta_rule=key.family == "gdn")
 
 
+def _prefill_shapes(key: KernelKey) -> list:
+    """Its kernels run bf16 whatever the model's activations, so a bf16 or an fp16 record can hold them."""
+    return [dict(_linear_shapes(key)[0], dtype=dtype) for dtype in ("bfloat16", "float16")]
+
+
+def _prefill_command(key: KernelKey) -> str:
+    heads = ",".join(str(n) for n in key.dims.record_fields().values())
+    return f"kvbuffer tune --gpu <gpu> --heads {heads}" + (f" --family {key.family}" if key.family != "gdn" else "")
+
+
 def _prefill_spec(family: str, args: tuple) -> KernelSpec:
     """Its reference is the CPU op's (kvbuffer.kernels.prefill.chunk_prefill_reference); `kvbuffer tune`
-    builds no such variant yet (an artifact holds one compiled function): it comes from the JIT."""
+    stores it as one artifact per launch, one layout for every chunk size."""
     return KernelSpec(f"{family}_chunk_prefill", "gdn_prefill", family, "chunk_prefill", "chunk_prefill",
                       template_args=_prefill_args, defaults=prefill_tunables, configs=_prefill_configs(family),
                       params=_prefill_args, args=args, custom_ops=(f"{family}_chunk_prefill",),
-                      record_shapes=_linear_shapes, parts=_prefill_parts)
+                      tune_template=lambda k: f"{k.family}_chunk_prefill", record_shapes=_prefill_shapes,
+                      tune_command=_prefill_command, complete_tunables=prefill_tunables, parts=_prefill_parts,
+                      part_templates=_prefill_templates)
 
 
 GDN_CHUNK_PREFILL = _prefill_spec("gdn", ("q", "k", "v", "g", "beta", "cu_seqlens", "state", "state_slots", "o"))

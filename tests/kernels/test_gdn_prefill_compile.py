@@ -118,3 +118,32 @@ def test_prefill_tunables():
         specs.prefill_tunables(gdn, {"BV": 32})
     assert all(not c.get("states_stages") for c in specs.MAMBA2_CHUNK_PREFILL.configs())
     assert any(c.get("states_stages") for c in specs.GDN_CHUNK_PREFILL.configs())
+
+
+@pytest.mark.parametrize("family", ["gdn", "mamba2"])
+def test_tune_stores_one_artifact_per_launch_and_the_lookup_joins_them(family, tmp_path, monkeypatch):
+    """`kvbuffer tune --build-only` stores the chunked prefill as one artifact per launch (built for an absent
+    GPU); the run-time lookup loads them into one op of kind chunk_prefill, JIT off."""
+    import torch
+    from click.testing import CliRunner
+
+    from kvbuffer import gpus
+    from kvbuffer.cli.main import main
+
+    if torch.cuda.is_available():
+        pytest.skip("this test builds for a GPU that is not present")
+    args = ["tune", "--gpu", "h100", "--heads", "2,4,32,32", "--family", family, "--kernels",
+            f"{family}_chunk_prefill", "--chunk-sizes", "8", "--batch-buckets", "1", "--cache-dir", str(tmp_path)]
+    result = CliRunner().invoke(main, args)
+    assert result.exit_code == 0, result.output
+    monkeypatch.setenv("KVBUFFER_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(gpus, "detect_local_gpu", lambda device=0: gpus.get_gpu("h100"))
+    monkeypatch.setattr(lookup, "jit_allowed", lambda: False)
+    lookup.clear_kernels()
+    try:
+        key = KernelKey(family, "chunk_prefill", (GDNDims if family == "gdn" else Mamba2Dims)(2, 4, 32, 32), "bfloat16")
+        op = lookup.kernel_for(key, 3)
+        assert op.kind == "chunk_prefill" and sorted(op.fn) == sorted(specs.spec_for(key).parts(key))
+        assert op.params == specs.spec_for(key).launch_params(key, {})
+    finally:
+        lookup.clear_kernels()
