@@ -388,7 +388,9 @@ def resolve_backend(kernels, device: torch.device, spec, dtype: torch.dtype, mod
     "auto": the kernels on CUDA when the head dims suit them and every kernel the engine needs loads
     from the artifact cache, or may be compiled (kvbuffer.ops.allow_jit / KVBUFFER_JIT=1). Missing
     kernels are built into the artifact cache first where TileLang is installed
-    (kvbuffer.kernels.autobuild); True raises if they can be neither loaded nor built. Logged.
+    (kvbuffer.kernels.autobuild); True raises if they can be neither loaded nor built. Logged. The
+    chunked prefill is optional: built the same way when it alone is missing, else prompts run as
+    verify chunks.
     """
     if kernels not in (True, False, "auto"):
         raise ValueError(f"kernels must be True, False or 'auto', got {kernels!r}")
@@ -405,11 +407,35 @@ def resolve_backend(kernels, device: torch.device, spec, dtype: torch.dtype, mod
         why = unbuilt or _missing_artifact(spec, dtype, mode)
     if why is None:
         log.info("kvbuffer: linear layers run on the compiled kernels")
+        if mode == "kvbuffer":
+            _ensure_prefill_kernel(spec, dtype)
         return KernelBackend(), "compiled kernels"
     if kernels is True:
         raise ValueError(f"kernels=True, but {why}")
     log.info("kvbuffer: linear layers run on the reference ops: %s", why)
     return REFERENCE, why
+
+
+def prefill_kernel(spec, dtype: torch.dtype) -> KernelKey | None:
+    """The chunked prefill kvbuffer mode's prompts fold on (None: the head dims do not suit it). Optional:
+    without it prompts run as verify chunks."""
+    s = spec.linear_shape
+    if not prefill_kernels.fits(s.head_k_dim, s.head_v_dim):
+        return None
+    step = decode_step_key(spec, dtype)
+    return KernelKey(step.family, "chunk_prefill", step.dims, "bfloat16")
+
+
+def _ensure_prefill_kernel(spec, dtype: torch.dtype) -> None:
+    """Build the chunked prefill on first use where it is missing (an artifact cache from before it, JIT
+    off), with the rest of the shape's set (which is reused); if it cannot be built, say so once."""
+    key = prefill_kernel(spec, dtype)
+    if key is None or lookup.jit_allowed() or missing_kernel([key]) is None:
+        return
+    step = decode_step_key(spec, dtype)
+    unbuilt = autobuild.ensure_kernels(step, DTYPE_NAMES.get(dtype, step.in_dtype))
+    if unbuilt is not None:
+        log.info("kvbuffer: prompts run as verify chunks (%s)", unbuilt)
 
 
 def _missing_artifact(spec, dtype, mode) -> str | None:

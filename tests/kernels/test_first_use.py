@@ -163,3 +163,32 @@ def test_real_build_for_an_absent_gpu_loads_in_a_process_without_tilelang(demo, 
                          env=dict(os.environ, KVBUFFER_CACHE_DIR=str(tmp_path)))
     assert res.returncode == 0, res.stderr[-2000:]
     assert res.stdout.split() == ["kernels", "5"]  # prefill chunks 8, 4, 2, the decode step, the conv step
+
+
+def test_a_cache_without_the_chunked_prefill_builds_it_once(demo, gpu_here, monkeypatch):
+    """Artifacts from before the chunked prefill: every needed kernel loads but it; the first engine builds
+    the shape's set once (the rest reused), a second one finds it."""
+    spec, dtype = demo
+    built = gpu_here
+
+    def kernel_for(key, batch=1):
+        if key.op == "chunk_prefill" and not built:
+            raise ArtifactError("no compiled chunk_prefill kernel")
+        return object()
+
+    monkeypatch.setattr(lookup, "kernel_for", kernel_for)
+    chosen, _ = backend.resolve_backend("auto", CUDA, spec, dtype, "kvbuffer")
+    assert chosen.kernels and len(built) == 1
+    backend.resolve_backend("auto", CUDA, spec, dtype, "kvbuffer")
+    assert len(built) == 1
+    assert backend.prefill_kernel(spec, dtype).op == "chunk_prefill"
+
+
+def test_without_tilelang_a_missing_chunked_prefill_keeps_the_kernels(demo, gpu_here, monkeypatch, caplog):
+    no_tilelang(monkeypatch)
+    monkeypatch.setattr(lookup, "kernel_for", lambda key, batch=1: (_ for _ in ()).throw(ArtifactError("none"))
+                        if key.op == "chunk_prefill" else object())
+    with caplog.at_level("INFO", logger="kvbuffer"):
+        chosen, why = backend.resolve_backend("auto", CUDA, *demo, "kvbuffer")
+    assert chosen.kernels and why == "compiled kernels" and not gpu_here
+    assert any("prompts run as verify chunks" in r.getMessage() for r in caplog.records)
