@@ -246,10 +246,12 @@ def _dividing_tile(BV: int, V: int) -> int:
 
 
 def _prefill_configs(family: str) -> Callable[[], list]:
-    """The templates' configs; the decay-only state pass has no pipelined form."""
+    """The templates' configs, each complete (so a tuned artifact's tunables are); the decay-only state
+    pass has no pipelined form."""
     def configs() -> list:
         found = importlib.import_module(f"{TILES}.gdn_prefill").configs()
-        return [c for c in found if family == "gdn" or not c.get("states_stages")]
+        return [{"states_stages": 0, "threads": 128, **c} for c in found
+                if family == "gdn" or not c.get("states_stages")]
     return configs
 
 

@@ -147,3 +147,9 @@ def test_tune_stores_one_artifact_per_launch_and_the_lookup_joins_them(family, t
         assert op.params == specs.spec_for(key).launch_params(key, {})
     finally:
         lookup.clear_kernels()
+
+
+def test_every_config_is_complete():
+    """A tuned artifact records its config's tunables: each names all four, so loading one needs no defaults."""
+    for spec in (specs.GDN_CHUNK_PREFILL, specs.MAMBA2_CHUNK_PREFILL):
+        assert all(set(c) == set(specs.PREFILL_TUNABLES) for c in spec.configs())
