@@ -2,8 +2,9 @@
 
 Per buffer layout (C + T + 1 entries for T drafts): the decode step and the PREFILL_CHUNKS prompt
 chunks (flush fused at C), the verify of T drafts plus the last token, the stand-alone flush and the
-recurrent verify; the recurrent step once. A shape is kvbuffer.tuning.make_shape's (Mamba-2: Hk =
-G, Hv = H, K = N, V = P); inputs are steady-state pools, checked against kvbuffer.reference.
+recurrent verify; the recurrent step and the chunked prefill (kvbuffer.autotune.prefill_templates)
+once. A shape is kvbuffer.tuning.make_shape's (Mamba-2: Hk = G, Hv = H, K = N, V = P); inputs are
+steady-state pools, checked against kvbuffer.reference.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from typing import Callable, Mapping
 from kvbuffer.kernels.keys import PREFILL_CHUNKS, KernelKey, linear_dims
 from kvbuffer.kernels.specs import GDN_FRONT, MAMBA2_FRONT, SPECS, TILES
 
+from .prefill_templates import prefill_template
 from .template import Template, capacity, from_spec
 
 FRONTS = {"gdn": GDN_FRONT, "mamba2": MAMBA2_FRONT}
@@ -225,6 +227,7 @@ def linear_templates(family: str, package: str = TILES) -> list[Template]:
                   _of(family, lambda shape, chunk, drafts: KernelKey(family, "recurrent_drafts", _dims(shape),
                                                                      shape["dtype"], T=drafts + 1)),
                   _of(family, _drafts_inputs), _of(family, _drafts_reference), package=package, uses_chunk=False, layouts=True, min_drafts=1),
+        prefill_template(family, package),
     ]
 
 

@@ -7,7 +7,9 @@
     args: the kernel's argument names, in the order it takes them
 
 `from_spec` makes one from a kernel's KernelSpec (kvbuffer.kernels.specs) and the key a (shape, chunk
-size, drafts) names, so the tuner compiles through the spec as the JIT does. `shape` is a tuning
+size, drafts) names, so the tuner compiles through the spec as the JIT does. A kernel of several
+launches (`parts`, the chunked prefill) is built as one CompiledOp, checked and timed as one, and stored
+as one artifact per launch (`stored_as`). `shape` is a tuning
 record's shape dict. Layout-dependent templates (`layouts=True`) are built per draft count T
 (buffers of C + T + 1 entries); `min_drafts=1` marks kernels only speculative decoding launches.
 TileLang and torch are imported only inside the callables.
@@ -22,6 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Mapping
 
+from kvbuffer.kernels.compiled import CompiledOp
 from kvbuffer.kernels.keys import KernelKey
 from kvbuffer.kernels.specs import TILES, KernelSpec
 
@@ -44,6 +47,10 @@ class Template:
     min_chunk: int = 1        # smallest chunk size the kernel makes sense for (a T-token chunk needs C >= T)
     layouts: bool = False     # build / make_inputs take drafts=T (buffers of C + T + 1 entries)
     min_drafts: int = 0       # 1: only speculative decoding launches it (the verify)
+    # a kernel of several launches (build gives a CompiledOp whose fn maps part names to compiled functions):
+    # its parts for a shape, each stored as its own artifact under `<name>_<part>`; and how it runs
+    parts: Callable[[Mapping], tuple] | None = field(default=None, repr=False)
+    launch: Callable[[Any, list], None] | None = field(default=None, repr=False)
 
     def defaults_for(self, shape: Mapping, drafts: int = 0) -> dict:
         """The untuned tunables for one shape and buffer layout."""
@@ -70,7 +77,14 @@ class Template:
         return dict(zip(self.args, args))
 
     def run(self, kernel, args: list) -> None:
-        kernel(*args)
+        if self.launch is not None:
+            self.launch(kernel, args)
+        else:
+            kernel(*args)
+
+    def stored_as(self, shape: Mapping) -> dict:
+        """{part: the name its artifact and tuning-record winner go by}: {None: name} for one launch."""
+        return {None: self.name} if self.parts is None else {p: f"{self.name}_{p}" for p in self.parts(shape)}
 
     def _layout(self, drafts: int) -> dict:
         if drafts and not self.layouts:
@@ -84,12 +98,19 @@ def from_spec(spec: KernelSpec, name: str, family: str, key: Callable[[Mapping, 
     """A template that compiles `spec` for the key `key(shape, chunk_size, drafts)` names, from `package`'s
     templates (another revision's, for an A/B run); its defaults are the spec's for that key."""
     def build(shape, chunk_size, *, target, drafts=0, **tunables):
-        prim = spec.prim(key(shape, chunk_size, drafts), tunables, package)
-        return importlib.import_module(TILES).compile_template(prim, target)
+        k = key(shape, chunk_size, drafts)
+        prim = spec.prim(k, tunables, package)
+        compile_template = importlib.import_module(TILES).compile_template
+        if spec.parts is None:
+            return compile_template(prim, target)
+        return CompiledOp({p: compile_template(f, target) for p, f in prim.items()}, spec.kind,
+                          spec.launch_params(k, tunables))
 
     def defaults(shape, drafts):
         return spec.defaults(key(shape, fields.get("min_chunk", 1), drafts))
 
+    if spec.parts is not None:
+        fields.setdefault("parts", lambda shape: spec.parts(key(shape, fields.get("min_chunk", 1), 0)))
     return Template(name, family, build, configs or spec.configs, defaults, make_inputs, reference, spec.args,
                     source_digest(), **fields)
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Callable, Iterable, Mapping, Sequence
 
 from kvbuffer.artifacts import ArtifactKey
@@ -53,6 +53,7 @@ class BuildResult:
     median_us: dict = field(default_factory=dict)   # bucket -> µs (measured path)
     rejected: list = field(default_factory=list)    # (tunables, why)
     drafts: int = 0
+    stored: dict = field(default_factory=dict)      # winner name -> artifact, one per launch ({kernel: artifact})
 
 
 def plan(templates: Sequence[Template], chunk_sizes: Iterable[int],
@@ -81,10 +82,28 @@ def _key(req: TuneRequest, tpl: Template, chunk: int, tunables: Mapping, drafts:
                        build_versions(), tpl.source, drafts)
 
 
-def _publish(cache: ArtifactCache, key: ArtifactKey, kernel, status: str, info: Mapping) -> str:
-    with quiet_tilelang():  # export_library logs an INFO line per kernel
-        return cache.put(key, lambda path: kernel.export_library(str(path)), function=function_name(kernel),
-                         status=status, info=info)
+def _stored_keys(tpl: Template, key: ArtifactKey) -> dict:
+    """{part: (winner name, artifact key)}: one artifact per launch of the kernel."""
+    return {part: (name, replace(key, kernel=name)) for part, name in tpl.stored_as(key.shape).items()}
+
+
+def _publish(cache: ArtifactCache, tpl: Template, key: ArtifactKey, kernel, status: str, info: Mapping) -> dict:
+    """Store the kernel (each launch of a kernel of several) under `key`; returns {winner name: artifact}."""
+    stored = {}
+    for part, (name, part_key) in _stored_keys(tpl, key).items():
+        fn = kernel if part is None else kernel.fn[part]
+        with quiet_tilelang():  # export_library logs an INFO line per kernel
+            stored[name] = cache.put(part_key, lambda path, fn=fn: fn.export_library(str(path)),
+                                     function=function_name(fn), status=status, info=info)
+    return stored
+
+
+def _result(tpl: Template, chunk: int, tunables: Mapping, stored: dict, cache: ArtifactCache, seconds: float,
+            reused: bool, **fields) -> BuildResult:
+    """One build's result, named by its first artifact (its only one unless the kernel has several launches)."""
+    first = next(iter(stored.values()))
+    return BuildResult(tpl.name, chunk, dict(tunables), first, cache.status(first), seconds, reused,
+                       stored=dict(stored), **fields)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -102,17 +121,17 @@ def build_untuned(cache: ArtifactCache, req: TuneRequest, templates: Sequence[Te
         defaults = tpl.defaults_for(req.shape, drafts)
         key = _key(req, tpl, chunk, defaults, drafts)
         t0 = time.perf_counter()
-        reused = cache.has(key)
+        stored = {name: k.name for name, k in _stored_keys(tpl, key).values()}
+        reused = all(cache.has(k) for _, k in _stored_keys(tpl, key).values())
         if not reused:
             with quiet_tilelang():
                 kernel = tpl.compile(req.shape, chunk, drafts, target=req.gpu.target, **defaults)
-            _publish(cache, key, kernel, "untuned", {"compile_s": round(time.perf_counter() - t0, 2)})
-        res = BuildResult(tpl.name, chunk, defaults, key.name, cache.status(key.name),
-                          time.perf_counter() - t0, reused, drafts=drafts)
+            stored = _publish(cache, tpl, key, kernel, "untuned", {"compile_s": round(time.perf_counter() - t0, 2)})
+        res = _result(tpl, chunk, defaults, stored, cache, time.perf_counter() - t0, reused, drafts=drafts)
         results.append(res)
         progress(res)
-    winners = [Winner(r.kernel, b, r.chunk_size, r.artifact, r.tunables, drafts=r.drafts)
-               for r in results for b in req.batch_buckets]
+    winners = [Winner(name, b, r.chunk_size, artifact, r.tunables, drafts=r.drafts)
+               for r in results for name, artifact in r.stored.items() for b in req.batch_buckets]
     policy = ChunkPolicy.default(req.batch_buckets, req.chunk_sizes)
     return results, _save_tuning(cache, req, winners, policy, "untuned")
 
@@ -215,14 +234,16 @@ def measure(cache: ArtifactCache, req: TuneRequest, templates: Sequence[Template
         for bucket in req.batch_buckets:
             tunables, kernel, medians, secs = min(candidates, key=lambda c: c[2][bucket])
             key = _key(req, tpl, chunk, tunables, drafts)
-            name = _publish(cache, key, kernel, "tuned", {"median_us": {str(b): m * 1e6 for b, m in medians.items()}})
-            winners.append(Winner(tpl.name, bucket, chunk, name, tunables, medians[bucket] * 1e6, drafts))
+            stored = _publish(cache, tpl, key, kernel, "tuned",
+                              {"median_us": {str(b): m * 1e6 for b, m in medians.items()}})
+            winners += [Winner(name, bucket, chunk, artifact, tunables, medians[bucket] * 1e6, drafts)
+                        for name, artifact in stored.items()]
             if tpl.name in POLICY_KERNELS and drafts == 0:  # plain decoding's layout decides C
                 timings[(bucket, chunk)] = medians[bucket]
             if tpl.name in RECURRENT_KERNELS:  # and the recurrent step, where the buffer is skipped
                 recurrent[bucket] = medians[bucket]
-            results.append(BuildResult(tpl.name, chunk, dict(tunables), name, "tuned", secs, False,
-                                       {bucket: medians[bucket] * 1e6}, rejected, drafts))
+            results.append(_result(tpl, chunk, tunables, stored, cache, secs, False,
+                                   median_us={bucket: medians[bucket] * 1e6}, rejected=rejected, drafts=drafts))
         progress(results[-1])
     policy = (ChunkPolicy.from_timings(timings, recurrent) if timings
               else ChunkPolicy.default(req.batch_buckets, req.chunk_sizes))

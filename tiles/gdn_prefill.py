@@ -1,6 +1,6 @@
 """Chunked Gated DeltaNet prefill: four TileLang templates for packed variable-length prompts.
 
-Contract of the op they make up (kvbuffer.kernels.prefill_gdn.gdn_chunk_prefill):
+Contract of the op they make up (kvbuffer.kernels.prefill.chunk_prefill):
     q, k (N, Hk, K) bf16, L2-normalised, q also scaled by K**-0.5; v (N, Hv, V) bf16; g (N, Hv) fp32 log
     decay (<= 0); beta (N, Hv) fp32; cu_seqlens (B + 1,) int32; state (num_slots, Hv, K, V) fp32;
     state_slots (B,) int32. Sequence i (tokens cu_seqlens[i] .. cu_seqlens[i+1] - 1) starts from

@@ -6,6 +6,7 @@
     lookup.py     artifact-else-JIT lookup with one in-process cache (allow_jit, kernel_for, clear_kernels)
     compiled.py   CompiledOp and the checks every launcher shares
     gdn.py, mamba2.py, conv.py, attention.py, gemv.py   compile (`build_*`) and validated launch per family
+    prefill.py    the chunked prefill of packed prompts (both linear families): compile, launch, reference
     launch.py     a custom op's CUDA call: lookup + launch (checked, or direct for engine-built rows)
     torch_ops.py  the torch.library registrations (CPU reference, CUDA launch, fakes)
 
@@ -40,6 +41,7 @@ from .mamba2 import (
     mamba2_recurrent_step,
     mamba2_verify,
 )
+from .prefill import build_gdn_chunk_prefill, build_mamba2_chunk_prefill, chunk_prefill
 
 OPS = torch_ops.OPS
 
@@ -50,6 +52,7 @@ __all__ = [
     "gdn_buffered_step", "gdn_flush", "gdn_prefill", "gdn_recurrent_step", "gdn_verify",
     "build_mamba2_buffered", "build_mamba2_flush", "build_mamba2_recurrent", "mamba2_buffered_step",
     "mamba2_flush", "mamba2_prefill", "mamba2_recurrent_step", "mamba2_verify",
+    "build_gdn_chunk_prefill", "build_mamba2_chunk_prefill", "chunk_prefill",
     "build_conv1d_accept", "build_conv1d_update", "conv1d_accept", "conv1d_update",
     "attention_decode", "attention_reference", "build_attention_combine", "build_attention_decode",
     "build_gemv", "gemv", "build_gemv_experts", "gemv_experts", "build_grouped_experts", "grouped_experts",

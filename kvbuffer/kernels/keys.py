@@ -20,7 +20,7 @@ from typing import Union
 import torch
 
 PREFILL_CHUNKS = (8, 4, 2)  # multi-token prompt chunks (flush fused at C); a prompt's rest goes 1 token at a time
-LINEAR_OPS = ("recurrent", "buffered", "flush", "recurrent_drafts")
+LINEAR_OPS = ("recurrent", "buffered", "flush", "recurrent_drafts", "chunk_prefill")
 CONV_OPS = ("advance", "verify", "accept")
 CONV_UPDATE_KINDS = {"advance": "conv_advance", "verify": "conv_verify"}  # CompiledOp.kind per conv mode
 ATTENTION_OPS = ("decode", "combine")  # the per-split pass over the cache, and the merge of the splits
@@ -137,7 +137,7 @@ class KernelKey:
     """One compiled kernel's specialisation.
 
     family: "gdn" | "mamba2" | "conv1d" | "attention" | "gemv". op: "recurrent" | "buffered" | "flush"
-    (linear families), "advance" | "verify" | "accept" (conv1d), "decode" | "combine" (attention),
+    | "recurrent_drafts" | "chunk_prefill" (linear families), "advance" | "verify" | "accept" (conv1d), "decode" | "combine" (attention),
     "gemv" | "experts" | "grouped" (gemv). in_dtype: activations (conv: x and the pool; attention: q and the output;
     gemv: x, the weight and the output; "" for a linear flush).
     buf_dtype: buffer entries (attention: the KV cache; "" for the recurrent step and the conv).

@@ -20,7 +20,7 @@ import torch
 from ..errors import ArtifactError, DTypeError
 from . import attention as attn
 from . import autobuild
-from . import conv, gdn, mamba2
+from . import conv, gdn, mamba2, prefill
 from . import gemv as projections
 from . import specs
 from .keys import AttnDims, ConvDims, GemvDims, KernelKey, check_conv_mode, dtype_name, linear_dims
@@ -171,6 +171,31 @@ def mamba2_verify(x, dt, A_log, dt_bias, B, C, D, state, state_slots, buf_k, buf
 
 
 # ----------------------------------------------------------------------------------------------
+# the chunked prefill of packed prompts (both families, after their fronts)
+
+
+def chunk_prefill_key(family: str, key_t, val_t) -> KernelKey:
+    """The chunked prefill kernel for packed key-side (k / B: (N, Hk, K)) and value-side ((N, Hv, V)) tensors."""
+    spec = specs.GDN_CHUNK_PREFILL if family == "gdn" else specs.MAMBA2_CHUNK_PREFILL
+    dims = linear_dims(family, key_t.shape[-2], val_t.shape[-2], key_t.shape[-1], val_t.shape[-1])
+    return KernelKey(spec.family, spec.op, dims, "bfloat16")
+
+
+def _chunk_prefill(family: str, q, k, v, g, beta, cu_seqlens, state, state_slots, checked: bool):
+    op = kernel_for(chunk_prefill_key(family, k, v), cu_seqlens.shape[0] - 1)
+    return _on_torch_stream(prefill.chunk_prefill, op, q, k, v, g, beta, cu_seqlens, state, state_slots,
+                            check_values=checked and not capturing())
+
+
+def gdn_chunk_prefill(q, k, v, g, beta, cu_seqlens, state, state_slots, *, checked=True):
+    return _chunk_prefill("gdn", q, k, v, g, beta, cu_seqlens, state, state_slots, checked)
+
+
+def mamba2_chunk_prefill(C, B, value, g, cu_seqlens, state, state_slots, *, checked=True):
+    return _chunk_prefill("mamba2", C, B, value, g, None, cu_seqlens, state, state_slots, checked)
+
+
+# ----------------------------------------------------------------------------------------------
 # the flush (one kernel shape for both families) and the short conv
 
 
@@ -300,6 +325,7 @@ CUDA_LAUNCHES = {
     "mamba2_recurrent_step": mamba2_recurrent_step, "mamba2_buffered_step": mamba2_buffered_step,
     "mamba2_verify": mamba2_verify, "mamba2_flush": mamba2_flush,
     "mamba2_recurrent_drafts": mamba2_recurrent_drafts,
+    "gdn_chunk_prefill": gdn_chunk_prefill, "mamba2_chunk_prefill": mamba2_chunk_prefill,
     "conv1d_update": conv1d_update, "conv1d_accept": conv1d_accept, "attention_decode": attention_decode,
     "gemv": gemv, "gemv_experts": gemv_experts, "grouped_experts": grouped_experts,
 }  # op name -> the CUDA implementation of torch.ops.kvbuffer.<name>
@@ -329,6 +355,7 @@ class LinearOps:
     verify: EngineOp
     recurrent_drafts: EngineOp
     flush: EngineOp
+    chunk_prefill: EngineOp
 
 
 GDN_OPS = LinearOps(
@@ -336,13 +363,15 @@ GDN_OPS = LinearOps(
     EngineOp(gdn_buffered_step, lambda: torch.ops.kvbuffer.gdn_buffered_step),
     EngineOp(gdn_verify, lambda: torch.ops.kvbuffer.gdn_verify),
     EngineOp(gdn_recurrent_drafts, lambda: torch.ops.kvbuffer.gdn_recurrent_drafts),
-    EngineOp(gdn_flush, lambda: torch.ops.kvbuffer.gdn_flush))
+    EngineOp(gdn_flush, lambda: torch.ops.kvbuffer.gdn_flush),
+    EngineOp(gdn_chunk_prefill, lambda: torch.ops.kvbuffer.gdn_chunk_prefill))
 MAMBA2_OPS = LinearOps(
     EngineOp(mamba2_recurrent_step, lambda: torch.ops.kvbuffer.mamba2_recurrent_step),
     EngineOp(mamba2_buffered_step, lambda: torch.ops.kvbuffer.mamba2_buffered_step),
     EngineOp(mamba2_verify, lambda: torch.ops.kvbuffer.mamba2_verify),
     EngineOp(mamba2_recurrent_drafts, lambda: torch.ops.kvbuffer.mamba2_recurrent_drafts),
-    EngineOp(mamba2_flush, lambda: torch.ops.kvbuffer.mamba2_flush))
+    EngineOp(mamba2_flush, lambda: torch.ops.kvbuffer.mamba2_flush),
+    EngineOp(mamba2_chunk_prefill, lambda: torch.ops.kvbuffer.mamba2_chunk_prefill))
 CONV_UPDATE = EngineOp(conv1d_update, lambda: torch.ops.kvbuffer.conv1d_update)
 CONV_ACCEPT = EngineOp(conv1d_accept, lambda: torch.ops.kvbuffer.conv1d_accept)
 ATTENTION_DECODE = EngineOp(attention_decode, lambda: torch.ops.kvbuffer.attention_decode)

@@ -80,16 +80,30 @@ def _from_artifacts(key: KernelKey, batch: int) -> CompiledOp:
     if template is None:
         raise ArtifactError(f"`kvbuffer tune` builds no {key.op} kernel for {key} (it builds the recurrent step and, for "
                             "buffers of C + T + 1 entries, decode steps, prefill chunks, verifies of T + 1 tokens "
-                            "and flushes; for the conv, the SiLU step, prompt, verify and accept; for attention, "
-                            "1 .. 8 new tokens per row; for a projection, one row)")
+                            "and flushes, and the chunked prefill; for the conv, the SiLU step, prompt, verify and "
+                            "accept; for attention, 1 .. 8 new tokens per row; for a projection, one row)")
+    spec = spec_for(key)
     errors = []
     for shape in specs.record_shapes(key):
         try:
-            return _load_artifact(key, shape, template, batch)
+            if spec.parts is None:
+                return _load_artifact(key, shape, template, batch)
+            return _load_parts(key, shape, template, spec.parts(key), batch)
         except ArtifactError as e:
             errors.append(e)
     # a record that exists but lacks this layout says more than the shapes that have none
     raise next((e for e in errors if "in this tuning record" in str(e)), errors[0])
+
+
+def _load_parts(key: KernelKey, shape: dict, template: str, parts: tuple, batch: int) -> CompiledOp:
+    """A kernel of several launches, stored as one artifact per part (`<template>_<part>`), built together
+    with one set of tunables."""
+    loaded = {part: _load_artifact(key, shape, f"{template}_{part}", batch) for part in parts}
+    entry = ("parts", key, tuple(id(op) for op in loaded.values()))  # each part's artifact is loaded once
+    if entry not in _LOADED:
+        first = next(iter(loaded.values()))
+        _LOADED[entry] = CompiledOp({part: op.fn for part, op in loaded.items()}, first.kind, first.params)
+    return _LOADED[entry]
 
 
 def _load_artifact(key: KernelKey, shape: dict, template: str, batch: int) -> CompiledOp:

@@ -48,23 +48,37 @@ class KernelSpec:
     tune_template: Callable[[KernelKey], str | None] = field(default=lambda k: None, repr=False)
     record_shapes: Callable[[KernelKey], list] = field(default=lambda k: [], repr=False)
     tune_command: Callable[[KernelKey], str] = field(default=lambda k: MODEL_TUNE, repr=False)
+    # a partial set of tunables completed for a key (defaults filled in, tiles fitted to the head)
+    complete_tunables: Callable[[KernelKey, dict], dict] = field(default=lambda k, t: dict(t), repr=False)
+    # a kernel of several launches: its parts' names for a key, and (the template module, key, complete
+    # tunables) -> {part: prim_func}; its CompiledOp's fn maps the names to the compiled functions, and
+    # `kvbuffer tune` stores each part as the template `<tune_template>_<part>`
+    parts: Callable[[KernelKey], tuple] | None = field(default=None, repr=False)
+    part_templates: Callable[..., dict] | None = field(default=None, repr=False)
 
     def template(self, package: str = TILES) -> Callable:
         """The template function (imported now: the runtime calls this only to compile)."""
         return getattr(importlib.import_module(f"{package}.{self.module}"), self.name)
 
     def prim(self, key: KernelKey, tunables: dict, package: str = TILES):
-        """The TileLang prim_func of `key` with `tunables` (from `package`'s copy of the templates)."""
+        """The TileLang prim_func of `key` with `tunables` (from `package`'s copy of the templates); for a
+        kernel of several launches, {part: prim_func}."""
+        tunables = self.complete_tunables(key, tunables)
+        if self.parts is not None:
+            return self.part_templates(importlib.import_module(f"{package}.{self.module}"), key, tunables)
         return self.template(package)(**self.template_args(key), **tunables)
 
     def launch_params(self, key: KernelKey, tunables: dict) -> dict:
-        return dict(tunables, **self.params(key))
+        return dict(self.complete_tunables(key, tunables), **self.params(key))
 
     def build(self, key: KernelKey, tunables: dict | None = None) -> CompiledOp:
         """Compile `key` for the local GPU (its defaults unless `tunables`) into a CompiledOp."""
         target = local_target()  # before TileLang loads: an unsupported GPU fails fast with DeviceError
         tunables = self.defaults(key) if tunables is None else dict(tunables)
-        fn = importlib.import_module(TILES).compile_template(self.prim(key, tunables), target)
+        compile_template = importlib.import_module(TILES).compile_template
+        prim = self.prim(key, tunables)
+        fn = {part: compile_template(p, target) for part, p in prim.items()} if self.parts else \
+            compile_template(prim, target)
         return CompiledOp(fn, self.kind, self.launch_params(key, tunables))
 
 
@@ -200,6 +214,91 @@ def _linear_specs(family: str, front: tuple, out: str, reference) -> list[Kernel
                    args=front + STATE + DRAFTS + (out,), reference=reference.recurrent_drafts,
                    custom_ops=(f"{family}_recurrent_drafts",), **common),
     ]
+
+
+# ----------------------------------------------------------------------------------------------
+# the chunked prefill of packed prompts (tiles/gdn_prefill.py): four launches, three decay-only
+
+
+PREFILL_TUNABLES = ("states_BV", "states_stages", "output_BV", "threads")
+
+
+def prefill_tunables(key: KernelKey, given: dict | None = None) -> dict:
+    """The chunked prefill's tunables for `key`: its defaults (the templates' first config, 128 threads)
+    with `given` over them, each value tile capped at the head's V and halved until it divides V.
+    Unknown names are a TypeError."""
+    unknown = set(given or {}) - set(PREFILL_TUNABLES)
+    if unknown:
+        raise TypeError(f"unknown chunked prefill tunables {sorted(unknown)}; they are {PREFILL_TUNABLES}")
+    t = dict(given or {})
+    if set(PREFILL_TUNABLES) - set(t):  # an artifact's are complete: the run time imports no template here
+        t = {"states_stages": 0, "threads": 128, **importlib.import_module(f"{TILES}.gdn_prefill").configs()[0], **t}
+    V = key.dims.record_fields()["V"]
+    return dict(t, states_BV=_dividing_tile(t["states_BV"], V), output_BV=_dividing_tile(t["output_BV"], V))
+
+
+def _dividing_tile(BV: int, V: int) -> int:
+    """BV, halved until it divides V (V a multiple of 16, so 16 always does)."""
+    BV = min(BV, V)
+    while V % BV and BV > 16:
+        BV //= 2
+    return BV
+
+
+def _prefill_configs(family: str) -> Callable[[], list]:
+    """The templates' configs, each complete (so a tuned artifact's tunables are); the decay-only state
+    pass has no pipelined form."""
+    def configs() -> list:
+        found = importlib.import_module(f"{TILES}.gdn_prefill").configs()
+        return [{"states_stages": 0, "threads": 128, **c} for c in found
+                if family == "gdn" or not c.get("states_stages")]
+    return configs
+
+
+def _prefill_parts(key: KernelKey) -> tuple:
+    return ("chunks", "prep", "states", "output") if key.family == "gdn" else ("chunks", "states", "output")
+
+
+def _prefill_templates(tiles, key: KernelKey, t: dict) -> dict:
+    """The launches of one chunked prefill: the chunk table, GDN's prep, the state pass, the output."""
+    dims = key.dims.record_fields()
+    delta_rule = key.family == "gdn"
+    prims = {"chunks": tiles.gdn_prefill_chunks(threads=t["threads"])}
+    if delta_rule:
+        prims["prep"] = tiles.gdn_prefill_prep(**dims, threads=t["threads"])
+    prims["states"] = tiles.gdn_prefill_states(**dims, BV=t["states_BV"], threads=t["threads"],
+                                               stages=t["states_stages"], delta_rule=delta_rule)
+    prims["output"] = tiles.gdn_prefill_output(**dims, BV=t["output_BV"], threads=t["threads"])
+    return prims
+
+
+def _prefill_args(key: KernelKey) -> dict:
+    return dict(key.dims.record_fields(), delta_rule=key.family == "gdn")
+
+
+def _prefill_shapes(key: KernelKey) -> list:
+    """Its kernels run bf16 whatever the model's activations, so a bf16 or an fp16 record can hold them."""
+    return [dict(_linear_shapes(key)[0], dtype=dtype) for dtype in ("bfloat16", "float16")]
+
+
+def _prefill_command(key: KernelKey) -> str:
+    heads = ",".join(str(n) for n in key.dims.record_fields().values())
+    return f"kvbuffer tune --gpu <gpu> --heads {heads}" + (f" --family {key.family}" if key.family != "gdn" else "")
+
+
+def _prefill_spec(family: str, args: tuple) -> KernelSpec:
+    """Its reference is the CPU op's (kvbuffer.kernels.prefill.chunk_prefill_reference); `kvbuffer tune`
+    stores it as one artifact per launch, one layout for every chunk size."""
+    return KernelSpec(f"{family}_chunk_prefill", "gdn_prefill", family, "chunk_prefill", "chunk_prefill",
+                      template_args=_prefill_args, defaults=prefill_tunables, configs=_prefill_configs(family),
+                      params=_prefill_args, args=args, custom_ops=(f"{family}_chunk_prefill",),
+                      tune_template=lambda k: f"{k.family}_chunk_prefill", record_shapes=_prefill_shapes,
+                      tune_command=_prefill_command, complete_tunables=prefill_tunables, parts=_prefill_parts,
+                      part_templates=_prefill_templates)
+
+
+GDN_CHUNK_PREFILL = _prefill_spec("gdn", ("q", "k", "v", "g", "beta", "cu_seqlens", "state", "state_slots", "o"))
+MAMBA2_CHUNK_PREFILL = _prefill_spec("mamba2", ("C", "B", "value", "g", "cu_seqlens", "state", "state_slots", "o"))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -360,7 +459,9 @@ MAMBA2_RECURRENT, MAMBA2_BUFFERED, MAMBA2_FLUSH, MAMBA2_RECURRENT_DRAFTS = MAMBA
 CONV_ADVANCE, CONV_VERIFY, CONV_ACCEPT = CONV_SPECS
 ATTENTION_DECODE, ATTENTION_COMBINE = ATTENTION_SPECS
 GEMV, GEMV_EXPERTS, GROUPED_EXPERTS = GEMV_SPECS
-SPECS = {(s.family, s.op): s for s in GDN_SPECS + MAMBA2_SPECS + CONV_SPECS + ATTENTION_SPECS + GEMV_SPECS}
+PREFILL_SPECS = [GDN_CHUNK_PREFILL, MAMBA2_CHUNK_PREFILL]
+SPECS = {(s.family, s.op): s for s in GDN_SPECS + MAMBA2_SPECS + PREFILL_SPECS + CONV_SPECS + ATTENTION_SPECS
+         + GEMV_SPECS}
 
 
 def spec_for(key: KernelKey) -> KernelSpec:

@@ -9,6 +9,8 @@
                                             draft_states, draft_rows) -> o (B, T, Hv, V)
     torch.ops.kvbuffer.mamba2_recurrent_step(x, dt, A_log, dt_bias, B, C, D, state, state_slots, z=None) -> y
     torch.ops.kvbuffer.mamba2_buffered_step / mamba2_verify / mamba2_flush / mamba2_recurrent_drafts  (the same)
+    torch.ops.kvbuffer.gdn_chunk_prefill(q, k, v, g, beta, cu_seqlens, state, state_slots) -> o (N, Hv, V)
+    torch.ops.kvbuffer.mamba2_chunk_prefill(C, B, value, g, cu_seqlens, state, state_slots) -> o (N, H, P)
     torch.ops.kvbuffer.conv1d_update(x, conv_state, slots, weight, bias=None, kind="advance", silu=True) -> out
     torch.ops.kvbuffer.conv1d_accept(conv_state, slots, accepted, width)
     torch.ops.kvbuffer.attention_decode(q, k_cache, v_cache, slots, cached, scale, context_len=0) -> out
@@ -32,7 +34,10 @@ token): on CUDA a weight-streaming kernel, faster than torch's GEMM at that size
 the same product through each row's chosen experts (weight (E, N, K), int64 ids (S, J)): a
 mixture-of-experts layer at a few tokens, reading only the chosen experts' weights. grouped_experts
 is torch._grouped_mm(x, weight.transpose(1, 2), offs=ends) for rows sorted by expert (int32 ends,
-expert e's rows ending at ends[e]): the same layer at any token count (kvbuffer.reference.experts).
+expert e's rows ending at ends[e]): the same layer at any token count (kvbuffer.reference.experts). The *_chunk_prefill ops run
+the plain recurrence over each sequence of packed prompts (cu_seqlens (B + 1,)) from its state slot
+(zero for -1) after the family's front, and write each final state back (none for -1); they mutate
+`state` (kvbuffer.kernels.prefill states the contract).
 
 CPU: the pure-torch reference (with its checks). CUDA: kvbuffer.kernels.launch, which looks the
 compiled kernel up (kvbuffer.kernels.lookup: artifact, else JIT when allowed, else ArtifactError)
@@ -58,7 +63,7 @@ from ..reference import core as ref_core
 from ..reference import experts as ref_experts
 from ..reference import gdn as ref_gdn
 from ..reference import mamba2 as ref_mamba2
-from . import launch
+from . import launch, prefill
 from .attention import attention_batch_checks, attention_reference, check_cached_range
 from .keys import CONV_UPDATE_KINDS
 
@@ -179,6 +184,26 @@ def mamba2_flush(state: torch.Tensor, state_slots: torch.Tensor, buf_k: torch.Te
 
 
 # ----------------------------------------------------------------------------------------------
+# the chunked prefill of packed prompts, after the families' fronts (kvbuffer.kernels.prefill)
+
+
+@torch.library.custom_op("kvbuffer::gdn_chunk_prefill", mutates_args=("state",), device_types="cpu")
+def gdn_chunk_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                      cu_seqlens: torch.Tensor, state: torch.Tensor, state_slots: torch.Tensor) -> torch.Tensor:
+    """prefill.chunk_prefill_reference, delta rule: q, k (N, Hk, K) normalised (q scaled), v (N, Hv, V),
+    g, beta (N, Hv) -> o (N, Hv, V); each sequence's final state written to its slot (none for -1)."""
+    return prefill.chunk_prefill_reference(q, k, v, g, beta, cu_seqlens, state, state_slots)
+
+
+@torch.library.custom_op("kvbuffer::mamba2_chunk_prefill", mutates_args=("state",), device_types="cpu")
+def mamba2_chunk_prefill(C: torch.Tensor, B: torch.Tensor, value: torch.Tensor, g: torch.Tensor,
+                         cu_seqlens: torch.Tensor, state: torch.Tensor, state_slots: torch.Tensor) -> torch.Tensor:
+    """prefill.chunk_prefill_reference, decay-only: C, B (N, G, N_state), value = dt * x (N, H, P), g = dt * A
+    (N, H) -> o (N, H, P) before the D skip and the gate; final states written as gdn_chunk_prefill's."""
+    return prefill.chunk_prefill_reference(C, B, value, g, None, cu_seqlens, state, state_slots)
+
+
+# ----------------------------------------------------------------------------------------------
 # the checks that read no tensor data: run by the fakes and before every CUDA launch
 
 
@@ -200,6 +225,12 @@ def _meta_checks(name: str, args: dict) -> None:
         return attention_batch_checks(args["q"], args["k_cache"], args["v_cache"], args["slots"], args["cached"])
     if name.startswith("conv1d"):
         return _conv_meta_checks(name, args)
+    if name == "gdn_chunk_prefill":
+        return prefill.check_shapes(*(args[n] for n in ("q", "k", "v", "g", "beta", "cu_seqlens", "state",
+                                                      "state_slots")), delta_rule=True)
+    if name == "mamba2_chunk_prefill":
+        return prefill.check_shapes(*(args[n] for n in ("C", "B", "value", "g")), None,
+                                    *(args[n] for n in ("cu_seqlens", "state", "state_slots")), delta_rule=False)
     state = args["state"]
     if name.endswith("flush"):
         ref_core.check_flush_shapes(state, args["buf_k"], args["buf_v"], args["buf_g"])
@@ -343,13 +374,14 @@ _BY_NAME = {
     "gdn_flush": gdn_flush, "gdn_recurrent_drafts": gdn_recurrent_drafts,
     "mamba2_recurrent_step": mamba2_recurrent_step, "mamba2_buffered_step": mamba2_buffered_step,
     "mamba2_verify": mamba2_verify, "mamba2_flush": mamba2_flush, "mamba2_recurrent_drafts": mamba2_recurrent_drafts,
+    "gdn_chunk_prefill": gdn_chunk_prefill, "mamba2_chunk_prefill": mamba2_chunk_prefill,
     "conv1d_update": conv1d_update, "conv1d_accept": conv1d_accept, "attention_decode": attention_decode,
     "gemv": gemv, "gemv_experts": gemv_experts, "grouped_experts": grouped_experts,
 }
 OPS = tuple(_BY_NAME)
 _OUTPUTS = {name: ("x" if name.startswith("mamba2") else "v") for name in OPS}
 _OUTPUTS.update(gdn_flush=None, mamba2_flush=None, conv1d_update="x", conv1d_accept=None, attention_decode="q",
-                gemv=None, gemv_experts=None, grouped_experts=None)
+                gemv=None, gemv_experts=None, grouped_experts=None, mamba2_chunk_prefill="value")
 _PARAMS = {name: tuple(inspect.signature(op._init_fn).parameters.values()) for name, op in _BY_NAME.items()}
 
 

@@ -8,7 +8,9 @@ ForwardBatch, so no layer chooses between the reference and the kernels per call
   buffer's: bf16 unless the model is fp16) and the layer parameters to fp32, makes them contiguous
   (the model's projections are split views), launches, and casts the output back. It launches the
   engine's own rows: the slots and fills were built and checked on the host, so the launches skip
-  the checks that read the device back. Prompts are cut into kvbuffer.kernels.PREFILL_CHUNKS. The
+  the checks that read the device back. A prompt that reaches a flush point folds on the chunked
+  prefill kernel (kvbuffer.kernels.prefill) and buffers its rest as kvbuffer.kernels.PREFILL_CHUNKS
+  verify chunks; a shorter one, or one whose chunked kernel does not load, runs as verify chunks. The
   short conv runs on its kernel when that loads, else on the reference (logged once per kernel).
 
 Linear-op inputs travel as GDNInputs / Mamba2Inputs, named tuples in the ops' argument order.
@@ -23,6 +25,7 @@ import torch
 
 from ..errors import ArtifactError
 from ..kernels import autobuild, launch, lookup, specs
+from ..kernels import prefill as prefill_kernels
 from ..kernels.keys import (
     ATTENTION_HEAD_DIMS,
     ATTENTION_MAX_TOKENS,
@@ -36,6 +39,7 @@ from ..kernels.keys import (
 from ..reference import conv as ref_conv
 from ..reference import chunked_ops as ref_chunked
 from ..reference import core as ref_core
+from ..reference import gating as ref_gating
 from ..reference import gdn as ref_gdn
 from ..reference import mamba2 as ref_mamba2
 
@@ -172,6 +176,7 @@ class KernelBackend(ReferenceBackend):
     def __init__(self):
         self.conv_on_reference: set = set()  # conv kernel keys that did not load: the reference until JIT is on
         self.attention_on_window_path: set = set()  # attention kernel keys that did not load: the torch window path
+        self.prefill_in_verify_chunks: set = set()  # chunked prefill keys that did not load: verify chunks
 
     @staticmethod
     def _cast(inputs: LinearInputs, dtype: torch.dtype) -> LinearInputs:
@@ -202,7 +207,58 @@ class KernelBackend(ReferenceBackend):
         _OPS[family].flush(state, state_slots, *buf, slots, lengths)
 
     def prefill(self, inputs: LinearInputs, state, state_slots, buf, slots, fill: int, flush_at: int):
-        return self.prefill_in_chunks(inputs, state, state_slots, buf, slots, fill, flush_at)
+        """The reference Backend's prompt contract on the kernels. A prompt that reaches no flush point
+        (fill + T < C) runs as verify chunks; else (a) the fill buffered entries are flushed, (b) the chunked
+        prefill folds each row's first T - r tokens (r = (fill + T) mod C) from its state, and (c) the last r
+        become buffer entries 0 .. r-1 as verify chunks from fill 0. Without the chunked prefill kernel
+        (no artifact, JIT off, head dims it does not take) the whole prompt runs as verify chunks."""
+        T = getattr(inputs, inputs.output_like).shape[1]
+        if fill + T < flush_at or not self._chunk_prefill_runs(inputs, state):
+            return self.prefill_in_chunks(inputs, state, state_slots, buf, slots, fill, flush_at)
+        if fill:
+            self.flush(inputs.family, state, state_slots, buf, slots, torch.full_like(slots, fill))
+        r = (fill + T) % flush_at
+        o = self._fold_prompt(per_token(inputs, lambda t: t[:, :T - r]), state, state_slots, slots, buf[0].dtype)
+        if not r:
+            return o
+        tail = per_token(inputs, lambda t: t[:, T - r:])
+        return torch.cat([o, self.prefill_in_chunks(tail, state, state_slots, buf, slots, 0, flush_at)], 1)
+
+    def _fold_prompt(self, inputs: LinearInputs, state, state_slots, slots, act_dtype: torch.dtype):
+        """The chunked prefill of every row's P tokens from its state slot, after the family's front in
+        torch (on CUDA: bf16 activations, fp32 gates; on the CPU: `act_dtype` and the state's dtype).
+        Padding rows (slot -1) start from zero, write no state and give zeros. Returns (B, P, Hv, V)."""
+        like = getattr(inputs, inputs.output_like)
+        B, P = like.shape[:2]
+        act = torch.bfloat16 if state.is_cuda else act_dtype
+        pack = lambda t: t.reshape(B * P, *t.shape[2:]).to(act).contiguous()  # noqa: E731
+        cu = torch.arange(B + 1, dtype=torch.int32, device=state.device) * P
+        rows = torch.where(slots >= 0, state_slots, torch.full_like(state_slots, -1)).to(torch.int32)
+        if inputs.family == "gdn":
+            q, k, g, beta = ref_gating.gdn_front(inputs.q, inputs.k, inputs.a, inputs.b, inputs.A_log,
+                                                 inputs.dt_bias, state.dtype)
+            o = _OPS["gdn"].chunk_prefill(pack(q), pack(k), pack(inputs.v), g.reshape(B * P, -1).contiguous(),
+                                          beta.reshape(B * P, -1).contiguous(), cu, state, rows)
+        else:
+            value, g, _ = ref_gating.mamba2_front(inputs.x, inputs.dt, inputs.A_log, inputs.dt_bias, state.dtype)
+            o = _OPS["mamba2"].chunk_prefill(pack(inputs.C), pack(inputs.B), pack(value),
+                                             g.reshape(B * P, -1).contiguous(), cu, state, rows)
+            o = ref_gating.mamba2_output(o.to(state.dtype), inputs.x.reshape(B * P, *like.shape[2:]), inputs.D)
+        o = o.reshape(B, P, *like.shape[2:])
+        return torch.where((slots >= 0).view(B, 1, 1, 1), o, torch.zeros((), dtype=o.dtype, device=o.device)) \
+            .to(out_dtype(inputs))
+
+    def _chunk_prefill_runs(self, inputs: LinearInputs, state) -> bool:
+        """Whether the chunked prefill serves these inputs: on the CPU always (its op is the reference);
+        on CUDA for head dims the templates take, when its kernel loads (an artifact, or JIT-compiled now;
+        logged once per kernel if not, and the prompt runs as verify chunks)."""
+        if not state.is_cuda:
+            return True
+        key_t, val_t = (inputs.k, inputs.v) if inputs.family == "gdn" else (inputs.B, inputs.x)
+        if not prefill_kernels.fits(key_t.shape[-1], val_t.shape[-1]):
+            return False
+        key = launch.chunk_prefill_key(inputs.family, key_t, val_t)
+        return _loads([key], key_t.shape[0], self.prefill_in_verify_chunks, "prompts run as verify chunks")
 
     def short_conv(self, x, conv_state, slots, weight, bias, phase: str):
         mode = "verify" if phase == "verify" else "advance"
@@ -332,7 +388,9 @@ def resolve_backend(kernels, device: torch.device, spec, dtype: torch.dtype, mod
     "auto": the kernels on CUDA when the head dims suit them and every kernel the engine needs loads
     from the artifact cache, or may be compiled (kvbuffer.ops.allow_jit / KVBUFFER_JIT=1). Missing
     kernels are built into the artifact cache first where TileLang is installed
-    (kvbuffer.kernels.autobuild); True raises if they can be neither loaded nor built. Logged.
+    (kvbuffer.kernels.autobuild); True raises if they can be neither loaded nor built. Logged. The
+    chunked prefill is optional: built the same way when it alone is missing, else prompts run as
+    verify chunks.
     """
     if kernels not in (True, False, "auto"):
         raise ValueError(f"kernels must be True, False or 'auto', got {kernels!r}")
@@ -349,11 +407,35 @@ def resolve_backend(kernels, device: torch.device, spec, dtype: torch.dtype, mod
         why = unbuilt or _missing_artifact(spec, dtype, mode)
     if why is None:
         log.info("kvbuffer: linear layers run on the compiled kernels")
+        if mode == "kvbuffer":
+            _ensure_prefill_kernel(spec, dtype)
         return KernelBackend(), "compiled kernels"
     if kernels is True:
         raise ValueError(f"kernels=True, but {why}")
     log.info("kvbuffer: linear layers run on the reference ops: %s", why)
     return REFERENCE, why
+
+
+def prefill_kernel(spec, dtype: torch.dtype) -> KernelKey | None:
+    """The chunked prefill kvbuffer mode's prompts fold on (None: the head dims do not suit it). Optional:
+    without it prompts run as verify chunks."""
+    s = spec.linear_shape
+    if not prefill_kernels.fits(s.head_k_dim, s.head_v_dim):
+        return None
+    step = decode_step_key(spec, dtype)
+    return KernelKey(step.family, "chunk_prefill", step.dims, "bfloat16")
+
+
+def _ensure_prefill_kernel(spec, dtype: torch.dtype) -> None:
+    """Build the chunked prefill on first use where it is missing (an artifact cache from before it, JIT
+    off), with the rest of the shape's set (which is reused); if it cannot be built, say so once."""
+    key = prefill_kernel(spec, dtype)
+    if key is None or lookup.jit_allowed() or missing_kernel([key]) is None:
+        return
+    step = decode_step_key(spec, dtype)
+    unbuilt = autobuild.ensure_kernels(step, DTYPE_NAMES.get(dtype, step.in_dtype))
+    if unbuilt is not None:
+        log.info("kvbuffer: prompts run as verify chunks (%s)", unbuilt)
 
 
 def _missing_artifact(spec, dtype, mode) -> str | None:

@@ -1,10 +1,10 @@
-"""The chunked GDN prefill (kvbuffer.kernels.prefill_gdn) against the fp64 recurrence, on a CUDA GPU.
+"""The chunked GDN prefill (kvbuffer.kernels.prefill) against the fp64 recurrence, on a CUDA GPU.
 
 Awkward lengths (1, 63, 64, 65, 1000, 10007 and packed batches of mixed lengths, an empty prompt among
 them), random non-zero starting states, decays from slow to fast across the heads. Outputs are poisoned
 with NaN before the kernel runs; pool slots outside the batch must come back bit-exact; a slot -1
 sequence starts from zero and writes no state. FLA's naive recurrence checks the fp64 reference itself.
-The decay-only form (Mamba-2) runs at Nemotron-3 Nano's shape.
+The decay-only form (Mamba-2) runs at Nemotron-3 Nano's shape and a small one; the custom ops launch both.
 Errors are relative Frobenius norms (tests.support.gdn_cases.rel_err), recorded by gdn_cases.record.
 """
 
@@ -16,7 +16,7 @@ import zlib
 import pytest
 import torch
 
-from kvbuffer.kernels.prefill_gdn import build_gdn_chunk_prefill, gdn_chunk_prefill
+from kvbuffer.kernels.prefill import build_gdn_chunk_prefill, chunk_prefill
 from kvbuffer.reference.core import clamp_log_decay
 
 from tests.support.gdn_cases import bits_equal, record, rel_err
@@ -91,7 +91,7 @@ def test_prefill_matches_fp64_recurrence(case, heads):
     before = state.clone()
     o_ref, finals = recurrence64(q, k, v, g, beta, cu, before, slot_t)
     out = torch.full_like(v, float("nan"))
-    o = gdn_chunk_prefill(prefill_op(Hk, Hv), q, k, v, g, beta, cu, state, slot_t, out=out)
+    o = chunk_prefill(prefill_op(Hk, Hv), q, k, v, g, beta, cu, state, slot_t, out=out)
     torch.cuda.synchronize()
     assert o.data_ptr() == out.data_ptr()
     err = rel_err(o, o_ref)
@@ -106,26 +106,65 @@ def test_prefill_matches_fp64_recurrence(case, heads):
     assert bits_equal(state[untouched], before[untouched]), "a slot outside the batch changed"
 
 
-@pytest.mark.parametrize("case", ["len65", "len1000", "mixed"])
-def test_decay_only_prefill_matches_fp64_recurrence(case):
-    """The decay-only form (Mamba-2's SSD) at Nemotron-3 Nano's shape: values folded as they are."""
-    Hk, Hv, K, V = 8, 64, 128, 64
-    lengths = LENGTHS[case]
+DECAY_ONLY_HEADS = {"nano": (8, 64, 128, 64), "small": (2, 4, 64, 32)}  # Nemotron-3 Nano's G, H, N, P; a small one
+DECAY_ONLY_LENGTHS = {**{c: LENGTHS[c] for c in ("len1", "len63", "len64", "len65", "len1000", "len10007")},
+                      "three": [1000, 63, 65], "mixed": LENGTHS["mixed"]}
+
+
+@pytest.mark.parametrize("start", ["existing", "fresh"])
+@pytest.mark.parametrize("heads", DECAY_ONLY_HEADS)
+@pytest.mark.parametrize("case", DECAY_ONLY_LENGTHS)
+def test_decay_only_prefill_matches_fp64_recurrence(case, heads, start):
+    """The decay-only form (Mamba-2's SSD): values folded as they are; from existing states, or from zeroed
+    ones (a fresh request), the last sequence of a packed batch on slot -1."""
+    Hk, Hv, K, V = DECAY_ONLY_HEADS[heads]
+    lengths = DECAY_ONLY_LENGTHS[case]
     B = len(lengths)
-    gen = torch.Generator(device="cuda").manual_seed(zlib.crc32(f"decay/{case}".encode()))
+    gen = torch.Generator(device="cuda").manual_seed(zlib.crc32(f"decay/{case}/{heads}/{start}".encode()))
     slots = list(range(B))
+    if B > 1:
+        slots[-1] = -1
     q, k, v, g, _, cu, state, slot_t = inputs(lengths, Hk, Hv, K, V, slots=slots, num_slots=B + 1, gen=gen,
                                               delta_rule=False)
+    if start == "fresh":
+        state[:B] = 0
     before = state.clone()
     o_ref, finals = recurrence64(q, k, v, g, None, cu, before, slot_t)
-    o = gdn_chunk_prefill(prefill_op(Hk, Hv, K, V, delta_rule=False), q, k, v, g, None, cu, state, slot_t)
+    out = torch.full_like(v, float("nan"))
+    o = chunk_prefill(prefill_op(Hk, Hv, K, V, delta_rule=False), q, k, v, g, None, cu, state, slot_t, out=out)
     err = rel_err(o, o_ref)
-    record(f"gdn_prefill/decay_only/{case}/o", err)
+    record(f"gdn_prefill/decay_only/{case}/{heads}/{start}/o", err)
     assert err < OUT_TOL, f"output rel err {err:.2e}"
-    s_err = max(rel_err(state[i], finals[i]) for i in slots)
-    record(f"gdn_prefill/decay_only/{case}/state", s_err)
-    assert s_err < STATE_TOL, f"state rel err {s_err:.2e}"
-    assert bits_equal(state[B], before[B]), "a slot outside the batch changed"
+    real = [i for i in slots if i >= 0]
+    if real:
+        s_err = max(rel_err(state[i], finals[i]) for i in real)
+        record(f"gdn_prefill/decay_only/{case}/{heads}/{start}/state", s_err)
+        assert s_err < STATE_TOL, f"state rel err {s_err:.2e}"
+    untouched = [s for s in range(state.shape[0]) if s not in real]
+    assert bits_equal(state[untouched], before[untouched]), "a slot outside the batch changed"
+
+
+@pytest.mark.parametrize("family", ["gdn", "mamba2"])
+def test_custom_ops_launch_the_kernels(family):
+    """torch.ops.kvbuffer.<family>_chunk_prefill on CUDA (the JIT builds the spec) agrees with its CPU
+    implementation run in fp64 on the same inputs."""
+    from kvbuffer import ops
+
+    Hk, Hv, K, V = (16, 32, 128, 128) if family == "gdn" else DECAY_ONLY_HEADS["nano"]
+    gen = torch.Generator(device="cuda").manual_seed(11)
+    q, k, v, g, beta, cu, state, slots = inputs([300, 0, 65], Hk, Hv, K, V, slots=[2, 0, -1], num_slots=3,
+                                                gen=gen, delta_rule=family == "gdn")
+    state64 = state.double().cpu()
+    cpu = [t.double().cpu() for t in (q, k, v, g)] + ([beta.double().cpu()] if beta is not None else [])
+    op = getattr(torch.ops.kvbuffer, f"{family}_chunk_prefill")
+    o_ref = op(*cpu, cu.cpu(), state64, slots.cpu())
+    ops.allow_jit(True)
+    try:
+        o = op(q, k, v, g, *([beta] if beta is not None else []), cu, state, slots)
+    finally:
+        ops.allow_jit(None)
+    assert rel_err(o, o_ref) < OUT_TOL
+    assert rel_err(state, state64) < STATE_TOL
 
 
 @pytest.mark.parametrize("tunables", [{"states_BV": 64, "output_BV": 64}, {"states_BV": 16},
@@ -137,7 +176,7 @@ def test_prefill_tunables_agree(tunables):
     args = inputs([200, 64, 1, 1000, 63], 16, 32, slots=[0, 1, 2, 3, 4], num_slots=5, gen=gen)
     state0 = args[6].clone()
     o_ref, finals = recurrence64(*args[:6], state0, args[7])
-    o = gdn_chunk_prefill(prefill_op(16, 32, **tunables), *args)
+    o = chunk_prefill(prefill_op(16, 32, **tunables), *args)
     assert rel_err(o, o_ref) < OUT_TOL
     assert max(rel_err(args[6][i], finals[i]) for i in range(5)) < STATE_TOL
 
@@ -161,9 +200,9 @@ def test_prefill_rejects_bad_offsets():
     q, k, v, g, beta, cu, state, slots = inputs([10, 20], 16, 32, slots=[0, 1], num_slots=2, gen=gen)
     before = state.clone()
     with pytest.raises(ValueError, match="cu_seqlens"):
-        gdn_chunk_prefill(prefill_op(16, 32), q, k, v, g, beta, cu.flip(0).contiguous(), state, slots)
+        chunk_prefill(prefill_op(16, 32), q, k, v, g, beta, cu.flip(0).contiguous(), state, slots)
     with pytest.raises(IndexError, match="state_slots"):
-        gdn_chunk_prefill(prefill_op(16, 32), q, k, v, g, beta, cu, state, slots + 5)
+        chunk_prefill(prefill_op(16, 32), q, k, v, g, beta, cu, state, slots + 5)
     with pytest.raises(TypeError, match="beta"):
-        gdn_chunk_prefill(prefill_op(16, 32), q, k, v, g, beta.bfloat16(), cu, state, slots)
+        chunk_prefill(prefill_op(16, 32), q, k, v, g, beta.bfloat16(), cu, state, slots)
     assert bits_equal(state, before)

@@ -143,7 +143,7 @@ chosen, why = backend.resolve_backend("auto", torch.device("cuda"), spec, torch.
 D, W = spec.conv_dim, spec.conv_width
 x, pool, w = torch.zeros(1, 1, D), torch.zeros(1, D, W), torch.zeros(D, W)  # the pool spans W - 1 + 1 tokens
 lookup.kernel_for(launch.conv_update_key("advance", x, pool, w, None, True), 1)
-print(chosen.name, len(lookup.loaded_keys()))
+print(chosen.name, len(lookup.loaded_keys()), "kvbuffer.tiles.gdn_prefill" in sys.modules)
 """
 
 
@@ -158,8 +158,39 @@ def test_real_build_for_an_absent_gpu_loads_in_a_process_without_tilelang(demo, 
     gpu = gpus.get_gpu("h200")
     out = io.StringIO()
     autobuild.build(key, "float32", gpu, autobuild.tune_command(key, gpu.name), stream=out)
-    assert out.getvalue().count("\n") == 9 and "[8/8] conv1d_prefill: built" in out.getvalue()
+    assert out.getvalue().count("\n") == 10 and "[9/9] conv1d_prefill: built" in out.getvalue()
     res = subprocess.run([sys.executable, "-c", LOAD_WITHOUT_TILELANG], capture_output=True, text=True,
                          env=dict(os.environ, KVBUFFER_CACHE_DIR=str(tmp_path)))
     assert res.returncode == 0, res.stderr[-2000:]
-    assert res.stdout.split() == ["kernels", "5"]  # prefill chunks 8, 4, 2, the decode step, the conv step
+    # prefill chunks 8, 4, 2, the decode step, the chunked prefill (its artifacts' tunables read, no template
+    # imported), the conv step
+    assert res.stdout.split() == ["kernels", "6", "False"]
+
+
+def test_a_cache_without_the_chunked_prefill_builds_it_once(demo, gpu_here, monkeypatch):
+    """Artifacts from before the chunked prefill: every needed kernel loads but it; the first engine builds
+    the shape's set once (the rest reused), a second one finds it."""
+    spec, dtype = demo
+    built = gpu_here
+
+    def kernel_for(key, batch=1):
+        if key.op == "chunk_prefill" and not built:
+            raise ArtifactError("no compiled chunk_prefill kernel")
+        return object()
+
+    monkeypatch.setattr(lookup, "kernel_for", kernel_for)
+    chosen, _ = backend.resolve_backend("auto", CUDA, spec, dtype, "kvbuffer")
+    assert chosen.kernels and len(built) == 1
+    backend.resolve_backend("auto", CUDA, spec, dtype, "kvbuffer")
+    assert len(built) == 1
+    assert backend.prefill_kernel(spec, dtype).op == "chunk_prefill"
+
+
+def test_without_tilelang_a_missing_chunked_prefill_keeps_the_kernels(demo, gpu_here, monkeypatch, caplog):
+    no_tilelang(monkeypatch)
+    monkeypatch.setattr(lookup, "kernel_for", lambda key, batch=1: (_ for _ in ()).throw(ArtifactError("none"))
+                        if key.op == "chunk_prefill" else object())
+    with caplog.at_level("INFO", logger="kvbuffer"):
+        chosen, why = backend.resolve_backend("auto", CUDA, *demo, "kvbuffer")
+    assert chosen.kernels and why == "compiled kernels" and not gpu_here
+    assert any("prompts run as verify chunks" in r.getMessage() for r in caplog.records)

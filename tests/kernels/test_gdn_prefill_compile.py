@@ -1,4 +1,4 @@
-"""The chunked GDN prefill templates (tiles/gdn_prefill.py) compile for sm_90a with nvcc (CPU only).
+"""The chunked prefill templates (tiles/gdn_prefill.py) and their kernel specs compile for sm_90a with nvcc (CPU only).
 
 Skips cleanly when TileLang or nvcc is missing; tests/gpu/test_gdn_prefill.py covers the numerics.
 """
@@ -56,3 +56,100 @@ def test_bad_shapes_are_refused():
         gdn_prefill.gdn_prefill_prep(16, 24)
     with pytest.raises(ValueError, match="stages"):
         gdn_prefill.gdn_prefill_states(8, 64, 128, 64, stages=2, delta_rule=False)
+
+
+# ----------------------------------------------------------------------------------------------
+# the kernel specs (kvbuffer.kernels.specs: GDN_CHUNK_PREFILL, MAMBA2_CHUNK_PREFILL)
+
+from kvbuffer.kernels import build_gdn_chunk_prefill, build_mamba2_chunk_prefill, lookup, specs  # noqa: E402
+from kvbuffer.kernels.keys import GDNDims, KernelKey, Mamba2Dims  # noqa: E402
+
+DECAY_ONLY_PARTS = ["chunks", "states", "output"]
+SPEC_SHAPES = {
+    "gdn_qwen35_9b": (KernelKey("gdn", "chunk_prefill", GDNDims(16, 32, 128, 128), "bfloat16"),
+                      ["chunks", "prep", "states", "output"]),
+    "mamba2_nano": (KernelKey("mamba2", "chunk_prefill", Mamba2Dims(8, 64, 128, 64), "bfloat16"), DECAY_ONLY_PARTS),
+    "mamba2_small": (KernelKey("mamba2", "chunk_prefill", Mamba2Dims(2, 4, 64, 32), "bfloat16"), DECAY_ONLY_PARTS),
+}
+
+
+@pytest.fixture
+def h200(monkeypatch):
+    """The local GPU's target, for a machine without one: an H200's (sm_90a)."""
+    monkeypatch.setattr(specs, "local_target", lambda: get_gpu("h200").target)
+
+
+@pytest.mark.parametrize("case", SPEC_SHAPES)
+def test_spec_compiles_every_part_for_sm90a(case, h200):
+    """The JIT builds a chunked prefill through its spec: one compiled function per launch, on tensor cores;
+    Mamba-2's decay-only form has no prep launch."""
+    key, parts = SPEC_SHAPES[case]
+    op = lookup.jit(key)
+    assert op.kind == "chunk_prefill" and sorted(op.fn) == sorted(parts)
+    assert op.params["delta_rule"] == (key.family == "gdn")
+    for part in parts:
+        src = op.fn[part].get_kernel_source()
+        assert "__global__" in src and (part == "chunks" or "wgmma" in src), part
+
+
+def test_build_functions_compile_their_spec(monkeypatch):
+    """build_gdn_chunk_prefill / build_mamba2_chunk_prefill and the JIT make the same prim functions."""
+    import kvbuffer.tiles as tiles
+
+    monkeypatch.setattr(tiles, "compile_template", lambda prim, target: prim)
+    monkeypatch.setattr(specs, "local_target", lambda: {"kind": "cuda", "arch": "sm_90a"})
+    for op, (key, _) in ((build_gdn_chunk_prefill(16, 32, states_BV=64), SPEC_SHAPES["gdn_qwen35_9b"]),
+                         (build_mamba2_chunk_prefill(8, 64, 128, 64), SPEC_SHAPES["mamba2_nano"])):
+        tunables = specs.prefill_tunables(key, {"states_BV": op.params["states_BV"]})
+        want = specs.spec_for(key).prim(key, tunables)
+        assert {p: f.script() for p, f in op.fn.items()} == {p: f.script() for p, f in want.items()}
+        assert op.params == specs.spec_for(key).launch_params(key, tunables)
+
+
+def test_prefill_tunables():
+    """Defaults are the templates' first config; value tiles fit the head's V; unknown names are refused."""
+    gdn, nano = SPEC_SHAPES["gdn_qwen35_9b"][0], SPEC_SHAPES["mamba2_nano"][0]
+    first = gdn_prefill.configs()[0]
+    assert specs.prefill_tunables(gdn) == dict(first, states_stages=0, threads=128)
+    assert specs.prefill_tunables(nano)["output_BV"] == 64
+    odd = KernelKey("mamba2", "chunk_prefill", Mamba2Dims(2, 4, 64, 48), "bfloat16")
+    assert specs.prefill_tunables(odd) == dict(first, states_stages=0, threads=128, states_BV=16, output_BV=48)
+    with pytest.raises(TypeError, match="BV"):
+        specs.prefill_tunables(gdn, {"BV": 32})
+    assert all(not c.get("states_stages") for c in specs.MAMBA2_CHUNK_PREFILL.configs())
+    assert any(c.get("states_stages") for c in specs.GDN_CHUNK_PREFILL.configs())
+
+
+@pytest.mark.parametrize("family", ["gdn", "mamba2"])
+def test_tune_stores_one_artifact_per_launch_and_the_lookup_joins_them(family, tmp_path, monkeypatch):
+    """`kvbuffer tune --build-only` stores the chunked prefill as one artifact per launch (built for an absent
+    GPU); the run-time lookup loads them into one op of kind chunk_prefill, JIT off."""
+    import torch
+    from click.testing import CliRunner
+
+    from kvbuffer import gpus
+    from kvbuffer.cli.main import main
+
+    if torch.cuda.is_available():
+        pytest.skip("this test builds for a GPU that is not present")
+    args = ["tune", "--gpu", "h100", "--heads", "2,4,32,32", "--family", family, "--kernels",
+            f"{family}_chunk_prefill", "--chunk-sizes", "8", "--batch-buckets", "1", "--cache-dir", str(tmp_path)]
+    result = CliRunner().invoke(main, args)
+    assert result.exit_code == 0, result.output
+    monkeypatch.setenv("KVBUFFER_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(gpus, "detect_local_gpu", lambda device=0: gpus.get_gpu("h100"))
+    monkeypatch.setattr(lookup, "jit_allowed", lambda: False)
+    lookup.clear_kernels()
+    try:
+        key = KernelKey(family, "chunk_prefill", (GDNDims if family == "gdn" else Mamba2Dims)(2, 4, 32, 32), "bfloat16")
+        op = lookup.kernel_for(key, 3)
+        assert op.kind == "chunk_prefill" and sorted(op.fn) == sorted(specs.spec_for(key).parts(key))
+        assert op.params == specs.spec_for(key).launch_params(key, {})
+    finally:
+        lookup.clear_kernels()
+
+
+def test_every_config_is_complete():
+    """A tuned artifact records its config's tunables: each names all four, so loading one needs no defaults."""
+    for spec in (specs.GDN_CHUNK_PREFILL, specs.MAMBA2_CHUNK_PREFILL):
+        assert all(set(c) == set(specs.PREFILL_TUNABLES) for c in spec.configs())

@@ -7,6 +7,7 @@ With TileLang: a real build for an absent GPU whose verify and conv kernels load
 runtime's lookup (kvbuffer.kernels.lookup), as they would on that GPU.
 """
 
+import dataclasses
 import importlib.util
 import shutil
 
@@ -83,6 +84,8 @@ def _linear_standin(family: str, name: str, chunk: int):
         return lambda *a: getattr(torch.ops.kvbuffer, f"{family}_flush")(*a)
     if name.endswith("recurrent_drafts"):
         return _drafts_standin(family)
+    if name.endswith("chunk_prefill"):  # (tokens..., cu_seqlens, state, state_slots, out)
+        return lambda *a: a[-1].copy_(getattr(torch.ops.kvbuffer, name)(*a[:-1]))
 
     def run(*a):
         if family == "gdn":
@@ -118,8 +121,10 @@ def test_linear_templates_inputs_and_references_agree_with_the_ops(family):
     for tpl, chunk, drafts in tuner.plan(templates(family), (8,), (0, 3)):
         if tpl.name.endswith("recurrent"):
             continue
+        if tpl.launch is not None:  # the chunked prefill: its launcher needs CUDA, the stand-in takes the args
+            tpl = dataclasses.replace(tpl, launch=None)
         err = tuner.check(tpl, _linear_standin(family, tpl.name, chunk), shape, chunk, "cpu", drafts=drafts)
-        assert err < 1e-5, (tpl.name, chunk, drafts, err)
+        assert err < (1e-2 if tpl.name.endswith("chunk_prefill") else 1e-5), (tpl.name, chunk, drafts, err)  # bf16 o
 
 
 @pytest.mark.parametrize("bias", [False, True])
@@ -282,7 +287,8 @@ def test_untuned_defaults_fit_small_value_heads(family):
 
     shape = {"family": family, "Hk": 2, "Hv": 4, "K": 16, "V": 16, "dtype": "bfloat16"}
     for tpl in gdn_templates() if family == "gdn" else mamba2_templates():
-        assert tpl.defaults_for(shape)["BV"] <= 16, tpl.name
+        tiles = {n: v for n, v in tpl.defaults_for(shape).items() if n.endswith("BV")}
+        assert tiles and max(tiles.values()) <= 16, tpl.name
 
 
 @pytest.mark.parametrize("family", ["gdn", "mamba2"])

@@ -1,0 +1,137 @@
+"""torch.ops.kvbuffer.gdn_chunk_prefill / mamba2_chunk_prefill on the CPU (their reference implementation)
+against the plain recurrence of kvbuffer.reference.core, token by token, in float64; their fakes; their checks.
+
+Packed batches of awkward lengths, empty sequences among them, one of 10,007 tokens; pools with garbage
+in the slots no sequence names (which must come back bit-exact) and a sequence on slot -1 (starts from
+zero, writes nothing).
+"""
+
+from __future__ import annotations
+
+import zlib
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import kvbuffer.kernels  # noqa: F401  (registers torch.ops.kvbuffer.*)
+from kvbuffer.errors import DTypeError, ShapeError, SlotError
+from kvbuffer.reference import core
+
+F64 = torch.float64
+TOL = 1e-10
+OPS = {"gdn": "gdn_chunk_prefill", "mamba2": "mamba2_chunk_prefill"}
+SHAPES = {"gdn": (2, 4, 7, 5), "mamba2": (2, 8, 16, 6)}  # Hk, Hv, K, V: grouped heads, awkward head dims
+LENGTHS = {"one": [1], "63": [63], "64": [64], "65": [65], "1000": [1000],
+           "mixed": [65, 1, 0, 130, 64, 63, 7], "empty_only": [0, 0], "trailing_empty": [5, 0]}
+
+
+def inputs(family: str, lengths, slots, n_slots: int, seed: str, dtype=F64):
+    """Packed (q, k, v, g, beta or None), cu_seqlens, a state pool and the sequences' slots."""
+    gen = torch.Generator().manual_seed(zlib.crc32(seed.encode()))
+    Hk, Hv, K, V = SHAPES[family]
+    N = sum(lengths)
+    r = lambda *s: torch.randn(*s, generator=gen, dtype=F64)  # noqa: E731
+    q, k = F.normalize(r(N, Hk, K), dim=-1) * K ** -0.5, F.normalize(r(N, Hk, K), dim=-1)
+    v = r(N, Hv, V)
+    g = -F.softplus(r(N, Hv)) * torch.logspace(-2, 0.5, Hv, dtype=F64)
+    beta = torch.sigmoid(r(N, Hv)) if family == "gdn" else None
+    cu = torch.tensor([0] + torch.tensor(lengths, dtype=torch.int64).cumsum(0).tolist(), dtype=torch.int32)
+    state = r(n_slots, Hv, K, V)
+    cast = lambda t: None if t is None else t.to(dtype)  # noqa: E731
+    return (cast(q), cast(k), cast(v), cast(g), cast(beta)), cu, state, torch.tensor(slots, dtype=torch.int32)
+
+
+def recurrence(tokens, cu, state, slots):
+    """core.recurrent_step token by token, each sequence from its slot (a zero scratch slot for -1):
+    outputs, and the pool as the op must leave it."""
+    q, k, v, g, beta = (None if t is None else t.to(F64) for t in tokens)
+    pool = torch.cat([state, torch.zeros_like(state[:1])])
+    o = torch.zeros(v.shape, dtype=F64)
+    for i, slot in enumerate(slots.tolist()):
+        at = torch.tensor([slot if slot >= 0 else pool.shape[0] - 1], dtype=torch.int32)
+        if slot < 0:
+            pool[-1] = 0
+        for t in range(int(cu[i]), int(cu[i + 1])):
+            one = lambda x: None if x is None else x[t:t + 1]  # noqa: E731
+            o[t] = core.recurrent_step(one(q), one(k), one(v), one(g), one(beta), pool, at)[0]
+    return o, pool[:-1]
+
+
+def call(family, tokens, cu, state, slots):
+    q, k, v, g, beta = tokens
+    args = (q, k, v, g, beta) if family == "gdn" else (q, k, v, g)
+    return getattr(torch.ops.kvbuffer, OPS[family])(*args, cu, state, slots)
+
+
+def check(family, lengths, seed, dtype=F64, tol=TOL):
+    B = len(lengths)
+    slots = [2 * i + 1 for i in range(B)]
+    slots[B // 2] = -1  # one sequence starts from zero and writes nothing
+    tokens, cu, state, slot_t = inputs(family, lengths, slots, 2 * B + 2, seed, dtype)
+    before = state.clone()
+    o_ref, state_ref = recurrence(tokens, cu, before, slot_t)
+    o = call(family, tokens, cu, state, slot_t)
+    assert o.dtype == tokens[2].dtype and o.shape == tokens[2].shape
+    torch.testing.assert_close(o.to(F64), o_ref, rtol=0, atol=tol)
+    torch.testing.assert_close(state, state_ref, rtol=0, atol=tol)
+    untouched = [s for s in range(state.shape[0]) if s not in slots]
+    assert torch.equal(state[untouched], before[untouched])
+
+
+@pytest.mark.parametrize("family", OPS)
+@pytest.mark.parametrize("case", LENGTHS)
+def test_op_matches_the_plain_recurrence(family, case):
+    check(family, LENGTHS[case], f"{family}/{case}")
+
+
+@pytest.mark.parametrize("family", OPS)
+def test_op_over_10007_tokens(family):
+    check(family, [10007], f"{family}/long")
+
+
+def test_op_in_fp32_activations_and_state():
+    """fp32 tokens and state (as the engine's CPU runs): the same recurrence within fp32 rounding."""
+    lengths = [200, 0, 70]
+    tokens, cu, state, slots = inputs("gdn", lengths, [0, 1, 2], 3, "fp32", torch.float32)
+    state = state.float()
+    o_ref, state_ref = recurrence(tokens, cu, state.double(), slots)
+    o = call("gdn", tokens, cu, state, slots)
+    torch.testing.assert_close(o.double(), o_ref, rtol=0, atol=1e-4)
+    torch.testing.assert_close(state.double(), state_ref, rtol=0, atol=1e-4)
+
+
+@pytest.mark.parametrize("family", OPS)
+def test_fake_gives_the_output_shape(family):
+    """Under FakeTensorMode the op checks shapes and returns (N, Hv, V) like the values, writing nothing."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    tokens, cu, state, slots = inputs(family, [5, 9], [0, 1], 2, "fake")
+    with FakeTensorMode() as mode:
+        fake = [None if t is None else mode.from_tensor(t) for t in tokens]
+        o = call(family, fake, mode.from_tensor(cu), mode.from_tensor(state), mode.from_tensor(slots))
+    assert o.shape == tokens[2].shape and o.dtype == tokens[2].dtype
+
+
+BAD = {
+    "short_k": (lambda a: a.update(k=a["k"][:-1]), ShapeError, "k must have shape"),
+    "int_g": (lambda a: a.update(g=a["g"].long()), DTypeError, "g must have dtype"),
+    "heads": (lambda a: a.update(q=a["q"][:, :1].repeat(1, 3, 1), k=a["k"][:, :1].repeat(1, 3, 1)), ShapeError,
+              "multiple of key heads"),
+    "falling_offsets": (lambda a: a.update(cu=a["cu"].flip(0).contiguous()), ShapeError, "cu_seqlens must rise"),
+    "short_offsets": (lambda a: a.update(cu=a["cu"][:1]), ShapeError, "B \\+ 1 >= 2"),
+    "slot_range": (lambda a: a.update(slots=a["slots"] + 5), SlotError, "state_slots"),
+    "shared_slot": (lambda a: a.update(slots=torch.zeros_like(a["slots"])), (ValueError, IndexError), "state_slots"),
+}
+
+
+@pytest.mark.parametrize("bad", BAD)
+def test_bad_calls_raise_typed_errors_and_write_nothing(bad):
+    tokens, cu, state, slots = inputs("gdn", [5, 9], [0, 1], 3, "bad")
+    a = dict(zip(("q", "k", "v", "g", "beta"), tokens), cu=cu, slots=slots)
+    spoil, error, match = BAD[bad]
+    spoil(a)
+    before = state.clone()
+    with pytest.raises(error, match=match):
+        torch.ops.kvbuffer.gdn_chunk_prefill(a["q"], a["k"], a["v"], a["g"], a["beta"], a["cu"], state, a["slots"])
+    assert torch.equal(state, before)
