@@ -2,7 +2,7 @@
 
 `kvbuffer bench prefill --what kernels|e2e` runs it.
 
-kernels (one GPU): kvbuffer's chunked prefill (`our_kernel`: kvbuffer.kernels.prefill_gdn, its
+kernels (one GPU): kvbuffer's chunked prefill (`our_kernel`: kvbuffer.kernels.prefill, its
 decay-only form for Mamba-2) against FLA's `chunk_gated_delta_rule` (fla-core) and mamba_ssm's Triton
 `mamba_chunk_scan_combined`, in one process on the same packed inputs: B prompts of P tokens
 concatenated, `cu_seqlens`, an initial state per prompt, every final state written. The ops:
@@ -137,15 +137,16 @@ class Packed:
 
 
 def our_kernel(heads: Mapping, *, delta_rule: bool) -> Callable:
-    """kvbuffer's chunked prefill for one head shape: run(q, k, v, g, beta, cu_seqlens, state, state_slots,
-    out) -> out (N, Hv, V), each final state written at its slot. The one place this module calls the
-    kernel's builder and launcher, so they can move without touching the rest."""
-    from ..kernels.prefill_gdn import build_gdn_chunk_prefill, gdn_chunk_prefill
+    """kvbuffer's chunked prefill for one head shape, as the engine loads it (the tuned artifact, else built
+    now): run(q, k, v, g, beta, cu_seqlens, state, state_slots, out) -> out (N, Hv, V), each final state
+    written at its slot. The one place this module calls the kernel's lookup and launcher."""
+    from ..kernels import launch, lookup, prefill
 
-    op = build_gdn_chunk_prefill(heads["Hk"], heads["Hv"], heads["K"], heads["V"], delta_rule=delta_rule)
+    family = "gdn" if delta_rule else "mamba2"
 
     def run(q, k, v, g, beta, cu_seqlens, state, state_slots, out):
-        return gdn_chunk_prefill(op, q, k, v, g, beta, cu_seqlens, state, state_slots, out, check_values=False)
+        op = lookup.kernel_for(launch.chunk_prefill_key(family, k, v), cu_seqlens.shape[0] - 1)
+        return prefill.chunk_prefill(op, q, k, v, g, beta, cu_seqlens, state, state_slots, out, check_values=False)
     return run
 
 

@@ -96,7 +96,7 @@ def _prefill32(q, k, v, g, beta, cu, state, slots):
 
 
 def our_standin(q, k, v, g, beta, cu_seqlens, state, state_slots, out):
-    """Our kernel's contract (kvbuffer.kernels.prefill_gdn) on the CPU."""
+    """Our kernel's contract (kvbuffer.kernels.prefill) on the CPU."""
     return out.copy_(_prefill32(q, k, v, g, beta, cu_seqlens, state, state_slots))
 
 
