@@ -137,17 +137,34 @@ class Packed:
 
 
 def our_kernel(heads: Mapping, *, delta_rule: bool) -> Callable:
-    """kvbuffer's chunked prefill for one head shape, as the engine loads it (the tuned artifact, else built
-    now): run(q, k, v, g, beta, cu_seqlens, state, state_slots, out) -> out (N, Hv, V), each final state
-    written at its slot. The one place this module calls the kernel's lookup and launcher."""
+    """kvbuffer's chunked prefill for one head shape, as the engine loads it (the tuned artifact for the
+    batch, else compiled now with the spec's defaults): run(q, k, v, g, beta, cu_seqlens, state, state_slots,
+    out) -> out (N, Hv, V), each final state written at its slot. The one place this module calls the
+    kernel's lookup, builder and launcher."""
+    from ..errors import ArtifactError
     from ..kernels import launch, lookup, prefill
 
     family = "gdn" if delta_rule else "mamba2"
 
+    @functools.cache
+    def load(batch: int):
+        key = launch.chunk_prefill_key(family, *_shaped(heads))
+        try:
+            return lookup.kernel_for(key, batch)
+        except ArtifactError:
+            return prefill.build_gdn_chunk_prefill(heads["Hk"], heads["Hv"], heads["K"], heads["V"],
+                                                   delta_rule=delta_rule)
+
     def run(q, k, v, g, beta, cu_seqlens, state, state_slots, out):
-        op = lookup.kernel_for(launch.chunk_prefill_key(family, k, v), cu_seqlens.shape[0] - 1)
-        return prefill.chunk_prefill(op, q, k, v, g, beta, cu_seqlens, state, state_slots, out, check_values=False)
+        return prefill.chunk_prefill(load(cu_seqlens.shape[0] - 1), q, k, v, g, beta, cu_seqlens, state,
+                                     state_slots, out, check_values=False)
     return run
+
+
+def _shaped(heads: Mapping) -> tuple:
+    """Meta tensors of a key-side (1, Hk, K) and a value-side (1, Hv, V) input: what a kernel key is read from."""
+    return (torch.empty(1, heads["Hk"], heads["K"], device="meta"),
+            torch.empty(1, heads["Hv"], heads["V"], device="meta"))
 
 
 def load_peers(family: str) -> tuple[dict, list[str]]:
