@@ -38,9 +38,11 @@ def _seed(ctx, param, value):
 @click.option("--top-p", default=1.0, show_default=True, type=click.FloatRange(0.0, 1.0, min_open=True))
 @click.option("--seed", default=None, type=int, callback=_seed)
 @click.option("--presence-penalty", default=0.0, show_default=True, type=click.FloatRange(-2.0, 2.0),
-              callback=lambda ctx, param, v: _finite(v), help="Subtracted once from the logit of every token generated so far (OpenAI's).")
+              callback=lambda ctx, param, v: _finite(v),
+              help="Subtracted once from the logit of every token generated so far (OpenAI's).")
 @click.option("--frequency-penalty", default=0.0, show_default=True, type=click.FloatRange(-2.0, 2.0),
-              callback=lambda ctx, param, v: _finite(v), help="Subtracted from a token's logit once per time it was generated so far (OpenAI's).")
+              callback=lambda ctx, param, v: _finite(v),
+              help="Subtracted from a token's logit once per time it was generated so far (OpenAI's).")
 @click.option("--repetition-penalty", default=1.0, show_default=True, type=click.FloatRange(min=0.0, min_open=True),
               callback=lambda ctx, param, v: _finite(v),
               help="Divides the positive logits (multiplies the negative ones) of the prompt's and the output's "

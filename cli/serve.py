@@ -77,8 +77,9 @@ def _drained(_signum, _frame):
     raise SystemExit(0)
 
 
-class PortInUse(click.ClickException):
-    exit_code = 2  # a usage mistake, as click's
+class CannotListen(click.ClickException):
+    """The address or port given cannot be listened on: a usage mistake (exit 2, as click's), one line."""
+    exit_code = 2
 
 
 def check_port(host: str, port: int) -> None:
@@ -92,8 +93,8 @@ def check_port(host: str, port: int) -> None:
             s.bind(address)
     except OSError as e:
         if e.errno == errno.EADDRINUSE:
-            raise PortInUse(f"port {port} on {host} is in use") from None
-        raise PortInUse(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
+            raise CannotListen(f"port {port} on {host} is in use") from None
+        raise CannotListen(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
 
 
 def _chat_template(value: str | None):

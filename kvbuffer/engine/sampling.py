@@ -19,8 +19,7 @@ class SamplingParams:
     logprobs: bool = False  # record each sampled token's log-probability (one softmax per token)
     presence_penalty: float = 0.0  # OpenAI's: subtracted once from every token generated so far; 0 = off
     frequency_penalty: float = 0.0  # OpenAI's: subtracted per time a token was generated so far; 0 = off
-    repetition_penalty: float = 1.0  # vLLM's / HF's: prompt and generated tokens' logits divided (> 0) or
-    # multiplied (<= 0) by it; 1 = off
+    repetition_penalty: float = 1.0  # vLLM's / HF's: seen tokens' logits divided (> 0) or multiplied by it; 1 = off
 
     def __post_init__(self):
         if self.max_new_tokens < 1:

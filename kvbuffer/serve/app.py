@@ -75,7 +75,8 @@ def build_app(engine: AsyncEngine, model_name: str, metrics=None, chat_template:
         return {"status": "ok", "in_flight": engine.in_flight, "running": stats.running,
                 "waiting": stats.waiting, "request_slots_free": stats.request_slots_free}
 
-    card = {"id": model_name, "object": "model", "created": 0, "owned_by": "kvbuffer", "max_model_len": llm.limits.max_len}
+    card = {"id": model_name, "object": "model", "created": 0, "owned_by": "kvbuffer",
+            "max_model_len": llm.limits.max_len}
 
     @app.get("/v1/models")
     async def models():

@@ -10,7 +10,7 @@ class ChoiceText:
     skip_special_tokens: special tokens are left out of the text (IncrementalDetokenizer)."""
 
     def __init__(self, tokenizer, prompt_ids, stops, skip_special_tokens: bool = True):
-        self.detok = IncrementalDetokenizer(tokenizer, prompt_ids, skip_special_tokens) if tokenizer is not None else None
+        self.detok = None if tokenizer is None else IncrementalDetokenizer(tokenizer, prompt_ids, skip_special_tokens)
         self.stops = StopMatcher(stops)
         self.text = ""
         self.stopped = False

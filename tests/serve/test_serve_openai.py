@@ -98,7 +98,8 @@ def test_a_model_by_id_and_an_unknown_id(server, client):
 
 def _finished(server) -> dict[str, float]:
     text = httpx.get(server.url + "/metrics", timeout=10).text
-    return {m[0]: float(m[1]) for m in re.findall(r'kvbuffer_requests_finished_total\{finish_reason="(\w+)"\} (\S+)', text)}
+    pattern = r'kvbuffer_requests_finished_total\{finish_reason="(\w+)"\} (\S+)'
+    return {reason: float(count) for reason, count in re.findall(pattern, text)}
 
 
 def test_every_finish_reason_is_counted(server, client, llm):

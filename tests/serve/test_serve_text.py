@@ -31,7 +31,8 @@ def _streamed(text: ChoiceText, ids) -> list[str]:
 
 def test_special_tokens_leave_the_text_by_default_and_stay_when_asked(tokenizer):
     ids = tokenizer.encode("<|im_start|>hello 日本<|im_end|> world<eos>")
-    assert special_ids(tokenizer) >= {tokenizer.convert_tokens_to_ids(t) for t in ("<eos>", "<|im_start|>", "<|im_end|>")}
+    markers = {tokenizer.convert_tokens_to_ids(t) for t in ("<eos>", "<|im_start|>", "<|im_end|>")}
+    assert special_ids(tokenizer) >= markers
     skipped = _streamed(ChoiceText(tokenizer, tokenizer.encode("hi"), []), ids)
     assert "".join(skipped) == tokenizer.decode(ids, skip_special_tokens=True) == "hello 日本 world"
     kept = _streamed(ChoiceText(tokenizer, tokenizer.encode("hi"), [], skip_special_tokens=False), ids)
