@@ -37,8 +37,19 @@ def _seed(ctx, param, value):
 @click.option("--top-k", default=0, show_default=True, type=click.IntRange(min=0))
 @click.option("--top-p", default=1.0, show_default=True, type=click.FloatRange(0.0, 1.0, min_open=True))
 @click.option("--seed", default=None, type=int, callback=_seed)
+@click.option("--presence-penalty", default=0.0, show_default=True, type=click.FloatRange(-2.0, 2.0),
+              callback=lambda ctx, param, v: _finite(v),
+              help="Subtracted once from the logit of every token generated so far (OpenAI's).")
+@click.option("--frequency-penalty", default=0.0, show_default=True, type=click.FloatRange(-2.0, 2.0),
+              callback=lambda ctx, param, v: _finite(v),
+              help="Subtracted from a token's logit once per time it was generated so far (OpenAI's).")
+@click.option("--repetition-penalty", default=1.0, show_default=True, type=click.FloatRange(min=0.0, min_open=True),
+              callback=lambda ctx, param, v: _finite(v),
+              help="Divides the positive logits (multiplies the negative ones) of the prompt's and the output's "
+                   "tokens (vLLM's); 1 = off.")
 @engine_options("mode", "chunk_size", "speculative", "max_len", "device", "dtype", "cuda_graphs", "compile")
-def generate(model, prompts, prompts_file, max_new_tokens, temperature, top_k, top_p, seed, config):
+def generate(model, prompts, prompts_file, max_new_tokens, temperature, top_k, top_p, seed, presence_penalty,
+             frequency_penalty, repetition_penalty, config):
     """Generate text. Streams the output when there is a single prompt."""
     from kvbuffer import LLM
     from kvbuffer.detokenize import IncrementalDetokenizer
@@ -64,7 +75,8 @@ def generate(model, prompts, prompts_file, max_new_tokens, temperature, top_k, t
 
     t0 = time.perf_counter()
     outs = llm.generate(texts, max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
-                        seed=seed, on_token=on_token if stream else None)
+                        seed=seed, on_token=on_token if stream else None, presence_penalty=presence_penalty,
+                        frequency_penalty=frequency_penalty, repetition_penalty=repetition_penalty)
     elapsed = time.perf_counter() - t0
     if stream:
         click.echo(detok.flush())

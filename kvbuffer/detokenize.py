@@ -16,13 +16,24 @@ REPLACEMENT = "\ufffd"
 _CONTEXT = 5  # tokens decoded before the new ones, so that their leading space or merge shows right
 
 
+def special_ids(tokenizer) -> frozenset[int]:
+    """The ids of a tokenizer's special tokens: its named ones (eos, pad, ...) and every added token
+    marked special (such as a chat template's `<|im_start|>`, which transformers' `all_special_ids`
+    leaves out)."""
+    ids = set(getattr(tokenizer, "all_special_ids", ()) or ())
+    added = getattr(tokenizer, "added_tokens_decoder", None) or {}
+    ids.update(i for i, token in added.items() if getattr(token, "special", False))
+    return frozenset(ids)
+
+
 class IncrementalDetokenizer:
     """`add(token) -> new text` (maybe "", while a character is incomplete); `flush()` at the end
-    returns what was held back (an incomplete sequence decodes as U+FFFD then, as a full decode would)."""
+    returns what was held back (an incomplete sequence decodes as U+FFFD then, as a full decode would).
+    skip_special_tokens: leave special tokens (special_ids) out of the text, as vLLM does by default."""
 
-    def __init__(self, tokenizer, prompt_ids=()):
+    def __init__(self, tokenizer, prompt_ids=(), skip_special_tokens: bool = True):
         self.tokenizer = tokenizer
-        self.skip = frozenset(getattr(tokenizer, "all_special_ids", ()) or ())
+        self.skip = special_ids(tokenizer) if skip_special_tokens else frozenset()
         self.ids = [t for t in prompt_ids if t not in self.skip][-_CONTEXT:]
         self.prefix = self.read = len(self.ids)  # ids[prefix:read] was emitted; ids[read:] is pending
 

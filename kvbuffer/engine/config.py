@@ -144,7 +144,8 @@ class EngineConfig:
     speculative: SpeculativeConfig | None = _option(None, "Speculative decoding (SpeculativeConfig or its dict).",
                                                     kind="nested")
     memory_budget: int | None = _option(None, "Bytes for the per-request caches: as many requests as fit are "
-                                              "admitted (overrides max_batch and max_states).", _budget)
+                                              "admitted (overrides max_batch and max_states).", _budget,
+                                        cli="--memory-budget")
     kernels: bool | str = _option(
         "auto", "Run the linear layers on the compiled kernels: true, false (the reference ops) or auto (on CUDA "
                 "where every kernel needed loads).", check_switch, cli="--kernels", kind="switch", bare=True)

@@ -16,7 +16,7 @@ from .outputs import GenerationStats, StepOutput, group_events
 from .overlap import OverlapPipeline, ends_at_length
 from .request import Request
 from .runner import ModelRunner
-from .sampling import sample_rows, sample_token, token_logprob
+from .sampling import penalize_requests, sample_rows, sample_token, token_logprob
 from .scheduler import Scheduler
 from .speculative import SpeculativeDecoder
 
@@ -172,7 +172,8 @@ class EngineCore:
                 return
 
     def _first_token(self, req: Request, logits: torch.Tensor, want_hidden: bool) -> None:
-        self.emit(req, sample_token(logits, req.params, self.generators[req.rid]), logits)
+        self.emit(req, sample_token(penalize_requests(logits[None], [req])[0], req.params, self.generators[req.rid]),
+                  logits)
         if want_hidden:  # the head learns the prompt: each position fed with the token after it
             hidden = torch.cat(self._prompt_hidden.pop(req.rid))
             self.drafter.on_prefill(req, hidden, req.context[req.cached - len(hidden) + 1:req.cached + 1])
@@ -195,7 +196,8 @@ class EngineCore:
             fed = len(running)
             if running:
                 logits = self.runner.decode(running)
-                tokens = sample_rows(logits, [r.params for r in running], [self.generators[r.rid] for r in running])
+                tokens = sample_rows(penalize_requests(logits, running), [r.params for r in running],
+                                     [self.generators[r.rid] for r in running])
                 for req, row, token in zip(running, logits, tokens):
                     self.emit(req, token, row if req.wants_logits else None)
         if self.stats is not None:  # reading tokens back waited for the device (overlapped: the step before)

@@ -137,23 +137,28 @@ class LLM:
 
     def generate(self, prompts, max_new_tokens: int = 64, temperature: float = 0.0, top_k: int = 0,
                  top_p: float = 1.0, seed: int | None = None, stop_token_ids=None, return_logits: bool = False,
-                 on_token=None, _prepare=None) -> list[GenerationOutput]:
+                 on_token=None, _prepare=None, *, presence_penalty: float = 0.0, frequency_penalty: float = 0.0,
+                 repetition_penalty: float = 1.0) -> list[GenerationOutput]:
         """Generate for one prompt or a list (strings need a tokenizer; or lists of token ids).
 
         Returns one GenerationOutput per prompt, in order. `on_token(index, token_id)` is called
         for every sampled token (streaming). Greedy when temperature == 0. A request whose context
-        reaches max_len ends with finish_reason "length"; the others go on.
+        reaches max_len ends with finish_reason "length"; the others go on. The penalties are
+        SamplingParams' (OpenAI's presence and frequency, vLLM's repetition; 0, 0, 1 = off).
         """
         check_generate_args(prompts, max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k,
                             top_p=top_p, seed=seed, stop_token_ids=stop_token_ids, return_logits=return_logits,
                             on_token=on_token, vocab_size=self.vocab_size)
+        penalties = dict(presence_penalty=presence_penalty, frequency_penalty=frequency_penalty,
+                         repetition_penalty=repetition_penalty)
+        SamplingParams(**penalties)  # their check, before anything is encoded or admitted
         core = self.core
         if core.has_work():
             raise RuntimeError("generate() needs an idle engine; requests added with add_request() are in flight")
         prompt_ids = self._encode_all(prompts)
         stops = tuple(stop_token_ids) if stop_token_ids is not None else None
-        params = [SamplingParams(max_new_tokens, temperature, top_k, top_p, None if seed is None else seed + i, stops)
-                  for i in range(len(prompt_ids))]
+        params = [SamplingParams(max_new_tokens, temperature, top_k, top_p, None if seed is None else seed + i, stops,
+                                 **penalties) for i in range(len(prompt_ids))]
         start = time.perf_counter()
         core.done = {}
         core.stats = stats = GenerationStats(len(prompt_ids), sum(len(p) for p in prompt_ids))

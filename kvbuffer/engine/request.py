@@ -33,8 +33,9 @@ class Request:
     @property
     def picked_on_device(self) -> bool:
         """Whether the device alone can pick this request's decode tokens: neither logits nor
-        log-probabilities wanted on the host (overlapped decode steps; sampled rows draw there too)."""
-        return not self.wants_logits
+        log-probabilities wanted on the host, no penalty over its previous tokens (overlapped decode
+        steps; sampled rows draw there too)."""
+        return not self.wants_logits and not self.params.penalized
 
     @property
     def accepted_on_device(self) -> bool:

@@ -1,4 +1,5 @@
-"""Token sampling: greedy, temperature, top-k and top-p, each request with its own seeded generator."""
+"""Token sampling: penalties, then greedy, temperature, top-k and top-p, each request with its own seeded
+generator."""
 
 from __future__ import annotations
 
@@ -16,6 +17,9 @@ class SamplingParams:
     seed: int | None = None
     stop_token_ids: tuple[int, ...] | None = None  # None = the model's eos tokens
     logprobs: bool = False  # record each sampled token's log-probability (one softmax per token)
+    presence_penalty: float = 0.0  # OpenAI's: subtracted once from every token generated so far; 0 = off
+    frequency_penalty: float = 0.0  # OpenAI's: subtracted per time a token was generated so far; 0 = off
+    repetition_penalty: float = 1.0  # vLLM's / HF's: seen tokens' logits divided (> 0) or multiplied by it; 1 = off
 
     def __post_init__(self):
         if self.max_new_tokens < 1:
@@ -26,6 +30,55 @@ class SamplingParams:
             raise ValueError(f"top_k must be >= 0, got {self.top_k}")
         if not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not -2.0 <= value <= 2.0:  # also refuses NaN
+                raise ValueError(f"{name} must be in [-2, 2], got {value}")
+        if not 0.0 < self.repetition_penalty < float("inf"):
+            raise ValueError(f"repetition_penalty must be > 0 and finite, got {self.repetition_penalty}")
+
+    @property
+    def penalized(self) -> bool:
+        """Whether a penalty changes the logits (such a row needs its previous tokens on the host)."""
+        return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0
+
+
+def penalize(logits: torch.Tensor, params: list[SamplingParams], prompts: list, outputs: list) -> torch.Tensor:
+    """logits (n, V) with each row's penalties applied, given the tokens before it: prompts[i] and
+    outputs[i] (lists of ids). vLLM's rule: the repetition penalty first (a logit of a token seen in
+    the prompt or the output is divided by it when > 0, else multiplied), then the frequency penalty
+    times the token's count in the output and the presence penalty once per token in the output.
+    Without a penalized row this returns `logits` itself; else an fp32 copy whose other rows hold
+    the same values (logits' dtype widened exactly)."""
+    if not (len(params) == len(prompts) == len(outputs) == logits.shape[0]):
+        raise ValueError(f"penalize: {logits.shape[0]} rows of logits, {len(params)} params, {len(prompts)} prompts, "
+                         f"{len(outputs)} outputs")
+    rows = [i for i, p in enumerate(params) if p.penalized]
+    if not rows:
+        return logits
+    out = logits.float()  # a copy where logits are bf16/fp16; cloned where already fp32
+    if out is logits:
+        out = logits.clone()
+    dev, V = logits.device, logits.shape[-1]
+    for i in rows:
+        p, row = params[i], out[i]
+        counts = torch.bincount(torch.tensor(list(outputs[i]), dtype=torch.long, device=dev), minlength=V)
+        if p.repetition_penalty != 1.0:
+            seen = counts > 0
+            if len(prompts[i]):
+                seen[torch.tensor(list(prompts[i]), dtype=torch.long, device=dev)] = True
+            scaled = torch.where(row > 0, row / p.repetition_penalty, row * p.repetition_penalty)
+            row.copy_(torch.where(seen, scaled, row))
+        if p.frequency_penalty != 0.0:
+            row -= p.frequency_penalty * counts.float()
+        if p.presence_penalty != 0.0:
+            row -= p.presence_penalty * (counts > 0).float()
+    return out
+
+
+def penalize_requests(logits: torch.Tensor, requests: list) -> torch.Tensor:
+    """penalize for engine requests (each with params, prompt and output): row i follows requests[i]'s context."""
+    return penalize(logits, [r.params for r in requests], [r.prompt for r in requests], [r.output for r in requests])
 
 
 # Rows filtered per pass: top-p sorts its rows (fp32 values and int64 indices, ~12 bytes per logit), so a

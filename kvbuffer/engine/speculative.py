@@ -11,6 +11,7 @@ import torch
 from .acceptance import accept_drafts, accept_sampled
 from .config import SpeculativeConfig
 from .drafters import MTPDrafter, NgramDrafter
+from .sampling import penalize
 from .outputs import DraftStats
 
 
@@ -70,7 +71,9 @@ class SpeculativeDecoder:
 
     def _accept_on_host(self, running, logits, drafts) -> tuple[list[int], list[list[int]]]:
         """Each request's kept drafts and the tokens it emits, from the verify's logits (B, T+1, V):
-        greedy rows by one argmax of the batch, sampled rows by one batched acceptance."""
+        greedy rows by one argmax of the batch, sampled rows by one batched acceptance; penalized rows
+        first take their penalties (penalized_verify)."""
+        logits = penalized_verify(running, logits, drafts)
         greedy = [i for i, r in enumerate(running) if r.params.temperature == 0.0]
         sampled = [i for i, r in enumerate(running) if r.params.temperature != 0.0]
         kept, nxt = [0] * len(running), [0] * len(running)
@@ -85,3 +88,20 @@ class SpeculativeDecoder:
             for i, m, token in zip(sampled, ms, tokens):
                 kept[i], nxt[i] = m, token
         return kept, [ds[:m] + [t] for ds, m, t in zip(drafts, kept, nxt)]
+
+
+def penalized_verify(running, logits: torch.Tensor, drafts: list[list[int | None]]) -> torch.Tensor:
+    """A verify's logits (B, T+1, V) with each penalized request's penalties applied: its row i follows
+    the request's context and drafts[:i] (padding drafts are never kept, so the rows after one are
+    never read). Without a penalized request, `logits` itself; else an fp32 copy (other rows widened exactly)."""
+    rows = [b for b, r in enumerate(running) if r.params.penalized]
+    if not rows:
+        return logits
+    out = logits.float()
+    if out is logits:
+        out = logits.clone()
+    T1 = logits.shape[1]
+    for b in rows:
+        req, kept = running[b], [d for d in drafts[b] if d is not None]
+        out[b] = penalize(logits[b], [req.params] * T1, [req.prompt] * T1, [req.output + kept[:i] for i in range(T1)])
+    return out

@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import json
+import logging
 import time
 import uuid
 
@@ -15,12 +17,13 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from ..engine.sampling import SamplingParams
 from ..errors import QueueFullError
-from .chat import chat_prompt
+from .chat import ChatTemplate, chat_prompt
 from .engine_loop import AsyncEngine
 from .schemas import ChatCompletionRequest, CompletionRequest
 from .stream import ChoiceText
 
 DISCONNECT_POLL_S = 0.1
+log = logging.getLogger("kvbuffer.serve")
 
 
 class BadRequest(Exception):
@@ -34,9 +37,10 @@ def error_response(status: int, message: str, param: str | None = None) -> JSONR
     return JSONResponse({"error": {"message": message, "type": kind, "param": param, "code": status}}, status)
 
 
-def build_app(engine: AsyncEngine, model_name: str, metrics=None) -> FastAPI:
+def build_app(engine: AsyncEngine, model_name: str, metrics=None, chat_template: ChatTemplate | None = None) -> FastAPI:
     """The server's app; its lifespan starts the engine thread and, at shutdown (after uvicorn has
-    drained the requests in flight), stops it."""
+    drained the requests in flight), stops it. chat_template: chat prompts' template in place of the
+    tokenizer's."""
 
     @contextlib.asynccontextmanager
     async def lifespan(_app):
@@ -46,7 +50,7 @@ def build_app(engine: AsyncEngine, model_name: str, metrics=None) -> FastAPI:
 
     app = FastAPI(title="kvbuffer", lifespan=lifespan)
     llm = engine.llm
-    handler = _Handler(engine, model_name, metrics)
+    handler = _Handler(engine, model_name, metrics, chat_template)
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(_request, exc: RequestValidationError):
@@ -71,10 +75,19 @@ def build_app(engine: AsyncEngine, model_name: str, metrics=None) -> FastAPI:
         return {"status": "ok", "in_flight": engine.in_flight, "running": stats.running,
                 "waiting": stats.waiting, "request_slots_free": stats.request_slots_free}
 
+    card = {"id": model_name, "object": "model", "created": 0, "owned_by": "kvbuffer",
+            "max_model_len": llm.limits.max_len}
+
     @app.get("/v1/models")
     async def models():
-        return {"object": "list", "data": [{"id": model_name, "object": "model", "created": 0, "owned_by": "kvbuffer",
-                                            "max_model_len": llm.limits.max_len}]}
+        return {"object": "list", "data": [card]}
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str):
+        if model_id != model_name:
+            raise BadRequest(f"model {model_id!r} is not served here (this server serves {model_name!r})", "model",
+                             status=404)
+        return card
 
     @app.get("/metrics")
     async def metrics_route():
@@ -100,8 +113,9 @@ def _rejected(metrics, response):
 
 
 class _Handler:
-    def __init__(self, engine: AsyncEngine, model_name: str, metrics):
+    def __init__(self, engine: AsyncEngine, model_name: str, metrics, chat_template: ChatTemplate | None):
         self.engine, self.llm, self.model_name, self.metrics = engine, engine.llm, model_name, metrics
+        self.chat_template = chat_template
 
     # request -> engine requests -------------------------------------------------------------
     def _encode(self, prompt, param: str) -> list[int]:
@@ -130,7 +144,11 @@ class _Handler:
                 raise BadRequest(str(e), "messages") from None
             if self.llm.tokenizer is None:
                 raise BadRequest("this model has no tokenizer, so chat messages cannot be encoded", "messages")
-            return [self._encode(chat_prompt(self.llm.tokenizer, messages), "messages")]
+            try:
+                text = chat_prompt(self.llm.tokenizer, messages, self.chat_template)
+            except ValueError as e:
+                raise BadRequest(str(e), "messages") from None
+            return [self._encode(text, "messages")]
         p = body.prompt
         if isinstance(p, str) or (isinstance(p, list) and isinstance(p[0], int)):
             return [self._encode(p, "prompt")]
@@ -147,7 +165,9 @@ class _Handler:
         return SamplingParams(max_new_tokens=limit, temperature=body.temperature, top_k=max(body.top_k, 0),
                               top_p=body.top_p, seed=None if body.seed is None else body.seed + choice,
                               stop_token_ids=eos + tuple(body.stop_token_ids()),
-                              logprobs=body.logprobs is not None if kind == "completion" else body.logprobs)
+                              logprobs=body.logprobs is not None if kind == "completion" else body.logprobs,
+                              presence_penalty=body.presence_penalty, frequency_penalty=body.frequency_penalty,
+                              repetition_penalty=body.repetition_penalty)
 
     async def run(self, kind: str, body, request: Request):
         if body.model is not None and body.model != self.model_name:
@@ -161,7 +181,8 @@ class _Handler:
             self.metrics.prompt_tokens.inc(sum(len(p) for p in prompts))
         rid = ("cmpl-" if kind == "completion" else "chatcmpl-") + uuid.uuid4().hex
         events: asyncio.Queue = asyncio.Queue()
-        tasks = [asyncio.create_task(self._choice(index, ids, params, body.stop_strings(), events))
+        text = dict(stops=body.stop_strings(), skip_special_tokens=body.skip_special_tokens)
+        tasks = [asyncio.create_task(self._choice(rid, index, ids, params, text, events))
                  for index, (ids, params) in enumerate(jobs)]
         usage = {"prompt_tokens": sum(len(p) for p in prompts)}
         fmt = _Format(kind, rid, self.model_name, self.llm.tokenizer)
@@ -171,10 +192,12 @@ class _Handler:
                                      media_type="text/event-stream")
         return await self._collect(tasks, request, fmt, usage)
 
-    async def _choice(self, index, ids, params, stops, events: asyncio.Queue) -> dict:
+    async def _choice(self, rid: str, index, ids, params, text: dict, events: asyncio.Queue) -> dict:
         """Run one choice: put ("piece", index, text, token ids, logprobs, finish reason) events, then
-        ("done", index, error or None); return its summary."""
-        text = ChoiceText(self.llm.tokenizer, ids, stops)
+        ("done", index, error or None); return its summary. `text`: ChoiceText's stops and skip_special_tokens.
+        However it ends, the metrics count it by finish reason ("abort": cancelled or failed) and a
+        debug line logs it."""
+        text = ChoiceText(self.llm.tokenizer, ids, **text)
         arrival, first, last, reason = time.monotonic(), None, None, None
         token_ids, logprobs = [], []
         try:
@@ -199,7 +222,9 @@ class _Handler:
             raise
         finally:
             if self.metrics is not None:
-                self.metrics.on_request_done(arrival, first, last, len(token_ids))
+                self.metrics.on_request_done(arrival, first, last, len(token_ids), reason or "abort")
+            log.debug("%s choice %d: %d prompt tokens, %s; finish %s, %d tokens, %.3f s", rid, index, len(ids),
+                      _params_text(params), reason or "abort", len(token_ids), time.monotonic() - arrival)
         events.put_nowait(("done", index, None))
         return {"index": index, "text": text.text, "token_ids": token_ids,
                 "logprobs": logprobs if params.logprobs else None, "finish_reason": reason}
@@ -238,6 +263,11 @@ class _Handler:
                 t.cancel()
             return error_response(500, f"generation failed: {e}")
         return fmt.response(choices, _usage(usage, choices))
+
+
+def _params_text(params: SamplingParams) -> str:
+    """A request's sampling params as `name=value` pairs, for the request log."""
+    return " ".join(f"{f.name}={getattr(params, f.name)}" for f in dataclasses.fields(params))
 
 
 def _usage(usage: dict, choices: list[dict]) -> dict:

@@ -38,9 +38,6 @@ class ServerMetrics:
         """Called by the engine thread after each step."""
         now, tokens = time.monotonic(), sum(len(o.token_ids) for o in outs)
         self.generated.inc(tokens)
-        for o in outs:
-            if o.finish_reason is not None:
-                self.finished.labels(o.finish_reason).inc()
         self._window = [(t, n) for t, n in self._window if now - t < RATE_WINDOW_S] + [(now, tokens)]
         span = max(now - self._window[0][0], seconds, 1e-9)
         self.tokens_per_second.set(sum(n for _, n in self._window) / span)
@@ -55,7 +52,11 @@ class ServerMetrics:
         if stats.drafts is not None:
             self.acceptance.set(stats.drafts.acceptance_rate)
 
-    def on_request_done(self, arrival: float, first: float | None, last: float | None, tokens: int) -> None:
+    def on_request_done(self, arrival: float, first: float | None, last: float | None, tokens: int,
+                        finish_reason: str) -> None:
+        """Called once per choice however it ends: finish_reason as the client sees it ("stop" for a stop
+        token or a stop string, "length"), or "abort" (the client went away, or the engine failed)."""
+        self.finished.labels(finish_reason).inc()
         if first is not None:
             self.ttft.observe(first - arrival)
         if first is not None and tokens > 1:

@@ -19,7 +19,8 @@ class StreamOptions(_Strict):
 
 
 class _Sampling(_Strict):
-    """Fields shared by both endpoints. Two are not in OpenAI's API but in vLLM's: top_k (0 or -1 = off)
+    """Fields shared by both endpoints. Some are not in OpenAI's API but in vLLM's: top_k (0 or -1 = off),
+    repetition_penalty (1 = off), skip_special_tokens (special tokens left out of the text, default on)
     and ignore_eos (generate max_tokens whatever the model says, for benchmarks)."""
     model: str | None = None
     max_tokens: int | None = Field(default=None, ge=1)
@@ -28,6 +29,10 @@ class _Sampling(_Strict):
     top_k: int = Field(default=0, ge=-1)
     n: int = Field(default=1, ge=1, le=MAX_N)
     seed: int | None = Field(default=None, ge=0, lt=2**63)
+    presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0, allow_inf_nan=False)
+    frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0, allow_inf_nan=False)
+    repetition_penalty: float = Field(default=1.0, gt=0.0, allow_inf_nan=False)
+    skip_special_tokens: bool = True
     stop: Union[str, list[Union[str, int]], None] = None
     ignore_eos: bool = False
     stream: bool = False

@@ -6,10 +6,11 @@ from ..detokenize import IncrementalDetokenizer, StopMatcher
 
 
 class ChoiceText:
-    """`push(token_ids) -> (text to send, stopped on a stop string)`; `finish() -> the rest`."""
+    """`push(token_ids) -> (text to send, stopped on a stop string)`; `finish() -> the rest`.
+    skip_special_tokens: special tokens are left out of the text (IncrementalDetokenizer)."""
 
-    def __init__(self, tokenizer, prompt_ids, stops):
-        self.detok = IncrementalDetokenizer(tokenizer, prompt_ids) if tokenizer is not None else None
+    def __init__(self, tokenizer, prompt_ids, stops, skip_special_tokens: bool = True):
+        self.detok = None if tokenizer is None else IncrementalDetokenizer(tokenizer, prompt_ids, skip_special_tokens)
         self.stops = StopMatcher(stops)
         self.text = ""
         self.stopped = False

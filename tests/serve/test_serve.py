@@ -247,4 +247,4 @@ def test_sigterm_drains_the_requests_in_flight_then_exits(small_server, llm):
         assert _poll(lambda: small_server.health()["in_flight"] == 6)  # four decoding, two waiting for a slot
         small_server.proc.send_signal(signal.SIGTERM)
         assert [f.result(timeout=120) for f in futures] == want  # no request lost or cut
-    assert small_server.proc.wait(60) in (0, -signal.SIGTERM)  # uvicorn re-raises the signal once drained
+    assert small_server.proc.wait(60) == 0  # a drained shutdown exits 0, as on Ctrl-C
