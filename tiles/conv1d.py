@@ -136,11 +136,17 @@ def conv1d_update(D: int, W: int, span: int, T_len: int = 1, mode: str = "advanc
     return conv1d_update_kernel
 
 
+PREFILL_TOKENS = 64  # tokens of a prompt one block of conv1d_prefill covers
+
+
 def _conv1d_prefill(D, W, span, dtype, w_dtype, has_bias, silu, threads):
     """mode "advance" for any number of tokens (a dynamic dim "tokens", >= 1): a prompt in one launch.
 
-    Same arithmetic and ABI as conv1d_update; a tap reads its input straight from the pool or x, and
-    the new history (window positions T .. T+W-2) is read into registers before it is written.
+    Same arithmetic and ABI as conv1d_update; a tap reads its input straight from the pool or x. Blocks
+    cover `threads` channels x PREFILL_TOKENS tokens of a row. Only the first token block reads the old
+    history (window positions < W - 1), and it is the block that writes the new one (positions T ..
+    T+W-2), each thread reading its channel's old history into registers before writing: no block reads
+    what another writes.
     """
     check_conv(D, W, span, 1, dtype, threads)
     if w_dtype not in DTYPES:
@@ -152,6 +158,7 @@ def _conv1d_prefill(D, W, span, dtype, w_dtype, has_bias, silu, threads):
     Tn = T.dynamic("tokens")
     H = W - 1
     NBias = D if has_bias else 1
+    BT = PREFILL_TOKENS
 
     @T.prim_func
     def conv1d_prefill_kernel(
@@ -162,37 +169,42 @@ def _conv1d_prefill(D, W, span, dtype, w_dtype, has_bias, silu, threads):
         bias: T.Tensor((NBias,), w_dtype),
         out: T.Tensor((B, Tn, D), dtype),
     ):
-        with T.Kernel(T.ceildiv(D, threads), B, threads=threads) as (bd, bb):
+        with T.Kernel(T.ceildiv(D, threads), T.ceildiv(Tn, BT), B, threads=threads) as (bd, bt, bb):
             tx = T.get_thread_binding()
-            hist = T.alloc_local((H,), dtype)     # the old history, then the new one
+            hist = T.alloc_local((H,), dtype)     # the old history, then the new one (first token block)
             wr = T.alloc_local((W,), F32)
             acc = T.alloc_local((1,), F32)
             d = bd * threads + tx
             slot = slots[bb]
+            t0 = bt * BT
             if d < D:
                 if slot >= 0:
                     for j in T.unroll(H):
-                        hist[j] = conv_state[slot, d, j]
+                        hist[j] = T.if_then_else(bt == 0, conv_state[slot, d, j], T.cast(T.float32(0), dtype))
                     for j in T.unroll(W):
                         wr[j] = T.cast(weight[d, j], F32)
-                    for t in T.serial(Tn):
-                        acc[0] = T.float32(0)
-                        for j in T.unroll(W):
-                            # window position t + j: history j + t < H, else token t + j - H
-                            v = T.if_then_else(t + j < H, hist[T.min(t + j, H - 1)],
-                                               x[bb, T.max(t + j - H, 0), d])
-                            acc[0] = _add(T, acc[0], _mul(T, T.cast(v, F32), wr[j]))
-                        finish(acc, bias, out, bb, t, d)
-                    # new history j = window position Tn + j; in place from the top: position Tn + j
-                    # of the old history is j' = Tn + j > j, read before hist[j'] is overwritten
-                    for j in T.unroll(H):
-                        hist[j] = T.if_then_else(Tn + j < H, hist[T.min(Tn + j, H - 1)],
-                                                 x[bb, T.max(Tn + j - H, 0), d])
-                    for j in T.unroll(H):
-                        conv_state[slot, d, j] = hist[j]
+                    for tt in T.serial(BT):
+                        t = t0 + tt
+                        if t < Tn:
+                            acc[0] = T.float32(0)
+                            for j in T.unroll(W):
+                                # window position t + j: history j + t < H, else token t + j - H
+                                v = T.if_then_else(t + j < H, hist[T.min(t + j, H - 1)],
+                                                   x[bb, T.max(t + j - H, 0), d])
+                                acc[0] = _add(T, acc[0], _mul(T, T.cast(v, F32), wr[j]))
+                            finish(acc, bias, out, bb, t, d)
+                    if bt == 0:
+                        # new history j = window position Tn + j; in place from the top: position Tn + j
+                        # of the old history is j' = Tn + j > j, read before hist[j'] is overwritten
+                        for j in T.unroll(H):
+                            hist[j] = T.if_then_else(Tn + j < H, hist[T.min(Tn + j, H - 1)],
+                                                     x[bb, T.max(Tn + j - H, 0), d])
+                        for j in T.unroll(H):
+                            conv_state[slot, d, j] = hist[j]
                 else:
-                    for t in T.serial(Tn):
-                        out[bb, t, d] = T.cast(T.float32(0), dtype)
+                    for tt in T.serial(BT):
+                        if t0 + tt < Tn:
+                            out[bb, t0 + tt, d] = T.cast(T.float32(0), dtype)
 
     return conv1d_prefill_kernel
 

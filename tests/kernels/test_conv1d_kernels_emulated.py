@@ -20,6 +20,7 @@ if importlib.util.find_spec("tilelang") is None or not _NVCC or not shutil.which
     pytest.skip("needs TileLang, nvcc and g++", allow_module_level=True)
 
 from kvbuffer.reference import conv as ref  # noqa: E402
+from kvbuffer.tiles.conv1d import PREFILL_TOKENS  # noqa: E402
 from kvbuffer.gpus import get_gpu  # noqa: E402  (the generated CUDA these tests read is Hopper's)
 
 from tests.support.simt_emulator import Emulated  # noqa: E402
@@ -98,13 +99,13 @@ def test_conv1d_update_emulated(mode, T, dtype, has_bias, B, pad, tmp_path_facto
     assert _bits(state[~used], before[~used])
 
 
-PREFILL_CASES = [(T, dtype, T % 2 == 0, (1, 3, 7)[T % 3]) for T in (1, 2, 5, 8, 13) for dtype in DT]
+PREFILL_CASES = [(T, dtype, T % 2 == 0, (1, 3, 7)[T % 3]) for T in (1, 2, 5, 8, 13, 64, 65, 130) for dtype in DT]
 
 
 @pytest.mark.parametrize("T,dtype,has_bias,B", PREFILL_CASES,
                          ids=[f"T{t}-{d}-{'bias' if b else 'nobias'}-B{n}" for t, d, b, n in PREFILL_CASES])
 def test_conv1d_prefill_dynamic_tokens_emulated(T, dtype, has_bias, B, tmp_path_factory):
-    """T_len=0: one kernel for every prompt length (mode advance)."""
+    """T_len=0: one kernel for every prompt length (mode advance), prompts of one and of several token blocks."""
     emu = _emulated(tmp_path_factory, "conv1d_update", D=D, W=W, span=SPAN, T_len=0, mode="advance", dtype=dtype,
                     has_bias=has_bias, threads=THREADS)
     dt = DT[dtype]
@@ -117,7 +118,8 @@ def test_conv1d_prefill_dynamic_tokens_emulated(T, dtype, has_bias, B, tmp_path_
     before, want_state = state.clone(), state.clone()
     out = torch.full((B, T, D), float("nan"), dtype=dt)
 
-    emu((BLOCKS, B, 1), THREADS, x=x, conv_state=state, slots=slots, weight=weight,
+    token_blocks = -(-T // PREFILL_TOKENS)  # several blocks of one row: only the first reads and writes history
+    emu((BLOCKS, token_blocks, B), THREADS, x=x, conv_state=state, slots=slots, weight=weight,
         bias=bias if has_bias else weight.view(-1)[:1], out=out, batch=B, num_slots=state.shape[0], tokens=T)
 
     want = _reference("advance", x, want_state, slots, weight, bias)
