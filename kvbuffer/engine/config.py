@@ -137,7 +137,7 @@ class EngineConfig:
     max_len: int = _option(2048, "Longest context (prompt + output) per request; a request that reaches it stops "
                                  "there with finish_reason 'length'.", _count(1), cli="--max-len")
     max_prefill_tokens: int = _option(
-        1024, "Prompt tokens one engine step feeds, shared among the prompts in progress (a longer prompt "
+        2048, "Prompt tokens one engine step feeds, shared among the prompts in progress (a longer prompt "
               "continues over the next steps while the other requests decode; with none decoding, a step feeds "
               "until a prompt is done); also the most one prefill forward feeds.", _count(1),
         cli="--max-prefill-tokens")
