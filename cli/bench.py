@@ -172,9 +172,7 @@ def transformers_bench(args):
     (options: kvbuffer bench transformers --help)."""
     from kvbuffer.integrations.benchmark import main
 
-    if "--help" not in args and "-h" not in args:
-        need_cuda()
-    main(list(args))
+    main(list(args))  # parses the options first (a typo answers at once), then asks for a CUDA GPU
 
 
 @bench.command("prefill")
