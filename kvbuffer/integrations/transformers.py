@@ -2,7 +2,7 @@
 
     import kvbuffer.integrations.transformers as kvb
     model = kvb.enable(AutoModelForCausalLM.from_pretrained(...), chunk_size=16)
-    out = model.generate(ids, max_new_tokens=64)        # greedy, sampling, batched, past_key_values
+    out = model.generate(ids, max_new_tokens=64)        # greedy, sampling, batched, a reused cache=
     kvb.disable(model)
 
 Supported: `Qwen3_5ForCausalLM`, `Qwen3_5ForConditionalGeneration`, `Qwen3_5MoeForCausalLM`
