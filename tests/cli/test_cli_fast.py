@@ -71,3 +71,28 @@ def test_an_unknown_name_is_an_attribute_error():
 
     with pytest.raises(AttributeError, match="no attribute 'LMM'"):
         kvbuffer.LMM  # noqa: B018
+
+
+@pytest.mark.parametrize("words,sizes", [(["1,16,64"], [1, 16, 64]), (["1", "16", "64"], [1, 16, 64]),
+                                         (["3,5", "7"], [3, 5, 7])], ids=["commas", "spaces", "both"])
+def test_bench_transformers_takes_batches_as_commas_or_spaces(monkeypatch, words, sizes):
+    pytest.importorskip("transformers")
+    import torch
+
+    from kvbuffer.integrations import benchmark
+
+    seen = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "test gpu")
+    monkeypatch.setattr(benchmark, "run", lambda batches, *rest: seen.append(batches) or [])
+    benchmark.main(["--batches", *words])
+    assert seen == [sizes]
+
+
+@pytest.mark.parametrize("word", ["0", "1,x", ","])
+def test_bench_transformers_rejects_a_bad_batch_size(word, capsys):
+    from kvbuffer.integrations import benchmark
+
+    with pytest.raises(SystemExit) as exit_:
+        benchmark.main(["--batches", word])
+    assert exit_.value.code == 2 and "--batches" in capsys.readouterr().err
