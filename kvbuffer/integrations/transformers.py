@@ -31,7 +31,7 @@ import types
 
 import torch
 
-import kvbuffer  # noqa: F401  (registers torch.ops.kvbuffer.*)
+import kvbuffer.ops  # noqa: F401  (registers torch.ops.kvbuffer.*)
 
 from .transformers_cache import access_for
 from .transformers_layers import CHUNK_ATTRIBUTE, BufferedGatedDeltaNet, BufferedMamba2Mixer
