@@ -95,7 +95,8 @@ def _engine_options(f):
         click.option("--prompt-len", default=128, show_default=True, type=click.IntRange(min=1),
                      help="Prompt tokens. decode staggers them over one chunk (prompt-len .. prompt-len + "
                           "chunk-size - 1), so each step flushes 1/chunk-size of the rows, as a server does."),
-        click.option("--new-tokens", default=32, show_default=True, type=click.IntRange(min=2)),
+        click.option("--new-tokens", default=32, show_default=True, type=click.IntRange(min=2),
+                     help="Tokens generated per request."),
         engine_options("chunk_size", "kernels", "cuda_graphs", "compile", chunk_size=DEFAULT_CHUNK_SIZE),
         _out_option,
     ]
@@ -172,9 +173,7 @@ def transformers_bench(args):
     (options: kvbuffer bench transformers --help)."""
     from kvbuffer.integrations.benchmark import main
 
-    if "--help" not in args and "-h" not in args:
-        need_cuda()
-    main(list(args))
+    main(list(args))  # parses the options first (a typo answers at once), then asks for a CUDA GPU
 
 
 @bench.command("prefill")

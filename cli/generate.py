@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import math
 import sys
 import time
@@ -31,12 +32,17 @@ def _seed(ctx, param, value):
               help="A prompt (repeat for a batch).")
 @click.option("--prompts-file", type=click.Path(exists=True, dir_okay=False, path_type=Path),
               help="A file with one prompt per line.")
-@click.option("--max-new-tokens", default=128, show_default=True, type=click.IntRange(min=1))
+@click.option("--max-new-tokens", default=128, show_default=True, type=click.IntRange(min=1),
+              help="Most tokens generated per prompt (fewer where the model ends its text).")
 @click.option("--temperature", default=0.0, show_default=True, type=click.FloatRange(min=0.0),
               callback=lambda ctx, param, v: _finite(v), help="0 = greedy.")
-@click.option("--top-k", default=0, show_default=True, type=click.IntRange(min=0))
-@click.option("--top-p", default=1.0, show_default=True, type=click.FloatRange(0.0, 1.0, min_open=True))
-@click.option("--seed", default=None, type=int, callback=_seed)
+@click.option("--top-k", default=0, show_default=True, type=click.IntRange(min=0),
+              help="Sample among the k likeliest tokens only; 0 = all.")
+@click.option("--top-p", default=1.0, show_default=True, type=click.FloatRange(0.0, 1.0, min_open=True),
+              help="Sample among the likeliest tokens whose probabilities sum to p (nucleus); 1 = all.")
+@click.option("--seed", default=None, type=int, callback=_seed,
+              help="Seed of the sampling (prompt i draws from seed + i): the same seed repeats a sampled output. "
+                   "Default: torch's global generator.")
 @click.option("--presence-penalty", default=0.0, show_default=True, type=click.FloatRange(-2.0, 2.0),
               callback=lambda ctx, param, v: _finite(v),
               help="Subtracted once from the logit of every token generated so far (OpenAI's).")
@@ -61,6 +67,9 @@ def generate(model, prompts, prompts_file, max_new_tokens, temperature, top_k, t
     llm = LLM(str(path), config, max_batch=max(1, min(len(texts), 64)))
     if llm.tokenizer is None:
         raise click.UsageError(f"{path} has no tokenizer files, so text prompts cannot be encoded")
+    if llm.compiled:
+        click.get_current_context().with_resource(_quiet_item_graph_breaks())  # until the command ends
+        _compile(llm)
     stream = len(texts) == 1
     if stream:
         click.echo(texts[0], nl=False)
@@ -74,9 +83,14 @@ def generate(model, prompts, prompts_file, max_new_tokens, temperature, top_k, t
             sys.stdout.flush()
 
     t0 = time.perf_counter()
-    outs = llm.generate(texts, max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
-                        seed=seed, on_token=on_token if stream else None, presence_penalty=presence_penalty,
-                        frequency_penalty=frequency_penalty, repetition_penalty=repetition_penalty)
+    try:
+        outs = llm.generate(texts, max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
+                            seed=seed, on_token=on_token if stream else None, presence_penalty=presence_penalty,
+                            frequency_penalty=frequency_penalty, repetition_penalty=repetition_penalty)
+    except BaseException:
+        if stream:  # end the echoed prompt's line: an error (a prompt past --max-len, Ctrl-C) starts its own
+            click.echo()
+        raise
     elapsed = time.perf_counter() - t0
     if stream:
         click.echo(detok.flush())
@@ -98,6 +112,35 @@ def generate(model, prompts, prompts_file, max_new_tokens, temperature, top_k, t
     elif llm.kernels and llm.backend.conv_on_reference:
         click.echo("note: the short conv ran on the reference ops (no compiled conv kernel); build it with "
                    f"`{_tune_command(llm, path, speculative and speculative.num_draft_tokens)}`", err=True)
+
+
+def _compile(llm) -> None:
+    """Compile the decode forward now (LLM.warm_up), saying so on stderr: it takes from seconds on the demo
+    model to minutes on a large one, and the first step would otherwise wait for it silently."""
+    click.echo("compiling the decode forward (takes a minute on a large model)...", err=True, nl=False)
+    t0 = time.perf_counter()
+    llm.warm_up()
+    click.echo(f" done in {time.perf_counter() - t0:.1f}s", err=True)
+
+
+class _quiet_item_graph_breaks(logging.Filter):
+    """Drops dynamo's one warning "Graph break from `Tensor.item()`" (16 lines) while entered. The
+    reference ops read slot indices and buffer fills back to the host to check them (kvbuffer.checks,
+    kvbuffer.reference.core): on the CPU those reads split the compiled forward by design, with no loss that
+    matters, and the warning's advice (capture_scalar_outputs) is not one kvbuffer takes. Every other dynamo
+    message still shows."""
+
+    LOGGER = "torch._dynamo.variables.tensor"
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith("Graph break from `Tensor.item()`")
+
+    def __enter__(self):
+        logging.getLogger(self.LOGGER).addFilter(self)
+        return self
+
+    def __exit__(self, *exc):
+        logging.getLogger(self.LOGGER).removeFilter(self)
 
 
 def _non_empty(prompts: tuple[str, ...]) -> tuple[str, ...]:

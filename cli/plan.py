@@ -31,9 +31,11 @@ def _bytes(text: str) -> int:
 @click.command("plan")
 @click.option("--model", required=True, help="A preset (qwen3.5-9b, ..., nemotron-3-super) or a checkpoint directory.")
 @click.option("--gpu-memory", default="141GiB", show_default=True, help="Memory of one GPU, e.g. 80GiB or 141GB.")
-@click.option("--draft-tokens", default=0, show_default=True, type=click.IntRange(min=0))
+@click.option("--draft-tokens", default=0, show_default=True, type=click.IntRange(min=0),
+              help="Draft tokens a speculative step verifies (0: no speculation).")
 @click.option("--context", default=4096, show_default=True, type=click.IntRange(min=1), help="Tokens per request.")
-@click.option("--chunk-size", default=DEFAULT_CHUNK_SIZE, show_default=True, type=click.IntRange(min=1))
+@click.option("--chunk-size", default=DEFAULT_CHUNK_SIZE, show_default=True, type=click.IntRange(min=1),
+              help="KVBuffer's buffer length C: entries held per request before they fold into its state.")
 @click.option("--reserve", default=0.1, show_default=True, type=click.FloatRange(0, 0.9),
               help="Fraction of memory kept for activations and workspaces.")
 def plan_command(model, gpu_memory, draft_tokens, context, chunk_size, reserve):

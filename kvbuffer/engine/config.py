@@ -13,10 +13,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from typing import Any
 
-import torch
-
-from ..defaults import DEFAULT_CHUNK_SIZE, MAX_DRAFT_TOKENS
-from ..runtime.batch import MODES
+from ..defaults import DEFAULT_CHUNK_SIZE, MAX_DRAFT_TOKENS, MODES
 from .validate import check_device, check_int, check_switch, describe, device_memory, is_int
 
 METHODS = ("ngram", "mtp")
@@ -46,6 +43,8 @@ def _choice(choices):
 
 
 def _dtype(name, value):
+    import torch  # here, not at import: the CLI builds its options from this module without loading torch
+
     if value is not None and not (isinstance(value, torch.dtype) and value.is_floating_point):
         raise TypeError(f"dtype must be a floating torch.dtype such as torch.bfloat16, or None; got {describe(value)}")
 
@@ -196,5 +195,7 @@ class EngineConfig:
 
 def check_model(model) -> None:
     """LLM's `model`: a checkpoint directory or a kvbuffer model."""
+    import torch
+
     if not isinstance(model, (str, os.PathLike, torch.nn.Module)):
         raise TypeError(f"model must be a checkpoint directory or a kvbuffer model, got {describe(model)}")

@@ -11,8 +11,6 @@ import numbers
 import os
 from collections.abc import Collection
 
-import torch
-
 SEED_LIMIT = 2**63  # torch.Generator.manual_seed takes a 64-bit seed; the engine adds the prompt index
 
 
@@ -61,6 +59,8 @@ def check_device(device) -> None:
     """None, or a CPU or CUDA device that exists on this machine."""
     if device is None:
         return
+    import torch  # here, not at import: the CLI builds its options from the engine's config without torch
+
     if not isinstance(device, (str, torch.device)):
         raise TypeError(f"device must be a str or torch.device such as 'cpu' or 'cuda:0', got {describe(device)}")
     try:
@@ -77,6 +77,8 @@ def check_device(device) -> None:
 
 def device_memory(device) -> int:
     """Total bytes of memory on `device` (None: the engine's default device)."""
+    import torch
+
     dev = torch.device(device) if device is not None else torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if dev.type == "cuda":
         return torch.cuda.get_device_properties(dev).total_memory
@@ -106,6 +108,8 @@ def check_generate_args(prompts, *, max_new_tokens, temperature, top_k, top_p, s
 
 def _check_prompt_tokens(prompts) -> None:
     """Token-id prompts hold ints: int(3.7) would silently feed token 3."""
+    import torch
+
     if isinstance(prompts, list) and prompts and isinstance(prompts[0], numbers.Number):
         prompts = [prompts]  # one prompt given as a flat list of token ids
     if not isinstance(prompts, (list, tuple)):

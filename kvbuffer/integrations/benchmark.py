@@ -1,6 +1,6 @@
 """`model.generate` tokens/s of a Qwen3.5-9B-shaped transformers model: stock vs kvbuffer-enabled.
 
-    python -m kvbuffer.integrations.benchmark [--batches 1 16 64] [--new-tokens 64] [--out FILE.json]
+    python -m kvbuffer.integrations.benchmark [--batches 1,16,64] [--new-tokens 64] [--out FILE.json]
 
 Random bf16 weights in Qwen3.5-9B's shapes (kvbuffer.presets' "qwen3.5-9b": 24 GDN + 8 attention
 layers, 16/32 linear heads of 128 x 128), built on the GPU. For each batch size, in one process: stock
@@ -11,6 +11,8 @@ timed `generate` calls after one warm-up call (FLA's Triton autotuning, kernel l
 tokens/s subtracts a 1-token `generate` (prefill + first token) of the same batch, so it is the
 rate of the decode steps alone, which is where kvbuffer acts. The greedy tokens of both runs are
 compared first; random bf16 weights make near ties, so the agreement is reported, not required.
+
+torch is imported by the functions that run the model, so `--help` and a mistyped option answer at once.
 """
 
 from __future__ import annotations
@@ -20,10 +22,15 @@ import json
 import statistics
 import sys
 import time
+from typing import TYPE_CHECKING
 
-import torch
+import click
 
 from .. import presets
+from ..option_values import positive_ints
+
+if TYPE_CHECKING:
+    import torch
 
 PRESET = "qwen3.5-9b"
 
@@ -43,6 +50,7 @@ def model_config(layers: int | None = None) -> dict:
 
 def build_model(layers: int | None = None, device: str = "cuda"):
     """The random-weight model, bf16, on `device` (CUDA: initialised there, a 9B CPU init takes minutes)."""
+    import torch
     from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
 
     config = Qwen3_5TextConfig(**model_config(layers))
@@ -58,6 +66,8 @@ def build_model(layers: int | None = None, device: str = "cuda"):
 
 
 def timed_generate(model, ids: torch.Tensor, new_tokens: int) -> tuple[float, torch.Tensor]:
+    import torch
+
     torch.cuda.synchronize()
     start = time.perf_counter()
     out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
@@ -78,6 +88,8 @@ def measure(model, ids: torch.Tensor, new_tokens: int, repeats: int) -> dict:
 
 
 def run(batches, new_tokens: int, prompt_len: int, repeats: int, chunk_size: int, layers: int | None) -> list[dict]:
+    import torch
+
     import kvbuffer.integrations.transformers as kvb
 
     model = build_model(layers)
@@ -113,24 +125,35 @@ def _line(r: dict) -> str:
 
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(prog="kvbuffer bench transformers", description=__doc__.splitlines()[0])
-    p.add_argument("--batches", type=int, nargs="+", default=[1, 16, 64])
-    p.add_argument("--new-tokens", type=int, default=64)
+    p.add_argument("--batches", type=_batch_sizes, nargs="+", default=[(1, 16, 64)],
+                   help="batch sizes, comma- or space-separated (1,16,64 or 1 16 64)")
+    p.add_argument("--new-tokens", type=int, default=64, help="tokens generated per row")
     p.add_argument("--prompt", type=int, default=64, help="prompt tokens per row")
-    p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--chunk-size", type=int, default=16)
+    p.add_argument("--repeats", type=int, default=3, help="timed generate calls; the median is reported")
+    p.add_argument("--chunk-size", type=int, default=16, help="kvbuffer's buffer length C")
     p.add_argument("--layers", type=int, default=None,
                    help=f"decoder layers, the first of {PRESET}'s (every 4th full attention); fewer for a quick check")
     p.add_argument("--out", help="write the results as JSON here")
     a = p.parse_args(argv)
+    import torch
+
     if not torch.cuda.is_available():
         sys.exit("kvbuffer bench transformers times generate on a CUDA GPU; none is visible")
-    rows = run(a.batches, a.new_tokens, a.prompt, a.repeats, a.chunk_size, a.layers)
+    rows = run([b for sizes in a.batches for b in sizes], a.new_tokens, a.prompt, a.repeats, a.chunk_size, a.layers)
     meta = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
             "transformers": __import__("transformers").__version__, "fla": _version("fla-core")}
     if a.out:
         with open(a.out, "w") as f:
             json.dump({"meta": meta, "rows": rows}, f, indent=1)
     print(json.dumps(meta))
+
+
+def _batch_sizes(text: str) -> tuple[int, ...]:
+    """One --batches word: '1,16,64' or '16' -> positive ints (the comma lists of kvbuffer's other options)."""
+    try:
+        return positive_ints(text)
+    except click.BadParameter as e:
+        raise argparse.ArgumentTypeError(e.message) from None
 
 
 def _version(dist: str) -> str | None:

@@ -2,7 +2,7 @@
 
     import kvbuffer.integrations.transformers as kvb
     model = kvb.enable(AutoModelForCausalLM.from_pretrained(...), chunk_size=16)
-    out = model.generate(ids, max_new_tokens=64)        # greedy, sampling, batched, past_key_values
+    out = model.generate(ids, max_new_tokens=64)        # greedy, sampling, batched, a reused cache=
     kvb.disable(model)
 
 Supported: `Qwen3_5ForCausalLM`, `Qwen3_5ForConditionalGeneration`, `Qwen3_5MoeForCausalLM`
@@ -31,7 +31,7 @@ import types
 
 import torch
 
-import kvbuffer  # noqa: F401  (registers torch.ops.kvbuffer.*)
+import kvbuffer.ops  # noqa: F401  (registers torch.ops.kvbuffer.*)
 
 from .transformers_cache import access_for
 from .transformers_layers import CHUNK_ATTRIBUTE, BufferedGatedDeltaNet, BufferedMamba2Mixer

@@ -102,7 +102,7 @@ def _decode_buffers(layer, cache, access: CacheAccess, chunk_size: int, make) ->
     source = access.recurrent_state(cache, idx)
     rec = buffers_of(cache).get(idx)
     if rec is not None and rec.source is not source and rec.pending:
-        raise ValueError(f"past_key_values: layer {idx}'s recurrent state was replaced (beam search's "
+        raise ValueError(f"cache: layer {idx}'s recurrent state was replaced (beam search's "
                          "reorder_cache, offloading or a reset?) while kvbuffer held buffered tokens for it; "
                          "kvbuffer.integrations.transformers supports greedy and sampling generation, and "
                          "fold(cache) makes a cache plain before handing it on")

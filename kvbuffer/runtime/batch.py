@@ -11,10 +11,10 @@ from dataclasses import dataclass
 
 import torch
 
+from ..defaults import MODES
 from .backend import REFERENCE, Backend
 
 PHASES = ("prefill", "decode", "verify")
-MODES = ("kvbuffer", "recurrent")
 
 
 @dataclass

@@ -1,12 +1,15 @@
 """The bundled demo model, `kvbuffer generate`, and the training script's fast GDN forward."""
 
 import importlib.util
+import logging
 import pathlib
+import re
 
 import torch
 from click.testing import CliRunner
 
 import kvbuffer
+from kvbuffer.cli.generate import _quiet_item_graph_breaks
 from kvbuffer.cli.main import main
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
@@ -80,9 +83,46 @@ def test_generate_cli_speculative_matches_plain():
 
 
 def test_generate_cli_compiled_matches_plain():
-    """--compile runs the forwards under torch.compile; greedy text is the uncompiled one's."""
+    """--compile runs the forwards under torch.compile, saying so on stderr while it compiles, without
+    dynamo's `Tensor.item()` graph-break warning; greedy text is the uncompiled one's."""
     args = ["generate", "--prompt", "def ", "--max-new-tokens", "12", "--device", "cpu", "--dtype", "float32"]
     plain = CliRunner().invoke(main, args)
-    compiled = CliRunner().invoke(main, args + ["--compile"])
+    dynamo = logging.getLogger(_quiet_item_graph_breaks.LOGGER)
+    seen = _Records()
+    dynamo.addHandler(seen)
+    try:
+        compiled = CliRunner().invoke(main, args + ["--compile"])
+    finally:
+        dynamo.removeHandler(seen)
     assert plain.exit_code == 0 and compiled.exit_code == 0, compiled.output
     assert compiled.stdout == plain.stdout
+    assert re.search(r"compiling the decode forward .*\.\.\. done in \d+\.\ds", compiled.stderr), compiled.stderr
+    assert not [r for r in seen.records if "Tensor.item()" in str(r.msg)]
+    assert not dynamo.filters, "the filter outlived the command"
+
+
+class _Records(logging.Handler):
+    def __init__(self):
+        super().__init__(logging.DEBUG)
+        self.records = []
+
+    def emit(self, record):
+        self.records.append(record)
+
+
+def test_the_graph_break_filter_drops_only_the_item_warning():
+    def record(msg):
+        return logging.LogRecord(_quiet_item_graph_breaks.LOGGER, logging.WARNING, __file__, 1, msg, (), None)
+
+    quiet = _quiet_item_graph_breaks()
+    assert not quiet.filter(record("Graph break from `Tensor.item()`, consider setting:\n..."))
+    assert quiet.filter(record("Graph break from `Tensor.tolist()`"))
+    assert quiet.filter(record("recompiling the forward: cache limit reached"))
+
+
+def test_generate_cli_error_after_the_echoed_prompt_starts_a_new_line():
+    result = CliRunner().invoke(main, ["generate", "--prompt", "The quick brown fox", "--max-len", "4",
+                                       "--device", "cpu"])
+    assert result.exit_code == 1
+    assert result.stdout == "The quick brown fox\n"
+    assert "exceed max_len=4" in result.stderr
