@@ -214,8 +214,10 @@ def _table(rows: list[Summary]) -> str:
               help="Requests per second (Poisson arrivals) [default: inf, all at once].")
 @click.option("--num-requests", default=None, type=click.IntRange(min=1),
               help="Requests per run [default: 4 x the concurrency, at least 16].")
-@click.option("--input-len", default=256, show_default=True, type=click.IntRange(min=1))
-@click.option("--output-len", default=128, show_default=True, type=click.IntRange(min=1))
+@click.option("--input-len", default=256, show_default=True, type=click.IntRange(min=1),
+              help="Prompt tokens per request (random ids).")
+@click.option("--output-len", default=128, show_default=True, type=click.IntRange(min=1),
+              help="Tokens each request generates (ignore_eos).")
 @click.option("--range-ratio", default=0.0, show_default=True, type=click.FloatRange(0.0, 0.99),
               help="Lengths uniform in [L(1-r), L(1+r)].")
 @click.option("--max-batch", default=None, type=click.IntRange(min=1),
@@ -229,7 +231,8 @@ def _table(rows: list[Summary]) -> str:
                    "during its prefill.")
 @click.option("--long-prompt-at", default=1.0, show_default=True, type=click.FloatRange(min=0),
               help="Seconds after the clock starts to send the long prompt.")
-@click.option("--seed", default=0, show_default=True, type=int)
+@click.option("--seed", default=0, show_default=True, type=int,
+              help="Seed of the prompts, their lengths and the arrival times.")
 @click.option("--out", "out_path", default=None, type=click.Path(dir_okay=False, path_type=Path),
               help="Write the results as JSON here.")
 def bench_serve(url, model_dir, preset, modes, concurrency_list, request_rate, num_requests, input_len, output_len,

@@ -19,8 +19,7 @@ from dataclasses import dataclass, field
 import pytest
 import torch
 
-import kvbuffer  # noqa: F401  (registers torch.ops.kvbuffer.*)
-from kvbuffer import ops as kvb_ops
+from kvbuffer import ops as kvb_ops  # registers torch.ops.kvbuffer.*
 from kvbuffer.reference import gdn, mamba2
 
 OPS = torch.ops.kvbuffer
