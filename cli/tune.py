@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import sys
+from typing import Callable, Iterator
 
 import click
 
@@ -151,7 +153,8 @@ def _templates(shapes: list[dict], kernels: str | None) -> list[tuple[dict, list
 @click.option("--kernels", help="Comma-separated template names (default: every template of the family, "
               "its conv, the model's attention and its projections).")
 @click.option("--build-only", is_flag=True, help="Compile defaults without measuring, even on the named GPU.")
-@click.option("--max-configs", type=click.IntRange(min=1), default=None, help="Try at most this many configs per template.")
+@click.option("--max-configs", type=click.IntRange(min=1), default=None,
+              help="Try at most this many configs per template.")
 @click.option("--cache-dir", type=click.Path(file_okay=False), default=None,
               help="Cache root [default: $KVBUFFER_CACHE_DIR, else $XDG_CACHE_HOME/kvbuffer].")
 def tune(gpu, list_gpus, model, heads, family, dtype, chunk_sizes, batch_buckets, draft_tokens, conv, attention,
@@ -163,6 +166,10 @@ def tune(gpu, list_gpus, model, heads, family, dtype, chunk_sizes, batch_buckets
     and the winners and a chunk-size policy are recorded as tuned. The linear layers' kernels and
     the short conv's get one tuning record each (so do the attention layers and each projection
     shape). With neither --model nor --heads, every bundled preset's head shapes are built.
+
+    Every option, and every kernel's defaults for the head shapes, is checked before the first
+    compile. stderr shows the whole run's progress: kernels and groups done, elapsed, time left.
+    Ctrl-C stops it (exit 130), keeping the finished kernels and the records of finished groups.
     """
     from ..gpus import catalogue_table
 
@@ -181,7 +188,8 @@ def tune(gpu, list_gpus, model, heads, family, dtype, chunk_sizes, batch_buckets
     problem = nvcc_problem()
     if problem:
         raise click.ClickException(problem)
-    _check_builds(groups, presets=heads is None and (model is None or model.lower() in HEAD_SHAPES))
+    with _ctrl_c_exits(lambda: "Interrupted while checking the kernels to build: nothing was built"):
+        _check_builds(groups, presets=heads is None and (model is None or model.lower() in HEAD_SHAPES))
     cache = ArtifactCache(cache_dir)
     _run(cache, target, present and not build_only, groups, chunks, buckets, drafts, max_configs)
 
@@ -226,27 +234,39 @@ def _check_builds(groups, presets: bool) -> None:
 def _run(cache, target, measuring, groups, chunks, buckets, drafts, max_configs) -> None:
     """Build (or measure) every group under one overall progress line; Ctrl-C stops it cleanly: the
     interrupted build's staging removed, what finished kept, exit 130."""
-    from ..autotune.progress import TuneProgress, catching_sigint
+    from ..autotune.progress import TuneProgress
 
     overall = TuneProgress(len(groups), sum(len(items) for _, _, items in groups))
-    recorded = 0
+    recorded = [0]
+
+    def said() -> str:
+        return (f"Interrupted: {overall.count} of {overall.kernels} kernels built and kept, {recorded[0]} of "
+                f"{len(groups)} tuning records written; the interrupted build's staging removed "
+                "(`kvbuffer cache prune` removes kernels no record names)")
+
+    with _ctrl_c_exits(said, cache.remove_own_staging), cache.tune_running(), overall:
+        for i, (one_shape, tpls, _) in enumerate(groups):
+            overall.start_group(i)
+            step = f"[{i + 1}/{len(groups)}] " if len(groups) > 1 else ""
+            _tune_shape(cache, target, measuring, one_shape, tpls, chunks,
+                        (1,) if _projection(one_shape["family"]) else buckets, drafts, max_configs, step, overall)
+            recorded[0] += 1
+
+
+@contextlib.contextmanager
+def _ctrl_c_exits(said: Callable[[], str], cleanup: Callable[[], object] = lambda: None) -> Iterator[None]:
+    """A Ctrl-C inside (a KeyboardInterrupt, or any error raised while one arrived: TileLang's compiler
+    turns it into others) ends the command: cleanup(), the line said() on stderr, exit 130."""
+    from ..autotune.progress import catching_sigint
+
     with catching_sigint() as sigint:
         try:
-            with cache.tune_running(), overall:
-                for i, (one_shape, tpls, _) in enumerate(groups):
-                    overall.start_group(i)
-                    step = f"[{i + 1}/{len(groups)}] " if len(groups) > 1 else ""
-                    _tune_shape(cache, target, measuring, one_shape, tpls, chunks,
-                                (1,) if _projection(one_shape["family"]) else buckets, drafts, max_configs, step,
-                                overall)
-                    recorded += 1
+            yield
         except BaseException as e:
             if not (isinstance(e, KeyboardInterrupt) or sigint.hit):
                 raise
-            cache.remove_own_staging()
-            click.echo(f"Interrupted: {overall.count} of {overall.kernels} kernels built and kept, {recorded} of "
-                       f"{len(groups)} tuning records written; the interrupted build's staging removed "
-                       f"(`kvbuffer cache prune` removes kernels no record names)", err=True)
+            cleanup()
+            click.echo(said(), err=True)
             raise click.exceptions.Exit(130) from None
 
 

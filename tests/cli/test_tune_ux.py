@@ -218,3 +218,17 @@ def test_an_error_without_ctrl_c_is_still_an_error(monkeypatch, tmp_path):
     result = run("tune", *QWEN, "--chunk-sizes", "8", "--cache-dir", str(tmp_path))
     assert result.exit_code == 1 and "the compiler failed" in result.output and "Interrupted" not in result.output
     assert not list((tmp_path / "staging").glob(f"{TUNE_MARK}.*"))
+
+
+def test_ctrl_c_while_checking_builds_nothing(builds, monkeypatch, tmp_path):
+    plain = registry.templates
+
+    def interrupted(shape, chunk, **tunables):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(registry, "templates",
+                        lambda family=None: [dataclasses.replace(t, trace=interrupted) for t in plain(family)])
+    result = run("tune", "--gpu", "h100", "--heads", "16,32,128,128", "--cache-dir", str(tmp_path / "cache"))
+    assert result.exit_code == 130, result.output
+    assert result.stderr.strip() == "Interrupted while checking the kernels to build: nothing was built"
+    assert builds == [] and not (tmp_path / "cache").exists()
