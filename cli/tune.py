@@ -211,7 +211,8 @@ def _planned(found: list[tuple[dict, list]], chunks, drafts) -> list[tuple[dict,
 
 def _check_builds(groups, presets: bool) -> None:
     """Every build's defaults, and its TileLang trace, before anything compiles: a head size or chunk
-    size a template does not take is a usage error now, not after minutes of compiling the others.
+    size a template does not take is an error now (exit 1: the options are well formed, the templates'
+    limits refuse them), not after minutes of compiling the others.
     Each (template, C, drafts) is traced once; a shape not from a preset (--heads, a checkpoint) at
     every build, since its head sizes are new to the templates."""
     from ..autotune.tuner import label
@@ -225,9 +226,9 @@ def _check_builds(groups, presets: bool) -> None:
             except ImportError as e:
                 raise click.ClickException(f"the compile side needs TileLang: pip install 'kvbuffer[gpu]' ({e})")
             except Exception as e:  # the template's own message says what it does not take
-                raise click.BadParameter(f"{label(tpl, chunk, drafts)} cannot be built for {_shape_text(shape)}: "
-                                         f"{' '.join(str(e).split()) or type(e).__name__}",
-                                         param_hint="--model/--heads/--chunk-sizes") from None
+                raise click.ClickException(f"{label(tpl, chunk, drafts)} cannot be built for {_shape_text(shape)} "
+                                           f"(--model/--heads, --chunk-sizes): "
+                                           f"{' '.join(str(e).split()) or type(e).__name__}") from None
             traced.add(seen)
 
 
