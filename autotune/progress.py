@@ -133,7 +133,7 @@ class TuneProgress:
             from tqdm import tqdm
 
             self._bar = tqdm(total=kernels, file=self.stream, unit="kernel", dynamic_ncols=True,
-                             bar_format="{desc} {n_fmt}/{total_fmt} kernels |{bar}| {postfix}")
+                             bar_format="{desc} {n_fmt}/{total_fmt} kernels{postfix} |{bar}|")
 
     def start_group(self, index: int) -> None:
         """Group `index` (from 0) begins."""
