@@ -65,10 +65,6 @@ class PrunePlan:
     kept_running: int = 0   # unnamed artifacts built since a running tune began
     kept_young: int = 0     # unnamed artifacts younger than the age asked for
 
-    @property
-    def empty(self) -> bool:
-        return not (self.artifacts or self.orphans or self.staging)
-
 
 def _pid_alive(pid: int) -> bool:
     try:

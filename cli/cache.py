@@ -93,7 +93,7 @@ def clear(cache_dir, gpu, yes):
     click.echo(f"removed {n} entr{'y' if n == 1 else 'ies'} from {store.root}")
 
 
-def _hours(text: str) -> float:
+def _seconds(text: str) -> float:
     """'90m', '2h', '1d', '45s' or a number of hours, in seconds."""
     units = {"s": 1, "m": 60, "h": 3600, "d": 86400}
     text = text.strip().lower()
@@ -120,7 +120,7 @@ def prune(cache_dir, older_than, keep_hours):
     leftovers and entries the manifest does not list (what `cache ls` counts as removable)."""
     from ..autotune.cache import ArtifactCache
 
-    seconds = keep_hours * 3600 if keep_hours is not None else _hours(older_than)
+    seconds = keep_hours * 3600 if keep_hours is not None else _seconds(older_than)
     store = ArtifactCache(cache_dir)
     plan = store.prune(seconds)
     n, leftovers = len(plan.artifacts), len(plan.orphans) + len(plan.staging)

@@ -217,6 +217,8 @@ def _check_builds(groups, presets: bool) -> None:
     every build, since its head sizes are new to the templates."""
     from ..autotune.tuner import label
 
+    click.echo(f"checking {sum(len(items) for _, _, items in groups)} kernel build(s) against their templates "
+               "before compiling", err=True)
     traced: set = set()
     for shape, _, items in groups:
         for tpl, chunk, drafts in items:
@@ -224,7 +226,8 @@ def _check_builds(groups, presets: bool) -> None:
             try:
                 tpl.check(shape, chunk, drafts, traced=seen not in traced)
             except ImportError as e:
-                raise click.ClickException(f"the compile side needs TileLang: pip install 'kvbuffer[gpu]' ({e})")
+                raise click.ClickException(f"the compile side needs TileLang: pip install 'kvbuffer[gpu]' ({e})") \
+                    from None
             except Exception as e:  # the template's own message says what it does not take
                 raise click.ClickException(f"{label(tpl, chunk, drafts)} cannot be built for {_shape_text(shape)} "
                                            f"(--model/--heads, --chunk-sizes): "
