@@ -14,10 +14,13 @@ staging directory whose owner process is gone (a killed tune), or older than STA
 removed by `clear`; one a live writer is still building in is kept. Every path removed is one
 kvbuffer.artifacts resolved inside the cache root; a symlink is unlinked, never followed.
 
-`prune` removes only the artifacts no tuning record names: the builds a re-tune or a template
-change superseded (the artifact key hashes the templates, so every kvbuffer upgrade that edits one
-leaves the old builds behind). It takes the same lock and keeps what was built in the last
-PRUNE_GRACE_S, so a tune still measuring keeps the artifacts its record will name.
+`prune` removes what an interrupted or superseded tune left: the artifacts no tuning record names
+(a re-tune's or a template change's old builds, an interrupted tune's last group, whose record was
+never written), artifact directories and record files the manifest does not list, and abandoned
+staging directories. It takes the same lock. A tune marks itself in staging/ while it runs
+(`tune_running`), since it publishes a group's record after its artifacts: prune keeps the unnamed
+artifacts built since a running tune began, and removes the rest whatever their age unless told to
+keep younger ones (`older_than_s`). `prunable` says what prune would remove, for `cache ls`.
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ import shutil
 import subprocess
 import time
 import uuid
+from dataclasses import dataclass, field
 from functools import lru_cache
 from pathlib import Path
 from typing import Callable, Iterator, Mapping
@@ -45,10 +49,21 @@ from kvbuffer.tuning import TuningStore
 from .policy import merge_records
 
 STALE_STAGING_S = 24 * 3600  # a build takes seconds to minutes; a staging dir this old is abandoned
-# `prune` keeps an unnamed artifact this young: a tune publishes its artifacts first and its tuning
-# record when its last kernel is measured, which for a whole model takes minutes
-PRUNE_GRACE_S = 3600
 _STAGING_OWNER = re.compile(r".+\.(\d+)\.[0-9a-f]{8}")  # <name>.<pid>.<random>, as _staging names it
+TUNE_MARK = "tune-running"  # staging/<TUNE_MARK>.<pid>.<random>: a tune in progress, since the dir's mtime
+
+
+@dataclass
+class PrunePlan:
+    """What `prune` removes (artifacts: unnamed ones, with their bytes; orphans: paths under artifacts/
+    and tunings/ the manifest does not list; staging: abandoned staging dirs) and what it keeps."""
+
+    artifacts: list = field(default_factory=list)
+    bytes: int = 0
+    orphans: list = field(default_factory=list)
+    staging: list = field(default_factory=list)
+    kept_running: int = 0   # unnamed artifacts built since a running tune began
+    kept_young: int = 0     # unnamed artifacts younger than the age asked for
 
 
 def _pid_alive(pid: int) -> bool:
@@ -130,6 +145,45 @@ class ArtifactCache(TuningStore):
         except OSError as e:
             raise self.unwritable(e) from None
         return path
+
+    @contextlib.contextmanager
+    def tune_running(self) -> Iterator[None]:
+        """Mark a tune in progress (prune keeps what it builds) until exit; also checks that the cache
+        can be written before anything is built."""
+        mark = self.staging(TUNE_MARK)
+        try:
+            with self.lock():
+                pass
+            yield
+        finally:
+            _remove(mark)
+
+    def running_tunes(self) -> list[tuple[int, float]]:
+        """(pid, start time) of each tune marked running whose process is alive."""
+        staging, out = self.root / "staging", []
+        if staging.is_symlink() or not staging.is_dir():
+            return out
+        for path in staging.glob(f"{TUNE_MARK}.*"):
+            owner = _STAGING_OWNER.fullmatch(path.name)
+            try:
+                started = path.lstat().st_mtime
+            except OSError:
+                continue
+            if owner is not None and _pid_alive(int(owner.group(1))):
+                out.append((int(owner.group(1)), started))
+        return out
+
+    def remove_own_staging(self) -> int:
+        """Remove this process's staging dirs but its tune mark (an interrupted build's); returns how many."""
+        staging, n = self.root / "staging", 0
+        if staging.is_symlink() or not staging.is_dir():
+            return 0
+        for path in staging.iterdir():
+            owner = _STAGING_OWNER.fullmatch(path.name)
+            if owner is not None and int(owner.group(1)) == os.getpid() and not path.name.startswith(TUNE_MARK):
+                _remove(path)
+                n += 1
+        return n
 
     def _is_valid(self, name: str, manifest: dict | None = None) -> bool:
         try:
@@ -300,24 +354,55 @@ class ArtifactCache(TuningStore):
             self._drop(manifest, gone)
         return len(gone)
 
-    def prune(self, grace_s: float = PRUNE_GRACE_S) -> tuple[int, int]:
-        """Remove the artifacts no tuning record names that were built more than `grace_s` seconds ago,
-        and abandoned staging directories; returns (artifacts removed, bytes freed). A tuning record
-        that cannot be read is an ArtifactError and nothing is removed: what it names is unknown."""
+    def prunable(self, older_than_s: float = 0.0, manifest: dict | None = None) -> PrunePlan:
+        """What `prune(older_than_s)` would remove now. A tuning record that cannot be read is an
+        ArtifactError: what it names is unknown."""
+        manifest = self.manifest() if manifest is None else manifest
+        records = self._read_records(manifest)
+        bad = next(((name, why) for name, why in records.items() if isinstance(why, str)), None)
+        if bad is not None:
+            raise ArtifactError(f"tuning record {bad[0]} cannot be read ({bad[1]}), so the artifacts it names "
+                                "are unknown and nothing was pruned; `kvbuffer cache clear` empties the cache")
+        named, now, plan = _named(records), time.time(), PrunePlan()
+        running = min((started for _, started in self.running_tunes()), default=None)
+        for name, entry in manifest["artifacts"].items():
+            if name in named:
+                continue
+            built = self._built_at(name)
+            if running is not None and built >= running - 1:
+                plan.kept_running += 1
+            elif now - built < older_than_s:
+                plan.kept_young += 1
+            else:
+                plan.artifacts.append(name)
+                plan.bytes += sum(self._size(rel) for rel in entry["files"])
+        plan.orphans = self._orphans(manifest)
+        plan.staging = self._abandoned_staging(STALE_STAGING_S)
+        return plan
+
+    def prune(self, older_than_s: float = 0.0) -> PrunePlan:
+        """Remove what `prunable(older_than_s)` lists, under the lock; returns that plan. Nothing is
+        removed when a tuning record cannot be read."""
         with self.lock():
-            self._clean_staging(STALE_STAGING_S)
             manifest = self.manifest()
-            records = self._read_records(manifest)
-            bad = next(((name, why) for name, why in records.items() if isinstance(why, str)), None)
-            if bad is not None:
-                raise ArtifactError(f"tuning record {bad[0]} cannot be read ({bad[1]}), so the artifacts it names "
-                                    "are unknown and nothing was pruned; `kvbuffer cache clear` empties the cache")
-            named, now = _named(records), time.time()
-            gone = [name for name in manifest["artifacts"] if name not in named
-                    and now - self._built_at(name) >= grace_s]
-            freed = sum(self._size(rel) for name in gone for rel in manifest["artifacts"][name]["files"])
-            self._drop(manifest, [("artifacts", name) for name in gone])
-        return len(gone), freed
+            plan = self.prunable(older_than_s, manifest)
+            for path in plan.staging + plan.orphans:
+                _remove(path)
+            if plan.artifacts:
+                self._drop(manifest, [("artifacts", name) for name in plan.artifacts])
+        return plan
+
+    def _orphans(self, manifest: dict) -> list[Path]:
+        """Paths under artifacts/ and tunings/ that no manifest entry owns (a publish cut short between
+        its rename and its manifest write), and write_json temp files of dead writers in the root."""
+        out = [p for p in _children(self.root / "artifacts") if p.name not in manifest["artifacts"]]
+        out += [p for p in _children(self.root / "tunings")
+                if not (p.name.endswith(".json") and p.name[:-5] in manifest["tunings"])]
+        for p in _children(self.root):
+            owner = _STAGING_OWNER.fullmatch(p.name)
+            if p.name.startswith(".") and owner is not None and not _pid_alive(int(owner.group(1))):
+                out.append(p)
+        return out
 
     def _drop(self, manifest: dict, gone: list[tuple[str, str]]) -> None:
         """Remove (section, name) entries from the manifest, write it, then delete their files (call
@@ -346,21 +431,27 @@ class ArtifactCache(TuningStore):
         except OSError:
             return 0.0
 
-    def _clean_staging(self, stale_after: float) -> None:
-        """Remove staging dirs whose writer is gone or that are older than `stale_after` seconds."""
+    def _abandoned_staging(self, stale_after: float) -> list[Path]:
+        """Staging dirs whose writer is gone or that are older than `stale_after` seconds (a staging/
+        that is not a plain directory, itself)."""
         staging = self.root / "staging"
-        if staging.is_symlink() or not staging.is_dir():
-            _remove(staging)
-            return
-        now = time.time()
-        for path in staging.iterdir():
+        if staging.is_symlink() or (staging.exists() and not staging.is_dir()):
+            return [staging]
+        now, out = time.time(), []
+        for path in _children(staging):
             owner = _STAGING_OWNER.fullmatch(path.name)
             try:
                 age = now - path.lstat().st_mtime
             except OSError:
                 continue
             if owner is None or not _pid_alive(int(owner.group(1))) or age > stale_after:
-                _remove(path)
+                out.append(path)
+        return out
+
+    def _clean_staging(self, stale_after: float) -> None:
+        """Remove staging dirs whose writer is gone or that are older than `stale_after` seconds."""
+        for path in self._abandoned_staging(stale_after):
+            _remove(path)
 
     def _reset(self) -> int:
         """Replace an invalid manifest by an empty one (call with the lock held)."""
@@ -368,6 +459,13 @@ class ArtifactCache(TuningStore):
             _remove(self.root / sub)
         self._write_manifest(empty_manifest())
         return 0
+
+
+def _children(path: Path) -> list[Path]:
+    """The entries of a real directory (none for a missing one or a link)."""
+    if path.is_symlink() or not path.is_dir():
+        return []
+    return sorted(path.iterdir())
 
 
 def _named(records: dict) -> set[str]:

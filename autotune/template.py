@@ -51,6 +51,8 @@ class Template:
     # its parts for a shape, each stored as its own artifact under `<name>_<part>`; and how it runs
     parts: Callable[[Mapping], tuple] | None = field(default=None, repr=False)
     launch: Callable[[Any, list], None] | None = field(default=None, repr=False)
+    # the TileLang prim_func(s) `build` would compile, traced without compiling (None: not known)
+    trace: Callable[..., Any] | None = field(default=None, repr=False)
 
     def defaults_for(self, shape: Mapping, drafts: int = 0) -> dict:
         """The untuned tunables for one shape and buffer layout."""
@@ -61,6 +63,14 @@ class Template:
         if not self.layouts:
             return [0]
         return [d for d in sorted(set(draft_tokens)) if d >= self.min_drafts]
+
+    def check(self, shape: Mapping, chunk_size: int, drafts: int = 0, traced: bool = True) -> None:
+        """Raise the error building this kernel with its defaults would raise (a head size the template
+        does not take), without compiling: its defaults always, its TileLang trace when `traced` (a
+        fraction of a second; the compile takes seconds)."""
+        tunables = self.defaults_for(shape, drafts)
+        if traced and self.trace is not None:
+            self.trace(dict(shape), chunk_size, **self._layout(drafts), **tunables)
 
     def compile(self, shape: Mapping, chunk_size: int, drafts: int, *, target, **tunables):
         return self.build(dict(shape), chunk_size, target=target, **self._layout(drafts), **tunables)
@@ -106,13 +116,16 @@ def from_spec(spec: KernelSpec, name: str, family: str, key: Callable[[Mapping, 
         return CompiledOp({p: compile_template(f, target) for p, f in prim.items()}, spec.kind,
                           spec.launch_params(k, tunables))
 
+    def trace(shape, chunk_size, *, drafts=0, **tunables):
+        return spec.prim(key(shape, chunk_size, drafts), tunables, package)
+
     def defaults(shape, drafts):
         return spec.defaults(key(shape, fields.get("min_chunk", 1), drafts))
 
     if spec.parts is not None:
         fields.setdefault("parts", lambda shape: spec.parts(key(shape, fields.get("min_chunk", 1), 0)))
     return Template(name, family, build, configs or spec.configs, defaults, make_inputs, reference, spec.args,
-                    source_digest(), **fields)
+                    source_digest(), trace=trace, **fields)
 
 
 def capacity(chunk_size: int, drafts: int = 0) -> int:

@@ -39,6 +39,7 @@ def ls(cache_dir, as_json):
         return
     if not rows:
         click.echo(f"{store.root}: empty")
+        _prunable_lines(store)
         return
     table = [("type", "gpu", "arch", "kernel", "status", "check", "KiB", "name")]
     for r in rows:
@@ -52,11 +53,28 @@ def ls(cache_dir, as_json):
     if bad:
         click.echo(f"{bad} corrupt entr{'y' if bad == 1 else 'ies'}: rebuild with `kvbuffer tune --gpu ...`"
                    " (corrupt files are replaced, never loaded)")
-    unused = [r for r in rows if r["type"] == "artifact" and r["used"] is False]
-    if unused:
-        mib = sum(r["bytes"] or 0 for r in unused) / 2**20
-        click.echo(f"{len(unused)} artifact{'s' * (len(unused) != 1)} ({mib:.1f} MiB) named by no tuning record "
-                   "(superseded by a re-tune or a kvbuffer upgrade): `kvbuffer cache prune` removes them")
+    _prunable_lines(store)
+
+
+def _prunable_lines(store) -> None:
+    """What `cache prune` (at its default age) would remove, said as it will remove it."""
+    from ..errors import ArtifactError
+
+    try:
+        plan = store.prunable()
+    except ArtifactError:
+        return  # an unreadable record: prune removes nothing, and the corrupt line above says why
+    if plan.artifacts:
+        n = len(plan.artifacts)
+        click.echo(f"{n} artifact{'s' * (n != 1)} ({plan.bytes / 2**20:.1f} MiB) named by no tuning record (left by an "
+                   "interrupted tune, a re-tune or a kvbuffer upgrade): `kvbuffer cache prune` removes them")
+    if plan.orphans or plan.staging:
+        n = len(plan.orphans) + len(plan.staging)
+        click.echo(f"{n} leftover file{'s' * (n != 1)} of interrupted builds (staging, unlisted entries): "
+                   "`kvbuffer cache prune` removes them")
+    if plan.kept_running:
+        click.echo(f"{plan.kept_running} artifact{'s' * (plan.kept_running != 1)} named by no tuning record yet, "
+                   "built by a tune still running: `kvbuffer cache prune` keeps them")
 
 
 @cache.command()
@@ -75,17 +93,47 @@ def clear(cache_dir, gpu, yes):
     click.echo(f"removed {n} entr{'y' if n == 1 else 'ies'} from {store.root}")
 
 
+def _seconds(text: str) -> float:
+    """'90m', '2h', '1d', '45s' or a number of hours, in seconds."""
+    units = {"s": 1, "m": 60, "h": 3600, "d": 86400}
+    text = text.strip().lower()
+    scale = units.get(text[-1:], None)
+    try:
+        value = float(text[:-1] if scale else text) * (scale or 3600)
+    except ValueError:
+        value = -1.0
+    if not value >= 0:
+        raise click.BadParameter(f"takes a duration such as 90m, 2h or 1d (a bare number is hours), got {text!r}",
+                                 param_hint="--older-than")
+    return value
+
+
 @cache.command()
 @_CACHE_DIR
-@click.option("--keep-hours", type=click.FloatRange(min=0), default=1.0, show_default=True,
-              help="Keep unnamed artifacts built this recently (a tune still measuring names its artifacts last).")
-def prune(cache_dir, keep_hours):
-    """Delete the artifacts no tuning record names (builds a re-tune or an upgrade superseded)."""
+@click.option("--older-than", default="0", show_default=True,
+              help="Keep the unnamed artifacts built more recently than this (90m, 2h, 1d; a bare number is hours). "
+              "Whatever its value, those built by a tune still running are kept.")
+@click.option("--keep-hours", type=click.FloatRange(min=0), default=None, hidden=True,
+              help="The same as --older-than in hours.")
+def prune(cache_dir, older_than, keep_hours):
+    """Delete what an interrupted or superseded tune left: artifacts no tuning record names, staging
+    leftovers and entries the manifest does not list (what `cache ls` counts as removable)."""
     from ..autotune.cache import ArtifactCache
 
+    seconds = keep_hours * 3600 if keep_hours is not None else _seconds(older_than)
     store = ArtifactCache(cache_dir)
-    n, freed = store.prune(keep_hours * 3600)
-    click.echo(f"removed {n} unused artifact{'s' * (n != 1)} ({freed / 2**20:.1f} MiB) from {store.root}")
+    plan = store.prune(seconds)
+    n, leftovers = len(plan.artifacts), len(plan.orphans) + len(plan.staging)
+    line = f"removed {n} unused artifact{'s' * (n != 1)} ({plan.bytes / 2**20:.1f} MiB)"
+    if leftovers:
+        line += f" and {leftovers} leftover{'s' * (leftovers != 1)} of interrupted builds"
+    line += f" from {store.root}"
+    kept = [f"{plan.kept_running} built by a tune still running"] * bool(plan.kept_running) \
+        + [f"{plan.kept_young} built in the last {older_than if keep_hours is None else f'{keep_hours}h'}"] \
+        * bool(plan.kept_young)
+    if kept:
+        line += f"; kept {' and '.join(kept)}"
+    click.echo(line)
 
 
 def _summary(report, verb: str, where) -> str:

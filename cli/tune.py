@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import sys
+from typing import Callable, Iterator
 
 import click
 
@@ -32,10 +34,10 @@ def _projection(family: str) -> bool:
     return family in GEMV_FAMILIES
 
 
-def _table(rows: list[tuple]) -> None:
+def _table(rows: list[tuple], echo=click.echo) -> None:
     widths = [max(len(str(r[i])) for r in rows) for i in range(len(rows[0]))]
     for row in rows:
-        click.echo("  ".join(str(c).ljust(w) for c, w in zip(row, widths)).rstrip())
+        echo("  ".join(str(c).ljust(w) for c, w in zip(row, widths)).rstrip())
 
 
 def _resolve_shapes(model, heads, family, dtype, conv: bool, attention: bool = False, gemv: bool = False) -> list[dict]:
@@ -151,7 +153,8 @@ def _templates(shapes: list[dict], kernels: str | None) -> list[tuple[dict, list
 @click.option("--kernels", help="Comma-separated template names (default: every template of the family, "
               "its conv, the model's attention and its projections).")
 @click.option("--build-only", is_flag=True, help="Compile defaults without measuring, even on the named GPU.")
-@click.option("--max-configs", type=int, default=None, help="Try at most this many configs per template.")
+@click.option("--max-configs", type=click.IntRange(min=1), default=None,
+              help="Try at most this many configs per template.")
 @click.option("--cache-dir", type=click.Path(file_okay=False), default=None,
               help="Cache root [default: $KVBUFFER_CACHE_DIR, else $XDG_CACHE_HOME/kvbuffer].")
 def tune(gpu, list_gpus, model, heads, family, dtype, chunk_sizes, batch_buckets, draft_tokens, conv, attention,
@@ -163,6 +166,10 @@ def tune(gpu, list_gpus, model, heads, family, dtype, chunk_sizes, batch_buckets
     and the winners and a chunk-size policy are recorded as tuned. The linear layers' kernels and
     the short conv's get one tuning record each (so do the attention layers and each projection
     shape). With neither --model nor --heads, every bundled preset's head shapes are built.
+
+    Every option, and every kernel's defaults for the head shapes, is checked before the first
+    compile. stderr shows the whole run's progress: kernels and groups done, elapsed, time left.
+    Ctrl-C stops it (exit 130), keeping the finished kernels and the records of finished groups.
     """
     from ..gpus import catalogue_table
 
@@ -170,49 +177,129 @@ def tune(gpu, list_gpus, model, heads, family, dtype, chunk_sizes, batch_buckets
         _table(catalogue_table())
         return
     from ..autotune.cache import ArtifactCache
+    from ..autotune.models import HEAD_SHAPES
     from ..kernels.autobuild import nvcc_problem
 
     shapes = _resolve_shapes(model, heads, family, dtype, conv, attention, gemv)
     target, present = _resolve_gpu(gpu)
     chunks, buckets = _ints(chunk_sizes, "--chunk-sizes"), _ints(batch_buckets, "--batch-buckets")
     drafts = _drafts(draft_tokens)
-    found = _templates(shapes, kernels)
+    groups = _planned(_templates(shapes, kernels), chunks, drafts)
     problem = nvcc_problem()
     if problem:
         raise click.ClickException(problem)
+    with _ctrl_c_exits(lambda: "Interrupted while checking the kernels to build: nothing was built"):
+        _check_builds(groups, presets=heads is None and (model is None or model.lower() in HEAD_SHAPES))
     cache = ArtifactCache(cache_dir)
-    for i, (one_shape, tpls) in enumerate(found):
-        step = f"[{i + 1}/{len(found)}] " if len(found) > 1 else ""
-        _tune_shape(cache, target, present and not build_only, one_shape, tpls, chunks,
-                    (1,) if _projection(one_shape["family"]) else buckets, drafts, max_configs, step)
+    _run(cache, target, present and not build_only, groups, chunks, buckets, drafts, max_configs)
 
 
-def _tune_shape(cache, target, measuring, shape, tpls, chunks, buckets, drafts, max_configs, step="") -> None:
-    """Build (or measure) one shape's templates, print its results table and its tuning record."""
+def _planned(found: list[tuple[dict, list]], chunks, drafts) -> list[tuple[dict, list, list]]:
+    """(shape, templates, the (template, C, drafts) builds of the tuner's plan) per group; a usage
+    error where a group has nothing to build."""
+    from ..autotune import tuner
+
+    groups = []
+    for shape, tpls in found:
+        items = tuner.plan(tpls, chunks, drafts)
+        if not items:
+            raise click.UsageError(f"nothing to build for {', '.join(t.name for t in tpls)}: a verify or accept "
+                                   "needs --draft-tokens T, a T-token prefill chunk a chunk size >= T")
+        groups.append((shape, tpls, items))
+    return groups
+
+
+def _check_builds(groups, presets: bool) -> None:
+    """Every build's defaults, and its TileLang trace, before anything compiles: a head size or chunk
+    size a template does not take is an error now (exit 1: the options are well formed, the templates'
+    limits refuse them), not after minutes of compiling the others.
+    Each (template, C, drafts) is traced once; a shape not from a preset (--heads, a checkpoint) at
+    every build, since its head sizes are new to the templates."""
+    from ..autotune.tuner import label
+
+    click.echo(f"checking {sum(len(items) for _, _, items in groups)} kernel build(s) against their templates "
+               "before compiling", err=True)
+    traced: set = set()
+    for shape, _, items in groups:
+        for tpl, chunk, drafts in items:
+            seen = (tpl.name, chunk, drafts) if presets else (tpl.name, chunk, drafts, _shape_text(shape))
+            try:
+                tpl.check(shape, chunk, drafts, traced=seen not in traced)
+            except ImportError as e:
+                raise click.ClickException(f"the compile side needs TileLang: pip install 'kvbuffer[gpu]' ({e})") \
+                    from None
+            except Exception as e:  # the template's own message says what it does not take
+                raise click.ClickException(f"{label(tpl, chunk, drafts)} cannot be built for {_shape_text(shape)} "
+                                           f"(--model/--heads, --chunk-sizes): "
+                                           f"{' '.join(str(e).split()) or type(e).__name__}") from None
+            traced.add(seen)
+
+
+def _run(cache, target, measuring, groups, chunks, buckets, drafts, max_configs) -> None:
+    """Build (or measure) every group under one overall progress line; Ctrl-C stops it cleanly: the
+    interrupted build's staging removed, what finished kept, exit 130."""
+    from ..autotune.progress import TuneProgress
+
+    overall = TuneProgress(len(groups), sum(len(items) for _, _, items in groups))
+    recorded = [0]
+
+    def said() -> str:
+        return (f"Interrupted: {overall.count} of {overall.kernels} kernels built and kept, {recorded[0]} of "
+                f"{len(groups)} tuning records written; the interrupted build's staging removed "
+                "(`kvbuffer cache prune` removes kernels no record names)")
+
+    with _ctrl_c_exits(said, cache.remove_own_staging), cache.tune_running(), overall:
+        for i, (one_shape, tpls, _) in enumerate(groups):
+            overall.start_group(i)
+            step = f"[{i + 1}/{len(groups)}] " if len(groups) > 1 else ""
+            _tune_shape(cache, target, measuring, one_shape, tpls, chunks,
+                        (1,) if _projection(one_shape["family"]) else buckets, drafts, max_configs, step, overall)
+            recorded[0] += 1
+
+
+@contextlib.contextmanager
+def _ctrl_c_exits(said: Callable[[], str], cleanup: Callable[[], object] = lambda: None) -> Iterator[None]:
+    """A Ctrl-C inside (a KeyboardInterrupt, or any error raised while one arrived: TileLang's compiler
+    turns it into others) ends the command: cleanup(), the line said() on stderr, exit 130."""
+    from ..autotune.progress import catching_sigint
+
+    with catching_sigint() as sigint:
+        try:
+            yield
+        except BaseException as e:
+            if not (isinstance(e, KeyboardInterrupt) or sigint.hit):
+                raise
+            cleanup()
+            click.echo(said(), err=True)
+            raise click.exceptions.Exit(130) from None
+
+
+def _tune_shape(cache, target, measuring, shape, tpls, chunks, buckets, drafts, max_configs, step="",
+                overall=None) -> None:
+    """Build (or measure) one shape's templates, print its results table and its tuning record
+    (with `overall`, a TuneProgress, through it)."""
     from ..autotune import tuner
     from ..autotune.progress import KernelProgress
 
     req = tuner.TuneRequest(target, shape, chunks, buckets, drafts)
     items = tuner.plan(tpls, req.chunk_sizes, req.draft_tokens)
-    if not items:
-        raise click.UsageError(f"nothing to build for {', '.join(t.name for t in tpls)}: a verify or accept needs "
-                               "--draft-tokens T, a T-token prefill chunk a chunk size >= T")
+    echo = click.echo if overall is None else (lambda text: overall.write(f"{text}\n"))
     layouts = ("" if _chunk_free(shape["family"]) else f", C in {list(req.chunk_sizes)}") \
         + (f", drafts {list(drafts[1:])}" if len(drafts) > 1 else "")
-    click.echo(f"{step}{'tuning' if measuring else 'building (untuned)'} {len(items)} kernel(s) for {target.name} "
+    echo(f"{step}{'tuning' if measuring else 'building (untuned)'} {len(items)} kernel(s) for {target.name} "
                f"({target.arch}), {_shape_text(shape)}{layouts}, cache {cache.root}")
-    with KernelProgress(len(items), sys.stdout) as bar:
+    with KernelProgress(len(items), sys.stdout, overall=overall) as bar:
         if measuring:
             results, record = tuner.measure(cache, req, tpls, progress=bar.done, on_start=bar.start,
                                             configs_limit=max_configs)
         else:
             results, record = tuner.build_untuned(cache, req, tpls, progress=bar.done, on_start=bar.start)
     tuning = cache.tuning(record)
-    _table(results_table(results, shape, target.mem_bandwidth_gbs, measuring))
+    _table(results_table(results, shape, target.mem_bandwidth_gbs, measuring), echo)
     from ..tuning import ChunkPolicy
 
     for note in cache.notes:
-        click.echo(f"note: {note}")
+        echo(f"note: {note}")
     measured = sum(w["median_us"] is not None for w in tuning["winners"])
     line = f"tuning record {record} ({tuning['status']}: {measured} of {len(tuning['winners'])} winners measured; "
     if _chunk_free(shape["family"]):
@@ -227,7 +314,7 @@ def _tune_shape(cache, target, measuring, shape, tpls, chunks, buckets, drafts, 
                      "(the recurrent step is faster there)")
         elif policy.unbuffered_rows == 0:
             line += "; every decode step buffered (the buffered step is faster at every batch)"
-    click.echo(line)
+    echo(line)
 
 
 def _shape_text(shape) -> str:

@@ -307,26 +307,29 @@ def _age(cache: ArtifactCache, name: str, seconds: float) -> None:
     os.utime(cache.artifact_dir(name), (past, past))
 
 
-def test_prune_removes_only_old_artifacts_no_record_names(root):
+def test_prune_removes_only_artifacts_no_record_names_and_keeps_a_running_tunes(root):
     cache = ArtifactCache(root)
     kept = put(cache, make_key())
     superseded = put(cache, make_key(source="an older template"))
-    building = put(cache, make_key(source="a tune still measuring"))
     cache.put_tuning("t", record_for([winner("gdn_flush", kept, 16)]), gpu="h200", shape=SHAPE, versions={})
     for name in (kept, superseded):
         _age(cache, name, 2 * 3600)
-    assert {r["name"]: r["used"] for r in cache.entries() if r["type"] == "artifact"} == {
-        kept: True, superseded: False, building: False}
-    listing = cli("cache", "ls", "--cache-dir", str(root)).output
-    assert "2 artifacts" in listing and "`kvbuffer cache prune`" in listing
+    with cache.tune_running():
+        building = put(cache, make_key(source="a tune still measuring"))
+        assert {r["name"]: r["used"] for r in cache.entries() if r["type"] == "artifact"} == {
+            kept: True, superseded: False, building: False}
+        listing = cli("cache", "ls", "--cache-dir", str(root)).output
+        assert "1 artifact " in listing and "`kvbuffer cache prune` removes them" in listing
+        assert "built by a tune still running: `kvbuffer cache prune` keeps them" in listing
 
-    result = cli("cache", "prune", "--cache-dir", str(root))
-    assert result.exit_code == 0 and "removed 1 unused artifact " in result.output, result.output
-    assert set(cache.manifest()["artifacts"]) == {kept, building}
-    assert not cache.artifact_dir(superseded).exists() and cache.artifact_dir(kept).exists()
-    cache.verify(kept)  # what the record names is intact
-    n, freed = cache.prune(grace_s=0)  # no grace: the unnamed fresh build goes too
-    assert n == 1 and freed > 0
+        result = cli("cache", "prune", "--cache-dir", str(root))
+        assert result.exit_code == 0 and "removed 1 unused artifact " in result.output, result.output
+        assert "kept 1 built by a tune still running" in result.output
+        assert set(cache.manifest()["artifacts"]) == {kept, building}
+        assert not cache.artifact_dir(superseded).exists() and cache.artifact_dir(kept).exists()
+        cache.verify(kept)  # what the record names is intact
+    plan = cache.prune()  # the tune is over: its unnamed build goes too
+    assert plan.artifacts == [building] and plan.bytes > 0
     assert set(cache.manifest()["artifacts"]) == {kept}
     assert sentinel_intact(root)
 
