@@ -3,6 +3,7 @@
 import importlib.util
 import pathlib
 
+import pytest
 import torch
 from click.testing import CliRunner
 
@@ -79,6 +80,7 @@ def test_generate_cli_speculative_matches_plain():
     assert "ngram drafts accepted" in spec.output
 
 
+@pytest.mark.slow  # torch.compile from a cold Inductor cache: minutes on a 2-core CPU
 def test_generate_cli_compiled_matches_plain():
     """--compile runs the forwards under torch.compile; greedy text is the uncompiled one's."""
     args = ["generate", "--prompt", "def ", "--max-new-tokens", "12", "--device", "cpu", "--dtype", "float32"]
