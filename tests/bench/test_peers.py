@@ -172,6 +172,7 @@ def test_mamba2_peer_keeps_its_states_in_its_own_layout():
     torch.testing.assert_close(state.flatten(-2).unflatten(-1, (P, N)), native)
 
 
+@pytest.mark.slow  # torch.compile from a cold Inductor cache: minutes on a 2-core CPU
 @pytest.mark.parametrize("kind", ["qwen3_5", "nemotron_h"])
 def test_peers_backend_compiles_without_graph_breaks(kind):
     """Under torch.compile the peers' update is one custom op: the compiled step has no graph break

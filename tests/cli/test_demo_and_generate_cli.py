@@ -5,6 +5,7 @@ import logging
 import pathlib
 import re
 
+import pytest
 import torch
 from click.testing import CliRunner
 
@@ -82,6 +83,7 @@ def test_generate_cli_speculative_matches_plain():
     assert "ngram drafts accepted" in spec.output
 
 
+@pytest.mark.slow  # torch.compile from a cold Inductor cache: minutes on a 2-core CPU
 def test_generate_cli_compiled_matches_plain():
     """--compile runs the forwards under torch.compile, saying so on stderr while it compiles, without
     dynamo's `Tensor.item()` graph-break warning; greedy text is the uncompiled one's."""

@@ -68,6 +68,7 @@ def test_graphed_prefill_and_verify_equal_plain(ckpts, kind, mode):
     assert llm.runner.caches.requests.num_free == llm.runner.spec.max_requests
 
 
+@pytest.mark.slow  # torch.compile from a cold Inductor cache: minutes on a 2-core CPU
 @pytest.mark.parametrize("kind", ["qwen3_5", "nemotron_h"])
 def test_compiled_decode_equals_eager(kind):
     """The decode forward under torch.compile (Inductor, the state ops as custom-op graph nodes as on

@@ -316,6 +316,7 @@ print(type(art.fn).__name__, art.meta["function"], sorted(m for m in sys.modules
 
 
 @pytest.mark.tilelang
+@pytest.mark.slow
 @needs_tilelang
 def test_exported_tilelang_kernel_loads_without_tilelang(tmp_path):
     import tilelang

@@ -148,6 +148,7 @@ print(chosen.name, len(lookup.loaded_keys()), "kvbuffer.tiles.gdn_prefill" in sy
 
 
 @pytest.mark.tilelang
+@pytest.mark.slow
 @pytest.mark.skipif(importlib.util.find_spec("tilelang") is None or autobuild.nvcc_path() is None,
                     reason="needs TileLang and nvcc to compile")
 def test_real_build_for_an_absent_gpu_loads_in_a_process_without_tilelang(demo, monkeypatch, tmp_path):

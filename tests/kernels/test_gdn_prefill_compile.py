@@ -9,7 +9,7 @@ import shutil
 
 import pytest
 
-pytestmark = pytest.mark.tilelang
+pytestmark = [pytest.mark.tilelang, pytest.mark.slow]
 
 _NVCC = shutil.which("nvcc") or (os.path.exists("/usr/local/cuda/bin/nvcc") and "/usr/local/cuda/bin/nvcc")
 if importlib.util.find_spec("tilelang") is None or not _NVCC:

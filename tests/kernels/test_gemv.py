@@ -20,6 +20,7 @@ _BUILD = importlib.util.find_spec("tilelang") is not None and bool(
 
 
 @pytest.mark.tilelang
+@pytest.mark.slow
 @pytest.mark.skipif(not _BUILD, reason="needs TileLang, nvcc and g++")
 @pytest.mark.parametrize("N,K,rows,tunables", [
     (37, 2688, 1, {}),                                           # Nemotron's K: the last pass is ragged

@@ -30,6 +30,7 @@ def _loop(x, w, ids):
 
 
 @pytest.mark.tilelang
+@pytest.mark.slow
 @pytest.mark.skipif(not _BUILD, reason="needs TileLang, nvcc and g++")
 @pytest.mark.parametrize("S,J,E,N,K,tunables", [
     (1, 3, 5, 37, 2688, {}),                                      # Nemotron's K: the last pass is ragged

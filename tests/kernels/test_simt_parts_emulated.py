@@ -8,7 +8,7 @@ import shutil
 import pytest
 import torch
 
-pytestmark = pytest.mark.tilelang
+pytestmark = [pytest.mark.tilelang, pytest.mark.slow]
 
 if importlib.util.find_spec("tilelang") is None or not shutil.which("nvcc") or not shutil.which("g++"):
     pytest.skip("needs TileLang, nvcc and g++", allow_module_level=True)

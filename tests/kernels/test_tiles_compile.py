@@ -13,7 +13,7 @@ import pytest
 
 from kvbuffer.gpus import get_gpu
 
-pytestmark = pytest.mark.tilelang
+pytestmark = [pytest.mark.tilelang, pytest.mark.slow]
 
 _NVCC = shutil.which("nvcc") or (os.path.exists("/usr/local/cuda/bin/nvcc") and "/usr/local/cuda/bin/nvcc")
 if importlib.util.find_spec("tilelang") is None or not _NVCC:

@@ -196,6 +196,7 @@ print(art.meta["function"], c, art.meta["key"]["arch"])
 
 
 @pytest.mark.tilelang
+@pytest.mark.slow
 @needs_tilelang
 def test_build_for_absent_gpu_then_load_without_tilelang(tmp_path):
     if torch.cuda.is_available():

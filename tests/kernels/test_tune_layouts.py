@@ -146,6 +146,7 @@ def test_conv_shape_counts_the_convolved_channels():
 
 
 @pytest.mark.tilelang
+@pytest.mark.slow
 @pytest.mark.skipif(not HAVE_TILELANG, reason="needs TileLang and nvcc to compile")
 def test_speculative_and_conv_artifacts_load_through_the_ops(tmp_path, monkeypatch):
     if torch.cuda.is_available():

@@ -205,7 +205,12 @@ extern "C" void launch(void** ptrs, int* ints, float* floats, int gx, int gy, in
 
 
 class Emulated:
-    """A compiled CPU stand-in for one kernel; call with the grid, the block size and named arguments."""
+    """A compiled CPU stand-in for one kernel; call with the grid, the block size and named arguments.
+
+    The C++ source and shared library go to `workdir`, named by the source's hash (an existing one is
+    reused); by default the temporary directory, which tests/conftest.py points into pytest's session
+    folder.
+    """
 
     def __init__(self, cuda_source: str, workdir: str | None = None):
         body = cuda_source[cuda_source.index('extern "C" __global__ void __launch_bounds__'):]
