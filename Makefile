@@ -29,3 +29,5 @@ bench:              ## the standard benchmarks on a CUDA GPU (pip install -e ".[
 	kvbuffer bench decode --preset nemotron-3-nano --batches 1,64,256,512
 	kvbuffer bench spec --preset qwen3.5-9b --setting equal
 	kvbuffer bench spec --preset qwen3.5-9b --setting capacity
+	kvbuffer bench prefill
+	kvbuffer bench prefill --what e2e --preset qwen3.5-9b --prompt-lens 4096,16384,32768
