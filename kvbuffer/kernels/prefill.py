@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import torch
 
-from ..checks import FLOAT_DTYPES, INDEX_DTYPES, check_slots, check_tensor, check_unique
+from ..checks import INDEX_DTYPES, check_slots, check_tensor, check_unique
 from ..errors import ShapeError
 from ..reference import chunked
 from .compiled import CompiledOp, check_contiguous, check_on_cuda, expect_kind
@@ -64,20 +64,12 @@ def chunk_slots(num_tokens: int, batch: int) -> int:
 
 def check_shapes(q, k, v, g, beta, cu_seqlens, state, state_slots, *, delta_rule: bool) -> None:
     """Shapes, dtype kinds and devices (what a fake can check): every tensor on state's device."""
-    check_tensor("state", state, (None, None, None, None), (torch.float32, torch.float64))
-    _, Hv, K, V = state.shape
-    dev = state.device
-    check_tensor("q", q, (None, None, K), FLOAT_DTYPES, dev)
-    N, Hk = q.shape[:2]
-    check_tensor("k", k, (N, Hk, K), FLOAT_DTYPES, dev)
-    check_tensor("v", v, (N, Hv, V), FLOAT_DTYPES, dev)
-    check_tensor("g", g, (N, Hv), FLOAT_DTYPES, dev)
-    if delta_rule:
-        check_tensor("beta", beta, (N, Hv), FLOAT_DTYPES, dev)
-    elif beta is not None:
+    if not delta_rule and beta is not None:
         raise TypeError("beta must be None for the decay-only form (Mamba-2)")
-    if Hk == 0 or Hv % Hk:
-        raise ShapeError(f"value heads ({Hv}) must be a multiple of key heads ({Hk})")
+    if delta_rule and beta is None:
+        raise TypeError("beta (N, Hv) is required for the delta rule (GDN)")
+    chunked.check_packed(q, k, v, g, beta, state)
+    dev = state.device
     check_tensor("cu_seqlens", cu_seqlens, (None,), INDEX_DTYPES, dev)
     if cu_seqlens.shape[0] < 2:
         raise ShapeError(f"cu_seqlens must hold B + 1 >= 2 offsets, got shape {tuple(cu_seqlens.shape)}")

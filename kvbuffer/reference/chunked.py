@@ -72,9 +72,9 @@ class _Plan:
     fold_ends: list[list[int]]  # per step: run-order rows whose fold point ends that step's chunk
 
 
-def _check_inputs(q, k, v, g, beta, cu_seqlens, state, state_slots, buf_k, buf_v, buf_g, buffer_slots, lengths,
-                  flush_at, chunk_size):
-    """Every check that needs no device read-back; returns the number of tokens N."""
+def check_packed(q, k, v, g, beta, state) -> tuple[int, int, int, int, int]:
+    """Shapes, float dtypes and one device for packed q, k (N, Hk, K), v (N, Hv, V), g, beta (N, Hv) (beta
+    may be None) against state (slots, Hv, K, V); returns N, Hk, Hv, K, V."""
     check_tensor("state", state, (None, None, None, None), (torch.float32, torch.float64))
     _, Hv, K, V = state.shape
     dev = state.device
@@ -87,6 +87,14 @@ def _check_inputs(q, k, v, g, beta, cu_seqlens, state, state_slots, buf_k, buf_v
         check_tensor("beta", beta, (N, Hv), FLOAT_DTYPES, dev)
     if Hk == 0 or Hv % Hk:
         raise ShapeError(f"value heads ({Hv}) must be a multiple of key heads ({Hk})")
+    return N, Hk, Hv, K, V
+
+
+def _check_inputs(q, k, v, g, beta, cu_seqlens, state, state_slots, buf_k, buf_v, buf_g, buffer_slots, lengths,
+                  flush_at, chunk_size):
+    """Every check that needs no device read-back; returns the number of tokens N."""
+    N, Hk, Hv, K, V = check_packed(q, k, v, g, beta, state)
+    dev = state.device
     n_slots, cap = _check_buffer(buf_k, buf_v, buf_g, state, Hk, Hv, K, V)  # also: no pool shares memory
     check_tensor("cu_seqlens", cu_seqlens, (None,), INDEX_DTYPES, dev)
     if cu_seqlens.shape[0] < 1:
