@@ -12,6 +12,7 @@ from __future__ import annotations
 from typing import Mapping
 
 from kvbuffer.kernels.keys import KernelKey, linear_dims
+from kvbuffer.kernels.prefill import fits
 from kvbuffer.kernels.specs import SPECS, TILES
 
 from .template import Template, from_spec
@@ -77,4 +78,5 @@ def prefill_template(family: str, package: str = TILES) -> Template:
     """The chunked prefill of `family` ("gdn" or "mamba2"), from `package`'s kernel templates."""
     of = lambda fn: lambda shape, *a, **kw: fn({**shape, "family": family}, *a, **kw)  # noqa: E731
     return from_spec(SPECS[(family, "chunk_prefill")], f"{family}_chunk_prefill", family, of(_key), of(_inputs),
-                     of(_reference), package=package, uses_chunk=False, launch=_launch(family))
+                     of(_reference), package=package, uses_chunk=False, launch=_launch(family),
+                     takes=lambda shape: fits(shape["K"], shape["V"]))

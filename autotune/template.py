@@ -53,6 +53,8 @@ class Template:
     launch: Callable[[Any, list], None] | None = field(default=None, repr=False)
     # the TileLang prim_func(s) `build` would compile, traced without compiling (None: not known)
     trace: Callable[..., Any] | None = field(default=None, repr=False)
+    # whether the template takes a shape (head dims it cannot tile): the tuner's plan skips those it does not
+    takes: Callable[[Mapping], bool] = field(default=lambda shape: True, repr=False)
 
     def defaults_for(self, shape: Mapping, drafts: int = 0) -> dict:
         """The untuned tunables for one shape and buffer layout."""

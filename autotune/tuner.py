@@ -56,13 +56,13 @@ class BuildResult:
     stored: dict = field(default_factory=dict)      # winner name -> artifact, one per launch ({kernel: artifact})
 
 
-def plan(templates: Sequence[Template], chunk_sizes: Iterable[int],
+def plan(templates: Sequence[Template], shape: Mapping, chunk_sizes: Iterable[int],
          draft_tokens: Iterable[int] = (0,)) -> list[tuple[Template, int, int]]:
-    """(template, chunk size, drafts) to build: chunk-free templates with chunk_size 0, layout-free
-    ones with drafts 0, the verify only for drafts >= 1."""
+    """(template, chunk size, drafts) to build for `shape`: chunk-free templates with chunk_size 0,
+    layout-free ones with drafts 0, the verify only for drafts >= 1, none a template does not take."""
     out = []
     layouts = sorted(set(draft_tokens) | {0})
-    for tpl in templates:
+    for tpl in (t for t in templates if t.takes(shape)):
         chunks = [c for c in sorted(set(chunk_sizes)) if c >= tpl.min_chunk] if tpl.uses_chunk else [0]
         out += [(tpl, c, d) for d in tpl.drafts_for(layouts) for c in chunks]
     return out
@@ -116,7 +116,7 @@ def build_untuned(cache: ArtifactCache, req: TuneRequest, templates: Sequence[Te
     """Compile every template with its defaults for req.gpu's arch; returns (results, tuning name).
     `on_start` gets each build's label before it compiles, `progress` its result after."""
     results = []
-    for tpl, chunk, drafts in plan(templates, req.chunk_sizes, req.draft_tokens):
+    for tpl, chunk, drafts in plan(templates, req.shape, req.chunk_sizes, req.draft_tokens):
         on_start(label(tpl, chunk, drafts))
         defaults = tpl.defaults_for(req.shape, drafts)
         key = _key(req, tpl, chunk, defaults, drafts)
@@ -203,7 +203,7 @@ def measure(cache: ArtifactCache, req: TuneRequest, templates: Sequence[Template
     import torch
 
     results, winners, timings, recurrent = [], [], {}, {}
-    for tpl, chunk, drafts in plan(templates, req.chunk_sizes, req.draft_tokens):
+    for tpl, chunk, drafts in plan(templates, req.shape, req.chunk_sizes, req.draft_tokens):
         on_start(label(tpl, chunk, drafts))
         size = chunk or max(req.chunk_sizes)
         candidates, rejected = [], []

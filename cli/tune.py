@@ -201,7 +201,7 @@ def _planned(found: list[tuple[dict, list]], chunks, drafts) -> list[tuple[dict,
 
     groups = []
     for shape, tpls in found:
-        items = tuner.plan(tpls, chunks, drafts)
+        items = tuner.plan(tpls, shape, chunks, drafts)
         if not items:
             raise click.UsageError(f"nothing to build for {', '.join(t.name for t in tpls)}: a verify or accept "
                                    "needs --draft-tokens T, a T-token prefill chunk a chunk size >= T")
@@ -282,7 +282,7 @@ def _tune_shape(cache, target, measuring, shape, tpls, chunks, buckets, drafts, 
     from ..autotune.progress import KernelProgress
 
     req = tuner.TuneRequest(target, shape, chunks, buckets, drafts)
-    items = tuner.plan(tpls, req.chunk_sizes, req.draft_tokens)
+    items = tuner.plan(tpls, req.shape, req.chunk_sizes, req.draft_tokens)
     echo = click.echo if overall is None else (lambda text: overall.write(f"{text}\n"))
     layouts = ("" if _chunk_free(shape["family"]) else f", C in {list(req.chunk_sizes)}") \
         + (f", drafts {list(drafts[1:])}" if len(drafts) > 1 else "")

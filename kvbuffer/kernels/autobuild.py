@@ -163,7 +163,7 @@ def _build_untuned(requests, what: str, gpu, command: str, stream=None) -> None:
     stream = stream or sys.stderr
     cache = ArtifactCache()
     found = [(req, templates(family)) for req, family in requests]
-    total = sum(len(tuner.plan(tpls, req.chunk_sizes, req.draft_tokens)) for req, tpls in found)
+    total = sum(len(tuner.plan(tpls, req.shape, req.chunk_sizes, req.draft_tokens)) for req, tpls in found)
     stream.write(f"kvbuffer: building the {total} {what} this model needs for the {gpu.name} once, with "
                  f"untuned defaults, into {cache.root} (later runs load them); `{command}` measures the "
                  "fastest\n")

@@ -28,11 +28,11 @@ from .keys import KernelKey, linear_dims
 from .specs import spec_for
 
 CHUNK = 64  # tiles.gdn_prefill.BT (that module imports TileLang's front end lazily, this one never)
-HEAD_DIMS = range(16, 257, 16)  # K and V the templates take
+HEAD_DIMS = (32, 64, 128)  # K and V the templates take (16: 4 warps cannot split a 16 x 16 tile; 256 untested)
 
 
 def fits(K: int, V: int) -> bool:
-    """Whether the templates take key and value head dims K, V (multiples of 16 up to 256)."""
+    """Whether the templates take key and value head dims K, V (HEAD_DIMS)."""
     return K in HEAD_DIMS and V in HEAD_DIMS
 
 

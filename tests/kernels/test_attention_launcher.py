@@ -176,7 +176,7 @@ def test_templates_are_registered_for_tune_and_autobuild():
 
     names = [t.name for t in templates("attention")]
     assert names == ["attention_decode", "attention_combine", "attention_decode_verify", "attention_combine_verify"]
-    planned = [tuner.label(*p) for p in tuner.plan(templates("attention"), (1,), (0, 4))]
+    planned = [tuner.label(*p) for p in tuner.plan(templates("attention"), models.preset_attention_shape("qwen3.5-9b"), (1,), (0, 4))]
     assert planned == ["attention_decode", "attention_combine", "attention_decode_verify drafts=4",
                        "attention_combine_verify drafts=4"]
     assert models.preset_attention_shape("qwen3.5-9b") == {"family": "attention", "H": 16, "Hkv": 4, "D": 256,

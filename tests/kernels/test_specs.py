@@ -29,7 +29,7 @@ def test_every_key_has_one_spec_and_every_spec_a_key():
 @pytest.mark.parametrize("family", ["gdn", "mamba2", "conv1d"])
 def test_tuner_inputs_name_the_spec_arguments(family):
     """Each template's inputs are its spec's arguments, by name (Template.inputs checks the names)."""
-    for tpl, chunk, drafts in tuner.plan(templates(family), (8,), (0, 2)):
+    for tpl, chunk, drafts in tuner.plan(templates(family), SHAPES[family], (8,), (0, 2)):
         args = tpl.inputs(SHAPES[family], 3, chunk or 8, "cpu", torch.Generator().manual_seed(0), drafts)
         assert len(args) == len(tpl.args), tpl.name
 
@@ -51,7 +51,7 @@ def test_tuner_and_jit_build_the_same_function(prims, family):
     from kvbuffer.kernels import lookup
 
     shape = SHAPES[family]
-    for tpl, chunk, drafts in tuner.plan(templates(family), (8,), (0, 2)):
+    for tpl, chunk, drafts in tuner.plan(templates(family), SHAPES[family], (8,), (0, 2)):
         defaults = tpl.defaults_for(shape, drafts)
         tuned = tpl.compile(shape, chunk, drafts, target={}, **defaults)
         key = _key_of(tpl.name, shape, chunk, drafts)
