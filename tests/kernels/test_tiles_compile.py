@@ -112,9 +112,16 @@ FAMILY_KERNELS = {
 }
 
 
-@pytest.mark.parametrize("arch", ARCHS)
-@pytest.mark.parametrize("case", FAMILY_KERNELS)
+# the cases whose templates tile on tensor cores (T.gemm: mma on sm_80-89, wgmma on sm_90a, tcgen05 on
+# sm_100a), the lowering that differs by arch; the thread-level (SIMT) templates lower alike on every arch
+TENSOR_CORE_CASES = ("mamba2_buffered_reduce", "grouped_experts", "attention_decode_mma")
+PRIMARY_ARCH = "sm_90a"
+
+
+@pytest.mark.parametrize(("case", "arch"), [(c, PRIMARY_ARCH) for c in FAMILY_KERNELS]
+                         + [(c, a) for c in TENSOR_CORE_CASES for a in ARCHS if a != PRIMARY_ARCH])
 def test_every_family_builds_for_every_arch(case, arch):
+    """Every family compiles for the Hopper target, and the tensor-core ones for every arch `tune` offers."""
     import importlib
 
     from kvbuffer.tiles import compile_template
