@@ -13,8 +13,8 @@ install:            ## the README's install commands
 test:               ## the README's test command (CPU; GPU tests skip without CUDA; `slow` tests left out)
 	$(PY) -m pytest -q tests
 
-test-slow:          ## only the tests marked slow (most need TileLang, nvcc and g++)
-	$(PY) -m pytest -q -m slow tests
+test-slow:          ## only the tests marked slow (most need TileLang, nvcc and g++), one process per core
+	$(PY) -m pytest -q -n auto -m slow tests
 
 test-all:           ## the full suite: the README's test command with the slow tests
 	$(PY) -m pytest -q --run-slow tests
