@@ -14,9 +14,10 @@ import torch
 from torch import nn
 
 from ..layers import Experts, Linear, PackedLinear, RoutedExperts
-from ..loader import checkpoint_tensors, load_weights
-from .config import BLOCK, FORMATS, HF_QUANT_CONFIG, MODELOPT, QuantConfig
-from .fp8 import quantize
+from ..loader import _PER_EXPERT, checkpoint_tensors, load_weights, read_config
+from .config import BLOCK, FORMATS, HF_QUANT_CONFIG, MODELOPT, QuantConfig, read_quant_config
+from .fp8 import FP8, dequantize, quantize
+from .load import EXPERT_DTYPE, KV_SCALES, SCALE_SUFFIXES
 
 DEFAULT_BLOCK = (128, 128)
 # ModelOpt's static activation scale, chosen rather than calibrated: activations up to 16 in magnitude
@@ -142,3 +143,34 @@ def quantize_model(model: nn.Module, fp8: str, block: tuple[int, int] = DEFAULT_
     tensors, _, quant = quantize_tensors(model, fp8, block)
     load_weights(model, tensors, quant)
     return model
+
+
+def dequantize_checkpoint(src: str | Path, dst: str | Path) -> Path:
+    """Write the FP8 checkpoint `src` dequantized into `dst` (config.json without its quantization_config;
+    each FP8 weight as W = q * scale in fp32, routed experts in the dtype the loader dequantizes them to;
+    no scales): the dequantized model an FP8 model's reference path equals. Returns `dst`."""
+    from safetensors.torch import load_file, save_file
+
+    src, dst = Path(src), Path(dst)
+    config = read_config(src)
+    quant = read_quant_config(config, src)
+    if quant is None:
+        raise ValueError(f"{src} declares no FP8 format")
+    config.pop("quantization_config", None)
+    tensors = {}
+    for f in sorted(src.glob("*.safetensors")):
+        tensors.update(load_file(str(f)))
+    out = {}
+    for name, t in tensors.items():
+        if t.dtype == FP8:
+            prefix = name.removesuffix(".weight")
+            scale = tensors[f"{prefix}.{quant.scale_name}"].float()
+            block = quant.block if quant.kind == BLOCK else tuple(t.shape)
+            dtype = EXPERT_DTYPE if _PER_EXPERT.match(name) else torch.float32
+            out[name] = dequantize(t, scale if quant.kind == BLOCK else scale.reshape(1, 1), block, dtype)
+        elif name.rpartition(".")[2] not in (*SCALE_SUFFIXES, *KV_SCALES):
+            out[name] = t
+    dst.mkdir(parents=True, exist_ok=True)
+    (dst / "config.json").write_text(json.dumps(config, indent=2))
+    save_file(out, str(dst / "model.safetensors"), metadata={"format": "pt"})
+    return dst
