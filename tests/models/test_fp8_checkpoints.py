@@ -187,3 +187,4 @@ def test_quantize_round_trip(n, k, block):
 def test_the_cpu_takes_the_dequantize_path():
     q, s = quantize(torch.randn(128, 128), (128, 128))
     assert gemm_path(torch.randn(2, 128, dtype=torch.bfloat16), q, (128, 128), None) == "dequantize"
+    assert gemm_path(torch.randn(2, 128, dtype=torch.bfloat16), q, (128, 128), None, (True, True)) == "dequantize"

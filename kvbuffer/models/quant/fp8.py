@@ -2,8 +2,8 @@
 projection, on FP8 tensor cores where this torch and GPU serve its scaling, else by dequantizing.
 
 A weight's scale is a grid: W[i, j] = q[i, j] * scale[i // bn, j // bk] with (bn, bk) its block. Qwen's
-block format has (128, 128) blocks; a ModelOpt per-tensor scale is the grid of one block, and packed
-per-tensor parts become one scale per row (block (1, K)).
+block format has (128, 128) blocks; a ModelOpt per-tensor scale is kept as one scale per row (block
+(1, K)), so that packed parts stack their scales.
 """
 
 from __future__ import annotations
@@ -78,65 +78,81 @@ def _rowwise(x2, q, scale, input_scale, out_dtype):
     return torch._scaled_mm(xq, q.t(), scale_a=scale_a, scale_b=scale.float().reshape(1, -1), out_dtype=out_dtype)
 
 
-_BLOCKWISE: dict[torch.device, bool] = {}  # whether this torch's _scaled_mm takes block-wise scales, per device
+_SUPPORT: dict[torch.device, tuple[bool, bool]] = {}  # device -> (row-wise, block-wise) _scaled_mm
 
 
-def blockwise_supported(device: torch.device) -> bool:
-    """Whether torch._scaled_mm runs 1 x 128 / 128 x 128 block-scaled FP8 GEMMs on `device`: tried once
-    per device on a small product and checked against the dequantized one; the answer is logged once."""
-    if device not in _BLOCKWISE:
-        try:
-            g = torch.Generator(device=device).manual_seed(0)
-            w = torch.randn(256, 256, device=device, generator=g)
-            x = torch.randn(32, 256, device=device, generator=g, dtype=torch.bfloat16)
-            q, s = quantize(w, (GROUP, GROUP))
-            got = _blockwise(x, q, s, torch.bfloat16).float()
-            xq, xs = quantize_activations(x)
-            want = dequantize(xq, xs, (1, GROUP)) @ dequantize(q, s, (GROUP, GROUP)).t()
-            ok = bool(torch.allclose(got, want, rtol=2e-2, atol=2e-2 * float(want.abs().max())))
-            why = "" if ok else " (its result differs from the dequantized product)"
-        except (RuntimeError, TypeError, ValueError, NotImplementedError) as e:
-            ok, why = False, f" ({type(e).__name__}: {str(e).splitlines()[0][:120]})"
-        _BLOCKWISE[device] = ok
-        if not ok:
-            log.info("kvbuffer: this torch's _scaled_mm does not run block-scaled FP8 on %s%s; block-FP8 projections "
-                     "dequantize their weights and run torch's GEMM", device, why)
-    return _BLOCKWISE[device]
+def device_support(device: torch.device) -> tuple[bool, bool]:
+    """(row-wise, block-wise): whether torch._scaled_mm runs FP8 GEMMs with per-row scales on `device`
+    (a CUDA GPU of compute capability >= 8.9), and whether it also takes 1 x 128 / 128 x 128 block-wise
+    scales there: tried once per device on a small product checked against the dequantized one, and a
+    refusal logged once. The FP8 modules ask when they are moved to a device, before any forward (none
+    is asked during a CUDA graph capture or a compile)."""
+    device = torch.device(device)
+    if device.type != "cuda" or not hasattr(torch, "_scaled_mm"):
+        return False, False
+    if device not in _SUPPORT:
+        rowwise = torch.cuda.get_device_capability(device) >= (8, 9)
+        _SUPPORT[device] = rowwise, rowwise and _try_blockwise(device)
+    return _SUPPORT[device]
 
 
-def gemm_path(x: torch.Tensor, q: torch.Tensor, block: tuple[int, int], input_scale: torch.Tensor | None) -> str:
-    """How an FP8 projection multiplies x by its weight q, chosen in this one place:
+def _try_blockwise(device: torch.device) -> bool:
+    try:
+        g = torch.Generator(device=device).manual_seed(0)
+        w = torch.randn(256, 256, device=device, generator=g)
+        x = torch.randn(32, 256, device=device, generator=g).bfloat16()
+        q, s = quantize(w, (GROUP, GROUP))
+        got = _blockwise(x, q, s, torch.bfloat16).float()
+        xq, xs = quantize_activations(x)
+        want = dequantize(xq, xs, (1, GROUP)) @ dequantize(q, s, (GROUP, GROUP)).t()
+        ok = bool(torch.allclose(got, want, rtol=2e-2, atol=2e-2 * float(want.abs().max())))
+        why = "" if ok else " (its result differs from the dequantized product)"
+    except (RuntimeError, TypeError, ValueError, NotImplementedError) as e:
+        ok, why = False, f" ({type(e).__name__}: {str(e).splitlines()[0][:120] if str(e) else ''})"
+    if not ok:
+        log.info("kvbuffer: this torch's _scaled_mm does not run block-scaled FP8 on %s%s; block-FP8 projections "
+                 "dequantize their weights and run torch's GEMM", device, why)
+    return ok
 
-    - "rowwise": a per-tensor (ModelOpt) weight, one scale per row, with its static input_scale, on a
-      CUDA GPU of compute capability >= 8.9: x quantized by input_scale, torch._scaled_mm with row-wise
-      weight scales (N and K multiples of 16).
-    - "blockwise": a (128, 128)-block weight on such a GPU where torch._scaled_mm takes block-wise scales
-      (blockwise_supported): x quantized per token and 128 columns, weights per 128 x 128 block.
+
+def gemm_path(x: torch.Tensor, q: torch.Tensor, block: tuple[int, int], input_scale: torch.Tensor | None,
+              support: tuple[bool, bool] = (False, False)) -> str:
+    """How an FP8 projection multiplies x by its weight q, chosen in this one place (`support`: the
+    weight's device_support):
+
+    - "rowwise": a per-tensor (ModelOpt) weight, kept as one scale per row, with its static input_scale: x
+      quantized by input_scale, torch._scaled_mm with row-wise weight scales.
+    - "blockwise": a (128, 128)-block weight where torch._scaled_mm takes block-wise scales: x quantized
+      per token and 128 columns, weights per 128 x 128 block.
     - "dequantize": everywhere else (the CPU, other blocks, sizes and dtypes): W = q * scale in x's dtype,
       then F.linear; exactly the dequantized model's product.
+
+    Both FP8 paths need x in bf16 or fp16 on the weight's CUDA device and N, K multiples of 16 (128 for
+    block-wise).
     """
     n, k = q.shape
-    fast = (x.is_cuda and x.dtype in (torch.bfloat16, torch.float16) and hasattr(torch, "_scaled_mm")
-            and torch.cuda.get_device_capability(x.device) >= (8, 9) and n % 16 == 0 and k % 16 == 0)
-    if not fast:
+    rowwise, blockwise = support
+    if not (rowwise and x.is_cuda and x.dtype in (torch.bfloat16, torch.float16) and n % 16 == 0 and k % 16 == 0):
         return "dequantize"
-    if input_scale is not None and block[1] == k and block[0] == 1:
+    if input_scale is not None and block == (1, k):
         return "rowwise"
-    if block == (GROUP, GROUP) and n % GROUP == 0 and k % GROUP == 0 and blockwise_supported(x.device):
+    if blockwise and block == (GROUP, GROUP) and n % GROUP == 0 and k % GROUP == 0:
         return "blockwise"
     return "dequantize"
 
 
 def fp8_linear(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, block: tuple[int, int],
-               input_scale: torch.Tensor | None = None, bias: torch.Tensor | None = None) -> torch.Tensor:
+               input_scale: torch.Tensor | None = None, bias: torch.Tensor | None = None,
+               support: tuple[bool, bool] = (False, False)) -> torch.Tensor:
     """x (..., K) times the FP8 weight q (N, K) scaled per `block` (plus `bias`), in x's dtype; the path
     is gemm_path's."""
-    path = gemm_path(x, q, block, input_scale)
+    path = gemm_path(x, q, block, input_scale, support)
     if path == "dequantize":
         return F.linear(x, dequantize(q, scale, block, x.dtype), bias)
     x2 = x.reshape(-1, x.shape[-1])
     if x2.shape[0] == 0:
         return x.new_zeros(*x.shape[:-1], q.shape[0])
+    x2 = x2.contiguous()
     y = _rowwise(x2, q, scale, input_scale, x.dtype) if path == "rowwise" else _blockwise(x2, q, scale, x.dtype)
     if bias is not None:
         y = y + bias

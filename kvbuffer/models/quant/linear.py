@@ -13,7 +13,7 @@ from torch import nn
 
 import torch.nn.functional as F
 
-from .fp8 import dequantize, fp8_linear, gemm_path
+from .fp8 import dequantize, device_support, fp8_linear, gemm_path
 
 
 def _frozen(t: torch.Tensor) -> nn.Parameter:
@@ -35,9 +35,10 @@ class FP8Linear(nn.Module):
         self.weight_scale = _frozen(weight_scale.float())
         self.input_scale = None if input_scale is None else _frozen(input_scale.float().reshape(()))
         self.bias = None if bias is None else nn.Parameter(bias)
+        self.support = device_support(weight.device)  # what the FP8 GEMMs of the weight's device serve
 
     def forward(self, x):
-        return fp8_linear(x, self.weight, self.weight_scale, self.block, self.input_scale, self.bias)
+        return fp8_linear(x, self.weight, self.weight_scale, self.block, self.input_scale, self.bias, self.support)
 
     def dequantized(self, dtype) -> torch.Tensor:
         """The weight the dequantized model has, in `dtype`."""
@@ -45,7 +46,7 @@ class FP8Linear(nn.Module):
 
     def path(self, x: torch.Tensor) -> str:
         """How a forward of x runs (kvbuffer.models.quant.fp8.gemm_path)."""
-        return gemm_path(x, self.weight, self.block, self.input_scale)
+        return gemm_path(x, self.weight, self.block, self.input_scale, self.support)
 
     def _apply(self, fn, recurse=True):
         """nn.Module._apply (to, cuda, half, ...) with the FP8 weight and the fp32 scales only moved."""
@@ -56,6 +57,7 @@ class FP8Linear(nn.Module):
             for name, p in kept.items():
                 device = fn(p.detach().new_empty(0)).device  # where `fn` sends tensors, learnt on an empty one
                 self._parameters[name] = p if p.device == device else _frozen(p.detach().to(device))
+        self.support = device_support(self.weight.device)
         return self
 
     def extra_repr(self) -> str:

@@ -29,14 +29,10 @@ def check_fp8_declared(tensors: dict[str, torch.Tensor], quant: QuantConfig | No
                                       f"(kvbuffer loads FP8 checkpoints in the formats of docs/fp8.md)")
 
 
-def _weight_block(quant: QuantConfig, shape) -> tuple[int, int]:
-    """The scale block of one tensor's weight: the format's block, or the whole tensor (per-tensor)."""
-    return quant.block if quant.kind == BLOCK else (shape[0], shape[1])
-
-
 def _take_scales(tensors: dict, prefix: str, q: torch.Tensor, quant: QuantConfig, names=()):
-    """(weight scale, input scale or None) of the FP8 weight `prefix`.weight, popped from `tensors`
-    after their shapes are checked: a block grid of ceil(N/bn) x ceil(K/bk), or one value per tensor."""
+    """(weight scale grid fp32, its block, input scale or None) of the FP8 weight `prefix`.weight, popped
+    from `tensors` after their shapes are checked: a block grid of ceil(N/bn) x ceil(K/bk), or one value
+    per tensor (then kept as one per row, block (1, K): packed parts stack their scales alike)."""
     if quant.is_excluded(prefix, *names):
         raise CheckpointError(f"tensor {prefix}.weight is float8_e4m3fn, but the quantization config keeps "
                               f"{prefix} unquantized")
@@ -50,13 +46,16 @@ def _take_scales(tensors: dict, prefix: str, q: torch.Tensor, quant: QuantConfig
                               f"for the weight of shape {tuple(q.shape)}")
     if not scale.is_floating_point() or scale.dtype == FP8:
         raise CheckpointError(f"tensor {scale_name} is {scale.dtype}; scales are fp32, bf16 or fp16")
-    scale = scale.float().reshape(want if quant.kind == BLOCK else (1, 1))
+    if quant.kind == BLOCK:
+        scale, block = scale.float(), quant.block
+    else:
+        scale, block = scale.float().reshape(1, 1).expand(q.shape[0], 1).contiguous(), (1, q.shape[1])
     input_scale = tensors.pop(f"{prefix}.input_scale", None)
     if input_scale is not None and input_scale.numel() != 1:
         raise CheckpointError(f"tensor {prefix}.input_scale: shape {tuple(input_scale.shape)}, expected () (one scale)")
     if quant.kind != BLOCK and input_scale is None:
         raise CheckpointError(f"tensor {prefix}.weight is FP8 (ModelOpt) but the checkpoint lacks {prefix}.input_scale")
-    return scale, input_scale
+    return scale, block, input_scale
 
 
 def dequantize_experts(tensors: dict[str, torch.Tensor], quant: QuantConfig | None, is_expert) -> dict:
@@ -69,8 +68,8 @@ def dequantize_experts(tensors: dict[str, torch.Tensor], quant: QuantConfig | No
         if t.dtype == FP8 and is_expert(name):
             prefix = name.removesuffix(".weight")
             _check_weight(name, t)
-            scale, _ = _take_scales(out, prefix, t, quant)
-            out[name] = dequantize(t, scale, _weight_block(quant, t.shape), EXPERT_DTYPE)
+            scale, block, _ = _take_scales(out, prefix, t, quant)
+            out[name] = dequantize(t, scale, block, EXPERT_DTYPE)
     return out
 
 
@@ -84,8 +83,8 @@ def _fp8_linear(tensors, prefix, quant, names, shape, bias) -> FP8Linear:
     _check_weight(f"{prefix}.weight", q)
     if tuple(q.shape) != shape:
         raise CheckpointError(f"tensor {prefix}.weight: checkpoint shape {tuple(q.shape)}, model expects {shape}")
-    scale, input_scale = _take_scales(tensors, prefix, q, quant, names)
-    return FP8Linear(q, scale, _weight_block(quant, q.shape), input_scale, bias)
+    scale, block, input_scale = _take_scales(tensors, prefix, q, quant, names)
+    return FP8Linear(q, scale, block, input_scale, bias)
 
 
 def _pop_bias(tensors, prefix, size):
@@ -155,7 +154,7 @@ def _packed(module: PackedLinear, path: str, tensors, quant, original):
                              (module.sizes[i], module.in_features),
                              _pop_bias(tensors, names[i], module.sizes[i]) if module.bias is not None else None)
                  for i in members]
-        groups.append(_concat(parts, quant))
+        groups.append(_concat(parts))
         _place(layout, members, module.sizes, len(groups) - 1)
     if plain:
         groups.append(_plain_group(module, names, plain, tensors))
@@ -170,18 +169,13 @@ def _place(layout, members, sizes, group) -> None:
         offset += sizes[i]
 
 
-def _concat(parts: list[FP8Linear], quant: QuantConfig) -> FP8Linear:
-    """One FP8Linear of parts stacked on N: block scales stack (each part's N a multiple of the block's);
-    per-tensor scales become one per row, with the largest input scale (as vLLM fuses them)."""
+def _concat(parts: list[FP8Linear]) -> FP8Linear:
+    """One FP8Linear of parts stacked on N, their scale grids stacked (each part's N a multiple of the
+    block's rows), with the largest input scale (as vLLM fuses them)."""
     if len(parts) == 1:
         return parts[0]
     q = torch.cat([p.weight.data for p in parts])
-    k = q.shape[1]
-    if quant.kind == BLOCK:
-        scale, block = torch.cat([p.weight_scale.data for p in parts]), quant.block
-    else:
-        scale = torch.cat([p.weight_scale.data.reshape(1, 1).expand(p.out_features, 1) for p in parts])
-        block = (1, k)
+    scale, block = torch.cat([p.weight_scale.data for p in parts]), parts[0].block
     inputs = [p.input_scale.data for p in parts if p.input_scale is not None]
     input_scale = torch.stack(inputs).max() if inputs else None
     biases = [p.bias.data for p in parts if p.bias is not None]
