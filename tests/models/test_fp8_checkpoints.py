@@ -136,7 +136,7 @@ def test_fp8_experts_are_dequantized_at_load(tmp_path):
 
 @pytest.mark.parametrize("fmt", [BLOCK, MODELOPT])
 def test_quantize_model_is_the_written_checkpoint_loaded(tmp_path, fmt):
-    """The benchmarks' in-place conversion gives the model that writing and loading give."""
+    """The benchmarks' in-place conversion gives the model that writing and loading give (dense: no experts)."""
     path, config = _written(tmp_path, "qwen3_5", fmt, None if fmt == MODELOPT else (128, 128))
     loaded = load_checkpoint(path)
     converted = quantize_model(tiny_model("qwen3_5"), fmt)
@@ -144,6 +144,17 @@ def test_quantize_model_is_the_written_checkpoint_loaded(tmp_path, fmt):
     assert a.keys() == b.keys()
     assert all(torch.equal(a[n].view(torch.uint8) if a[n].dtype == FP8 else a[n],
                            b[n].view(torch.uint8) if b[n].dtype == FP8 else b[n]) for n in a)
+
+
+def test_quantize_model_leaves_experts_and_keeps_dtypes():
+    """In place on a bf16 MoE model: projections FP8, experts untouched, the bf16 parts in bf16."""
+    kind, overrides = MOE["qwen3_5_moe"]
+    model = tiny_model(kind, **overrides).to(torch.bfloat16)
+    experts = [w.detach().clone() for w in model.model.layers[0].mlp.experts.expert_weights()]
+    quantize_model(model, BLOCK)
+    assert all(torch.equal(a, b) for a, b in zip(experts, model.model.layers[0].mlp.experts.expert_weights()))
+    packed = model.model.layers[0].linear_attn.in_proj
+    assert isinstance(packed, FP8PackedLinear) and packed.groups[1].weight.dtype == torch.bfloat16
 
 
 def test_qwen_block_config_is_written_as_qwen_publishes_it(tmp_path):

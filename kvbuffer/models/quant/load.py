@@ -183,9 +183,10 @@ def _concat(parts: list[FP8Linear]) -> FP8Linear:
 
 
 def _plain_group(module: PackedLinear, names, members, tensors) -> Linear:
-    """A Linear of the unquantized parts `members`, stacked on N."""
+    """A Linear of the unquantized parts `members`, stacked on N, on the packed module's device and dtype."""
     n = sum(module.sizes[i] for i in members)
-    lin = Linear(module.in_features, n, bias=module.bias is not None)
+    lin = Linear(module.in_features, n, bias=module.bias is not None, device=module.weight.device,
+                 dtype=module.weight.dtype)
     with torch.no_grad():
         weights = []
         for i in members:

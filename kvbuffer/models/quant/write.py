@@ -27,9 +27,10 @@ INPUT_SCALE = 16.0 / 448.0
 QWEN_KEPT = ("in_proj_a", "in_proj_b", "in_proj_ba")
 
 
-def projections(model: nn.Module) -> list[str]:
+def projections(model: nn.Module, experts: bool = True) -> list[str]:
     """The checkpoint names (without `.weight`) of every projection an FP8 checkpoint may quantize: each
-    Linear, each PackedLinear part, each routed expert's matrices (`experts.{e}.<proj>`)."""
+    Linear, each PackedLinear part, each routed expert's matrices (`experts.{e}.<proj>`; not with
+    experts=False)."""
     names = []
     for path, m in model.named_modules():
         if type(m) is Linear:
@@ -37,7 +38,7 @@ def projections(model: nn.Module) -> list[str]:
         elif isinstance(m, PackedLinear):
             parent = path.rpartition(".")[0]
             names += [f"{parent}.{part}".lstrip(".") for part in m.parts]
-        elif isinstance(m, RoutedExperts):
+        elif isinstance(m, RoutedExperts) and experts:
             first = ("gate_proj", "up_proj") if isinstance(m, Experts) else ("up_proj",)
             E = m.expert_weights()[0].shape[0]
             names += [f"{path}.{e}.{p}" for e in range(E) for p in (*first, "down_proj")]
@@ -78,17 +79,18 @@ def checkpoint_of(model: nn.Module) -> dict[str, torch.Tensor]:
     return out
 
 
-def quantize_tensors(model: nn.Module, fmt: str,
-                     block: tuple[int, int] = DEFAULT_BLOCK) -> tuple[dict, dict, QuantConfig]:
+def quantize_tensors(model: nn.Module, fmt: str, block: tuple[int, int] = DEFAULT_BLOCK,
+                     experts: bool = True) -> tuple[dict, dict, QuantConfig]:
     """(tensors, config.json's quantization_config, its QuantConfig) of `model` in format `fmt` (BLOCK or
     MODELOPT): each projection not kept unquantized (kept_unquantized) as float8_e4m3fn with its scales,
-    the rest as they are."""
+    the rest as they are (views of the model's parameters). With experts=False the routed experts stay
+    stacked and unquantized (the loader dequantizes FP8 experts anyway)."""
     if fmt not in FORMATS:
         raise ValueError(f"fp8 format must be one of {FORMATS}, got {fmt!r}")
     kept = kept_unquantized(model, fmt)
     quant = QuantConfig(fmt, block=block if fmt == BLOCK else None, excluded=tuple(kept), fp8_kv_cache=fmt == MODELOPT)
-    tensors = {k: v.detach().clone() for k, v in checkpoint_of(model).items()}
-    for name in projections(model):
+    tensors = {k: v.detach() for k, v in (checkpoint_of(model) if experts else checkpoint_tensors(model)).items()}
+    for name in projections(model, experts):
         w = tensors.get(f"{name}.weight")
         if w is None or quant.is_excluded(name):
             continue
@@ -122,7 +124,7 @@ def write_checkpoint(model: nn.Module, hf_config: dict, out_dir: str | Path, fp8
     out.mkdir(parents=True, exist_ok=True)
     config = dict(hf_config)
     if fp8 is None:
-        tensors = {k: v.detach().clone() for k, v in checkpoint_of(model).items()}
+        tensors = checkpoint_of(model)
     else:
         tensors, config["quantization_config"], _ = quantize_tensors(model, fp8, block)
     if fp8 == MODELOPT:
@@ -132,15 +134,17 @@ def write_checkpoint(model: nn.Module, hf_config: dict, out_dir: str | Path, fp8
                                                                 ("quant_algo", "kv_cache_quant_algo", "exclude_modules")}},
             indent=2))
     (out / "config.json").write_text(json.dumps(config, indent=2))
-    save_file({k: v.contiguous().cpu() for k, v in tensors.items()}, str(out / "model.safetensors"),
-              metadata={"format": "pt"})
+    save_file({k: v.detach().cpu().clone(memory_format=torch.contiguous_format) for k, v in tensors.items()},
+              str(out / "model.safetensors"), metadata={"format": "pt"})
     return out
 
 
 def quantize_model(model: nn.Module, fp8: str, block: tuple[int, int] = DEFAULT_BLOCK) -> nn.Module:
     """`model` with its projections in FP8 as write_checkpoint would write them and the loader load them
-    back, converted in place on the model's device (the benchmarks' random FP8 models)."""
-    tensors, _, quant = quantize_tensors(model, fp8, block)
+    back, converted in place on the model's device (the benchmarks' random FP8 models); its routed
+    experts are left as they are (the loader dequantizes FP8 experts), so that the conversion needs
+    no memory beyond the FP8 copies of the projections."""
+    tensors, _, quant = quantize_tensors(model, fp8, block, experts=False)
     load_weights(model, tensors, quant)
     return model
 
