@@ -170,8 +170,8 @@ def decode(preset, fp8, modes, prompt_len, new_tokens, config, out, batches, tem
 @click.option("--max-requests", default=1024, show_default=True, type=click.IntRange(min=1),
               help="Cap on the requests admitted (capacity setting).")
 @_profile_option
-def spec(preset, fp8, modes, prompt_len, new_tokens, config, out, settings, batches, alphas, draft_tokens, memory_budget,
-         max_requests, profile_batch):
+def spec(preset, fp8, modes, prompt_len, new_tokens, config, out, settings, batches, alphas, draft_tokens,
+         memory_budget, max_requests, profile_batch):
     """Speculative decoding with a drafter of chosen acceptance: equal batch and under a memory budget."""
     _engine_run("spec", preset, fp8, modes, config, out, prompt_len=prompt_len, new_tokens=new_tokens,
                 settings=tuple(settings),

@@ -103,7 +103,8 @@ def _check_kind(name: str, t: torch.Tensor, f: Path) -> None:
         return
     raise CheckpointError(f"tensor {name} in {f} is {str(t.dtype).removeprefix('torch.')}: kvbuffer loads "
                           f"floating-point weights and FP8 (e4m3) in the formats of docs/fp8.md; quantized or "
-                          f"integer tensors of other formats (int8, int4, GPTQ, AWQ, bitsandbytes, ...) are not supported")
+                          f"integer tensors of other formats (int8, int4, GPTQ, AWQ, bitsandbytes, ...) are not "
+                          f"supported")
 
 
 def _stack_experts(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

@@ -82,11 +82,14 @@ class FP8PackedLinear(nn.Module):
 
     def forward(self, x) -> tuple[torch.Tensor, ...]:
         if all(g.path(x) == "dequantize" for g in self.groups if isinstance(g, FP8Linear)):
-            weights = [g.dequantized(x.dtype) if isinstance(g, FP8Linear) else g.weight.to(x.dtype) for g in self.groups]
-            w = torch.cat([weights[g].narrow(0, off, size) for (g, off), size in zip(self.layout, self.sizes)])
-            b = None
-            if self.groups[0].bias is not None:
-                b = torch.cat([self.groups[g].bias.narrow(0, off, size) for (g, off), size in zip(self.layout, self.sizes)])
+            weights = [g.dequantized(x.dtype) if isinstance(g, FP8Linear) else g.weight.to(x.dtype)
+                       for g in self.groups]
+            w = torch.cat(self._in_part_order(weights))
+            b = None if self.groups[0].bias is None else torch.cat(self._in_part_order([g.bias for g in self.groups]))
             return torch.split(F.linear(x, w, b), self.sizes, dim=-1)
         outs = [g(x) for g in self.groups]
         return tuple(outs[g].narrow(-1, off, size) for (g, off), size in zip(self.layout, self.sizes))
+
+    def _in_part_order(self, per_group: list[torch.Tensor]) -> list[torch.Tensor]:
+        """Each part's rows of its group's tensor (weight or bias), in part order."""
+        return [per_group[g].narrow(0, off, size) for (g, off), size in zip(self.layout, self.sizes)]

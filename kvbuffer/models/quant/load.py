@@ -25,8 +25,9 @@ def check_fp8_declared(tensors: dict[str, torch.Tensor], quant: QuantConfig | No
     if quant is None:
         for name, t in tensors.items():
             if t.dtype == FP8:
-                raise CheckpointError(f"tensor {name} is float8_e4m3fn, but config.json declares no quantization_config "
-                                      f"(kvbuffer loads FP8 checkpoints in the formats of docs/fp8.md)")
+                raise CheckpointError(f"tensor {name} is float8_e4m3fn, but config.json declares no "
+                                      f"quantization_config (kvbuffer loads FP8 checkpoints in the formats of "
+                                      f"docs/fp8.md)")
 
 
 def _take_scales(tensors: dict, prefix: str, q: torch.Tensor, quant: QuantConfig, names=()):
@@ -38,7 +39,8 @@ def _take_scales(tensors: dict, prefix: str, q: torch.Tensor, quant: QuantConfig
                               f"{prefix} unquantized")
     scale_name = f"{prefix}.{quant.scale_name}"
     if scale_name not in tensors:
-        raise CheckpointError(f"tensor {prefix}.weight is float8_e4m3fn but the checkpoint lacks its scale {scale_name}")
+        raise CheckpointError(f"tensor {prefix}.weight is float8_e4m3fn but the checkpoint lacks its scale "
+                              f"{scale_name}")
     scale = tensors.pop(scale_name)
     want = scale_grid(q.shape[0], q.shape[1], quant.block) if quant.kind == BLOCK else ()
     if quant.kind == BLOCK and tuple(scale.shape) != want or quant.kind != BLOCK and scale.numel() != 1:
@@ -193,7 +195,8 @@ def _plain_group(module: PackedLinear, names, members, tensors) -> Linear:
             w = tensors.pop(f"{names[i]}.weight")
             want = (module.sizes[i], module.in_features)
             if tuple(w.shape) != want:
-                raise CheckpointError(f"tensor {names[i]}.weight: checkpoint shape {tuple(w.shape)}, model expects {want}")
+                raise CheckpointError(f"tensor {names[i]}.weight: checkpoint shape {tuple(w.shape)}, "
+                                      f"model expects {want}")
             weights.append(w.to(lin.weight.dtype))
         lin.weight.copy_(torch.cat(weights))
         if module.bias is not None:

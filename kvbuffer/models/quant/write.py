@@ -129,10 +129,9 @@ def write_checkpoint(model: nn.Module, hf_config: dict, out_dir: str | Path, fp8
         tensors, config["quantization_config"], _ = quantize_tensors(model, fp8, block)
     if fp8 == MODELOPT:
         q = config["quantization_config"]
+        fields = ("quant_algo", "kv_cache_quant_algo", "exclude_modules")
         (out / HF_QUANT_CONFIG).write_text(json.dumps(
-            {"producer": {"name": "modelopt"}, "quantization": {k: q[k] for k in
-                                                                ("quant_algo", "kv_cache_quant_algo", "exclude_modules")}},
-            indent=2))
+            {"producer": {"name": "modelopt"}, "quantization": {k: q[k] for k in fields}}, indent=2))
     (out / "config.json").write_text(json.dumps(config, indent=2))
     save_file({k: v.detach().cpu().clone(memory_format=torch.contiguous_format) for k, v in tensors.items()},
               str(out / "model.safetensors"), metadata={"format": "pt"})
