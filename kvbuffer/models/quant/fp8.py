@@ -127,12 +127,12 @@ def gemm_path(x: torch.Tensor, q: torch.Tensor, block: tuple[int, int], input_sc
     - "dequantize": everywhere else (the CPU, other blocks, sizes and dtypes): W = q * scale in x's dtype,
       then F.linear; exactly the dequantized model's product.
 
-    Both FP8 paths need x in bf16 or fp16 on the weight's CUDA device and N, K multiples of 16 (128 for
-    block-wise).
+    Both FP8 paths need x in bf16 (the scaled GEMMs' output dtype) on the weight's CUDA device and N, K
+    multiples of 16 (128 for block-wise).
     """
     n, k = q.shape
     rowwise, blockwise = support
-    if not (rowwise and x.is_cuda and x.dtype in (torch.bfloat16, torch.float16) and n % 16 == 0 and k % 16 == 0):
+    if not (rowwise and x.is_cuda and x.dtype == torch.bfloat16 and n % 16 == 0 and k % 16 == 0):
         return "dequantize"
     if input_scale is not None and block == (1, k):
         return "rowwise"
