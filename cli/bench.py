@@ -85,10 +85,23 @@ _kernel_command("gdn", "FLA's fused_recurrent_gated_delta_rule")
 _kernel_command("mamba2", "mamba_ssm's selective_state_update")
 
 
+def _fp8_option(f):
+    return click.option("--fp8", is_flag=True,
+                        help="Projections in FP8, as the preset's family publishes them (Qwen: block FP8, 128 x 128 "
+                             "scales; Nemotron: ModelOpt per-tensor FP8): the random model quantized as loading "
+                             "such a checkpoint gives it.")(f)
+
+
+def _fp8_keyword(fp8: bool) -> dict:
+    """The benchmark's keyword for --fp8 (none without it: the bf16 runs call exactly what they did)."""
+    return {"fp8": True} if fp8 else {}
+
+
 def _engine_options(f):
     options = [
         click.option("--preset", default="qwen3.5-9b", show_default=True,
                      help="Model preset (kvbuffer.presets): random weights in its shapes."),
+        _fp8_option,
         click.option("--modes", default="kvbuffer,recurrent", show_default=True,
                      help="Engine modes to compare: kvbuffer, recurrent, peers (the recurrent scheme on the "
                           "servers' kernels: FLA, mamba_ssm)."),
@@ -105,7 +118,7 @@ def _engine_options(f):
     return f
 
 
-def _engine_run(what, preset, modes, config, out, **options):
+def _engine_run(what, preset, fp8, modes, config, out, **options):
     need_cuda()
     from kvbuffer import presets
     from kvbuffer.bench import e2e
@@ -115,7 +128,8 @@ def _engine_run(what, preset, modes, config, out, **options):
     except ValueError as e:
         raise click.BadParameter(str(e), param_hint="--preset") from None
     e2e.run(what, preset=preset, out_dir=out, modes=tuple(modes.split(",")), chunk_size=config.chunk_size,
-            kernels=config.kernels, cuda_graphs=config.cuda_graphs, compile=config.compile, **options)
+            kernels=config.kernels, cuda_graphs=config.cuda_graphs, compile=config.compile, **_fp8_keyword(fp8),
+            **options)
 
 
 def _profile_option(f):
@@ -133,10 +147,10 @@ def _profile_option(f):
               help="Nucleus mass for the sampled requests.")
 @engine_options("gemv")
 @_profile_option
-def decode(preset, modes, prompt_len, new_tokens, config, out, batches, temperature, top_p, profile_batch):
+def decode(preset, fp8, modes, prompt_len, new_tokens, config, out, batches, temperature, top_p, profile_batch):
     """Decode throughput and step latency, kvbuffer vs the recurrent scheme, random-weight model (the peers
     row always runs torch's GEMM)."""
-    _engine_run("decode", preset, modes, config, out, prompt_len=prompt_len, new_tokens=new_tokens,
+    _engine_run("decode", preset, fp8, modes, config, out, prompt_len=prompt_len, new_tokens=new_tokens,
                 batches=positive_ints(batches, "--batches"), temperature=temperature, top_p=top_p, gemv=config.gemv,
                 profile_batch=profile_batch)
 
@@ -156,10 +170,10 @@ def decode(preset, modes, prompt_len, new_tokens, config, out, batches, temperat
 @click.option("--max-requests", default=1024, show_default=True, type=click.IntRange(min=1),
               help="Cap on the requests admitted (capacity setting).")
 @_profile_option
-def spec(preset, modes, prompt_len, new_tokens, config, out, settings, batches, alphas, draft_tokens, memory_budget,
-         max_requests, profile_batch):
+def spec(preset, fp8, modes, prompt_len, new_tokens, config, out, settings, batches, alphas, draft_tokens,
+         memory_budget, max_requests, profile_batch):
     """Speculative decoding with a drafter of chosen acceptance: equal batch and under a memory budget."""
-    _engine_run("spec", preset, modes, config, out, prompt_len=prompt_len, new_tokens=new_tokens,
+    _engine_run("spec", preset, fp8, modes, config, out, prompt_len=prompt_len, new_tokens=new_tokens,
                 settings=tuple(settings),
                 batches=positive_ints(batches, "--batches"), alphas=numbers(alphas, "--alphas"), drafts=draft_tokens,
                 budget_bytes=int(memory_budget * 2**30), max_requests=max_requests, profile_batch=profile_batch)
@@ -191,12 +205,13 @@ def transformers_bench(args):
               help="kernels: graph replays; the median is reported.")
 @click.option("--preset", default="qwen3.5-9b", show_default=True,
               help="e2e: model preset (kvbuffer.presets), random weights in its shapes.")
+@_fp8_option
 @click.option("--device", default="cuda", show_default=True, help="e2e: cuda, cuda:N or cpu (kernels need CUDA).")
 @click.option("--repeats", default=3, show_default=True, type=click.IntRange(min=1),
               help="e2e: timed calls per length after one warm-up; the median is reported.")
 @engine_options("chunk_size", "kernels", "cuda_graphs", "compile", "max_prefill_tokens")
 @_out_option
-def prefill(what, prompt_lens, families, batches, launches, replays, preset, device, repeats, config, out):
+def prefill(what, prompt_lens, families, batches, launches, replays, preset, fp8, device, repeats, config, out):
     """Prefill: the chunked prompt kernels against FLA and mamba_ssm (CUDA graphs, packed prompts), or the time to
     first token of the engine against transformers (B = 1)."""
     from kvbuffer import presets
@@ -220,6 +235,9 @@ def prefill(what, prompt_lens, families, batches, launches, replays, preset, dev
         presets.get(preset)
     except ValueError as e:
         raise click.BadParameter(str(e), param_hint="--preset") from None
+    if fp8 and kernels:
+        raise click.BadParameter("--fp8 applies to --what e2e (the kernels benchmark runs no projection)",
+                                 param_hint="--fp8")
     if kernels or not device.startswith("cpu"):
         need_cuda()
     if kernels:
@@ -229,12 +247,12 @@ def prefill(what, prompt_lens, families, batches, launches, replays, preset, dev
                                            replays=replays, on_row=save)
         text = bench_prefill.kernels_table(result)
     else:
-        stem = f"prefill_e2e_{preset}"
+        stem = f"prefill_e2e_{preset}" + ("_fp8" if fp8 else "")
         save = lambda r: results.write(r, results.result_path(out, stem, r))  # noqa: E731
         engine = dict(chunk_size=config.chunk_size, kernels=config.kernels, cuda_graphs=config.cuda_graphs,
                       compile=config.compile, max_prefill_tokens=config.max_prefill_tokens)
         result = bench_prefill.run_e2e(preset=preset, prompt_lens=lens, device=device, repeats=repeats, engine=engine,
-                                       on_row=save)
+                                       on_row=save, **_fp8_keyword(fp8))
         text = bench_prefill.e2e_table(result)
     for p in results.finish(result, results.result_path(out, stem, result), text):
         click.echo(f"wrote {p}")

@@ -6,11 +6,14 @@ the capacity planner's geometries (kvbuffer.plan.GEOMETRIES), the tuner's head s
 A config here is what the model's config.json says (layer mix, head shapes, widths); the fields a
 published config does not pin down for us are listed in `approximate` and marked so in results.
 The two `smoke` presets are tiny models for tests on a CPU; the planner and the tuner skip them.
+`write_checkpoint` writes a preset with random weights as a checkpoint directory, in bf16 or in the FP8
+format its family publishes (`Preset.fp8_format`).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 from types import MappingProxyType
 from typing import Mapping
 
@@ -28,6 +31,12 @@ class Preset:
     def hf_config(self) -> dict:
         """A fresh, mutable copy of the config dict (what `kvbuffer.models.loader.build_model` takes)."""
         return {k: list(v) if isinstance(v, (list, tuple)) else v for k, v in self.config.items()}
+
+    @property
+    def fp8_format(self) -> str:
+        """The FP8 format this family's releases use (kvbuffer.models.quant): Qwen's block FP8 ("block")
+        or NVIDIA ModelOpt's per-tensor FP8 ("modelopt", Nemotron)."""
+        return "modelopt" if self.config["model_type"] == "nemotron_h" else "block"
 
 
 def _qwen_layers(n: int) -> list[str]:
@@ -99,3 +108,28 @@ def get(name: str) -> Preset:
     if not isinstance(name, str) or name.lower() not in BY_NAME:
         raise ValueError(f"unknown model preset {name!r}; presets: {', '.join(BY_NAME)}")
     return BY_NAME[name.lower()]
+
+
+def write_checkpoint(name: str, out_dir: str | Path, *, fp8: bool = False, seed: int = 0) -> Path:
+    """Preset `name` with random bf16 weights (seeded; matrices N(0, 0.02)) written to `out_dir` as a
+    checkpoint directory (config.json, model.safetensors), in the preset's FP8 format with `fp8`, as its
+    family publishes it (quantization_config, and hf_quant_config.json for ModelOpt). A real model's
+    size needs that much memory on the CPU. Returns the directory."""
+    import torch
+
+    from .models.loader import build_model
+    from .models.quant.write import write_checkpoint as write
+
+    preset = get(name)
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)
+    try:
+        model = build_model(preset.hf_config())
+    finally:
+        torch.set_default_dtype(old)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() >= 2:
+                p.normal_(0.0, 0.02, generator=g)
+    return write(model, preset.hf_config(), out_dir, preset.fp8_format if fp8 else None)

@@ -2,7 +2,9 @@
 
 Tensor names are mapped to the module's names (published Qwen3.5 files nest the language model
 under model.language_model.*), per-expert MoE tensors are stacked into the 3-D expert tensors,
-and every missing, unexpected or mis-shaped tensor is reported by name.
+and every missing, unexpected or mis-shaped tensor is reported by name. FP8 checkpoints (Qwen's block
+format, NVIDIA ModelOpt's) load through kvbuffer.models.quant; tensors of any other non-float kind
+(int8, bool, int64, uint8, other float8s) are refused by name.
 """
 
 from __future__ import annotations
@@ -16,6 +18,9 @@ import torch
 from ..errors import CheckpointError
 from . import REGISTRY, supported_model_types
 from .layers import PackedLinear
+from .quant.config import QuantConfig, read_quant_config
+from .quant.fp8 import FP8, has_nan_bytes
+from .quant.load import check_fp8_declared, dequantize_experts, install_fp8
 
 _PER_EXPERT = re.compile(r"^(.*\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
 
@@ -84,9 +89,22 @@ def _read_file(f: Path) -> dict[str, torch.Tensor]:
     except (SafetensorError, OSError, ValueError, RuntimeError) as e:
         raise CheckpointError(f"{f} is not a readable safetensors file: {e}") from None
     for name, t in tensors.items():
-        if t.is_floating_point() and not bool(torch.isfinite(t).all()):
+        _check_kind(name, t, f)
+        if t.dtype == FP8 and has_nan_bytes(t) or t.dtype != FP8 and not bool(torch.isfinite(t).all()):
             raise CheckpointError(f"tensor {name} in {f} has non-finite values (NaN or infinity)")
     return tensors
+
+
+def _check_kind(name: str, t: torch.Tensor, f: Path) -> None:
+    """Weights are floating point (fp32, bf16, fp16) or float8_e4m3fn (in a declared FP8 format, checked
+    at load): an integer, bool or other float8 tensor is a format kvbuffer does not load, refused before
+    it could be cast to float and run as garbage."""
+    if t.dtype == FP8 or (t.is_floating_point() and t.element_size() > 1):
+        return
+    raise CheckpointError(f"tensor {name} in {f} is {str(t.dtype).removeprefix('torch.')}: kvbuffer loads "
+                          f"floating-point weights and FP8 (e4m3) in the formats of docs/fp8.md; quantized or "
+                          f"integer tensors of other formats (int8, int4, GPTQ, AWQ, bitsandbytes, ...) are not "
+                          f"supported")
 
 
 def _stack_experts(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -163,17 +181,21 @@ def checkpoint_tensors(module) -> dict[str, torch.Tensor]:
     return out
 
 
-def load_weights(model, tensors: dict[str, torch.Tensor]) -> None:
-    """Copy checkpoint tensors into `model`; raise CheckpointError naming any mismatch."""
-    mapped = {}
-    for name, t in _stack_experts(tensors).items():
+def load_weights(model, tensors: dict[str, torch.Tensor], quant: QuantConfig | None = None) -> None:
+    """Copy checkpoint tensors into `model`; raise CheckpointError naming any mismatch. With `quant`
+    (the checkpoint's FP8 format), its FP8 projections replace the model's (kvbuffer.models.quant)."""
+    check_fp8_declared(tensors, quant)
+    mapped, original = {}, {}
+    for name, t in _stack_experts(dequantize_experts(tensors, quant, _PER_EXPERT.match)).items():
         if model.skip_checkpoint_tensor(name):
             continue
         mapped[model.checkpoint_name(name)] = t
+        original[model.checkpoint_name(name)] = name
     if any(n.startswith("mtp.") for n in mapped) and getattr(model, "mtp", "absent") is None:
         model.attach_mtp()  # the checkpoint carries a multi-token-prediction head
+    loaded = install_fp8(model, mapped, quant, original) if quant is not None else set()
     _pack_projections(model, mapped)
-    params = dict(model.named_parameters())
+    params = {n: p for n, p in model.named_parameters() if n not in loaded}
     tied = getattr(model.config, "tie_word_embeddings", False)
     if tied:
         params.pop("lm_head.weight", None)
@@ -192,8 +214,9 @@ def load_weights(model, tensors: dict[str, torch.Tensor]) -> None:
                     piece.copy_(part.to(p.dtype))
                 continue
             if t.shape != p.shape:
-                # conv1d weights are stored (D, 1, W) by transformers and may come as (D, W)
-                if t.numel() == p.numel() and "conv1d" in name:
+                # conv1d weights are stored (D, 1, W) by transformers and may come as (D, W); a (W, D)
+                # of the same size is a transposed weight, refused
+                if "conv1d" in name and p.dim() == 3 and p.shape[1] == 1 and tuple(t.shape) == (p.shape[0], p.shape[2]):
                     t = t.reshape(p.shape)
                 else:
                     raise CheckpointError(f"tensor {name}: checkpoint shape {tuple(t.shape)}, model expects {tuple(p.shape)}")
@@ -201,10 +224,13 @@ def load_weights(model, tensors: dict[str, torch.Tensor]) -> None:
 
 
 def load_checkpoint(path: str | Path, *, dtype=None, device=None):
-    """config.json + safetensors in `path` -> a model in eval mode."""
+    """config.json + safetensors in `path` -> a model in eval mode. An FP8 checkpoint's quantized weights
+    stay FP8 whatever `dtype` (docs/fp8.md)."""
     path = Path(path)
-    model = build_model(read_config(path))
-    load_weights(model, _read_tensors(path))
+    hf_config = read_config(path)
+    quant = read_quant_config(hf_config, path)
+    model = build_model(hf_config)
+    load_weights(model, _read_tensors(path), quant)
     if dtype is not None:
         model = model.to(dtype)
     return model.to(device).eval()
