@@ -50,9 +50,10 @@ ALPHAS = (0.0, 0.5, 0.7, 0.9)
 REFERENCE_BATCH = 256  # the greedy reference runs in batches of at most this many requests
 
 
-def random_model(preset: str, device, dtype) -> torch.nn.Module:
+def random_model(preset: str, device, dtype, fp8: bool = False) -> torch.nn.Module:
     """The preset's architecture with random weights, allocated directly on `device` in `dtype`; its
-    greedy continuation does not depend on rounding (see _greedy_far_from_ties)."""
+    greedy continuation does not depend on rounding (see _greedy_far_from_ties). With `fp8`, its
+    projections in the preset's FP8 format, as loading such a checkpoint gives (docs/fp8.md)."""
     old = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
@@ -66,6 +67,10 @@ def random_model(preset: str, device, dtype) -> torch.nn.Module:
             if p.dim() >= 2:  # matrices (experts are allocated uninitialised)
                 p.normal_(0.0, 0.02, generator=g)
         _greedy_far_from_ties(model, g)
+    if fp8:
+        from ..models.quant.write import quantize_model
+
+        quantize_model(model, presets.get(preset).fp8_format)
     return model.eval()
 
 
@@ -427,7 +432,8 @@ def new_result(what: str, preset: str, *, device, dtype, args: dict) -> dict:
                 note="random weights" + (f"; approximate config fields: {', '.join(approx)}" if approx else ""))
 
 
-def run(what: str, *, preset: str, device: str = "cuda", dtype=None, out_dir=None, **options) -> dict:
+def run(what: str, *, preset: str, device: str = "cuda", dtype=None, out_dir=None, fp8: bool = False,
+        **options) -> dict:
     """Build the preset's random model, run `what` ("decode" or "spec") with `options` (bench_decode's
     or bench_spec's keywords), write the results JSON after every row and its figure at the end."""
     from . import results
@@ -436,7 +442,7 @@ def run(what: str, *, preset: str, device: str = "cuda", dtype=None, out_dir=Non
         raise ValueError(f"what must be 'decode' or 'spec', got {what!r}")
     dtype = dtype or (torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32)
     t0 = time.time()
-    model = random_model(preset, device, dtype)
+    model = random_model(preset, device, dtype, fp8)
     print(f"{preset}: built in {time.time() - t0:.0f} s", flush=True)
     result = new_result(what, preset, device=device, dtype=dtype,
                         args={k: list(v) if isinstance(v, tuple) else v for k, v in options.items()})
@@ -444,7 +450,8 @@ def run(what: str, *, preset: str, device: str = "cuda", dtype=None, out_dir=Non
         result["prompts"] = "lengths prompt_len + i % chunk_size: each step flushes 1/chunk_size of the rows"
     settings = "_" + "-".join(options["settings"]) if "settings" in options else ""  # one file per setting run
     settings += "_sampled" if options.get("temperature") else ""  # beside the greedy run's file
-    path = results.result_path(out_dir or results.DEFAULT_DIR, f"e2e_{what}{settings}_{preset}", result)
+    name = f"e2e_{what}{settings}_{preset}" + ("_fp8" if fp8 else "")
+    path = results.result_path(out_dir or results.DEFAULT_DIR, name, result)
 
     def save(rows):
         result["rows"] = rows

@@ -494,12 +494,13 @@ def _prompt(P: int, vocab: int) -> list[int]:
     return random_prompts(1, P, vocab, seed=P)[0]
 
 
-def kvbuffer_rows(preset: str, prompt_lens, *, device, dtype, repeats: int, engine: Mapping) -> list[dict]:
+def kvbuffer_rows(preset: str, prompt_lens, *, device, dtype, repeats: int, engine: Mapping,
+                  fp8: bool = False) -> list[dict]:
     """TTFT rows of kvbuffer's engine (LLM with `engine`'s EngineConfig fields) on the preset's random model."""
     from .. import LLM
     from .e2e import random_model, release
 
-    model = random_model(preset, device, dtype)
+    model = random_model(preset, device, dtype, fp8)
     llm = LLM(model, device=device, max_batch=1, max_len=max(prompt_lens) + 8, **engine)
     path = f"{llm.backend.name} backend" + ("" if llm.kernels else f" ({llm.kernels_reason})")
     rows = []
@@ -543,7 +544,8 @@ def _e2e_line(r: dict) -> str:
 
 
 def run_e2e(*, preset: str, prompt_lens=E2E_PROMPT_LENS, device="cuda", dtype=None, repeats: int = 3,
-            engine: Mapping | None = None, on_row: Callable[[dict], None] = lambda result: None) -> dict:
+            engine: Mapping | None = None, on_row: Callable[[dict], None] = lambda result: None,
+            fp8: bool = False) -> dict:
     """TTFT and prompt tokens/s of kvbuffer's engine and of transformers at every prompt length, B = 1."""
     from .. import presets
 
@@ -559,7 +561,8 @@ def run_e2e(*, preset: str, prompt_lens=E2E_PROMPT_LENS, device="cuda", dtype=No
                         timing=f"wall clock of generate(max_new_tokens=1), host-synchronised, median of {repeats} "
                                "after one warm-up", note="random weights; each side its own")
     result["rows"] = kvbuffer_rows(preset, prompt_lens, device=device, dtype=dtype, repeats=repeats,
-                                   engine=engine or {})
+                                   engine=engine or {}, fp8=fp8)
+    result["fp8"] = presets.get(preset).fp8_format if fp8 else None
     on_row(result)
     result["rows"] += transformers_rows(preset, prompt_lens, device=device, dtype=dtype, repeats=repeats)
     for r in result["rows"]:

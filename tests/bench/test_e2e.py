@@ -72,3 +72,19 @@ def test_steady_rate_counts_the_full_batch_steps_only():
     st = GenerationStats(peak_batch=4, step_seconds=[9.0, 1.0, 1.0, 1.0, 1.0], step_tokens=[4, 12, 8, 2, 1],
                          step_rows=[4, 4, 4, 2, 1])
     assert e2e.steady_rate(st) == 10.0 and e2e.all_steps_rate(st) == 23 / 4
+
+
+@pytest.mark.parametrize("preset", ["tiny-qwen", "tiny-nemotron"])
+def test_fp8_random_model_is_the_presets_fp8_format(preset):
+    """`bench ... --fp8`: the preset's random model with its projections in its family's FP8 format, the
+    way loading such a checkpoint builds it; it generates like any model."""
+    import torch
+
+    from kvbuffer import LLM
+    from kvbuffer.models.quant.linear import FP8Linear, FP8PackedLinear
+
+    model = e2e.random_model(preset, "cpu", torch.float32, fp8=True)
+    fp8 = [m for m in model.modules() if isinstance(m, (FP8Linear, FP8PackedLinear))]
+    assert fp8
+    out = LLM(model, max_batch=1, max_len=32).generate([[1, 2, 3]], max_new_tokens=4)
+    assert len(out[0].token_ids) == 4
