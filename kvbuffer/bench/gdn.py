@@ -1,9 +1,10 @@
-"""Gated DeltaNet decode kernels: buffered step and verify vs recurrent step vs FLA, one GPU.
+"""Gated DeltaNet decode kernels: buffered step and verify vs recurrent step vs SGLang and FLA, one GPU.
 
 `kvbuffer bench gdn` runs it (kvbuffer.bench.kernels says how it measures). Peers: SGLang's
 ReplaySSM step (fp32 and bf16 rings) and verify of 1 + 4 drafts (alone, and with its commit and
-fold), as kvbuffer.bench.replayssm says; and two FLA kernels (fla-core 0.6.0) with the gate (-exp(A_log) * softplus(a + dt_bias)), the sigmoid of beta and the L2
-norm of q and k inside the kernel, as vLLM and SGLang call it:
+fold), as kvbuffer.bench.replayssm says; and two FLA kernels (fla-core 0.6.0) with the gate
+(-exp(A_log) * softplus(a + dt_bias)), the sigmoid of beta and the L2 norm of q and k inside the
+kernel, as vLLM and SGLang call it:
 
 - "fla": `fused_recurrent_gated_delta_rule`. It takes no state indices, so each launch gets one
   window of B states as a view of the pool and writes the final states to a fresh tensor (the same

@@ -1,9 +1,10 @@
-"""Mamba-2 (Nemotron-3) decode kernels: buffered step and verify vs recurrent step vs mamba_ssm, one GPU.
+"""Mamba-2 (Nemotron-3) decode kernels: buffered step and verify vs recurrent step vs vLLM and mamba_ssm, one GPU.
 
 `kvbuffer bench mamba2` runs it (kvbuffer.bench.kernels says how it measures). Peers: vLLM's
-ReplaySSM step (kvbuffer.bench.replayssm says how it is called), and mamba_ssm's Triton `selective_state_update` called as vLLM and SGLang call it: dt_softplus,
-dt_bias, D, z, grouped B/C, states picked by `state_batch_indices`, and A, dt, dt_bias, D expanded
-over the head dim by stride-0 views. mamba_ssm is an optional peer (a source build that needs
+ReplaySSM step (kvbuffer.bench.replayssm says how it is called), and mamba_ssm's Triton
+`selective_state_update` called as vLLM and SGLang call it: dt_softplus, dt_bias, D, z, grouped
+B/C, states picked by `state_batch_indices`, and A, dt, dt_bias, D expanded over the head dim by
+stride-0 views. mamba_ssm is an optional peer (a source build that needs
 CUDA); where it is not importable its rows are skipped and the run says so in one line.
 mamba_ssm keeps a state as (P, N), kvbuffer as (N, P): the timed peer reads and writes the same
 pool through a (P, N) view of the same bytes; the correctness gate gives it transposed copies.

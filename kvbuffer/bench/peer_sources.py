@@ -52,7 +52,8 @@ STAND_INS = {
             "    \"\"\"The two questions the ReplaySSM kernel asks of vLLM's current_platform.\"\"\"\n\n"
             "    def is_rocm(self):\n        return bool(torch.version.hip)\n\n"
             "    def is_device_capability_family(self, family):\n"
-            "        major, minor = _capability()\n        return (major * 10 + minor) // 10 == family // 10  # vLLM's rule\n\n\n"
+            "        major, minor = _capability()\n"
+            "        return (major * 10 + minor) // 10 == family // 10  # vLLM's rule\n\n\n"
             "current_platform = _Platform()\n"),
         "vllm/v1/attention/backends/utils.py": "NULL_BLOCK_ID = 0  # vLLM's value (v1/attention/backends/utils.py)\n",
         "vllm/model_executor/layers/mamba/ops/mamba_ssm.py": "{vllm_triton_helpers}",
@@ -78,7 +79,8 @@ def vllm_triton_helpers(source: str) -> str:
     for node in found.values():
         start = min(d.lineno for d in node.decorator_list) - 1
         parts.append("\n".join(line[node.col_offset:] for line in lines[start:node.end_lineno]))
-    return "# cut out of vLLM's mamba_ssm.py by kvbuffer.bench.peer_sources\n" + _TRITON + "\n\n" + "\n\n\n".join(parts) + "\n"
+    head = "# cut out of vLLM's mamba_ssm.py by kvbuffer.bench.peer_sources\n" + _TRITON
+    return head + "\n\n" + "\n\n\n".join(parts) + "\n"
 
 
 def _package(wheel: pathlib.Path) -> str:

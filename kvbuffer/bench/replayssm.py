@@ -64,11 +64,19 @@ def load(kind: str) -> tuple[dict | None, str]:
     return {n: getattr(mod, n) for n in names}, f"{kind}: {module} from {mod.__file__}"
 
 
-def _ring(n: int, heads: int, L: int, dim: int | None, dtype, device, g) -> torch.Tensor:
-    """A ring [n, heads, L(, dim)] of plausible entries: values ~0.1, fp32 log decays in [-0.05, 0]."""
-    if dim is None:
-        return -0.05 * torch.rand(n, heads, L, device=device, generator=g)
-    return (0.1 * torch.randn(n, heads, L, dim, device=device, generator=g)).to(dtype)
+def _values(g, *shape, dtype, device) -> torch.Tensor:
+    """Ring entries of a plausible size (~0.1)."""
+    return (0.1 * torch.randn(*shape, device=device, generator=g)).to(dtype)
+
+
+def _keys(g, *shape, device) -> torch.Tensor:
+    """Unit keys, fp32."""
+    return torch.nn.functional.normalize(torch.randn(*shape, device=device, generator=g), dim=-1)
+
+
+def _log_decays(g, *shape, device) -> torch.Tensor:
+    """fp32 log decays in [-0.05, 0]."""
+    return -0.05 * torch.rand(*shape, device=device, generator=g)
 
 
 # ---- SGLang GDN decode step -------------------------------------------------------------------------
@@ -82,9 +90,15 @@ class SGLangStep:
         g = torch.Generator(device=state.device).manual_seed(seed)
         self.fn, self.state, self.L = fn, state, L
         self.force_flush = torch.zeros(B, dtype=torch.int32, device=state.device)  # no radix track boundary
-        self.d = _ring(n, Hv, L, V, ring_dtype, state.device, g)
-        self.k = torch.nn.functional.normalize(_ring(n, Hk, L, K, torch.float32, state.device, g), dim=-1).to(ring_dtype)
-        self.g = _ring(n, Hv, L, None, torch.float32, state.device, g)
+        self.d = _values(g, n, Hv, L, V, dtype=ring_dtype, device=state.device)
+        self.k = _keys(g, n, Hk, L, K, device=state.device).to(ring_dtype)
+        self.g = _log_decays(g, n, Hv, L, device=state.device)
+
+    def empty(self) -> "SGLangStep":
+        """Rings of fresh requests (for the gate)."""
+        for t in (self.d, self.k, self.g):
+            t.zero_()
+        return self
 
     @staticmethod
     def pack(q, k, v, a, b):
@@ -110,25 +124,19 @@ def sglang_step_peer(name: str, fn: Callable, ring_dtype) -> common.Peer:
         step = SGLangStep(fn, pools.state.view(-1, Hv, V, K), pools.buf_k.shape[2], pools.B, pools.C, ring_dtype)
         sets = [SGLangStep.pack(*(t[:, 0] for t in toks)) for toks in inputs.tokens[1]]
         out = torch.empty(pools.B, 1, Hv, V, device=pools.device, dtype=torch.bfloat16)
-        return lambda s: step(sets[s % common.INPUT_SETS], *inputs.params, pools.state_slots(s), pools.lengths(s), out)
+        return lambda s: step(sets[s % common.INPUT_SETS], *inputs.params, pools.state_slots(s), pools.lengths(s),
+                              out)
 
     def check(family, heads, C, device):
-        return step_sequence_error(family, heads, C, device, lambda state, L: _gdn_stepper(fn, state, heads, L, ring_dtype))
+        def stepper(state, B, L):
+            step = SGLangStep(fn, state.transpose(-1, -2).contiguous(), heads["Hk"], B, L, ring_dtype).empty()
+
+            def run(toks, prm, slots, write_pos):
+                out = torch.full((B, 1, heads["Hv"], heads["V"]), float("nan"), device=device, dtype=torch.bfloat16)
+                return step(SGLangStep.pack(*toks), *prm, slots, write_pos, out), step.next_write_pos(write_pos)
+            return run
+        return step_sequence_error(family, heads, C, device, stepper)
     return common.Peer(name, op, None, check=check, tolerance=TOLERANCE)
-
-
-def _gdn_stepper(fn, state, heads, L, ring_dtype):
-    step = None
-
-    def run(toks, prm, slots, write_pos):
-        nonlocal step
-        if step is None:
-            step = SGLangStep(fn, state.transpose(-1, -2).contiguous(), heads["Hk"], slots.shape[0], L, ring_dtype)
-            step.d.zero_(), step.k.zero_(), step.g.zero_()
-        out = torch.full((slots.shape[0], 1, heads["Hv"], heads["V"]), float("nan"), device=state.device,
-                         dtype=torch.bfloat16)
-        return step(SGLangStep.pack(*toks), *prm, slots, write_pos, out), step.next_write_pos(write_pos)
-    return run
 
 
 # ---- SGLang GDN speculative verify --------------------------------------------------------------------
@@ -144,10 +152,11 @@ class SGLangVerify:
             raise ValueError(f"SGLang's verify ring needs a power-of-two length >= 2 * {T} tokens, got C = {L}")
         g = torch.Generator(device=state.device).manual_seed(seed)
         self.fns, self.state, self.L, self.T = fns, state, L, T
-        self.d, self.d_low = _ring(n, Hv, L, V, torch.bfloat16, state.device, g), torch.zeros(n, Hv, L, V, dtype=torch.bfloat16, device=state.device)
-        keys = torch.nn.functional.normalize(torch.randn(n, Hk, L, K, device=state.device, generator=g), dim=-1)
+        self.d = _values(g, n, Hv, L, V, dtype=torch.bfloat16, device=state.device)
+        self.d_low = torch.zeros_like(self.d)
+        keys = _keys(g, n, Hk, L, K, device=state.device)
         self.k, self.k_low = keys.to(torch.bfloat16), (keys - keys.to(torch.bfloat16).float()).to(torch.bfloat16)
-        self.g = _ring(n, Hv, L, None, torch.float32, state.device, g)
+        self.g = _log_decays(g, n, Hv, L, device=state.device)
         # cursors as the commit leaves them: history within L - 2T (the early-fold margin), no fold pending
         self.write_pos = torch.randint(0, L - 2 * T + 1, (n,), dtype=torch.int32, device=state.device, generator=g)
         self.cache_base = torch.randint(0, L, (n,), dtype=torch.int32, device=state.device, generator=g)
@@ -223,10 +232,11 @@ def verify_sequence_error(fns: dict, family, heads, L: int, device, *, B: int = 
     for w in range(windows):
         toks = family.tokens(heads, B, T, g, device)
         out = torch.full((B * T, heads["Hv"], heads["V"]), float("nan"), device=device, dtype=torch.bfloat16)
-        got.append(ver.verify(SGLangVerify.split(*toks), *prm, slots, starts, out).view(B, T, *out.shape[1:]).double())
+        got.append(ver.verify(SGLangVerify.split(*toks), *prm, slots, starts, out).view(B, T, *out.shape[1:]))
         accepted = (torch.arange(B, device=device) + w) % T + 1
         trial = want_state.clone()
-        want.append(torch.stack([_reference_step(family, [x[:, t] for x in toks], prm, trial, slots) for t in range(T)], 1))
+        want.append(torch.stack([_reference_step(family, [x[:, t] for x in toks], prm, trial, slots)
+                                 for t in range(T)], 1))
         for t in range(T):  # the committed state: each row's accepted prefix
             keep = (accepted > t)[:, None, None, None]
             before = want_state[slots.long()]
@@ -246,18 +256,25 @@ class VLLMStep:
         n, H, P, N = state.shape
         g = torch.Generator(device=state.device).manual_seed(seed)
         self.fn, self.state, self.L = fn, state, L
-        self.x = _ring(n, H, L, P, torch.bfloat16, state.device, g)
+        self.x = _values(g, n, H, L, P, dtype=torch.bfloat16, device=state.device)
         self.dt = 0.05 * torch.rand(n, H, L, device=state.device, generator=g)
-        self.B = _ring(n, G, L, N, torch.bfloat16, state.device, g)
+        self.B = _values(g, n, G, L, N, dtype=torch.bfloat16, device=state.device)
         self.bc_pre = torch.empty(B, G, L, device=state.device)
+
+    def empty(self) -> "VLLMStep":
+        """Rings of fresh requests (for the gate)."""
+        for t in (self.x, self.dt, self.B):
+            t.zero_()
+        return self
 
     def args(self, toks, prm) -> dict:
         """MambaMixer2's arguments from one token's x, dt, B, C (z is applied after the kernel)."""
         x, dt, Bm, Cm, _ = toks
         A_log, dt_bias, D = prm
         H, P, N = self.state.shape[1:]
-        return dict(x=x, dt=dt[..., None].expand(*dt.shape, P), A=(-torch.exp(A_log.float()))[:, None, None].expand(H, P, N),
-                    B=Bm, C=Cm, D=D[:, None].expand(H, P), dt_bias=dt_bias[:, None].expand(H, P))
+        A = -torch.exp(A_log.float())  # vLLM keeps A = -exp(A_log) as the layer's parameter
+        return dict(x=x, dt=dt[..., None].expand(*dt.shape, P), A=A[:, None, None].expand(H, P, N), B=Bm, C=Cm,
+                    D=D[:, None].expand(H, P), dt_bias=dt_bias[:, None].expand(H, P))
 
     def __call__(self, args: dict, slots, write_pos, is_flush, out) -> torch.Tensor:
         # vLLM reserves slot 0 as its null block (NULL_BLOCK_ID = 0); the bench's pools give slot 0 to a
@@ -283,25 +300,20 @@ def vllm_step_peer(fn: Callable) -> common.Peer:
         sets = [step.args([t[:, 0] for t in toks], inputs.params) for toks in inputs.tokens[1]]
         flush = [step.is_flush(pools.lengths(i)) for i in range(pools.C)]
         out = torch.empty(pools.B, H, P, device=pools.device, dtype=torch.bfloat16)
-        return lambda s: step(sets[s % common.INPUT_SETS], pools.state_slots(s), pools.lengths(s), flush[s % pools.C], out)
+        return lambda s: step(sets[s % common.INPUT_SETS], pools.state_slots(s), pools.lengths(s),
+                              flush[s % pools.C], out)
 
     def check(family, heads, C, device):
-        return step_sequence_error(family, heads, C, device, lambda state, L: _mamba2_stepper(fn, state, heads, L),
-                                   z=False)
+        def stepper(state, B, L):
+            step = VLLMStep(fn, state.transpose(-1, -2).contiguous(), heads["Hk"], B, L).empty()
+
+            def run(toks, prm, slots, write_pos):
+                out = torch.full(toks[0].shape, float("nan"), device=device, dtype=torch.bfloat16)
+                y = step(step.args(toks, prm), slots, write_pos, step.is_flush(write_pos), out)
+                return y, step.next_write_pos(write_pos)
+            return run
+        return step_sequence_error(family, heads, C, device, stepper, z=False)
     return common.Peer("vllm_step", op, None, check=check, tolerance=TOLERANCE)
-
-
-def _mamba2_stepper(fn, state, heads, L):
-    rows = None
-
-    def run(toks, prm, slots, write_pos):
-        nonlocal rows
-        if rows is None:
-            rows = VLLMStep(fn, state.transpose(-1, -2).contiguous(), heads["Hk"], slots.shape[0], L)
-            rows.x.zero_(), rows.dt.zero_(), rows.B.zero_()
-        out = torch.full(toks[0].shape, float("nan"), device=state.device, dtype=torch.bfloat16)
-        return rows(rows.args(toks, prm), slots, write_pos, rows.is_flush(write_pos), out), rows.next_write_pos(write_pos)
-    return run
 
 
 # ---- the gates ---------------------------------------------------------------------------------------
@@ -312,14 +324,14 @@ def step_sequence_error(family, heads, L: int, device, make_stepper, *, B: int =
     """Relative error of a ReplaySSM step peer over `steps` tokens (default L + 3: a flush and the ring
     after it) from fresh states and empty rings, against the fp64 recurrent reference token by token.
 
-    make_stepper(state (n, Hv, K, V) fp32 in kvbuffer's layout, L) -> run(tokens, params, slots,
+    make_stepper(state (n, Hv, K, V) fp32 in kvbuffer's layout, B, L) -> run(tokens, params, slots,
     write_pos) -> (output, next write_pos). z=False: the peer applies no output gate (vLLM's)."""
     g = torch.Generator(device=device).manual_seed(3)
     n = B + 2
     state = 0.1 * torch.randn(n, heads["Hv"], heads["K"], heads["V"], device=device, generator=g)
     prm = family.params(heads, g, device)
     slots = torch.randperm(n, device=device, generator=g)[:B].to(torch.int32)
-    run, want_state = make_stepper(state, L), state.double()
+    run, want_state = make_stepper(state, B, L), state.double()
     write_pos = torch.zeros(B, dtype=torch.int32, device=device)
     got, want = [], []
     for _ in range(steps or L + 3):
@@ -327,7 +339,7 @@ def step_sequence_error(family, heads, L: int, device, make_stepper, *, B: int =
         if not z:
             toks[-1] = None
         out, write_pos = run(toks, prm, slots, write_pos)
-        got.append(out.double())
+        got.append(out)
         want.append(_reference_step(family, toks, prm, want_state, slots))
     return common.rel_err(torch.stack(got), torch.stack(want))
 
