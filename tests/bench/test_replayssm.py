@@ -97,10 +97,21 @@ def test_rows_compare_each_peer_with_the_op_beside_it():
     assert "2.00" in line and "nan" in line  # the verify ratio; peers without a timing
 
 
-def test_gate_bounds_are_per_peer():
-    kernels.check_gate({"buffered": 0.01, "sglang_step": 0.025}, "s", {"sglang_step": replayssm.TOLERANCE})
-    with pytest.raises(RuntimeError, match="sglang_step"):
-        kernels.check_gate({"buffered": 0.01, "sglang_step": 0.025}, "s")
+def test_gate_runs_a_peers_own_check_and_bounds_it_by_its_tolerance():
+    from tests.bench.test_parts import _ReferenceKernel
+    from kvbuffer.reference import gdn as ref
+
+    heads, C, cap = dict(GDN_HEADS, Hk=2, Hv=4, V=16), 4, 13
+    fakes = {"recurrent": _ReferenceKernel(ref.recurrent_step, True),
+             "buffered": _ReferenceKernel(ref.buffered_step, True, flush_at=C)}
+    fakes.update({f"verify{T}": _ReferenceKernel(ref.verify, False) for T in kernels.VERIFY_TOKENS})
+    seen = []
+    peer = kernels.Peer("rssm", None, None, check=lambda *a: seen.append(a) or 0.025, tolerance=replayssm.TOLERANCE)
+    errors = kernels.gate(gdn, fakes, heads, [peer], C=C, cap=cap, device="cpu")
+    assert errors["rssm"] == 0.025 and seen == [(gdn, heads, C, "cpu")]
+    kernels.check_gate(errors, "s", {"rssm": peer.tolerance})
+    with pytest.raises(RuntimeError, match="rssm"):
+        kernels.check_gate(errors, "s")  # the kernels' own bound
 
 
 def _wheel(tmp_path, name, files):
