@@ -61,6 +61,9 @@ def load(kind: str) -> tuple[dict | None, str]:
     except ImportError as e:
         return None, (f"{kind}: not installed ({module}: {e}); its rows are skipped (install "
                       f"{module.split('.')[0]}, or put a python -m kvbuffer.bench.peer_sources folder on PYTHONPATH)")
+    missing = [n for n in names if not hasattr(mod, n)]
+    if missing:
+        return None, f"{kind}: {module} ({mod.__file__}) has no {missing}: not the release these rows call; skipped"
     return {n: getattr(mod, n) for n in names}, f"{kind}: {module} from {mod.__file__}"
 
 

@@ -72,11 +72,14 @@ def test_timed_calls_run_in_place_on_the_pools(names, family, heads):
             assert torch.isfinite(pools.state).all() and pools.state.data_ptr() == ptr, peer.name
 
 
-def test_a_missing_module_is_one_not_installed_line(monkeypatch):
+def test_a_missing_module_or_function_is_one_line(monkeypatch):
     monkeypatch.setitem(replayssm.MODULES, "sglang_step", ("no_such_server.kernels", ("decode",)))
     found, note = replayssm.load("sglang_step")
     assert found is None and note.startswith("sglang_step: not installed (no_such_server.kernels")
     assert "kvbuffer.bench.peer_sources" in note
+    monkeypatch.setitem(replayssm.MODULES, "sglang_step", ("json", ("dumps", "replayssm_decode")))
+    found, note = replayssm.load("sglang_step")
+    assert found is None and "has no ['replayssm_decode']" in note
 
 
 def test_rows_compare_each_peer_with_the_op_beside_it():
