@@ -1,8 +1,10 @@
-"""Gated DeltaNet decode kernels: buffered step and verify vs recurrent step vs FLA, one GPU.
+"""Gated DeltaNet decode kernels: buffered step and verify vs recurrent step vs SGLang and FLA, one GPU.
 
-`kvbuffer bench gdn` runs it (kvbuffer.bench.kernels says how it measures). Two peers, both FLA
-(fla-core 0.6.0) with the gate (-exp(A_log) * softplus(a + dt_bias)), the sigmoid of beta and the L2
-norm of q and k inside the kernel, as vLLM and SGLang call it:
+`kvbuffer bench gdn` runs it (kvbuffer.bench.kernels says how it measures). Peers: SGLang's
+ReplaySSM step (fp32 and bf16 rings) and verify of 1 + 4 drafts (alone, and with its commit and
+fold), as kvbuffer.bench.replayssm says; and two FLA kernels (fla-core 0.6.0) with the gate
+(-exp(A_log) * softplus(a + dt_bias)), the sigmoid of beta and the L2 norm of q and k inside the
+kernel, as vLLM and SGLang call it:
 
 - "fla": `fused_recurrent_gated_delta_rule`. It takes no state indices, so each launch gets one
   window of B states as a view of the pool and writes the final states to a fresh tensor (the same
@@ -21,7 +23,8 @@ import torch
 from . import kernels as common
 
 NAME = "gdn"
-PEERS = ("fla", "fla_indexed")
+PEERS = {"fla": "recurrent", "fla_indexed": "recurrent", "sglang_step": "buffered", "sglang_step_bf16": "buffered",
+         "sglang_verify5": "verify5", "sglang_verify5_commit": "verify5"}  # name -> the op of ours beside it
 SHAPES = ("qwen3.5-9b", "qwen3.5-27b")  # model presets (kvbuffer.presets) timed by default
 
 
@@ -78,6 +81,30 @@ def reference(kind: str, toks: tuple, prm: tuple, pools: common.Pools, s: int) -
 
 
 def load_peers() -> tuple[list, list[str]]:
+    """(the Peer of each kernel found, one line per peer module saying which or why not)."""
+    found, notes = load_fla_peers()
+    found_r, notes_r = load_replayssm_peers()
+    return found + found_r, notes + notes_r
+
+
+def load_replayssm_peers() -> tuple[list, list[str]]:
+    """SGLang's ReplaySSM step (both ring dtypes) and verify (alone, with its commit), where importable."""
+    from . import replayssm
+
+    step, note_step = replayssm.load("sglang_step")
+    spec, note_spec = replayssm.load("sglang_spec")
+    found = []
+    if step:
+        fn = step["fused_recurrent_linear_replayssm_decode"]
+        found += [replayssm.sglang_step_peer("sglang_step", fn, torch.float32),
+                  replayssm.sglang_step_peer("sglang_step_bf16", fn, torch.bfloat16)]
+    if spec:
+        found += [replayssm.sglang_verify_peer("sglang_verify5", spec, commit=False),
+                  replayssm.sglang_verify_peer("sglang_verify5_commit", spec, commit=True)]
+    return found, [note_step, note_spec]
+
+
+def load_fla_peers() -> tuple[list, list[str]]:
     """(the Peer of each FLA kernel found, one line per peer saying which)."""
     from .peers import load_fla_indexed
 

@@ -1,9 +1,10 @@
-"""Mamba-2 (Nemotron-3) decode kernels: buffered step and verify vs recurrent step vs mamba_ssm, one GPU.
+"""Mamba-2 (Nemotron-3) decode kernels: buffered step and verify vs recurrent step vs vLLM and mamba_ssm, one GPU.
 
-`kvbuffer bench mamba2` runs it (kvbuffer.bench.kernels says how it measures). The peer is
-mamba_ssm's Triton `selective_state_update` called as vLLM and SGLang call it: dt_softplus,
-dt_bias, D, z, grouped B/C, states picked by `state_batch_indices`, and A, dt, dt_bias, D expanded
-over the head dim by stride-0 views. mamba_ssm is an optional peer (a source build that needs
+`kvbuffer bench mamba2` runs it (kvbuffer.bench.kernels says how it measures). Peers: vLLM's
+ReplaySSM step (kvbuffer.bench.replayssm says how it is called), and mamba_ssm's Triton
+`selective_state_update` called as vLLM and SGLang call it: dt_softplus, dt_bias, D, z, grouped
+B/C, states picked by `state_batch_indices`, and A, dt, dt_bias, D expanded over the head dim by
+stride-0 views. mamba_ssm is an optional peer (a source build that needs
 CUDA); where it is not importable its rows are skipped and the run says so in one line.
 mamba_ssm keeps a state as (P, N), kvbuffer as (N, P): the timed peer reads and writes the same
 pool through a (P, N) view of the same bytes; the correctness gate gives it transposed copies.
@@ -21,7 +22,7 @@ import torch
 from . import kernels as common
 
 NAME = "mamba2"
-PEERS = ("mamba_ssm",)
+PEERS = {"mamba_ssm": "recurrent", "vllm_step": "buffered"}  # name -> the op of ours beside it
 SHAPES = ("nemotron-3-nano", "nemotron-3-super")  # model presets (kvbuffer.presets) timed by default
 
 
@@ -104,6 +105,18 @@ def import_mamba_ssm(module: str, attr: str):
 
 
 def load_peers() -> tuple[list, list[str]]:
+    """(mamba_ssm's selective_state_update and vLLM's ReplaySSM step as Peers where importable, and one
+    line per peer saying which or why not)."""
+    from . import replayssm
+
+    found, notes = load_mamba_ssm()
+    step, note = replayssm.load("vllm_step")
+    if step:
+        found.append(replayssm.vllm_step_peer(step["selective_state_update_replayssm_output_only"]))
+    return found, notes + [note]
+
+
+def load_mamba_ssm() -> tuple[list, list[str]]:
     """(mamba_ssm's selective_state_update as a Peer, or none, and one line saying which)."""
     try:
         fn, extra = import_mamba_ssm("mamba_ssm.ops.triton.selective_state_update", "selective_state_update")

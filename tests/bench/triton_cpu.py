@@ -1,0 +1,64 @@
+"""Triton's CPU interpreter (TRITON_INTERPRET=1) for tests that run the servers' Triton kernels on CPU
+tensors, with its two known bugs worked around (triton 3.9; the kernels themselves are left alone):
+
+- a mask that is a scalar comparison reaches load/store as a non-bool array ("mask has unsupported
+  dtype"): masks are cast to bool;
+- `tl.dot` on bf16 operands multiplies their raw uint16 bit patterns: bf16 operands are widened to
+  fp32 first (exact), as the GPU's tensor cores read them.
+
+TRITON_INTERPRET must be set before triton is first imported (triton's own library functions are
+decorated then): `request_interpreter()`, called when a test module is imported, sets it if triton
+is not imported yet; `interpreted()` patches the builder around a test, and skips the test when
+triton is absent or was imported without the interpreter (run that test file on its own then).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import sys
+
+import numpy as np
+import pytest
+
+
+def _widen_bf16(data: np.ndarray) -> np.ndarray:
+    return (data.astype(np.uint32) << 16).view(np.float32)
+
+
+def request_interpreter() -> None:
+    if "triton" not in sys.modules:
+        os.environ["TRITON_INTERPRET"] = "1"
+
+
+@contextlib.contextmanager
+def interpreted():
+    pytest.importorskip("triton")
+    import triton.language as tl
+    from triton.runtime import interpreter
+
+    if not isinstance(tl.cumsum, interpreter.InterpretedFunction):
+        pytest.skip("triton was imported before TRITON_INTERPRET=1 was set: run this test file on its own")
+
+    builder = interpreter.InterpreterBuilder
+    plain_load, plain_store, plain_dot = builder.create_masked_load, builder.create_masked_store, builder.create_dot
+
+    def as_bool(mask):
+        return interpreter.TensorHandle(np.asarray(mask.data).astype(bool), tl.int1)
+
+    def load(self, ptrs, mask, other, cache_policy, is_volatile):
+        return plain_load(self, ptrs, as_bool(mask), other, cache_policy, is_volatile)
+
+    def store(self, ptrs, value, mask, cache_policy):
+        return plain_store(self, ptrs, value, as_bool(mask), cache_policy)
+
+    def dot(self, a, b, d, input_precision, max_num_imprecise_acc):
+        def fp32(h):
+            return interpreter.TensorHandle(_widen_bf16(h.data), tl.float32) if h.dtype.scalar == tl.bfloat16 else h
+        return plain_dot(self, fp32(a), fp32(b), d, input_precision, max_num_imprecise_acc)
+
+    builder.create_masked_load, builder.create_masked_store, builder.create_dot = load, store, dot
+    try:
+        yield
+    finally:
+        builder.create_masked_load, builder.create_masked_store, builder.create_dot = plain_load, plain_store, plain_dot
