@@ -81,8 +81,8 @@ def _kernel_command(family: str, peer: str):
     return command
 
 
-_kernel_command("gdn", "FLA's fused_recurrent_gated_delta_rule")
-_kernel_command("mamba2", "mamba_ssm's selective_state_update")
+_kernel_command("gdn", "FLA's fused_recurrent_gated_delta_rule, SGLang's ReplaySSM step and verify where importable")
+_kernel_command("mamba2", "mamba_ssm's selective_state_update, vLLM's ReplaySSM step where importable")
 
 
 def _fp8_option(f):

@@ -216,7 +216,7 @@ def new_result(kind: str, *, C: int, cap: int, peers: Mapping[str, str], peer_no
             "launches": launches,
             "replays": replays,
             "timing": "", "verify": "verifyT feeds T tokens per row: T - 1 drafts and the token before them",
-            "gate": {}, "configs": {}, "rows": []}
+            "gate": {}, "gate_bounds": {}, "configs": {}, "rows": []}
 
 
 def finish_timing(result: dict, rotated: list[float]) -> None:
@@ -364,8 +364,10 @@ def run(family, *, shapes, batches=KERNEL_BATCHES, C: int = 16, cap: int = 24, c
                 kernels = family.build(heads, C=C, cap=cap, configs=cfg)
                 errors = gate(family, kernels, heads, peers, C=C, cap=cap)
                 print(f"gate {shape} {cfg}: " + " ".join(f"{k}={v:.2e}" for k, v in errors.items()), flush=True)
-                check_gate(errors, shape, {p.name: p.tolerance for p in peers})
+                bounds = {p.name: p.tolerance for p in peers}
+                check_gate(errors, shape, bounds)
                 result["gate"].setdefault(shape, errors)
+                result["gate_bounds"].setdefault(shape, bounds)
                 built[name] = kernels
             result["configs"].setdefault(shape, {})[str(B)] = cfg
             return built[name]
