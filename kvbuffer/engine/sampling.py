@@ -7,19 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .validate import check_finite, check_int, check_seed, check_stop_ids, describe
-
-# The smallest positive temperature (0 is greedy): logits / T stay finite for every |logit| below
-# 3.4e36, where a tiny T (1e-40, or 1.2e-38, an ordinary fp32 value) overflows and leaves no distribution.
-MIN_TEMPERATURE = 1e-2
-
-
-def check_temperature(value) -> None:
-    """A temperature: 0 (greedy) or a finite number >= MIN_TEMPERATURE; TypeError/ValueError naming it."""
-    check_finite("temperature", value)
-    if value != 0 and not value >= MIN_TEMPERATURE:
-        raise ValueError(f"temperature must be 0 (greedy) or a number >= {MIN_TEMPERATURE}, got {value!r}")
-
+from .validate import MIN_TEMPERATURE, check_finite, check_int, check_seed, check_stop_ids, check_temperature, describe
 
 @dataclass(frozen=True)
 class SamplingParams:
@@ -27,7 +15,7 @@ class SamplingParams:
     request that holds a SamplingParams cannot fail on its settings mid-run."""
 
     max_new_tokens: int = 64
-    temperature: float = 0.0  # 0 = greedy, else >= MIN_TEMPERATURE
+    temperature: float = 0.0  # 0 = greedy, else >= MIN_TEMPERATURE (validate.check_temperature)
     top_k: int = 0  # 0 = off
     top_p: float = 1.0
     seed: int | None = None

@@ -13,6 +13,17 @@ from collections.abc import Collection, Mapping
 
 SEED_LIMIT = 2**63  # torch.Generator.manual_seed takes a 64-bit seed; the engine adds the prompt index
 
+# The smallest positive temperature (0 is greedy): logits / T stay finite for every |logit| below
+# 3.4e36, where a tiny T (1e-40, or 1.2e-38, an ordinary fp32 value) overflows and leaves no distribution.
+MIN_TEMPERATURE = 1e-2
+
+
+def check_temperature(value) -> None:
+    """A temperature: 0 (greedy) or a finite number >= MIN_TEMPERATURE; TypeError/ValueError naming it."""
+    check_finite("temperature", value)
+    if value != 0 and not value >= MIN_TEMPERATURE:
+        raise ValueError(f"temperature must be 0 (greedy) or a number >= {MIN_TEMPERATURE}, got {value!r}")
+
 
 def is_int(value) -> bool:
     """An integer that is not a bool: True is an int to Python but never a count to a user."""
