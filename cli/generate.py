@@ -21,7 +21,7 @@ def _temperature(ctx, param, value):
     try:
         check_temperature(value)
     except (TypeError, ValueError):
-        raise click.BadParameter(f"must be 0 (greedy) or a finite number >= {MIN_TEMPERATURE}, got {value}") from None
+        raise click.BadParameter(f"must be a finite number, 0 (greedy) or >= {MIN_TEMPERATURE}, got {value}") from None
     return value
 
 

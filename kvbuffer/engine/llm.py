@@ -263,6 +263,8 @@ class LLM:
     def abort(self, rid: int) -> Request | None:
         """Stop a request now (waiting or running) and free its slots; returns it, or None if it is done
         or unknown. Call between steps, from the thread that calls step()."""
+        if isinstance(rid, bool) or not isinstance(rid, int):
+            raise TypeError(f"rid must be a request id (an int from add_request), got {describe(rid)}")
         with self._lock:
             return self.core.abort(rid)
 

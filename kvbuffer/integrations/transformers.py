@@ -98,6 +98,8 @@ def enable(model: torch.nn.Module, *, chunk_size: int = 16) -> torch.nn.Module:
 
 def disable(model: torch.nn.Module) -> torch.nn.Module:
     """Give the layers back their own forward; returns `model`. Fold kept caches first (`fold`)."""
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
     for module in enabled_layers(model):
         del module.forward
         delattr(module, CHUNK_ATTRIBUTE)

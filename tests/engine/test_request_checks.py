@@ -153,3 +153,10 @@ def test_generate_from_four_threads_at_once_gives_each_its_own_outputs():
         th.join(timeout=300)
     assert not errors and got == want
     assert all_free(llm) and not llm.has_work()
+
+
+@pytest.mark.parametrize("rid", ["3", 3.0, None, True], ids=["str", "float", "None", "bool"])
+def test_abort_takes_a_request_id(llm, rid):
+    with pytest.raises(TypeError, match="rid must be a request id"):
+        llm.abort(rid)
+    assert llm.abort(10**9) is None  # an unknown id: nothing to stop

@@ -37,3 +37,8 @@ def test_a_batch_whose_buffers_cannot_fit_is_refused_before_they_are_made(model,
             model.generate(ids, max_new_tokens=3, do_sample=False, pad_token_id=0)
     finally:
         kvb.disable(model)
+
+
+def test_disable_takes_a_module():
+    with pytest.raises(TypeError, match="model must be a torch.nn.Module, got str"):
+        kvb.disable("qwen3.5")
