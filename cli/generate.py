@@ -10,8 +10,19 @@ from pathlib import Path
 
 import click
 
+from kvbuffer.engine.validate import MIN_TEMPERATURE, check_temperature
+
 from .engine_options import engine_options
 from .presets import resolve_model
+
+
+def _temperature(ctx, param, value):
+    """The engine's own temperature rule (0, or at least its MIN_TEMPERATURE), as a usage error."""
+    try:
+        check_temperature(value)
+    except (TypeError, ValueError):
+        raise click.BadParameter(f"must be a finite number, 0 (greedy) or >= {MIN_TEMPERATURE}, got {value}") from None
+    return value
 
 
 def _seed(ctx, param, value):
@@ -35,7 +46,7 @@ def _seed(ctx, param, value):
 @click.option("--max-new-tokens", default=128, show_default=True, type=click.IntRange(min=1),
               help="Most tokens generated per prompt (fewer where the model ends its text).")
 @click.option("--temperature", default=0.0, show_default=True, type=click.FloatRange(min=0.0),
-              callback=lambda ctx, param, v: _finite(v), help="0 = greedy.")
+              callback=_temperature, help=f"0 = greedy; else at least {MIN_TEMPERATURE}.")
 @click.option("--top-k", default=0, show_default=True, type=click.IntRange(min=0),
               help="Sample among the k likeliest tokens only; 0 = all.")
 @click.option("--top-p", default=1.0, show_default=True, type=click.FloatRange(0.0, 1.0, min_open=True),

@@ -49,3 +49,9 @@ class CheckpointError(KVBufferError, ValueError):
 
 class QueueFullError(KVBufferError, RuntimeError):
     """Too many requests already wait for a slot; try again later (a server answers 503)."""
+
+
+class RequestError(KVBufferError, ValueError):
+    """One request of a batch failed on its own (its logits were NaN or infinite, or its sampling
+    failed) and was finished with finish_reason "error"; the other requests completed. The message
+    names the request (generate(): the prompt's index)."""

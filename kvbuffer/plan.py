@@ -110,6 +110,18 @@ def request_spec(geo: ModelGeometry, *, scheme: str, context: int, draft_tokens:
     )
 
 
+def check_fits(parts: Mapping[str, int], available: int, named: Mapping[str, str], where: str) -> int:
+    """The total of `parts` (tensor name -> bytes), or a ValueError, to raise before anything is
+    allocated, where they need more than `available` bytes: it names the arguments that size the
+    largest tensor (named[tensor]) and gives the bytes needed and free on `where`."""
+    total = sum(parts.values())
+    if total > available:
+        largest = max(parts, key=parts.get)
+        raise ValueError(f"{named[largest]}: the caches would need {total:,} B ({largest} {parts[largest]:,} B), "
+                         f"more than the {available:,} B free on {where}")
+    return total
+
+
 @dataclass(frozen=True)
 class Plan:
     scheme: str

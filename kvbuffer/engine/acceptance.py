@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from .sampling import ROWS_PER_PASS, SamplingParams, check_drawn, draw, filtered_rows, on_device
+from .sampling import ROWS_PER_PASS, SamplingParams, draw, filtered_rows, greedy_picks, on_device
 
 
 def accept_drafts(logits: torch.Tensor, drafts: list[int | None], params: SamplingParams,
@@ -19,13 +19,14 @@ def accept_drafts(logits: torch.Tensor, drafts: list[int | None], params: Sampli
 
     logits: (T+1, V), row i is the target's prediction after the real token and drafts[:i].
     drafts: T proposals; None marks padding (never kept). Returns (kept m, next token).
-    argmax: logits' argmax per row when the caller computed it for the whole batch at once.
+    argmax: logits' greedy_picks per row when the caller computed them for the whole batch at once.
+    A row of NaN or infinite logits picks NO_TOKEN, which no draft equals.
     """
     if params.temperature != 0.0:
         kept, following = accept_sampled(logits[None], [drafts], [params], [generator])
         return kept[0], following[0]
     if argmax is None:
-        argmax = torch.argmax(logits, dim=-1).tolist()
+        argmax = greedy_picks(logits).tolist()
     for i, d in enumerate(drafts):
         if d is None or d != argmax[i]:
             return i, argmax[i]
@@ -40,7 +41,8 @@ def accept_sampled(logits: torch.Tensor, drafts: list[list[int | None]], params:
     logits: (R, T+1, V); drafts: R lists of T proposals (None: padding, never kept); each row's own
     params (temperature > 0) and generator. Draft i is kept while u_i < p_i(d_i); the next token is
     drawn from p_m without d_m after a rejection at m, from p_T when all were kept. Every row draws
-    all T uniforms, so the batch runs in a fixed number of launches."""
+    all T uniforms, so the batch runs in a fixed number of launches. A row without a distribution
+    (NaN or infinite logits) keeps what it kept before it and gets NO_TOKEN as its next token."""
     R, T1, V = logits.shape
     T = T1 - 1
     if len(drafts) != R or len(params) != R or len(generators) != R:
@@ -69,4 +71,4 @@ def accept_sampled(logits: torch.Tensor, drafts: list[list[int | None]], params:
     q = q.masked_fill(torch.arange(V, device=dev) == d_m[:, None], 0.0)  # the residual: p_m without d_m
     following = draw(q, generators)  # the race needs no normalised weights: argmax(q_i / E_i) is drawn by q
     out = torch.stack([kept, following]).tolist()
-    return out[0], check_drawn(out[1])
+    return out[0], out[1]

@@ -6,7 +6,7 @@ from __future__ import annotations
 import logging
 
 from ..defaults import DEFAULT_CHUNK_SIZE
-from ..plan import geometry_of, request_spec
+from ..plan import check_fits, geometry_of, request_spec
 from ..runtime.backend import missing_kernel, unbuffered_kernels
 from ..runtime.caches import CacheSpec
 
@@ -97,3 +97,27 @@ def plan_caches(config, model, dtype) -> CacheSpec:
         if requests < 1:
             raise ValueError(f"memory_budget {config.memory_budget} B holds no request ({per} B each)")
     return request_spec(geometry, **sizes, requests=requests, states=states or requests)
+
+
+def check_cache_memory(config, spec: CacheSpec, model, dtype, buffer_dtype, device) -> None:
+    """Before any cache is allocated: ValueError (plan.check_fits) where the caches `spec` describes,
+    and an MTP head's KV cache, need more than `device`'s free memory, naming the sizes behind the
+    largest tensor (max_len for the KV cache, chunk_size for the buffers, ...)."""
+    from .validate import free_memory
+
+    batch = f"memory_budget={config.memory_budget}" if config.memory_budget is not None else \
+        f"max_batch={config.max_batch}"
+    states = f"max_states={config.max_states}" if config.max_states is not None and config.memory_budget is None \
+        else batch
+    named = {"states": states, "conv": batch, "draft_states": f"{batch} with speculative decoding",
+             "buffer_keys": f"chunk_size={spec.chunk_size} (with {batch})", "kv_keys": f"max_len={config.max_len} "
+             f"(with {batch})"}
+    named.update(buffer_values=named["buffer_keys"], buffer_log_decay=named["buffer_keys"], kv_values=named["kv_keys"])
+    parts = spec.nbytes(dtype, buffer_dtype)
+    speculative = config.speculative
+    if speculative is not None and speculative.method == "mtp" and getattr(model, "mtp", None) is not None:
+        c = model.config  # the MTP head's own KV cache (drafters.MTPDrafter)
+        parts["mtp_kv"] = 2 * model.mtp.num_attention_layers * spec.max_requests * \
+            (config.max_len + 2 * speculative.fed + 2) * c.num_key_value_heads * c.head_dim * dtype.itemsize
+        named["mtp_kv"] = named["kv_keys"]
+    check_fits(parts, free_memory(device), named, str(device))

@@ -14,15 +14,18 @@ from __future__ import annotations
 
 import torch
 
+from .sampling import greedy_picks
+
 PADDING_DRAFT = -1  # a verify column's id for a draft the drafter did not propose: never kept
 
 
 def greedy_accepts(ids: torch.Tensor, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """ids (B, T+1): each row's real token then its T drafts (PADDING_DRAFT where none); logits
     (B, T+1, vocab). Returns the target's greedy picks (B, T+1) and the drafts kept (B,): the
-    leading drafts equal to the pick before them (speculative.accept_drafts' greedy rule)."""
-    picks = torch.argmax(logits, dim=-1)
-    agree = (ids[:, 1:] == picks[:, :-1]).to(torch.int32)
+    leading drafts equal to the pick before them (speculative.accept_drafts' greedy rule). A position
+    whose logits are NaN or infinite picks NO_TOKEN (sampling.greedy_picks), which keeps no draft."""
+    picks = greedy_picks(logits)
+    agree = ((ids[:, 1:] == picks[:, :-1]) & (picks[:, :-1] >= 0)).to(torch.int32)
     return picks, torch.cumprod(agree, dim=1).sum(dim=1)
 
 

@@ -4,6 +4,10 @@ Each step admits the waiting requests that fit, feeds at most `max_prefill_token
 (chunked prefill: a long prompt spreads over steps while the others keep decoding), runs one
 decode (or draft + verify) step for the requests whose prompts are done, samples, and retires the
 finished ones, whose slots are freed at once.
+
+A request whose row cannot be sampled (NaN or infinite logits, or its sampling raises) is finished
+alone with finish_reason "error" and a message (Request.error); the other rows of the step go on
+with the tokens they would have had without it.
 """
 
 from __future__ import annotations
@@ -16,7 +20,7 @@ from .outputs import GenerationStats, StepOutput, group_events
 from .overlap import OverlapPipeline, ends_at_length
 from .request import Request
 from .runner import ModelRunner
-from .sampling import penalize_requests, sample_rows, sample_token, token_logprob
+from .sampling import NO_TOKEN, NO_TOKEN_ERROR, penalize_requests, pick_rows, token_logprob
 from .scheduler import Scheduler
 from .speculative import SpeculativeDecoder
 
@@ -37,8 +41,9 @@ class EngineCore:
         self.stats: GenerationStats | None = None  # generate()'s counts, while it runs
         self._events: list = []  # (rid, token, logprob) of the step in progress
         self._prompt_hidden: dict[int, list[torch.Tensor]] = {}  # rid -> hidden states of its prompt so far
+        self._row_errors: dict[int, str] = {}  # rid -> why its pick failed, until emit() finishes it
         self.overlapped = overlap
-        self.overlap = OverlapPipeline(runner, self.generators, self.emit)
+        self.overlap = OverlapPipeline(runner, self.pick, self.emit)
         self.speculative = None if speculative is None else \
             SpeculativeDecoder(speculative, drafter, runner, self.generators, self.emit)
         self._fed = speculative.fed if speculative is not None else 1
@@ -101,13 +106,14 @@ class EngineCore:
                 self._finish(req, "abort")
             raise
         self._retire_finished(finished)
-        return group_events(self._events, finished)
+        return group_events(self._events, {rid: r.finish_reason for rid, r in finished.items()},
+                            {rid: r.error for rid, r in finished.items() if r.error is not None})
 
     def _retire_finished(self, finished: dict) -> None:
         for req in [r for r in self.scheduler.running if r.finish_reason is not None]:
             self.scheduler.finish(req)
             self._finish(req)
-            finished[req.rid] = req.finish_reason
+            finished[req.rid] = req
 
     def _admit(self, req: Request) -> None:
         try:
@@ -144,6 +150,7 @@ class EngineCore:
         self.generators.pop(req.rid, None)
         self._prepares.pop(req.rid, None)
         self._prompt_hidden.pop(req.rid, None)
+        self._row_errors.pop(req.rid, None)
         if self.done is not None:
             self.done[req.rid] = req
 
@@ -172,9 +179,9 @@ class EngineCore:
                 return
 
     def _first_token(self, req: Request, logits: torch.Tensor, want_hidden: bool) -> None:
-        self.emit(req, sample_token(penalize_requests(logits[None], [req])[0], req.params, self.generators[req.rid]),
-                  logits)
-        if want_hidden:  # the head learns the prompt: each position fed with the token after it
+        self.emit(req, self.pick(logits[None], [req]).tolist()[0], logits)
+        if want_hidden and req.finish_reason != "error":  # the head learns the prompt, each position fed
+            # with the token after it
             hidden = torch.cat(self._prompt_hidden.pop(req.rid))
             self.drafter.on_prefill(req, hidden, req.context[req.cached - len(hidden) + 1:req.cached + 1])
 
@@ -196,15 +203,37 @@ class EngineCore:
             fed = len(running)
             if running:
                 logits = self.runner.decode(running)
-                tokens = sample_rows(penalize_requests(logits, running), [r.params for r in running],
-                                     [self.generators[r.rid] for r in running])
+                tokens = self.pick(logits, running).tolist()
                 for req, row, token in zip(running, logits, tokens):
                     self.emit(req, token, row if req.wants_logits else None)
         if self.stats is not None:  # reading tokens back waited for the device (overlapped: the step before)
             self.stats.add_step(time.perf_counter() - t0, len(self._events) - before, fed, len(running))
 
+    def pick(self, logits: torch.Tensor, reqs: list[Request]) -> torch.Tensor:
+        """Each request's token from its row of logits (B, V), penalized, on the device (sampling.pick_rows):
+        NO_TOKEN where the row has none to pick. Where picking the batch raises, each row is picked
+        alone and a row that raises again gets NO_TOKEN and its error (its neighbours draw again)."""
+        try:
+            return pick_rows(penalize_requests(logits, reqs), [r.params for r in reqs],
+                             [self.generators[r.rid] for r in reqs])
+        except Exception:
+            if len(reqs) == 1:
+                return self._pick_alone(logits, reqs)
+            return torch.cat([self._pick_alone(logits[i:i + 1], [r]) for i, r in enumerate(reqs)])
+
+    def _pick_alone(self, logits: torch.Tensor, reqs: list[Request]) -> torch.Tensor:
+        try:
+            return pick_rows(penalize_requests(logits, reqs), [reqs[0].params], [self.generators[reqs[0].rid]])
+        except Exception as e:
+            self._row_errors[reqs[0].rid] = f"sampling failed: {type(e).__name__}: {_one_line(e)}"
+            return torch.full((1,), NO_TOKEN, dtype=torch.long, device=logits.device)
+
     def emit(self, req: Request, token: int, logits: torch.Tensor | None = None) -> None:
-        """Append a sampled token; `logits` (its row) is read only when req.wants_logits, else may be None."""
+        """Append a sampled token; `logits` (its row) is read only when req.wants_logits, else may be None.
+        NO_TOKEN finishes the request alone with finish_reason "error" (nothing appended)."""
+        if token == NO_TOKEN:
+            req.finish_reason, req.error = "error", self._row_errors.pop(req.rid, f"sampling: {NO_TOKEN_ERROR}")
+            return
         req.output.append(token)
         if req.keep_logits:
             req.logits.append(logits.detach().float().cpu())
@@ -216,3 +245,7 @@ class EngineCore:
             req.finish_reason = "stop"
         elif ends_at_length(req, len(req.output), self.runner.spec.max_len):
             req.finish_reason = "length"  # max_new_tokens, or the next token could not be fed within max_len
+
+
+def _one_line(e: BaseException) -> str:
+    return str(e).splitlines()[0] if str(e) else repr(e)

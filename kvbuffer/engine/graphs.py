@@ -146,7 +146,7 @@ class StepInputs:
         self._picked_rows = n
         host = self._picked_host[self._picks % 2][:n]  # two: the host may still read the last one
         self._picks += 1
-        host.copy_(self.picked[:n], non_blocking=True)
+        host.copy_(picks, non_blocking=True)  # unclamped: the host finishes a -1 row with an error
         done = None
         if self._copied is not None:
             done = torch.cuda.Event()

@@ -7,14 +7,17 @@ serve` drives the same core through `add_request()`, `step()` and `abort()`.
 from __future__ import annotations
 
 import dataclasses
+import numbers
+import threading
 import time
 from pathlib import Path
 
 import torch
 
+from ..errors import RequestError
 from ..models.layers import one_row_experts
 from ..runtime.backend import kernel_dtype, resolve_backend
-from .choices import plan_caches, use_graphs, use_unbuffered_rows
+from .choices import check_cache_memory, plan_caches, use_graphs, use_unbuffered_rows
 from .compiled import use_compile
 from .config import EngineConfig, check_model
 from .core import EngineCore
@@ -26,7 +29,7 @@ from .request import Request
 from .runner import ModelRunner
 from .sampling import SamplingParams, seeded_generator
 from .speculative import make_drafter
-from .validate import check_generate_args
+from .validate import SEED_LIMIT, check_generate_args, describe, token_ids
 
 __all__ = ["LLM", "GenerationOutput", "StepOutput"]
 
@@ -38,11 +41,18 @@ class LLM:
     model instance. config: an EngineConfig (its fields' help says what each does); keyword arguments
     replace its fields (`LLM(path, chunk_size=8)`). tokenizer: overrides the checkpoint's.
     What the "auto" options resolved to: `backend` (`kernels`, `kernels_reason`), `gemv`, `cuda_graphs`,
-    `compiled`, `overlap`, `unbuffered_rows`, `chunk_size`.
+    `compiled`, `overlap`, `unbuffered_rows`, `chunk_size`. The caches' sizes are planned before any
+    is allocated: a ValueError names the sizes that do not fit in the device's free memory.
+
+    Thread-safe: generate(), add_request(), step() and abort() hold one lock, so calls from several
+    threads run one after another (generate() still needs an engine with no request in flight).
     """
 
     def __init__(self, model, config: EngineConfig | None = None, *, tokenizer=None, **kwargs):
         check_model(model)
+        if tokenizer is not None and not (callable(getattr(tokenizer, "encode", None))
+                                          and callable(getattr(tokenizer, "decode", None))):
+            raise TypeError(f"tokenizer must have encode() and decode() (or be None), got {describe(tokenizer)}")
         self.config = config = EngineConfig.from_kwargs(config, **kwargs)
         self.device = torch.device(config.device if config.device is not None else
                                    "cuda" if torch.cuda.is_available() else "cpu")
@@ -70,8 +80,10 @@ class LLM:
         self.unbuffered_rows = use_unbuffered_rows(
             config.unbuffered_rows, spec, self.dtype, kernels=self.kernels,
             buffered_decode=self.mode == "kvbuffer" and self.speculative is None)
+        buffer_dtype = kernel_dtype(self.dtype) if self.kernels else None
+        check_cache_memory(config, spec, model, self.dtype, buffer_dtype, self.device)
         runner = ModelRunner(model, spec, mode=self.mode, device=self.device, dtype=self.dtype,
-                             buffer_dtype=kernel_dtype(self.dtype) if self.kernels else None, backend=self.backend,
+                             buffer_dtype=buffer_dtype, backend=self.backend,
                              cuda_graphs=self.cuda_graphs, compile=self.compiled, unbuffered_rows=self.unbuffered_rows)
         drafter = make_drafter(self.speculative, model, max_requests=spec.max_requests, max_len=config.max_len,
                                device=self.device, dtype=self.dtype)
@@ -81,6 +93,7 @@ class LLM:
         self.vocab_size = model.config.vocab_size
         self.last_stats = GenerationStats()
         self._next_rid = 0
+        self._lock = threading.RLock()  # one caller at a time (generate holds it for its whole run)
 
     # the parts, for tests and tools --------------------------------------------------------------
     @property
@@ -144,21 +157,36 @@ class LLM:
         Returns one GenerationOutput per prompt, in order. `on_token(index, token_id)` is called
         for every sampled token (streaming). Greedy when temperature == 0. A request whose context
         reaches max_len ends with finish_reason "length"; the others go on. The penalties are
-        SamplingParams' (OpenAI's presence and frequency, vLLM's repetition; 0, 0, 1 = off).
+        SamplingParams' (OpenAI's presence and frequency, vLLM's repetition; 0, 0, 1 = off), as are
+        the checks of every setting. A prompt that fails on its own (NaN logits) does not stop the
+        others: once they are done, RequestError names it.
         """
-        check_generate_args(prompts, max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k,
-                            top_p=top_p, seed=seed, stop_token_ids=stop_token_ids, return_logits=return_logits,
-                            on_token=on_token, vocab_size=self.vocab_size)
-        penalties = dict(presence_penalty=presence_penalty, frequency_penalty=frequency_penalty,
-                         repetition_penalty=repetition_penalty)
-        SamplingParams(**penalties)  # their check, before anything is encoded or admitted
+        check_generate_args(stop_token_ids=stop_token_ids, return_logits=return_logits, on_token=on_token,
+                            vocab_size=self.vocab_size)
+        sampling = dict(max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
+                        stop_token_ids=stop_token_ids, presence_penalty=presence_penalty,
+                        frequency_penalty=frequency_penalty, repetition_penalty=repetition_penalty)
+        SamplingParams(seed=seed, **sampling)  # every setting's check, before anything is encoded or admitted
+        prompt_ids = self._encode_all(prompts)
+        if seed is not None and seed + len(prompt_ids) > SEED_LIMIT:
+            raise ValueError(f"seed must be at most {SEED_LIMIT - len(prompt_ids)} for {len(prompt_ids)} prompts "
+                             f"(prompt i samples with seed + i), got {seed}")
+        params = [SamplingParams(seed=None if seed is None else seed + i, **sampling) for i in range(len(prompt_ids))]
+        with self._lock:
+            reqs, stats = self._run(prompt_ids, params, return_logits, on_token, _prepare)
+        failed = [(i, r) for i, r in enumerate(reqs) if r.finish_reason == "error"]
+        if failed:
+            i, r = failed[0]
+            more = f" ({len(failed) - 1} more prompt(s) failed)" if len(failed) > 1 else ""
+            raise RequestError(f"prompt {i}: {r.error}{more}")
+        return [GenerationOutput(r.prompt, r.output, r.finish_reason, self._decode_text(r.output), r.logits)
+                for r in reqs]
+
+    def _run(self, prompt_ids, params, return_logits, on_token, _prepare) -> tuple[list[Request], GenerationStats]:
+        """generate()'s loop, under the lock: every request to its end (a failed one ends alone)."""
         core = self.core
         if core.has_work():
             raise RuntimeError("generate() needs an idle engine; requests added with add_request() are in flight")
-        prompt_ids = self._encode_all(prompts)
-        stops = tuple(stop_token_ids) if stop_token_ids is not None else None
-        params = [SamplingParams(max_new_tokens, temperature, top_k, top_p, None if seed is None else seed + i, stops,
-                                 **penalties) for i in range(len(prompt_ids))]
         start = time.perf_counter()
         core.done = {}
         core.stats = stats = GenerationStats(len(prompt_ids), sum(len(p) for p in prompt_ids))
@@ -182,8 +210,7 @@ class LLM:
         stats.generated_tokens = sum(len(r.output) for r in reqs)
         stats.seconds = time.perf_counter() - start
         self.last_stats = stats
-        return [GenerationOutput(r.prompt, r.output, r.finish_reason, self._decode_text(r.output), r.logits)
-                for r in reqs]
+        return reqs, stats
 
     def warm_up(self) -> None:
         """Compile and capture the decode step before the first request, so that no running request waits
@@ -203,28 +230,43 @@ class LLM:
     # the step-able engine ----------------------------------------------------------------------
     def add_request(self, prompt_ids: list[int], params: SamplingParams, *, return_logits: bool = False,
                     _prepare=None) -> int:
-        """Queue a request (token ids); returns its id. A later step() admits it once the pools have room.
-        ValueError when the prompt is empty, has an id outside the vocabulary or cannot fit in max_len."""
+        """Queue a request (token ids: a list of ints or a 1-D integer tensor); returns its id. A later step()
+        admits it once the pools have room. TypeError for ids that are not ints; ValueError when the prompt
+        is empty, has an id outside the vocabulary or cannot fit in max_len, or a stop id is outside the
+        vocabulary."""
         if not isinstance(params, SamplingParams):
             raise TypeError(f"params must be a SamplingParams, got {type(params).__name__}")
-        prompt_ids = [int(t) for t in prompt_ids]
+        if not isinstance(return_logits, bool):
+            raise TypeError(f"return_logits must be True or False, got {describe(return_logits)}")
+        if _prepare is not None and not callable(_prepare):
+            raise TypeError(f"_prepare must be a callable(request) or None, got {describe(_prepare)}")
+        prompt_ids = token_ids(prompt_ids, "prompt_ids")
         self._check_prompt(prompt_ids, "prompt_ids")
+        bad = [t for t in params.stop_token_ids or () if t >= self.vocab_size]
+        if bad:
+            raise ValueError(f"stop_token_ids entry {bad[0]} is outside the vocabulary [0, {self.vocab_size})")
         if params.stop_token_ids is None:
             params = dataclasses.replace(params, stop_token_ids=tuple(self.model.config.eos_token_ids))
-        req = Request(self._next_rid, prompt_ids, params, keep_logits=return_logits)
-        self._next_rid += 1
-        # _prepare: e.g. caches imported from transformers, right after admission
-        self.core.add(req, seeded_generator(params.seed, self.device), _prepare)
-        return req.rid
+        with self._lock:
+            req = Request(self._next_rid, prompt_ids, params, keep_logits=return_logits)
+            self._next_rid += 1
+            # _prepare: e.g. caches imported from transformers, right after admission
+            self.core.add(req, seeded_generator(params.seed, self.device), _prepare)
+            return req.rid
 
     def step(self) -> list[StepOutput]:
-        """One engine step (EngineCore.step): the tokens each request got, finished requests' slots freed."""
-        return self.core.step()
+        """One engine step (EngineCore.step): the tokens each request got, finished requests' slots freed; a
+        request that failed alone ends with finish_reason "error" and its message in StepOutput.error."""
+        with self._lock:
+            return self.core.step()
 
     def abort(self, rid: int) -> Request | None:
         """Stop a request now (waiting or running) and free its slots; returns it, or None if it is done
         or unknown. Call between steps, from the thread that calls step()."""
-        return self.core.abort(rid)
+        if isinstance(rid, bool) or not isinstance(rid, int):
+            raise TypeError(f"rid must be a request id (an int from add_request), got {describe(rid)}")
+        with self._lock:
+            return self.core.abort(rid)
 
     def has_work(self) -> bool:
         return self.core.has_work()
@@ -242,7 +284,9 @@ class LLM:
         return AutoConfig.from_pretrained(str(self.checkpoint_dir))
 
     def _encode_all(self, prompts) -> list[list[int]]:
-        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+        """The prompts as lists of token ids, each checked (a string, a list of ints or a 1-D integer tensor)."""
+        flat = isinstance(prompts, list) and prompts and isinstance(prompts[0], numbers.Number)
+        if isinstance(prompts, str) or flat:  # one prompt
             prompts = [prompts]
         if not isinstance(prompts, (list, tuple)) or not prompts:
             raise ValueError("prompts must be a string, a list of token ids, or a non-empty list of those")
@@ -253,7 +297,7 @@ class LLM:
                     raise ValueError("text prompts need a tokenizer; pass token ids or a checkpoint with tokenizer files")
                 ids = list(self.tokenizer.encode(p))
             else:
-                ids = [int(t) for t in p]
+                ids = token_ids(p, f"prompt {i}", "a string or a list of token ids")
             self._check_prompt(ids, f"prompt {i}")
             out.append(ids)
         return out

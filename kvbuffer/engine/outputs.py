@@ -20,15 +20,19 @@ class GenerationOutput:
 
 @dataclass(frozen=True)
 class StepOutput:
-    """Tokens one request got in one engine step; finish_reason is set on its last output."""
+    """Tokens one request got in one engine step; finish_reason is set on its last output. A request
+    that failed alone (NaN or infinite logits, a failed sampling) ends with finish_reason "error" and
+    `error`, one line saying why; the other requests of the step are unaffected."""
     rid: int
     token_ids: list[int]
     logprobs: list[float] | None  # with SamplingParams.logprobs
     finish_reason: str | None
+    error: str | None = None
 
 
-def group_events(events, finished: dict) -> list[StepOutput]:
-    """(rid, token, logprob) events of a step -> one StepOutput per run of one request's tokens."""
+def group_events(events, finished: dict, errors: dict | None = None) -> list[StepOutput]:
+    """(rid, token, logprob) events of a step -> one StepOutput per run of one request's tokens;
+    finished: rid -> finish_reason, errors: rid -> message of the failed ones."""
     out = []
     for i, (rid, token, logprob) in enumerate(events):
         if out and out[-1].rid == rid and i and events[i - 1][0] == rid:
@@ -38,11 +42,12 @@ def group_events(events, finished: dict) -> list[StepOutput]:
             continue
         out.append(StepOutput(rid, [token], None if logprob is None else [logprob], None))
     last = {o.rid: k for k, o in enumerate(out)}
+    errors = errors or {}
     for rid, reason in finished.items():
         if rid in last:
-            out[last[rid]] = dataclasses.replace(out[last[rid]], finish_reason=reason)
+            out[last[rid]] = dataclasses.replace(out[last[rid]], finish_reason=reason, error=errors.get(rid))
         else:
-            out.append(StepOutput(rid, [], None, reason))
+            out.append(StepOutput(rid, [], None, reason, errors.get(rid)))
     return out
 
 

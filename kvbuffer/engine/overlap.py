@@ -13,7 +13,6 @@ from dataclasses import dataclass
 
 from .graphs import PendingTokens
 from .request import Request
-from .sampling import check_drawn, pick_rows
 
 @dataclass
 class InflightStep:
@@ -50,10 +49,11 @@ def use_overlap(overlap, device) -> bool:
 
 class OverlapPipeline:
     """The overlapped decode steps of an engine: at most one step in flight, whose tokens `emit`
-    (request, token) delivers one step later; `generators` maps a request id to its sampler."""
+    (request, token) delivers one step later; `pick(logits, requests)` picks them on the device
+    (EngineCore.pick: NO_TOKEN for a row that has none, which `emit` finishes with an error)."""
 
-    def __init__(self, runner, generators: dict, emit):
-        self.runner, self.generators, self.emit = runner, generators, emit
+    def __init__(self, runner, pick, emit):
+        self.runner, self.pick, self.emit = runner, pick, emit
         self.inflight: InflightStep | None = None
 
     def step(self, running: list[Request]) -> int:
@@ -63,7 +63,7 @@ class OverlapPipeline:
         queued = None
         if rows:
             logits = self.runner.decode(rows, feed)
-            picks = pick_rows(logits, [r.params for r in rows], [self.generators[r.rid] for r in rows])
+            picks = self.pick(logits, rows)
             queued = InflightStep(rows, self.runner.hold(picks))
         settled = self.settle()
         self.inflight = queued
@@ -75,8 +75,7 @@ class OverlapPipeline:
         step, self.inflight = self.inflight, None
         if step is None:
             return 0
-        tokens = check_drawn(step.tokens.tolist(), [f"request {r.rid}" for r in step.rows])
-        for req, token in zip(step.rows, tokens):
+        for req, token in zip(step.rows, step.tokens.tolist()):
             if req.finish_reason is None:
                 self.emit(req, token)
         return len(step.rows)

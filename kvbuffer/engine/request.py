@@ -16,7 +16,8 @@ class Request:
     slot: int = -1  # request slot: buffer, conv history, KV cache
     state_slot: int = -1  # recurrent state; -1 until the context outgrows the buffer
     cached: int = 0  # tokens already processed into the caches
-    finish_reason: str | None = None  # "stop", "length" (max_new_tokens or max_len) or "abort"
+    finish_reason: str | None = None  # "stop", "length" (max_new_tokens or max_len), "abort" or "error"
+    error: str | None = None  # with finish_reason "error": why this request failed (one line)
     keep_logits: bool = False  # keep each generated token's logits (on the host) in `logits`
     logits: list = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)  # per generated token, with params.logprobs

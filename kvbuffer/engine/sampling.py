@@ -7,11 +7,15 @@ from dataclasses import dataclass
 
 import torch
 
+from .validate import MIN_TEMPERATURE, check_finite, check_int, check_seed, check_stop_ids, check_temperature, describe
 
 @dataclass(frozen=True)
 class SamplingParams:
+    """How one request samples; every field is checked here (TypeError/ValueError naming it), so a
+    request that holds a SamplingParams cannot fail on its settings mid-run."""
+
     max_new_tokens: int = 64
-    temperature: float = 0.0  # 0 = greedy
+    temperature: float = 0.0  # 0 = greedy, else >= MIN_TEMPERATURE (validate.check_temperature)
     top_k: int = 0  # 0 = off
     top_p: float = 1.0
     seed: int | None = None
@@ -22,20 +26,28 @@ class SamplingParams:
     repetition_penalty: float = 1.0  # vLLM's / HF's: seen tokens' logits divided (> 0) or multiplied by it; 1 = off
 
     def __post_init__(self):
-        if self.max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
-        if self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
-        if self.top_k < 0:
-            raise ValueError(f"top_k must be >= 0, got {self.top_k}")
+        check_int("max_new_tokens", self.max_new_tokens, 1)
+        check_temperature(self.temperature)
+        check_int("top_k", self.top_k, 0)
+        check_finite("top_p", self.top_p)
         if not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        check_seed(self.seed)
+        if not isinstance(self.logprobs, bool):
+            raise TypeError(f"logprobs must be True or False, got {describe(self.logprobs)}")
+        for name in ("presence_penalty", "frequency_penalty", "repetition_penalty"):
+            check_finite(name, getattr(self, name))
         for name in ("presence_penalty", "frequency_penalty"):
             value = getattr(self, name)
-            if not -2.0 <= value <= 2.0:  # also refuses NaN
+            if not -2.0 <= value <= 2.0:
                 raise ValueError(f"{name} must be in [-2, 2], got {value}")
-        if not 0.0 < self.repetition_penalty < float("inf"):
+        if not self.repetition_penalty > 0.0:
             raise ValueError(f"repetition_penalty must be > 0 and finite, got {self.repetition_penalty}")
+        # plain Python values from here on (numpy scalars and ints where a float goes are accepted above)
+        for name, kind in (("max_new_tokens", int), ("top_k", int), ("temperature", float), ("top_p", float),
+                           ("presence_penalty", float), ("frequency_penalty", float), ("repetition_penalty", float)):
+            object.__setattr__(self, name, kind(getattr(self, name)))
+        object.__setattr__(self, "stop_token_ids", check_stop_ids(self.stop_token_ids))
 
     @property
     def penalized(self) -> bool:
@@ -145,7 +157,8 @@ def filtered_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor
     return filtered_rows(logits[None], [params])[0]
 
 
-NO_TOKEN = -1  # what `draw` picks for a row whose distribution is not one (NaN, or no mass at all)
+NO_TOKEN = -1  # what a pick gives a row that has no token to pick (NaN or infinite logits, no mass at all)
+NO_TOKEN_ERROR = "the logits are NaN or infinite, so there is no token to pick (a numerical failure, not a setting)"
 
 
 def draw(probs: torch.Tensor, generators: list) -> torch.Tensor:
@@ -173,13 +186,12 @@ def draw(probs: torch.Tensor, generators: list) -> torch.Tensor:
 
 
 def check_drawn(tokens: list[int], names: list[str] | None = None) -> list[int]:
-    """tokens as read back from the device, or a clear error naming the first row `draw` could not
-    sample (its logits were NaN or all -inf: a numerical failure upstream, not a sampling setting);
-    `names`: how to call each row (default "row i")."""
+    """tokens as read back from the device, or a RuntimeError naming the first row that got NO_TOKEN
+    (`names`: how to call each row, default "row i"). The engine does not call it: it finishes such
+    a request alone (EngineCore.emit)."""
     if NO_TOKEN in tokens:
         i = tokens.index(NO_TOKEN)
-        raise RuntimeError(f"sampling: {names[i] if names else f'row {i}'} has no distribution to sample from "
-                           "(its logits are NaN or all -inf)")
+        raise RuntimeError(f"sampling: {names[i] if names else f'row {i}'}: {NO_TOKEN_ERROR}")
     return tokens
 
 
@@ -201,19 +213,34 @@ def token_logprob(logits: torch.Tensor, token: int) -> float:
     return float(torch.log_softmax(logits.float(), dim=-1)[token])
 
 
+def finite_rows(logits: torch.Tensor) -> torch.Tensor:
+    """(..., V) -> (...) bool: whether a row of logits can be picked from: no NaN, no +inf, not all -inf
+    (one reduction: the max propagates a NaN)."""
+    return torch.isfinite(torch.amax(logits, dim=-1))
+
+
+def greedy_picks(logits: torch.Tensor) -> torch.Tensor:
+    """The argmax of each row of logits (..., V), or NO_TOKEN where the row is not finite_rows (an
+    argmax of NaN logits is index 0, which would be emitted as a token)."""
+    return torch.where(finite_rows(logits), torch.argmax(logits, dim=-1), NO_TOKEN)
+
+
 def pick_rows(logits: torch.Tensor, params: list[SamplingParams], generators: list) -> torch.Tensor:
     """One token per row of logits (B, V), greedy rows by argmax and sampled rows by `draw`: a (B,)
     tensor on the logits' device, for which nothing waits (an overlapped step feeds it to the next).
-    A sampled row without a distribution holds NO_TOKEN (check_drawn reports it once read back)."""
+    A row whose logits are NaN or infinite, or a sampled row without a distribution, holds NO_TOKEN
+    (the engine finishes that request alone; check_drawn reports it as an error)."""
     sampled = [i for i, p in enumerate(params) if p.temperature != 0.0]
     if len(sampled) == len(params):
-        return draw(filtered_rows(logits, params), generators)
-    tokens = torch.argmax(logits, dim=-1)
-    if sampled:
-        index = on_device(sampled, torch.long, logits.device)
-        tokens.index_copy_(0, index, draw(filtered_rows(logits.index_select(0, index), [params[i] for i in sampled]),
-                                          [generators[i] for i in sampled]))
-    return tokens
+        tokens = draw(filtered_rows(logits, params), generators)
+    else:
+        tokens = torch.argmax(logits, dim=-1)
+        if sampled:
+            index = on_device(sampled, torch.long, logits.device)
+            picked = draw(filtered_rows(logits.index_select(0, index), [params[i] for i in sampled]),
+                          [generators[i] for i in sampled])
+            tokens.index_copy_(0, index, picked)
+    return torch.where(finite_rows(logits), tokens, NO_TOKEN)
 
 
 def sample_rows(logits: torch.Tensor, params: list[SamplingParams], generators: list) -> list[int]:

@@ -11,7 +11,7 @@ import torch
 from .acceptance import accept_drafts, accept_sampled
 from .config import SpeculativeConfig
 from .drafters import MTPDrafter, NgramDrafter
-from .sampling import penalize
+from .sampling import greedy_picks, penalize
 from .outputs import DraftStats
 
 
@@ -67,7 +67,8 @@ class SpeculativeDecoder:
         st.emitted += sum(len(t) for t in following)
         st.request_steps += len(running)
         st.proposed += sum(len(p) for p in proposals)
-        self.drafter.on_commit(running, hidden, [m + 1 for m in accepted], following)
+        # a row that failed (NO_TOKEN) is finished and released after this step: feed its head a real id
+        self.drafter.on_commit(running, hidden, [m + 1 for m in accepted], [[max(t, 0) for t in f] for f in following])
 
     def _accept_on_host(self, running, logits, drafts) -> tuple[list[int], list[list[int]]]:
         """Each request's kept drafts and the tokens it emits, from the verify's logits (B, T+1, V):
@@ -78,7 +79,7 @@ class SpeculativeDecoder:
         sampled = [i for i, r in enumerate(running) if r.params.temperature != 0.0]
         kept, nxt = [0] * len(running), [0] * len(running)
         if greedy:
-            argmax = torch.argmax(logits, dim=-1)[greedy].tolist()  # no copy of the greedy rows' logits
+            argmax = greedy_picks(logits)[greedy].tolist()
             for i, top in zip(greedy, argmax):
                 kept[i], nxt[i] = accept_drafts(logits[i], drafts[i], running[i].params, None, top)
         if sampled:

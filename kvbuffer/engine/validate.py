@@ -9,9 +9,20 @@ from __future__ import annotations
 import math
 import numbers
 import os
-from collections.abc import Collection
+from collections.abc import Collection, Mapping
 
 SEED_LIMIT = 2**63  # torch.Generator.manual_seed takes a 64-bit seed; the engine adds the prompt index
+
+# The smallest positive temperature (0 is greedy): logits / T stay finite for every |logit| below
+# 3.4e36, where a tiny T (1e-40, or 1.2e-38, an ordinary fp32 value) overflows and leaves no distribution.
+MIN_TEMPERATURE = 1e-2
+
+
+def check_temperature(value) -> None:
+    """A temperature: 0 (greedy) or a finite number >= MIN_TEMPERATURE; TypeError/ValueError naming it."""
+    check_finite("temperature", value)
+    if value != 0 and not value >= MIN_TEMPERATURE:
+        raise ValueError(f"temperature must be 0 (greedy) or a number >= {MIN_TEMPERATURE}, got {value!r}")
 
 
 def is_int(value) -> bool:
@@ -85,42 +96,62 @@ def device_memory(device) -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
-def check_generate_args(prompts, *, max_new_tokens, temperature, top_k, top_p, seed, stop_token_ids, return_logits,
-                        on_token, vocab_size: int) -> None:
-    """Raise TypeError/ValueError naming the first bad `generate(...)` argument (the vocabulary
-    range of prompt tokens is the engine's encoder's to check)."""
-    check_int("max_new_tokens", max_new_tokens, 1)
-    check_finite("temperature", temperature)
-    check_int("top_k", top_k, 0)
-    check_finite("top_p", top_p)
-    check_seed(seed)
-    if stop_token_ids is not None:
-        if isinstance(stop_token_ids, (str, bytes)) or not isinstance(stop_token_ids, Collection):
-            raise TypeError(f"stop_token_ids must be a list of token ids or None, got {describe(stop_token_ids)}")
-        for t in stop_token_ids:
-            check_int("stop_token_ids entry", t, 0, vocab_size - 1)
+def free_memory(device) -> int:
+    """Bytes that can still be allocated on `device` (None: the engine's default device): free memory
+    on a CUDA device, MemAvailable on the host (free pages where /proc/meminfo is missing)."""
+    import torch
+
+    dev = torch.device(device) if device is not None else torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if dev.type == "cuda":
+        return torch.cuda.mem_get_info(dev)[0]
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
+
+
+def check_stop_ids(stop_token_ids, vocab_size: int | None = None) -> tuple[int, ...] | None:
+    """stop_token_ids (None, or a list, tuple or set of token ids) as a tuple of ints: TypeError for
+    anything else (a string, a dict, a generator, a float id), ValueError for an id outside [0, vocab_size)."""
+    if stop_token_ids is None:
+        return None
+    if isinstance(stop_token_ids, (str, bytes, Mapping)) or not isinstance(stop_token_ids, Collection):
+        raise TypeError(f"stop_token_ids must be a list of token ids or None, got {describe(stop_token_ids)}")
+    for t in stop_token_ids:
+        check_int("stop_token_ids entry", t, 0, None if vocab_size is None else vocab_size - 1)
+    return tuple(int(t) for t in stop_token_ids)
+
+
+def token_ids(prompt, what: str, expected: str = "a list of token ids") -> list[int]:
+    """One prompt of token ids as a list of ints: a list or tuple of ints, or a 1-D integer tensor
+    holding values (not on the meta device). TypeError naming `what` otherwise: int(3.7) would
+    silently feed token 3, and a 0-d tensor is one number, not a prompt."""
+    import torch
+
+    if isinstance(prompt, torch.Tensor):
+        if prompt.is_floating_point() or prompt.is_complex() or prompt.dtype == torch.bool or prompt.dim() != 1:
+            raise TypeError(f"{what} must be a 1-D integer tensor of token ids, got {prompt.dtype} "
+                            f"{tuple(prompt.shape)}")
+        if prompt.is_meta:
+            raise TypeError(f"{what} is a tensor on the meta device, which holds no token ids")
+        return prompt.tolist()
+    if not isinstance(prompt, (list, tuple)):
+        raise TypeError(f"{what} must be {expected}, got {describe(prompt)}")
+    for t in prompt:
+        if not is_int(t):
+            raise TypeError(f"{what} has token id {describe(t)}; token ids must be ints")
+    return [int(t) for t in prompt]
+
+
+def check_generate_args(*, stop_token_ids, return_logits, on_token, vocab_size: int) -> None:
+    """Raise TypeError/ValueError naming the first bad `generate(...)` argument that SamplingParams
+    does not check (the prompts are checked as they are encoded)."""
+    check_stop_ids(stop_token_ids, vocab_size)
     if not isinstance(return_logits, bool):
         raise TypeError(f"return_logits must be True or False, got {describe(return_logits)}")
     if on_token is not None and not callable(on_token):
         raise TypeError(f"on_token must be a callable(index, token_id) or None, got {describe(on_token)}")
-    _check_prompt_tokens(prompts)
-
-
-def _check_prompt_tokens(prompts) -> None:
-    """Token-id prompts hold ints: int(3.7) would silently feed token 3."""
-    import torch
-
-    if isinstance(prompts, list) and prompts and isinstance(prompts[0], numbers.Number):
-        prompts = [prompts]  # one prompt given as a flat list of token ids
-    if not isinstance(prompts, (list, tuple)):
-        return  # a single string, or something the encoder rejects with its own message
-    for i, p in enumerate(prompts):
-        if isinstance(p, torch.Tensor):
-            if p.is_floating_point() or p.is_complex() or p.dtype == torch.bool or p.dim() > 1:
-                raise TypeError(f"prompt {i} must be a 1-D integer tensor of token ids, got {p.dtype} {tuple(p.shape)}")
-        elif isinstance(p, (list, tuple)):
-            for t in p:
-                if not is_int(t):
-                    raise TypeError(f"prompt {i} has token id {describe(t)}; token ids must be ints")
-        elif not isinstance(p, str):
-            raise TypeError(f"prompt {i} must be a string or a list of token ids, got {describe(p)}")

@@ -34,7 +34,13 @@ import torch
 import kvbuffer.ops  # noqa: F401  (registers torch.ops.kvbuffer.*)
 
 from .transformers_cache import access_for
-from .transformers_layers import CHUNK_ATTRIBUTE, BufferedGatedDeltaNet, BufferedMamba2Mixer
+from .transformers_layers import (
+    CHUNK_ATTRIBUTE,
+    BufferedGatedDeltaNet,
+    BufferedMamba2Mixer,
+    buffer_bytes,
+    check_buffer_memory,
+)
 from .transformers_layers import fold_cache as fold
 
 __all__ = ["enable", "disable", "fold", "enabled_layers"]
@@ -68,7 +74,9 @@ def enable(model: torch.nn.Module, *, chunk_size: int = 16) -> torch.nn.Module:
     """Make `model`'s linear-attention layers decode through kvbuffer's buffered ops; returns `model`.
 
     chunk_size (C): buffered tokens folded into the state at once (the buffers hold C + 1 entries);
-    call `enable` again between generations to change it. TypeError for a model with no supported layer.
+    call `enable` again between generations to change it. TypeError for a model with no supported layer;
+    ValueError, naming chunk_size, where one sequence's buffers would not fit in the model device's free
+    memory (a batch's buffers are checked again when a generation makes them).
     """
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
@@ -79,6 +87,9 @@ def enable(model: torch.nn.Module, *, chunk_size: int = 16) -> torch.nn.Module:
     if not layers:
         raise TypeError(f"model ({type(model).__name__}) has no Gated DeltaNet or Mamba-2 layer kvbuffer supports "
                         f"(supported layer classes: {', '.join(sorted(c.__name__ for c in table))})")
+    param = next(model.parameters())
+    check_buffer_memory(sum(buffer_bytes(buffered.heads(m), param.dtype, chunk_size) for m, buffered in layers),
+                        chunk_size, param.device)
     for module, buffered in layers:
         module.forward = types.MethodType(buffered.forward, module)
         setattr(module, CHUNK_ATTRIBUTE, chunk_size)
@@ -87,6 +98,8 @@ def enable(model: torch.nn.Module, *, chunk_size: int = 16) -> torch.nn.Module:
 
 def disable(model: torch.nn.Module) -> torch.nn.Module:
     """Give the layers back their own forward; returns `model`. Fold kept caches first (`fold`)."""
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
     for module in enabled_layers(model):
         del module.forward
         delattr(module, CHUNK_ATTRIBUTE)

@@ -62,9 +62,26 @@ class LayerBuffers:
         self.lengths.copy_(torch.where(grown == chunk_size, torch.zeros_like(grown), grown))
 
 
+def buffer_bytes(heads: tuple, entry_dtype, chunk_size: int, rows: int = 1) -> int:
+    """Bytes of one layer's buffers (_new_buffers) for `rows` sequences: C + 1 entries of keys and values
+    in entry_dtype, and of fp32 log decays; heads: (Hk, K, Hv, V)."""
+    heads_k, dim_k, heads_v, dim_v = heads
+    return rows * (chunk_size + 1) * ((heads_k * dim_k + heads_v * dim_v) * entry_dtype.itemsize + heads_v * 4)
+
+
+def check_buffer_memory(total: int, chunk_size: int, device) -> None:
+    """ValueError naming chunk_size, before anything is allocated, where `total` buffer bytes exceed
+    `device`'s free memory (kvbuffer.plan.check_fits)."""
+    from ..engine.validate import free_memory
+    from ..plan import check_fits
+
+    check_fits({"buffers": total}, free_memory(device), {"buffers": f"chunk_size={chunk_size}"}, str(device))
+
+
 def _new_buffers(source: torch.Tensor, heads_k: int, dim_k: int, heads_v: int, dim_v: int, entry_dtype,
                  chunk_size: int, transposed: bool) -> LayerBuffers:
     B, dev = source.shape[0], source.device
+    check_buffer_memory(buffer_bytes((heads_k, dim_k, heads_v, dim_v), entry_dtype, chunk_size, B), chunk_size, dev)
     cap = chunk_size + 1  # C entries a flush folds plus the step's own: `kvbuffer tune --chunk-sizes C`
     view = source.transpose(-1, -2) if transposed else source
     exact = view.dtype in (torch.float32, torch.float64)  # the ops keep states in fp32 (fp64 in tests)
@@ -172,6 +189,11 @@ def _buffered_step(layer, cache, access: CacheAccess, op: str, args: list, heads
 class BufferedGatedDeltaNet:
     """Qwen3.5 / Qwen3.5-MoE / Qwen3-Next Gated DeltaNet with a buffered decode step."""
 
+    @staticmethod
+    def heads(layer) -> tuple:
+        """(Hk, K, Hv, V) of the layer's buffers."""
+        return layer.num_k_heads, layer.head_k_dim, layer.num_v_heads, layer.head_v_dim
+
     def forward(self, hidden_states, cache=None, attention_mask=None, cache_params=None, **kwargs):
         cache = cache if cache is not None else cache_params  # transformers 5.17 names it cache_params
         access = _decode_access(self, hidden_states, cache)
@@ -186,7 +208,7 @@ class BufferedGatedDeltaNet:
         q, k, v = heads(q, self.head_k_dim), heads(k, self.head_k_dim), heads(v, self.head_v_dim)
         o = _buffered_step(self, cache, access, "gdn_buffered_step", [
             q, k, v, a.reshape(B, -1).contiguous(), b.reshape(B, -1).contiguous(), _fp32(self.A_log),
-            _fp32(self.dt_bias)], (self.num_k_heads, self.head_k_dim, self.num_v_heads, self.head_v_dim))
+            _fp32(self.dt_bias)], BufferedGatedDeltaNet.heads(self))
         o = self.norm(o.reshape(-1, self.head_v_dim), z.reshape(-1, self.head_v_dim))
         return self.out_proj(o.reshape(B, 1, -1))
 
@@ -205,6 +227,11 @@ def _gdn_projections(layer, hidden_states):
 class BufferedMamba2Mixer:
     """Nemotron-H's Mamba-2 mixer with a buffered decode step (key B, query C, value dt * x)."""
 
+    @staticmethod
+    def heads(layer) -> tuple:
+        """(Hk, K, Hv, V) of the layer's buffers: groups, state size, heads, head size."""
+        return layer.n_groups, layer.ssm_state_size, layer.num_heads, layer.head_dim
+
     def forward(self, hidden_states, cache=None, attention_mask=None, cache_params=None, **kwargs):
         cache = cache if cache is not None else cache_params
         access = _decode_access(self, hidden_states, cache)
@@ -222,6 +249,6 @@ class BufferedMamba2Mixer:
         Cm = Cm.reshape(Bt, self.n_groups, self.ssm_state_size).contiguous()
         y = _buffered_step(self, cache, access, "mamba2_buffered_step", [
             x, dt[:, 0].contiguous(), _fp32(self.A_log), _fp32(self.dt_bias), Bm, Cm, _fp32(self.D)],
-            (self.n_groups, self.ssm_state_size, self.num_heads, self.head_dim), transposed=True)
+            BufferedMamba2Mixer.heads(self), transposed=True)
         y = self.norm(y.reshape(Bt, 1, -1), gate)
         return self.out_proj(y.to(dtype))

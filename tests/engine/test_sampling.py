@@ -106,23 +106,26 @@ def test_a_seeded_row_draws_the_same_tokens_whatever_shares_its_step():
     assert seeded_generator(None, "cpu") is None
 
 
-def test_a_row_without_a_distribution_is_a_clear_error_not_token_0():
+@pytest.mark.parametrize("temperature", [1.0, 0.0], ids=["sampled", "greedy"])
+def test_a_row_without_a_distribution_is_a_clear_error_not_token_0(temperature):
     from kvbuffer.engine.graphs import StepInputs
     from kvbuffer.engine.sampling import NO_TOKEN, check_drawn, pick_rows
 
-    logits = torch.randn(3, 20, generator=torch.Generator().manual_seed(5))
+    logits = torch.randn(5, 20, generator=torch.Generator().manual_seed(5))
     logits[1] = float("nan")
     logits[2] = float("-inf")
-    params = [SamplingParams(temperature=1.0)] * 3
-    picks = pick_rows(logits, params, [None] * 3)
-    assert picks[1:].tolist() == [NO_TOKEN, NO_TOKEN] and 0 <= picks[0] < 20
-    with pytest.raises(RuntimeError, match="sampling: row 1 has no distribution .*NaN or all -inf"):
-        sample_rows(logits, params, [None] * 3)
-    with pytest.raises(RuntimeError, match="sampling: request 7 has"):
-        check_drawn(picks.tolist(), ["request 6", "request 7", "request 8"])
-    inputs = StepInputs(4, torch.device("cpu"))
+    logits[3, 7] = float("inf")
+    logits[4, 3] = float("nan")  # one NaN is enough: the argmax of a row with a NaN is that NaN's index
+    params = [SamplingParams(temperature=temperature)] * 5
+    picks = pick_rows(logits, params, [None] * 5)
+    assert picks[1:].tolist() == [NO_TOKEN] * 4 and 0 <= picks[0] < 20
+    with pytest.raises(RuntimeError, match="sampling: row 1: the logits are NaN or infinite"):
+        sample_rows(logits, params, [None] * 5)
+    with pytest.raises(RuntimeError, match="sampling: request 7: "):
+        check_drawn(picks.tolist(), ["request 6", "request 7", "request 8", "request 9", "request 10"])
+    inputs = StepInputs(5, torch.device("cpu"))
     inputs.hold(picks)
-    assert inputs.picked[:3].min() >= 0  # the next step is never fed an id outside the vocabulary
+    assert inputs.picked[:5].min() >= 0  # the next step is never fed an id outside the vocabulary
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float64])
