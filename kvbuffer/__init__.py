@@ -18,7 +18,7 @@ _LAZY = {
     "LLM": ".engine.llm", "GenerationOutput": ".engine.llm",
     "ArtifactError": ".errors", "BufferOverflowError": ".errors", "DeviceError": ".errors",
     "DTypeError": ".errors", "KVBufferError": ".errors", "PoolExhaustedError": ".errors",
-    "ShapeError": ".errors", "SlotError": ".errors",
+    "RequestError": ".errors", "ShapeError": ".errors", "SlotError": ".errors",
     "BufferPool": ".pools", "ConvPool": ".pools", "LinearLayerShape": ".pools", "SlotAllocator": ".pools",
     "StatePool": ".pools",
 }
@@ -35,6 +35,7 @@ if TYPE_CHECKING:
         DTypeError,
         KVBufferError,
         PoolExhaustedError,
+        RequestError,
         ShapeError,
         SlotError,
     )
@@ -66,6 +67,6 @@ def demo_checkpoint():
 
 __all__ = [
     "ArtifactError", "BufferOverflowError", "BufferPool", "ConvPool", "DTypeError", "DeviceError", "EngineConfig",
-    "GenerationOutput", "KVBufferError", "LLM", "LinearLayerShape", "PoolExhaustedError", "ShapeError", "SlotAllocator",
-    "SlotError", "SpeculativeConfig", "StatePool", "demo_checkpoint", "reference", "__version__",
+    "GenerationOutput", "KVBufferError", "LLM", "LinearLayerShape", "PoolExhaustedError", "RequestError", "ShapeError",
+    "SlotAllocator", "SlotError", "SpeculativeConfig", "StatePool", "demo_checkpoint", "reference", "__version__",
 ]
