@@ -5,7 +5,10 @@ thread drains between steps, and read their request's outputs from an asyncio qu
 fills. So requests arriving at any time join the running batch at the next step (continuous
 batching), an abort (a client that went away) frees the request's slots before the next step,
 and the number of requests in flight is bounded (QueueFullError past it, which the server answers
-with 503).
+with 503). A request that fails fails alone (RequestFailed): refused at admission, or finished by
+the engine with finish_reason "error" while the rest of its step goes on. Only a step that raises
+fails the requests in it. After every change the thread publishes the engine's stats (`stats`),
+the one view of it that /health and /metrics read.
 """
 
 from __future__ import annotations
@@ -15,20 +18,22 @@ import itertools
 import logging
 import queue
 import threading
-import time
 from dataclasses import dataclass
 
-from ..engine.outputs import StepOutput
+from ..engine.outputs import EngineStats, StepOutput
 from ..engine.sampling import SamplingParams
 from ..errors import QueueFullError
 
 log = logging.getLogger("kvbuffer.serve")
 
 
-@dataclass(frozen=True)
-class EngineFailure:
-    """Sent to a request's queue instead of outputs when the engine step it was in raised."""
-    message: str
+class RequestFailed(Exception):
+    """A request that failed. own_values: its own values caused it (the engine refused it, or
+    finished it alone with an error: a client's error), else the engine failed (a step raised)."""
+
+    def __init__(self, message: str, own_values: bool):
+        super().__init__(message)
+        self.own_values = own_values
 
 
 @dataclass
@@ -56,6 +61,7 @@ class AsyncEngine:
         self._streams: dict[int, _Stream] = {}  # key -> stream, touched by the engine thread only
         self._by_rid: dict[int, int] = {}  # engine rid -> key
         self._stopping = False
+        self.stats: EngineStats = llm.stats  # replaced (never changed) by the engine thread after each change
         self._thread = threading.Thread(target=self._run, name="kvbuffer-engine", daemon=True)
 
     # the asyncio side ---------------------------------------------------------------------------
@@ -98,9 +104,9 @@ class AsyncEngine:
                 out = await stream.outputs.get()
                 if isinstance(out, BaseException):
                     raise out
-                if isinstance(out, EngineFailure):
-                    raise RuntimeError(out.message)
                 finished = out.finish_reason is not None
+                if out.finish_reason == "error":
+                    raise RequestFailed(out.error or "the engine could not finish this request", own_values=True)
                 yield out
                 if finished:
                     return
@@ -118,37 +124,43 @@ class AsyncEngine:
     def _run(self) -> None:
         llm = self.llm
         while True:
-            self._drain()
+            if self._drain():
+                self.stats = llm.stats
             if not llm.has_work():
                 if self._stopping and self._commands.empty():
                     return
                 self._wake.wait(0.05)
                 self._wake.clear()
                 continue
-            t0 = time.perf_counter()
             try:
                 outs = llm.step()
             except Exception as e:  # one step's requests fail; the others (waiting) go on
                 log.exception("kvbuffer: engine step failed")
                 self._fail_running(f"engine step failed: {type(e).__name__}: {e}")
+                self.stats = llm.stats
                 continue
+            self.stats = llm.stats
             for out in outs:
                 self._deliver(out)
             if self.metrics is not None:
-                self.metrics.on_step(llm, outs, time.perf_counter() - t0)
+                self.metrics.on_step(outs)
 
-    def _drain(self) -> None:
+    def _drain(self) -> int:
+        """Carry out the commands sent so far; returns how many."""
+        done = 0
         while True:
             try:
                 command = self._commands.get_nowait()
             except queue.Empty:
-                return
+                return done
+            done += 1
             if command[0] == "add":
                 _, key, stream, prompt_ids, params = command
                 try:
                     stream.rid = self.llm.add_request(prompt_ids, params)
                 except Exception as e:  # a bad request fails alone
-                    stream.loop.call_soon_threadsafe(stream.outputs.put_nowait, e)
+                    failure = RequestFailed(str(e), own_values=isinstance(e, (ValueError, TypeError)))
+                    stream.loop.call_soon_threadsafe(stream.outputs.put_nowait, failure)
                     continue
                 self._streams[key] = stream
                 self._by_rid[stream.rid] = key
@@ -177,4 +189,4 @@ class AsyncEngine:
                 continue
             self.llm.abort(stream.rid)
             del self._streams[key], self._by_rid[stream.rid]
-            stream.loop.call_soon_threadsafe(stream.outputs.put_nowait, EngineFailure(message))
+            stream.loop.call_soon_threadsafe(stream.outputs.put_nowait, RequestFailed(message, own_values=False))
