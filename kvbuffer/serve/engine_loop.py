@@ -124,8 +124,7 @@ class AsyncEngine:
     def _run(self) -> None:
         llm = self.llm
         while True:
-            if self._drain():
-                self.stats = llm.stats
+            self._drain()
             if not llm.has_work():
                 if self._stopping and self._commands.empty():
                     return
@@ -137,23 +136,24 @@ class AsyncEngine:
             except Exception as e:  # one step's requests fail; the others (waiting) go on
                 log.exception("kvbuffer: engine step failed")
                 self._fail_running(f"engine step failed: {type(e).__name__}: {e}")
-                self.stats = llm.stats
                 continue
-            self.stats = llm.stats
+            self._publish()
             for out in outs:
                 self._deliver(out)
             if self.metrics is not None:
                 self.metrics.on_step(outs)
 
-    def _drain(self) -> int:
-        """Carry out the commands sent so far; returns how many."""
-        done = 0
+    def _publish(self) -> None:
+        """Replace `stats` with the engine's now: called after each change and before anyone is told
+        of it (an output delivered, a slot's room given back), so that no reader sees older stats."""
+        self.stats = self.llm.stats
+
+    def _drain(self) -> None:
         while True:
             try:
                 command = self._commands.get_nowait()
             except queue.Empty:
-                return done
-            done += 1
+                return
             if command[0] == "add":
                 _, key, stream, prompt_ids, params = command
                 try:
@@ -164,11 +164,13 @@ class AsyncEngine:
                     continue
                 self._streams[key] = stream
                 self._by_rid[stream.rid] = key
+                self._publish()
             else:  # abort: also sent for requests the engine never took or already ended
                 stream = self._streams.pop(command[1], None)
                 if stream is not None:
                     self._by_rid.pop(stream.rid, None)
                     self.llm.abort(stream.rid)
+                    self._publish()
                 self._unreserve()
 
     def _deliver(self, out: StepOutput) -> None:
@@ -184,9 +186,10 @@ class AsyncEngine:
         """After a failed step: every request but those still waiting was in it (running, or
         admitted by it and already released by the engine) and fails; the waiting ones go on."""
         waiting = self.llm.waiting_ids()
-        for key, stream in list(self._streams.items()):
-            if stream.rid in waiting:
-                continue
+        failed = [(key, stream) for key, stream in self._streams.items() if stream.rid not in waiting]
+        for key, stream in failed:
             self.llm.abort(stream.rid)
             del self._streams[key], self._by_rid[stream.rid]
+        self._publish()
+        for _, stream in failed:
             stream.loop.call_soon_threadsafe(stream.outputs.put_nowait, RequestFailed(message, own_values=False))
