@@ -9,10 +9,10 @@ import hmac
 from fastapi import Request
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ValidationError
+
 OPEN_PATHS = frozenset({"/health"})  # the only route answered without the API key (for load balancers)
-ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
-               405: "invalid_request_error", 413: "invalid_request_error", 422: "invalid_request_error",
-               503: "service_unavailable"}  # other statuses: 4xx invalid_request_error, 5xx internal_error
+ERROR_TYPES = {401: "authentication_error", 404: "not_found_error", 503: "service_unavailable"}
+# (any other 4xx is an "invalid_request_error", any other 5xx an "internal_error")
 
 
 class BadRequest(Exception):
@@ -66,8 +66,8 @@ def parse(schema: type[BaseModel], body: bytes) -> BaseModel:
     param = field_path(first["loc"])
     if param is None:
         raise BadRequest(f"body: {first['msg']}") from None
-    alternatives = [err["loc"][len(param.split("."))] for err in errors
-                    if field_path(err["loc"]) == param and len(err["loc"]) > len(param.split("."))]
+    depth = param.count(".") + 1  # the union member's tag follows the field's path in each error's loc
+    alternatives = [err["loc"][depth] for err in errors if field_path(err["loc"]) == param and len(err["loc"]) > depth]
     if len(alternatives) > 1:  # no member of a union took the value: say what the field takes
         shown = ", ".join(dict.fromkeys(str(a) for a in alternatives))
         raise BadRequest(f"{param}: expected one of: {shown}", param) from None

@@ -11,6 +11,7 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
+import httpx
 import pytest
 import torch
 
@@ -28,6 +29,7 @@ from .row_errors import ROW_ERROR, fail_rows_of  # noqa: E402
 
 MAX_LEN = 64
 GREEDY = {"max_tokens": 8, "temperature": 0}
+JSON = {"content-type": "application/json"}  # as clients send (the server parses any body as JSON)
 
 
 def _llm():
@@ -98,7 +100,8 @@ SURROGATE_BODIES = {
     "model": ("/v1/completions", '{"prompt": "x", "model": %s}'),
     "user": ("/v1/completions", '{"prompt": "x", "user": %s}'),
     "chat-content": ("/v1/chat/completions", '{"messages": [{"role": "user", "content": %s}]}'),
-    "chat-part": ("/v1/chat/completions", '{"messages": [{"role": "user", "content": [{"type": "text", "text": %s}]}]}'),
+    "chat-part": ("/v1/chat/completions",
+                  '{"messages": [{"role": "user", "content": [{"type": "text", "text": %s}]}]}'),
     "chat-name": ("/v1/chat/completions", '{"messages": [{"role": "user", "content": "hi", "name": %s}]}'),
 }
 
@@ -106,17 +109,18 @@ SURROGATE_BODIES = {
 @pytest.mark.parametrize("where", SURROGATE_BODIES)
 def test_a_lone_surrogate_anywhere_is_a_400(client, where):
     route, template = SURROGATE_BODIES[where]
-    err = _error(client.post(route, content=template % SURROGATE), 400)
+    err = _error(client.post(route, content=template % SURROGATE, headers=JSON), 400)
     assert err["message"].startswith("malformed JSON") and "Unicode" in err["message"]
 
 
 @pytest.mark.parametrize("route", ["/v1/completions", "/v1/chat/completions"])
 @pytest.mark.parametrize("content", [b'{"prompt": "\xff\xfe"}', b'{"messages": [{"role": "user", "content": "\xc3"}]}',
-                                     b"[" * 10_000 + b"]" * 10_000, b'{"prompt": ' + b'{"a": ' * 5_000 + b"1" + b"}" * 5_001,
+                                     b"[" * 10_000 + b"]" * 10_000,
+                                     b'{"prompt": ' + b'{"a": ' * 5_000 + b"1" + b"}" * 5_001,
                                      b"", b"not json", b'{"prompt": "x"} trailing'],
                          ids=["bad-utf8", "cut-utf8", "deep-list", "deep-object", "empty", "not-json", "trailing"])
 def test_unparsable_bodies_get_the_openai_error_object(client, route, content):
-    assert _error(client.post(route, content=content), 400)["message"].startswith("malformed JSON")
+    assert _error(client.post(route, content=content, headers=JSON), 400)["message"].startswith("malformed JSON")
 
 
 def test_unknown_routes_and_methods_get_the_openai_error_object(client):
@@ -130,7 +134,8 @@ COERCED = [
     ("seed", 1.0), ("temperature", True), ("temperature", "0"), ("top_p", True), ("top_k", True), ("top_k", 5.0),
     ("presence_penalty", False), ("repetition_penalty", "1"), ("logprobs", True), ("stream", 1), ("stream", "true"),
     ("ignore_eos", 0), ("skip_special_tokens", 1), ("prompt", [65.0]), ("prompt", [True, False]),
-    ("prompt", [[65, 66.0]]), ("prompt", 65), ("stop", [True]), ("stop", [1.0]), ("stream_options", {"include_usage": 1}),
+    ("prompt", [[65, 66.0]]), ("prompt", 65), ("stop", [True]), ("stop", [1.0]),
+    ("stream_options", {"include_usage": 1}),
 ]
 
 
@@ -186,8 +191,9 @@ def test_more_choices_than_the_server_holds_is_a_400_not_a_503(client):
 def test_a_body_past_the_limit_is_a_413_however_it_is_sent(reference):
     with serving(_llm(), max_body_bytes=2000) as c:
         big = json.dumps({"prompt": "x" * 3000}).encode()
-        assert "3014 bytes" in _error(c.post("/v1/completions", content=big), 413)["message"]
-        chunked = c.post("/v1/chat/completions", content=iter([big[:1500], big[1500:]]))  # no Content-Length
+        assert "3014 bytes" in _error(c.post("/v1/completions", content=big, headers=JSON), 413)["message"]
+        pieces = iter([big[:1500], big[1500:]])  # sent without a Content-Length
+        chunked = c.post("/v1/chat/completions", content=pieces, headers=JSON)
         assert "more than 2000 bytes" in _error(chunked, 413)["message"]
         assert c.post("/v1/completions", json={"prompt": "The ", **GREEDY}).status_code == 200
     with pytest.raises(ValueError, match="max_body_bytes"):
@@ -250,3 +256,59 @@ def test_an_api_key_guards_every_route_but_health(reference, monkeypatch):
     assert compared  # a constant-time comparison
     with pytest.raises(ValueError, match="api_key"):
         build_app(AsyncEngine(reference), "demo", api_key="")
+
+
+# the same over real HTTP: `kvbuffer serve` in a subprocess ------------------------------------
+@pytest.fixture(scope="module")
+def guarded():
+    """A server whose API key comes from KVBUFFER_API_KEY, with a 64 KiB body limit, logging at debug."""
+    from kvbuffer.serve.launch import ServerProcess
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("KVBUFFER_API_KEY", KEY)
+        s = ServerProcess("--device", "cpu", "--log-level", "debug", "--max-len", str(MAX_LEN), "--max-batch", "2",
+                          "--max-body-bytes", str(64 * 1024), timeout=90)
+    yield s
+    s.kill()
+
+
+def test_over_http_a_bad_body_keeps_the_connection_and_the_key_is_checked_not_logged(guarded, reference):
+    import http.client
+
+    import openai
+
+    want = reference.generate(["The "], max_new_tokens=8)[0].text
+    conn = http.client.HTTPConnection("127.0.0.1", guarded.port, timeout=60)
+    auth = {"Authorization": f"Bearer {KEY}", **JSON}
+    socks = []
+    for body in ('{"prompt": "ab\\ud800cd"}', '{"prompt": [65.0]}', b'{"prompt": "\xff"}',
+                 json.dumps({"prompt": "The ", **GREEDY})):
+        conn.request("POST", "/v1/completions", body=body, headers=auth)
+        r = conn.getresponse()
+        payload = json.loads(r.read())
+        assert not r.will_close and r.status in (200, 400), payload
+        socks.append(conn.sock)
+    assert payload["choices"][0]["text"] == want
+    assert all(s is socks[0] for s in socks)  # one connection throughout: keep-alive kept after every 400
+    conn.close()
+
+    client = openai.OpenAI(base_url=guarded.url + "/v1", api_key=KEY, timeout=60, max_retries=0)
+    assert client.completions.create(model="demo", prompt="The ", max_tokens=8, temperature=0).choices[0].text == want
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=guarded.url + "/v1", api_key="sk-wrong", max_retries=0).models.list()
+    assert guarded.health()["status"] == "ok"  # /health is open
+    big = httpx.post(guarded.url + "/v1/completions", headers=auth, timeout=60,
+                     content=json.dumps({"prompt": "x" * 100_000}))
+    assert big.status_code == 413 and big.json()["error"]["code"] == 413
+    assert KEY not in guarded.output() and "ab\\ud800cd" not in guarded.output()
+
+
+@pytest.mark.parametrize("args, message", [(["--max-body-bytes", "0"], "max-body-bytes"),
+                                           (["--api-key", " "], "must not be empty")])
+def test_serve_refuses_a_bad_limit_or_key_before_loading(args, message):
+    from click.testing import CliRunner
+
+    from kvbuffer.cli.serve import serve
+
+    result = CliRunner().invoke(serve, ["--device", "cpu", *args])
+    assert result.exit_code == 2 and message in result.output

@@ -26,64 +26,87 @@ from kvbuffer.serve.engine_loop import AsyncEngine  # noqa: E402
 EXAMPLES = 40
 SETTINGS = dict(deadline=None, derandomize=True, database=None, suppress_health_check=[HealthCheck.too_slow])
 NORMAL = {"prompt": "The ", "max_tokens": 6, "temperature": 0}
+JSON = {"content-type": "application/json"}
 
 # A value whose row the engine must fail alone (a sampling temperature so small that the logits
 # overflow, a repetition penalty that makes them infinite) is drawn only from an engine that does
 # so (its StepOutput carries `error`); before that, such a value fails its whole step.
 ROWS_FAIL_ALONE = "error" in {f.name for f in dataclasses.fields(StepOutput)}
 
-TEXT = st.text(st.characters(codec=None, exclude_categories=()), max_size=12)  # lone surrogates included
-TOKEN = st.one_of(st.integers(0, 256), st.integers(-3, 300), st.sampled_from([2**31, 2**63, 2**70]))
+CHARACTER = st.one_of(st.sampled_from("The ab1\n"), st.characters(codec=None, exclude_categories=()),
+                      st.characters(min_codepoint=0xD800, max_codepoint=0xDFFF, exclude_categories=()))
+TEXT = st.text(CHARACTER, max_size=12)  # lone surrogates (which json.dumps escapes) included
+TOKEN = st.integers(0, 256)
 WILD = st.recursive(st.none() | st.booleans() | st.integers(-(2**65), 2**65) | st.floats() | TEXT,
                     lambda inner: st.lists(inner, max_size=3) | st.dictionaries(TEXT, inner, max_size=3),
                     max_leaves=8)
+ROUGH_TOKEN = st.one_of(TOKEN, st.integers(-3, 300), st.sampled_from([2**31, 2**63, 2**70]))
+COERCED = st.sampled_from([True, False, "1", 1.0, 0.0, "true", None, [], {}])
 if ROWS_FAIL_ALONE:
-    TEMPERATURE = st.one_of(st.just(0), st.floats(-1, 3), st.sampled_from([5e-324, 1e-40, 1.2e-38, 1e-3]))
-    REPETITION = st.one_of(st.floats(-1, 5), st.sampled_from([5e-324, 1e-300, 1e300]))
+    TEMPERATURE = st.one_of(st.just(0), st.floats(0, 2), st.sampled_from([5e-324, 1e-40, 1.2e-38, 1e-3]))
+    REPETITION = st.one_of(st.floats(0, 5, exclude_min=True), st.sampled_from([5e-324, 1e-300, 1e300]))
 else:
-    TEMPERATURE = st.one_of(st.just(0), st.floats(-1, 0), st.floats(1e-3, 3))
-    REPETITION = st.one_of(st.floats(-1, 0), st.floats(1e-3, 5), st.just(1e300))
+    TEMPERATURE = st.one_of(st.just(0), st.floats(1e-3, 2))
+    REPETITION = st.one_of(st.floats(1e-3, 5), st.just(1e300))
 
+# Each field's values that the server takes, and values it must refuse (or that sit on an edge).
 SAMPLING = {
-    "max_tokens": st.integers(-1, 6) | st.sampled_from([2**31, 2**63]),
-    "temperature": TEMPERATURE,
-    "top_p": st.floats(-0.5, 1.5),
-    "top_k": st.integers(-3, 300) | st.just(2**62),
-    "n": st.integers(-1, 4),
-    "seed": st.integers(-5, 2**64),
-    "presence_penalty": st.floats(-3, 3),
-    "frequency_penalty": st.floats(-3, 3),
-    "repetition_penalty": REPETITION,
-    "stop": st.none() | TEXT | st.lists(TEXT | TOKEN, max_size=3),
-    "stream": st.booleans(),
-    "stream_options": st.none() | st.fixed_dictionaries({"include_usage": st.booleans()}),
-    "ignore_eos": st.booleans(),
-    "skip_special_tokens": st.booleans(),
-    "model": st.none() | st.just("demo") | TEXT,
-    "user": TEXT,
+    "max_tokens": (st.integers(1, 6), st.integers(-2, 0) | st.sampled_from([2**31, 2**63, 2**64])),
+    "temperature": (TEMPERATURE, st.floats(-1, 0, exclude_max=True) | st.floats(2, 1e300, exclude_min=True)
+                    | st.sampled_from([float("nan"), float("inf")])),
+    "top_p": (st.floats(0, 1, exclude_min=True), st.floats(-1, 0) | st.floats(1, 2, exclude_min=True)),
+    "top_k": (st.integers(-1, 300) | st.just(2**62), st.integers(-(2**63), -2)),
+    "n": (st.integers(1, 3), st.integers(-1, 0) | st.integers(17, 2**40)),
+    "seed": (st.integers(0, 2**63 - 1), st.integers(-(2**63), -1) | st.integers(2**63, 2**65)),
+    "presence_penalty": (st.floats(-2, 2), st.floats(2, 10, exclude_min=True)),
+    "frequency_penalty": (st.floats(-2, 2), st.floats(-10, -2, exclude_max=True)),
+    "repetition_penalty": (REPETITION, st.floats(-5, 0)),
+    "stop": (st.none() | TEXT | st.lists(TEXT | TOKEN, max_size=3),
+             st.lists(ROUGH_TOKEN, min_size=1, max_size=3) | st.lists(TEXT, min_size=17, max_size=18)),
+    "stream": (st.booleans(), COERCED),
+    "stream_options": (st.none() | st.fixed_dictionaries({"include_usage": st.booleans()}), COERCED),
+    "ignore_eos": (st.booleans(), COERCED),
+    "skip_special_tokens": (st.booleans(), COERCED),
+    "model": (st.none() | st.just("demo"), TEXT),
+    "user": (TEXT, COERCED),
 }
-COMPLETION = dict(SAMPLING, prompt=st.one_of(TEXT, st.lists(TEXT, max_size=3), st.lists(TOKEN, max_size=8),
-                                             st.lists(st.lists(TOKEN, max_size=4), max_size=3)),
-                  logprobs=st.none() | st.integers(-1, 2))
+COMPLETION = dict(SAMPLING, prompt=(
+    st.one_of(TEXT.filter(bool), st.lists(TEXT.filter(bool), min_size=1, max_size=3),
+              st.lists(TOKEN, min_size=1, max_size=8),
+              st.lists(st.lists(TOKEN, min_size=1, max_size=4), min_size=1, max_size=3)),
+    st.one_of(st.just(""), st.just([]), st.lists(ROUGH_TOKEN, max_size=8), st.lists(st.lists(ROUGH_TOKEN, max_size=3), max_size=3),
+              st.lists(st.floats() | st.booleans(), min_size=1, max_size=3), st.text(min_size=60, max_size=80))),
+    logprobs=(st.none() | st.integers(0, 1), st.integers(-3, -1) | st.integers(2, 5)))
 MESSAGE = st.fixed_dictionaries(
-    {"role": st.sampled_from(["system", "user", "assistant", "tool", "developer", "wizard"]),
-     "content": TEXT | st.lists(st.fixed_dictionaries({"type": st.sampled_from(["text", "image_url"]),
-                                                       "text": TEXT}), max_size=2)},
+    {"role": st.sampled_from(["system", "user", "assistant", "tool", "developer"]),
+     "content": TEXT | st.lists(st.fixed_dictionaries({"type": st.just("text"), "text": TEXT}), max_size=2)},
     optional={"name": TEXT})
-CHAT = dict(SAMPLING, messages=st.lists(MESSAGE, max_size=3), logprobs=st.booleans(),
-            max_completion_tokens=st.none() | st.integers(-1, 6), top_logprobs=st.none() | st.integers(-1, 1))
+BAD_MESSAGE = st.fixed_dictionaries(
+    {"role": st.sampled_from(["wizard", "", "USER"]) | COERCED,
+     "content": COERCED | st.lists(st.fixed_dictionaries({"type": st.sampled_from(["image_url", "text"]),
+                                                          "text": COERCED}), min_size=1, max_size=2)})
+CHAT = dict(SAMPLING, messages=(st.lists(MESSAGE, min_size=1, max_size=3),
+                                st.just([]) | st.lists(BAD_MESSAGE, min_size=1, max_size=2)),
+            logprobs=(st.booleans(), COERCED),
+            max_completion_tokens=(st.none() | st.integers(1, 6), st.integers(-1, 0)),
+            top_logprobs=(st.none() | st.just(0), st.integers(1, 3) | st.integers(-2, -1)))
+REQUIRED = {"/v1/completions": "prompt", "/v1/chat/completions": "messages"}
 
 
-def bodies(fields: dict):
-    """Dicts of some of `fields` (each mostly drawn from its own strategy, sometimes any JSON value),
-    sometimes with a field no schema has."""
-    values = {name: st.one_of(strategy, strategy, strategy, WILD) for name, strategy in fields.items()}
-    extra = st.dictionaries(st.sampled_from(["echo", "best_of", "suffix", "x"]), WILD, max_size=1)
-    return st.tuples(st.fixed_dictionaries({}, optional=values), extra).map(lambda d: {**d[0], **d[1]})
+def bodies(route: str, fields: dict):
+    """Bodies for `route`: well-formed ones (some optional fields drawn from their good values), the same
+    with one field spoilt (a refused value or any JSON value, or a field no schema has), and any JSON
+    object at all."""
+    good = {name: values for name, (values, _) in fields.items()}
+    required = REQUIRED[route]
+    clean = st.fixed_dictionaries({required: good.pop(required)}, optional=good)
+    spoilt = st.sampled_from(sorted(fields) + ["echo", "best_of"]).flatmap(
+        lambda f: st.tuples(st.just(f), st.one_of(fields[f][1], WILD) if f in fields else WILD))
+    one_bad = st.tuples(clean, spoilt).map(lambda t: dict(t[0], **{t[1][0]: t[1][1]}))
+    return st.tuples(st.just(route), st.one_of(clean, clean, one_bad, one_bad, st.dictionaries(TEXT, WILD, max_size=3)))
 
 
-ROUTES = st.one_of(st.tuples(st.just("/v1/completions"), bodies(COMPLETION)),
-                   st.tuples(st.just("/v1/chat/completions"), bodies(CHAT)))
+ROUTES = st.one_of(bodies("/v1/completions", COMPLETION), bodies("/v1/chat/completions", CHAT))
 
 
 @pytest.fixture(scope="module")
@@ -99,7 +122,7 @@ def served():
 
 def check(served, route: str, body: dict) -> None:
     client, normal = served
-    r = client.post(route, content=json.dumps(body))  # json.dumps escapes lone surrogates as \udXXX
+    r = client.post(route, content=json.dumps(body), headers=JSON)  # json.dumps escapes lone surrogates as \udXXX
     assert r.status_code < 500, (body, r.text)
     if r.status_code >= 400:
         err = r.json()["error"]
