@@ -9,6 +9,8 @@ import socket
 
 import click
 
+from kvbuffer.serve.limits import DEFAULT_MAX_BODY_BYTES
+
 from .engine_options import engine_options
 from .presets import resolve_model
 
@@ -28,9 +30,15 @@ from .presets import resolve_model
                 "speculative", "device", "dtype", "cuda_graphs", "compile", max_batch=64)
 @click.option("--max-waiting", default=256, show_default=True, type=click.IntRange(min=0),
               help="Requests that may wait for a slot; past them the server answers 503.")
+@click.option("--max-body-bytes", default=DEFAULT_MAX_BODY_BYTES, show_default=True, type=click.IntRange(min=1),
+              help="Largest request body taken; a larger one gets HTTP 413.")
+@click.option("--api-key", envvar="KVBUFFER_API_KEY", default=None, show_envvar=True,
+              help="Require 'Authorization: Bearer <key>' on every route but /health (HTTP 401 without it). "
+              "Prefer the environment variable: a command line is visible to other users.")
 @click.option("--log-level", type=click.Choice(["debug", "info", "warning", "error"]), default="info",
               show_default=True, help="debug also logs one line per request (id, tokens, params, finish, latency).")
-def serve(model, preset, host, port, served_model_name, chat_template, config, max_waiting, log_level):
+def serve(model, preset, host, port, served_model_name, chat_template, config, max_waiting, max_body_bytes, api_key,
+          log_level):
     """Serve a model over HTTP with OpenAI's completions and chat completions API.
 
     SIGTERM (or Ctrl-C) stops taking requests, lets those in flight finish, then exits (0).
@@ -47,6 +55,8 @@ def serve(model, preset, host, port, served_model_name, chat_template, config, m
 
     if preset is not None and model is not None:
         raise click.UsageError("give --model or --preset, not both")
+    if api_key is not None and not api_key.strip():
+        raise click.BadParameter("the API key must not be empty", param_hint="--api-key / KVBUFFER_API_KEY")
     template = _chat_template(chat_template)
     if preset is not None:
         _check_preset(preset)
@@ -64,9 +74,11 @@ def serve(model, preset, host, port, served_model_name, chat_template, config, m
                    err=True)
         llm.warm_up()
     metrics = ServerMetrics()
-    app = build_app(AsyncEngine(llm, max_waiting=max_waiting, metrics=metrics), name, metrics, template)
+    app = build_app(AsyncEngine(llm, max_waiting=max_waiting, metrics=metrics), name, metrics, template,
+                    api_key=api_key, max_body_bytes=max_body_bytes)
     click.echo(f"kvbuffer serve: {name} (mode={config.mode}, device={llm.device}, "
-               f"max_batch={config.max_batch}, max_len={config.max_len}) on http://{host}:{port}/v1", err=True)
+               f"max_batch={config.max_batch}, max_len={config.max_len}) on http://{host}:{port}/v1"
+               f"{' (API key required)' if api_key is not None else ''}", err=True)
     signal.signal(signal.SIGTERM, _drained)
     uvicorn.run(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=None)
 

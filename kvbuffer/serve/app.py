@@ -1,5 +1,7 @@
 """The HTTP routes: OpenAI's /v1/completions, /v1/chat/completions and /v1/models, plus /health
-and /metrics. Each choice of a request is one engine request; errors are OpenAI-style JSON."""
+and /metrics. Each choice of a request is one engine request; every error is an OpenAI error object
+(http.py). A request body is read under a size limit, then parsed, checked and tokenized in a worker
+thread, so that the event loop (and /health) never waits for a big body."""
 
 from __future__ import annotations
 
@@ -14,33 +16,32 @@ import uuid
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException
 
 from ..engine.sampling import SamplingParams
 from ..errors import QueueFullError
 from .chat import ChatTemplate, chat_prompt
-from .engine_loop import AsyncEngine
+from .engine_loop import AsyncEngine, RequestFailed
+from .http import ApiKeyCheck, BadRequest, error_body, error_response, parse, read_body
+from .limits import DEFAULT_MAX_BODY_BYTES
 from .schemas import ChatCompletionRequest, CompletionRequest
 from .stream import ChoiceText
 
 DISCONNECT_POLL_S = 0.1
+SCHEMAS = {"completion": CompletionRequest, "chat": ChatCompletionRequest}
 log = logging.getLogger("kvbuffer.serve")
 
 
-class BadRequest(Exception):
-    def __init__(self, message: str, param: str | None = None, status: int = 400):
-        super().__init__(message)
-        self.param, self.status = param, status
-
-
-def error_response(status: int, message: str, param: str | None = None) -> JSONResponse:
-    kind = {400: "invalid_request_error", 404: "not_found_error", 503: "service_unavailable"}.get(status, "server_error")
-    return JSONResponse({"error": {"message": message, "type": kind, "param": param, "code": status}}, status)
-
-
-def build_app(engine: AsyncEngine, model_name: str, metrics=None, chat_template: ChatTemplate | None = None) -> FastAPI:
+def build_app(engine: AsyncEngine, model_name: str, metrics=None, chat_template: ChatTemplate | None = None, *,
+              api_key: str | None = None, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> FastAPI:
     """The server's app; its lifespan starts the engine thread and, at shutdown (after uvicorn has
     drained the requests in flight), stops it. chat_template: chat prompts' template in place of the
-    tokenizer's."""
+    tokenizer's. api_key: required (as a bearer token) on every route but /health. max_body_bytes:
+    larger request bodies get 413."""
+    if isinstance(max_body_bytes, bool) or not isinstance(max_body_bytes, int) or max_body_bytes < 1:
+        raise ValueError(f"max_body_bytes must be an int >= 1, got {max_body_bytes!r}")
+    if api_key is not None and (not isinstance(api_key, str) or not api_key):
+        raise ValueError("api_key must be a non-empty string (or None: no key)")
 
     @contextlib.asynccontextmanager
     async def lifespan(_app):
@@ -49,17 +50,19 @@ def build_app(engine: AsyncEngine, model_name: str, metrics=None, chat_template:
         await asyncio.to_thread(engine.stop)
 
     app = FastAPI(title="kvbuffer", lifespan=lifespan)
+    if api_key is not None:
+        app.add_middleware(ApiKeyCheck, api_key=api_key)
     llm = engine.llm
-    handler = _Handler(engine, model_name, metrics, chat_template)
+    handler = _Handler(engine, model_name, metrics, chat_template, max_body_bytes)
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(_request, exc: RequestValidationError):
         err = exc.errors()[0]
-        loc = [str(p) for p in err.get("loc", ()) if p != "body"]
-        if err.get("type") == "json_invalid":
-            return _rejected(metrics, error_response(400, f"malformed JSON: {err.get('msg')}"))
-        param = ".".join(loc) or None
-        return _rejected(metrics, error_response(400, f"{param or 'body'}: {err.get('msg')}", param))
+        return _rejected(metrics, error_response(400, f"{'.'.join(map(str, err.get('loc', ())))}: {err.get('msg')}"))
+
+    @app.exception_handler(HTTPException)
+    async def _http(_request, exc: HTTPException):  # starlette's own: an unknown route, a wrong method
+        return _rejected(metrics, error_response(exc.status_code, str(exc.detail), headers=exc.headers))
 
     @app.exception_handler(BadRequest)
     async def _bad(_request, exc: BadRequest):
@@ -69,9 +72,14 @@ def build_app(engine: AsyncEngine, model_name: str, metrics=None, chat_template:
     async def _full(_request, exc: QueueFullError):
         return _rejected(metrics, error_response(503, str(exc)))
 
+    @app.exception_handler(Exception)
+    async def _crashed(_request, exc: Exception):  # a bug: the client gets a JSON 500, the log the traceback
+        log.error("kvbuffer: request failed: %s: %s", type(exc).__name__, exc, exc_info=exc)
+        return _rejected(metrics, error_response(500, f"internal error: {type(exc).__name__}"))
+
     @app.get("/health")
     async def health():
-        stats = llm.stats
+        stats = engine.stats
         return {"status": "ok", "in_flight": engine.in_flight, "running": stats.running,
                 "waiting": stats.waiting, "request_slots_free": stats.request_slots_free}
 
@@ -92,16 +100,16 @@ def build_app(engine: AsyncEngine, model_name: str, metrics=None, chat_template:
     @app.get("/metrics")
     async def metrics_route():
         if metrics is None:
-            return Response(status_code=404)
-        return Response(metrics.render(), media_type="text/plain; version=0.0.4")
+            return error_response(404, "this server keeps no metrics")
+        return Response(metrics.render(engine.stats, llm.limits), media_type="text/plain; version=0.0.4")
 
     @app.post("/v1/completions")
-    async def completions(body: CompletionRequest, request: Request):
-        return await handler.run("completion", body, request)
+    async def completions(request: Request):
+        return await handler.run("completion", request)
 
     @app.post("/v1/chat/completions")
-    async def chat_completions(body: ChatCompletionRequest, request: Request):
-        return await handler.run("chat", body, request)
+    async def chat_completions(request: Request):
+        return await handler.run("chat", request)
 
     return app
 
@@ -112,12 +120,33 @@ def _rejected(metrics, response):
     return response
 
 
-class _Handler:
-    def __init__(self, engine: AsyncEngine, model_name: str, metrics, chat_template: ChatTemplate | None):
-        self.engine, self.llm, self.model_name, self.metrics = engine, engine.llm, model_name, metrics
-        self.chat_template = chat_template
+# SamplingParams' field -> the request field that sets it (the others have the same name)
+REQUEST_FIELDS = {"max_new_tokens": "max_tokens", "stop_token_ids": "stop"}
 
-    # request -> engine requests -------------------------------------------------------------
+
+class _Handler:
+    def __init__(self, engine: AsyncEngine, model_name: str, metrics, chat_template: ChatTemplate | None,
+                 max_body_bytes: int):
+        self.engine, self.llm, self.model_name, self.metrics = engine, engine.llm, model_name, metrics
+        self.chat_template, self.max_body_bytes = chat_template, max_body_bytes
+
+    # request -> engine requests (in a worker thread) ---------------------------------------------
+    def _prepare(self, kind: str, raw: bytes):
+        """The request body -> (its checked fields, [(prompt ids, SamplingParams)] one per choice, prompt
+        tokens); BadRequest for anything wrong with it. Parses and tokenizes: run it off the event loop."""
+        body = parse(SCHEMAS[kind], raw)
+        if body.model is not None and body.model != self.model_name:
+            raise BadRequest(f"model {body.model!r} is not served here (this server serves {self.model_name!r})",
+                             "model", status=404)
+        prompts = self._prompts(kind, body)
+        choices = len(prompts) * body.n
+        if choices > self.engine.capacity:
+            raise BadRequest(f"the request asks for {choices} completions (prompts x n); this server takes "
+                             f"{self.engine.capacity} at once", "n")
+        jobs = [(p, self._params(kind, body, len(p), i * body.n + j)) for i, p in enumerate(prompts)
+                for j in range(body.n)]
+        return body, jobs, sum(len(p) for p in prompts)
+
     def _encode(self, prompt, param: str) -> list[int]:
         llm = self.llm
         if isinstance(prompt, str):
@@ -155,6 +184,8 @@ class _Handler:
         return [self._encode(x, "prompt") for x in p]
 
     def _params(self, kind: str, body, prompt_len: int, choice: int) -> SamplingParams:
+        """The choice's SamplingParams; the engine's own rules (SamplingParams') refuse a value as a
+        BadRequest naming the request field."""
         limit = body.max_completion_tokens if kind == "chat" and body.max_completion_tokens else body.max_tokens
         if limit is None:
             limit = 16 if kind == "completion" else self.llm.limits.max_len - prompt_len
@@ -162,29 +193,28 @@ class _Handler:
         bad = [t for t in body.stop_token_ids() if t >= self.llm.vocab_size]
         if bad:
             raise BadRequest(f"stop token id {bad[0]} is outside the vocabulary", "stop")
-        return SamplingParams(max_new_tokens=limit, temperature=body.temperature, top_k=max(body.top_k, 0),
-                              top_p=body.top_p, seed=None if body.seed is None else body.seed + choice,
-                              stop_token_ids=eos + tuple(body.stop_token_ids()),
-                              logprobs=body.logprobs is not None if kind == "completion" else body.logprobs,
-                              presence_penalty=body.presence_penalty, frequency_penalty=body.frequency_penalty,
-                              repetition_penalty=body.repetition_penalty)
+        try:
+            return SamplingParams(max_new_tokens=limit, temperature=body.temperature, top_k=max(body.top_k, 0),
+                                  top_p=body.top_p, seed=None if body.seed is None else body.seed + choice,
+                                  stop_token_ids=eos + tuple(body.stop_token_ids()),
+                                  logprobs=body.logprobs is not None if kind == "completion" else body.logprobs,
+                                  presence_penalty=body.presence_penalty, frequency_penalty=body.frequency_penalty,
+                                  repetition_penalty=body.repetition_penalty)
+        except (ValueError, TypeError) as e:
+            raise BadRequest(str(e), _named_field(str(e))) from None
 
-    async def run(self, kind: str, body, request: Request):
-        if body.model is not None and body.model != self.model_name:
-            raise BadRequest(f"model {body.model!r} is not served here (this server serves {self.model_name!r})",
-                             "model", status=404)
-        prompts = self._prompts(kind, body)
-        jobs = [(p, self._params(kind, body, len(p), i * body.n + j)) for i, p in enumerate(prompts)
-                for j in range(body.n)]
+    async def run(self, kind: str, request: Request):
+        raw = await read_body(request, self.max_body_bytes)
+        body, jobs, prompt_tokens = await asyncio.to_thread(self._prepare, kind, raw)
         self.engine.reserve(len(jobs))
         if self.metrics is not None:
-            self.metrics.prompt_tokens.inc(sum(len(p) for p in prompts))
+            self.metrics.prompt_tokens.inc(prompt_tokens)
         rid = ("cmpl-" if kind == "completion" else "chatcmpl-") + uuid.uuid4().hex
         events: asyncio.Queue = asyncio.Queue()
         text = dict(stops=body.stop_strings(), skip_special_tokens=body.skip_special_tokens)
         tasks = [asyncio.create_task(self._choice(rid, index, ids, params, text, events))
                  for index, (ids, params) in enumerate(jobs)]
-        usage = {"prompt_tokens": sum(len(p) for p in prompts)}
+        usage = {"prompt_tokens": prompt_tokens}
         fmt = _Format(kind, rid, self.model_name, self.llm.tokenizer)
         if body.stream:
             include_usage = body.stream_options is not None and body.stream_options.include_usage
@@ -195,8 +225,8 @@ class _Handler:
     async def _choice(self, rid: str, index, ids, params, text: dict, events: asyncio.Queue) -> dict:
         """Run one choice: put ("piece", index, text, token ids, logprobs, finish reason) events, then
         ("done", index, error or None); return its summary. `text`: ChoiceText's stops and skip_special_tokens.
-        However it ends, the metrics count it by finish reason ("abort": cancelled or failed) and a
-        debug line logs it."""
+        However it ends, the metrics count it by finish reason ("error": it failed; "abort": cancelled)
+        and a debug line logs it."""
         text = ChoiceText(self.llm.tokenizer, ids, **text)
         arrival, first, last, reason = time.monotonic(), None, None, None
         token_ids, logprobs = [], []
@@ -218,6 +248,7 @@ class _Handler:
                     if reason is not None:
                         break  # at a stop string, leaving the generator aborts the request in the engine
         except Exception as e:
+            reason = "error"
             events.put_nowait(("done", index, e))
             raise
         finally:
@@ -238,9 +269,9 @@ class _Handler:
                     yield _sse_data(fmt.chunk(*event[1:]))
                     continue
                 left -= 1
-                if event[2] is not None:
-                    yield _sse_data({"error": {"message": f"generation failed: {event[2]}", "type": "server_error",
-                                               "param": None, "code": 500}})
+                if event[2] is not None:  # the request failed: its error, then the end of the stream
+                    yield _sse_data(error_body(*_failure(event[2])))
+                    yield "data: [DONE]\n\n"
                     return
             if include_usage:
                 yield _sse_data(fmt.usage_chunk(_usage(usage, [t.result() for t in tasks])))
@@ -261,8 +292,25 @@ class _Handler:
         except Exception as e:
             for t in tasks:
                 t.cancel()
-            return error_response(500, f"generation failed: {e}")
+            return _rejected(self.metrics, error_response(*_failure(e)))
         return fmt.response(choices, _usage(usage, choices))
+
+
+def _failure(e: Exception) -> tuple[int, str]:
+    """A failed choice's HTTP status and message: 400 where its own values failed it, else 500."""
+    if isinstance(e, RequestFailed):
+        return (400 if e.own_values else 500), f"generation failed: {e}"
+    log.error("kvbuffer: generation failed: %s: %s", type(e).__name__, e, exc_info=e)
+    return 500, f"generation failed: internal error ({type(e).__name__})"
+
+
+def _named_field(message: str) -> str | None:
+    """The request field an engine error message names first (SamplingParams' messages start with it)."""
+    names = [f.name for f in dataclasses.fields(SamplingParams) if f.name in message]
+    if not names:
+        return None
+    first = min(names, key=message.index)
+    return REQUEST_FIELDS.get(first, first)
 
 
 def _params_text(params: SamplingParams) -> str:

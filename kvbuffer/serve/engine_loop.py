@@ -5,7 +5,10 @@ thread drains between steps, and read their request's outputs from an asyncio qu
 fills. So requests arriving at any time join the running batch at the next step (continuous
 batching), an abort (a client that went away) frees the request's slots before the next step,
 and the number of requests in flight is bounded (QueueFullError past it, which the server answers
-with 503).
+with 503). A request that fails fails alone (RequestFailed): refused at admission, or finished by
+the engine with finish_reason "error" while the rest of its step goes on. Only a step that raises
+fails the requests in it. After every change the thread publishes the engine's stats (`stats`),
+the one view of it that /health and /metrics read.
 """
 
 from __future__ import annotations
@@ -15,20 +18,22 @@ import itertools
 import logging
 import queue
 import threading
-import time
 from dataclasses import dataclass
 
-from ..engine.outputs import StepOutput
+from ..engine.outputs import EngineStats, StepOutput
 from ..engine.sampling import SamplingParams
 from ..errors import QueueFullError
 
 log = logging.getLogger("kvbuffer.serve")
 
 
-@dataclass(frozen=True)
-class EngineFailure:
-    """Sent to a request's queue instead of outputs when the engine step it was in raised."""
-    message: str
+class RequestFailed(Exception):
+    """A request that failed. own_values: its own values caused it (the engine refused it, or
+    finished it alone with an error: a client's error), else the engine failed (a step raised)."""
+
+    def __init__(self, message: str, own_values: bool):
+        super().__init__(message)
+        self.own_values = own_values
 
 
 @dataclass
@@ -56,6 +61,7 @@ class AsyncEngine:
         self._streams: dict[int, _Stream] = {}  # key -> stream, touched by the engine thread only
         self._by_rid: dict[int, int] = {}  # engine rid -> key
         self._stopping = False
+        self.stats: EngineStats = llm.stats  # replaced (never changed) by the engine thread after each change
         self._thread = threading.Thread(target=self._run, name="kvbuffer-engine", daemon=True)
 
     # the asyncio side ---------------------------------------------------------------------------
@@ -98,9 +104,9 @@ class AsyncEngine:
                 out = await stream.outputs.get()
                 if isinstance(out, BaseException):
                     raise out
-                if isinstance(out, EngineFailure):
-                    raise RuntimeError(out.message)
                 finished = out.finish_reason is not None
+                if out.finish_reason == "error":
+                    raise RequestFailed(out.error or "the engine could not finish this request", own_values=True)
                 yield out
                 if finished:
                     return
@@ -125,17 +131,22 @@ class AsyncEngine:
                 self._wake.wait(0.05)
                 self._wake.clear()
                 continue
-            t0 = time.perf_counter()
             try:
                 outs = llm.step()
             except Exception as e:  # one step's requests fail; the others (waiting) go on
                 log.exception("kvbuffer: engine step failed")
                 self._fail_running(f"engine step failed: {type(e).__name__}: {e}")
                 continue
+            self._publish()
             for out in outs:
                 self._deliver(out)
             if self.metrics is not None:
-                self.metrics.on_step(llm, outs, time.perf_counter() - t0)
+                self.metrics.on_step(outs)
+
+    def _publish(self) -> None:
+        """Replace `stats` with the engine's now: called after each change and before anyone is told
+        of it (an output delivered, a slot's room given back), so that no reader sees older stats."""
+        self.stats = self.llm.stats
 
     def _drain(self) -> None:
         while True:
@@ -148,15 +159,18 @@ class AsyncEngine:
                 try:
                     stream.rid = self.llm.add_request(prompt_ids, params)
                 except Exception as e:  # a bad request fails alone
-                    stream.loop.call_soon_threadsafe(stream.outputs.put_nowait, e)
+                    failure = RequestFailed(str(e), own_values=isinstance(e, (ValueError, TypeError)))
+                    stream.loop.call_soon_threadsafe(stream.outputs.put_nowait, failure)
                     continue
                 self._streams[key] = stream
                 self._by_rid[stream.rid] = key
+                self._publish()
             else:  # abort: also sent for requests the engine never took or already ended
                 stream = self._streams.pop(command[1], None)
                 if stream is not None:
                     self._by_rid.pop(stream.rid, None)
                     self.llm.abort(stream.rid)
+                    self._publish()
                 self._unreserve()
 
     def _deliver(self, out: StepOutput) -> None:
@@ -172,9 +186,10 @@ class AsyncEngine:
         """After a failed step: every request but those still waiting was in it (running, or
         admitted by it and already released by the engine) and fails; the waiting ones go on."""
         waiting = self.llm.waiting_ids()
-        for key, stream in list(self._streams.items()):
-            if stream.rid in waiting:
-                continue
+        failed = [(key, stream) for key, stream in self._streams.items() if stream.rid not in waiting]
+        for key, stream in failed:
             self.llm.abort(stream.rid)
             del self._streams[key], self._by_rid[stream.rid]
-            stream.loop.call_soon_threadsafe(stream.outputs.put_nowait, EngineFailure(message))
+        self._publish()
+        for _, stream in failed:
+            stream.loop.call_soon_threadsafe(stream.outputs.put_nowait, RequestFailed(message, own_values=False))

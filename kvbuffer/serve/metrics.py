@@ -1,7 +1,12 @@
-"""Prometheus metrics of one server (its own registry, so that several servers fit in a process)."""
+"""Prometheus metrics of one server (its own registry, so that several servers fit in a process).
+
+The gauges are set when /metrics is read, from the engine's published stats (AsyncEngine.stats, what
+/health reads too) and the tokens of the last RATE_WINDOW_S seconds: they are never left at the
+values of the last step (after a disconnect while idle, or after a failed step)."""
 
 from __future__ import annotations
 
+import threading
 import time
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
@@ -32,16 +37,27 @@ class ServerMetrics:
                               buckets=LATENCY_BUCKETS, registry=r)
         self.tpot = Histogram("kvbuffer_time_per_output_token_seconds", "Mean time per token after the first",
                               buckets=LATENCY_BUCKETS, registry=r)
-        self._window: list[tuple[float, int]] = []
+        self._window: list[tuple[float, int]] = []  # (time, tokens) of the recent steps
+        self._lock = threading.Lock()  # the window: written by the engine thread, read by /metrics
+        self._started = time.monotonic()
 
-    def on_step(self, llm, outs, seconds: float) -> None:
-        """Called by the engine thread after each step."""
+    def on_step(self, outs) -> None:
+        """Called by the engine thread after each step (outs: its StepOutputs)."""
         now, tokens = time.monotonic(), sum(len(o.token_ids) for o in outs)
         self.generated.inc(tokens)
-        self._window = [(t, n) for t, n in self._window if now - t < RATE_WINDOW_S] + [(now, tokens)]
-        span = max(now - self._window[0][0], seconds, 1e-9)
-        self.tokens_per_second.set(sum(n for _, n in self._window) / span)
-        stats, limits = llm.stats, llm.limits
+        with self._lock:
+            self._window = [(t, n) for t, n in self._window if now - t < RATE_WINDOW_S] + [(now, tokens)]
+
+    def recent_tokens_per_second(self, now: float) -> float:
+        """Tokens generated in the RATE_WINDOW_S seconds before `now`, per second (over the time the
+        server has run, where that is shorter)."""
+        with self._lock:
+            tokens = sum(n for t, n in self._window if now - t < RATE_WINDOW_S)
+        return tokens / max(min(RATE_WINDOW_S, now - self._started), 1e-3)
+
+    def render(self, stats, limits) -> bytes:
+        """The metrics in Prometheus' text format; stats and limits: the engine's (EngineStats, EngineLimits)."""
+        self.tokens_per_second.set(self.recent_tokens_per_second(time.monotonic()))
         self.running.set(stats.running)
         self.waiting.set(stats.waiting)
         self.request_slots.set(1 - stats.request_slots_free / limits.max_requests)
@@ -51,16 +67,14 @@ class ServerMetrics:
             self.buffer_fill.set(stats.buffered_tokens / (limits.max_requests * limits.chunk_size))
         if stats.drafts is not None:
             self.acceptance.set(stats.drafts.acceptance_rate)
+        return generate_latest(self.registry)
 
     def on_request_done(self, arrival: float, first: float | None, last: float | None, tokens: int,
                         finish_reason: str) -> None:
         """Called once per choice however it ends: finish_reason as the client sees it ("stop" for a stop
-        token or a stop string, "length"), or "abort" (the client went away, or the engine failed)."""
+        token or a stop string, "length"), "error" (the request failed), or "abort" (the client went away)."""
         self.finished.labels(finish_reason).inc()
         if first is not None:
             self.ttft.observe(first - arrival)
         if first is not None and tokens > 1:
             self.tpot.observe((last - first) / (tokens - 1))
-
-    def render(self) -> bytes:
-        return generate_latest(self.registry)

@@ -1,5 +1,9 @@
 """The OpenAI request bodies kvbuffer accepts, checked by pydantic: a field kvbuffer does not know is
-an error (HTTP 400 naming it), never silently ignored."""
+an error (HTTP 400 naming it), never silently ignored, and values are never coerced (strict mode):
+an int field takes only JSON integers (not `true`, `1.0` or `"1"`), a float field JSON numbers, a
+bool field only `true`/`false`, a token-id prompt only integers. Sampling values that pass here are
+checked again by SamplingParams (the engine's rules, such as the smallest temperature) when the
+request is built."""
 
 from __future__ import annotations
 
@@ -11,7 +15,7 @@ MAX_N = 16
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
 
 
 class StreamOptions(_Strict):
