@@ -216,3 +216,46 @@ def test_launcher_refuses_cpu_tensors_and_another_kernel():
         fp8_gemv(op, x, q, scale)
     with pytest.raises(TypeError, match="expected a compiled 'fp8_gemv' kernel"):
         fp8_gemv(CompiledOp(lambda *a: None, "gemv", {}), x, q, scale)
+
+
+@pytest.mark.tilelang
+@pytest.mark.skipif(importlib.util.find_spec("tilelang") is None, reason="needs TileLang")
+def test_tuner_jit_and_build_trace_the_same_function(monkeypatch):
+    """`kvbuffer tune`'s template, the JIT and build_fp8_gemv build one TileLang function (compiling
+    stubbed), and the template's inputs are the spec's arguments with a reference output."""
+    import kvbuffer.tiles as tiles
+    from kvbuffer.autotune import tuner
+    from kvbuffer.autotune.registry import templates
+    from kvbuffer.kernels import build_fp8_gemv, lookup
+
+    monkeypatch.setattr(tiles, "compile_template", lambda prim, target: prim)
+    monkeypatch.setattr(specs, "local_target", lambda: {"kind": "cuda", "arch": "sm_90a"})
+    shape = projection_shape("fp8_gemv", 72, 160, "bfloat16", (128, 128))
+    (tpl, chunk, drafts), = tuner.plan(templates("fp8_gemv"), shape, (8,), (0, 2))
+    assert tpl.name == "fp8_gemv" and tpl.defaults_for(shape) == specs.FP8_GEMV.defaults(None)
+    tuned = tpl.compile(shape, chunk, drafts, target={}, **tpl.defaults_for(shape))
+    key = launch.fp8_gemv_key(torch.empty(72, 160), 128, 128, "bfloat16")
+    assert tuned.script() == lookup.jit(key).fn.script() == build_fp8_gemv(72, 160, (128, 128)).fn.script()
+    args = tpl.named(tpl.inputs(shape, 1, 8, "cpu", torch.Generator().manual_seed(0)))
+    want = tpl.reference(shape, 8, args)["out"]
+    assert want.shape == (1, 72) and torch.allclose(want, _fp64(args["x"], args["q"], args["scale"], (128, 128)))
+
+
+def test_tune_shapes_of_fp8_models():
+    """A preset with fp8 gets its family's format (Qwen: 128 x 128 blocks; Nemotron: a scale per row);
+    a checkpoint's config.json or hf_quant_config.json decides for itself."""
+    from kvbuffer.autotune import models
+
+    plain = models.preset_gemv_shapes("qwen3.5-9b")
+    qwen = models.preset_gemv_shapes("qwen3.5-9b", fp8=True)
+    fp8 = [s for s in qwen if s["family"] == "fp8_gemv"]
+    assert qwen[:len(plain)] == plain and {(s["N"], s["K"]) for s in fp8} == {(s["N"], s["K"]) for s in plain}
+    assert all((s["bn"], s["bk"]) == (128, 128) for s in fp8)
+    nemotron = [s for s in models.preset_gemv_shapes("nemotron-3-nano", fp8=True) if s["family"] == "fp8_gemv"]
+    assert nemotron and all((s["bn"], s["bk"]) == (1, s["K"]) for s in nemotron)
+    cfg = models.presets.get("qwen3.5-9b").hf_config()
+    block = {**cfg, "quantization_config": {"quant_method": "fp8", "weight_block_size": [128, 64]}}
+    assert {(s["bn"], s["bk"]) for s in models.config_gemv_shapes(block) if s["family"] == "fp8_gemv"} == {(128, 64)}
+    assert models.config_fp8_format(cfg) is None
+    assert models.config_fp8_format(cfg, {"quantization": {"quant_algo": "FP8"}}) == models.FP8_ROW
+    assert models.config_fp8_format({**cfg, "quantization_config": {"quant_method": "gptq"}}) is None
