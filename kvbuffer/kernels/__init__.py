@@ -65,5 +65,6 @@ __all__ = [
     "build_gdn_chunk_prefill", "build_mamba2_chunk_prefill", "chunk_prefill",
     "build_conv1d_accept", "build_conv1d_update", "conv1d_accept", "conv1d_update",
     "attention_decode", "attention_reference", "build_attention_combine", "build_attention_decode",
-    "build_gemv", "gemv", "build_fp8_gemv", "fp8_gemv", "build_gemv_experts", "gemv_experts", "build_grouped_experts", "grouped_experts",
+    "build_gemv", "gemv", "build_fp8_gemv", "fp8_gemv", "build_gemv_experts", "gemv_experts",
+    "build_grouped_experts", "grouped_experts",
 ]

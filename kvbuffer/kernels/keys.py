@@ -4,13 +4,12 @@ One key type serves every family: Gated DeltaNet ("gdn"), Mamba-2 ("mamba2"), th
 ("conv1d"), decode attention over the KV cache ("attention") and the one-token projections
 ("gemv": y = x W^T; "experts": the same through each row's chosen experts; "grouped": rows sorted by
 expert, each expert's rows through its weight; "fp8_gemv": y = x W^T with W an FP8 weight scaled by
-block). Its `op` names the kernel within the family; its
-`dims` carry the family's own dimension
+block). Its `op` names the kernel within the family; its `dims` carry the family's own dimension
 names (GDN's Hk, Hv, K, V; Mamba-2's G, H, N, P; the conv's D, W, span; attention's H, Hkv, D; a
-projection's N, K, and an FP8 weight's scale block bn, bk). Batch, pool and cache sizes are dynamic, so they are not part of a key. What a key
-means to the cache (its tune template, record shapes, layouts, build command) is its KernelSpec's
-(kvbuffer.kernels.specs). PREFILL_CHUNKS, the prompt-chunk lengths the engine feeds the kernels and
-`kvbuffer tune` builds, is written here once.
+projection's N, K, and an FP8 weight's scale block bn, bk). Batch, pool and cache sizes are dynamic,
+so they are not part of a key. What a key means to the cache (its tune template, record shapes,
+layouts, build command) is its KernelSpec's (kvbuffer.kernels.specs). PREFILL_CHUNKS, the
+prompt-chunk lengths the engine feeds the kernels and `kvbuffer tune` builds, is written here once.
 """
 
 from __future__ import annotations
@@ -159,12 +158,13 @@ class KernelKey:
 
     family: "gdn" | "mamba2" | "conv1d" | "attention" | "gemv". op: "recurrent" | "buffered" | "flush"
     | "recurrent_drafts" | "chunk_prefill" (linear families), "advance" | "verify" | "accept" (conv1d), "decode" | "combine" (attention),
-    "gemv" | "experts" | "grouped" | "fp8_gemv" (gemv). in_dtype: activations (conv: x and the pool; attention: q
-    and the output; gemv: x, the weight and the output, fp8_gemv: x and the output; "" for a linear flush).
+    "gemv" | "experts" | "grouped" | "fp8_gemv" (gemv). in_dtype: activations (conv: x and the pool;
+    attention: q and the output; gemv: x, the weight and the output, fp8_gemv: x and the output; "" for
+    a linear flush).
     buf_dtype: buffer entries (attention: the KV cache; "" for the recurrent step and the conv).
-    w_dtype: the conv's weight and bias; fp8_gemv's weight, FP8_DTYPE ("" otherwise). cap: buffer entries per slot. T: tokens per
-    row (conv advance: 0 = any count; gemv: rows of x, 1 for the experts kernels, whose rows are
-    dynamic). C: flush_at (0: no fused flush).
+    w_dtype: the conv's weight and bias; fp8_gemv's weight, FP8_DTYPE ("" otherwise). cap: buffer entries
+    per slot. T: tokens per row (conv advance: 0 = any count; gemv: rows of x, 1 for the experts
+    kernels, whose rows are dynamic). C: flush_at (0: no fused flush).
     """
 
     family: str

@@ -55,7 +55,7 @@ def _fp64(x, q, scale, block):
 @pytest.mark.slow
 @pytest.mark.skipif(not _BUILD, reason="needs TileLang, nvcc and g++")
 @pytest.mark.parametrize("N,K,rows,block,tunables", [
-    (37, 2688, 1, (128, 128), {}),                                        # Nemotron's K: a ragged pass, 21 block columns
+    (37, 2688, 1, (128, 128), {}),                                        # Nemotron's K: a ragged pass
     (300, 1040, 3, (128, 128), dict(per_warp=1, threads=64, unroll=2)),   # partial blocks both ways, two passes
     (50, 720, 2, (1, 720), dict(per_warp=4, threads=64, unroll=16)),      # a scale per row; N not a block's multiple
     (20, 256, 8, (1, 256), {}),                                           # eight rows
