@@ -108,6 +108,7 @@ def _streamed_products(T, N: int, K: int, rows: int, per_warp: int, unroll: int,
     bn, bk = block or (1, K)
     per_chunk = block is not None and bk < K  # several scale columns: each chunk's sum takes its block's
     per_row = block is not None and not per_chunk  # one scale column: each row's sum takes it once
+    S = 1 if bn % R == 0 else R  # a chunk's scales a lane loads: one when its R rows share a block row
 
     @T.macro
     def products(acc, wr, xr, sr, part, x, weight, scale, e, x0, n0, lane):
@@ -123,8 +124,9 @@ def _streamed_products(T, N: int, K: int, rows: int, per_warp: int, unroll: int,
                             wr[(u * R + r) * V + v] = weight[e, T.min(n0 + r, N - 1), c * V + v]
                         else:
                             wr[(u * R + r) * V + v] = weight[T.min(n0 + r, N - 1), c * V + v]
-                    if per_chunk:
-                        sr[u * R + r] = scale[T.min(n0 + r, N - 1) // bn, c * V // bk]
+                if per_chunk:
+                    for r in T.unroll(S):
+                        sr[u * S + r] = scale[T.min(n0 + r, N - 1) // bn, c * V // bk]
                 for m in T.unroll(M):
                     for v in T.vectorized(V):
                         xr[(u * M + m) * V + v] = x[x0 + m, c * V + v]
@@ -145,7 +147,7 @@ def _streamed_products(T, N: int, K: int, rows: int, per_warp: int, unroll: int,
                 if per_chunk:
                     for m in T.unroll(M):
                         for r in T.unroll(R):
-                            acc[m * R + r] = acc[m * R + r] + part[m * R + r] * sr[u * R + r]
+                            acc[m * R + r] = acc[m * R + r] + part[m * R + r] * sr[u * S + r % S]
         if per_row:
             for m in T.unroll(M):
                 for r in T.unroll(R):
@@ -154,7 +156,7 @@ def _streamed_products(T, N: int, K: int, rows: int, per_warp: int, unroll: int,
             for k in T.unroll(5):
                 acc[i] = acc[i] + T.shfl_xor(acc[i], 16 >> k)
 
-    scales = U * R if per_chunk else 0
+    scales = U * S if per_chunk else 0
     return products, U * R * V, U * M * V, scales, M * R if per_chunk else 0
 
 

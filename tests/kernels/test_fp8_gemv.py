@@ -60,7 +60,8 @@ def _fp64(x, q, scale, block):
     (50, 720, 2, (1, 720), dict(per_warp=4, threads=64, unroll=16)),      # a scale per row; N not a block's multiple
     (20, 256, 8, (1, 256), {}),                                           # eight rows
     (130, 384, 1, (64, 32), dict(per_warp=2, threads=32, unroll=4)),      # a small odd block
-], ids=["block-ragged", "block-partial", "per-row", "rows8", "block64x32"])
+    (70, 192, 2, (3, 32), dict(per_warp=4, threads=64, unroll=2)),        # a warp's rows across block rows
+], ids=["block-ragged", "block-partial", "per-row", "rows8", "block64x32", "block3x32"])
 def test_template_matches_fp64_emulated(monkeypatch, N, K, rows, block, tunables):
     from kvbuffer.gpus import get_gpu
     from kvbuffer.tiles import compile_template, gemv
