@@ -128,6 +128,21 @@ def test_key_names_its_spec_template_record_and_command():
     assert torch.equal(spec.reference(x, q, scale, 1, 64), ref_fp8.linear(x, q, scale, (1, 64)))
 
 
+def test_op_is_registered_with_cpu_cuda_and_fake_kernels_and_writes_nothing():
+    import kvbuffer.ops  # noqa: F401  (the documented entry point registers the ops)
+
+    packet = torch.ops.kvbuffer.fp8_gemv
+    for key in ("CPU", "CUDA", "Meta"):
+        assert torch._C._dispatch_has_kernel_for_dispatch_key(packet.default.name(), key), key
+    assert not [a for a in packet.default._schema.arguments if a.alias_info and a.alias_info.is_write]
+    assert launch.CUDA_LAUNCHES["fp8_gemv"] is launch.fp8_gemv and launch.FP8_GEMV.launch is launch.fp8_gemv
+
+
+def test_engine_op_runs_the_reference_off_cuda():
+    x, q, scale = _fp8_case(24, 64, 1, (1, 64), 6)
+    assert torch.equal(launch.FP8_GEMV(x, q, scale, 1, 64), ref_fp8.linear(x, q, scale, (1, 64)))
+
+
 @pytest.mark.parametrize("block", [(128, 128), (1, 160), (3, 32)])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 def test_custom_op_is_the_reference_on_cpu(block, dtype):
