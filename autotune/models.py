@@ -11,7 +11,9 @@ and KV heads, head dim, and the dtypes of the activations and the KV cache. Its 
 a bias, one shape per distinct weight matrix (family 'gemv', see config_gemv_shapes), run on the
 one-row kernel in a forward of one token; its routed experts, one shape per distinct expert weight,
 on the experts kernel in forwards of a few tokens (family 'experts') and on the grouped experts
-kernel in larger ones (family 'grouped').
+kernel in larger ones (family 'grouped'). In an FP8 checkpoint (its quantization, or `fp8` for a
+preset) each projection shape also gets the FP8 one-row kernel's (family 'fp8_gemv', with the weight's
+scale block).
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ import json
 from pathlib import Path
 
 from kvbuffer import presets
-from kvbuffer.kernels.keys import attention_shape, gemv_fits, grouped_fits, projection_shape
+from kvbuffer.kernels.keys import attention_shape, fp8_gemv_fits, gemv_fits, grouped_fits, projection_shape
 from kvbuffer.tuning import make_conv_shape, make_shape
 
 DEFAULT_DTYPE = "bfloat16"
@@ -152,23 +154,67 @@ def config_expert_shapes(cfg: dict) -> set[tuple[int, int]]:
     return {tuple(w.shape[1:]) for m in one_row_experts(meta_model(cfg)) for w in m.expert_weights()}
 
 
-def config_gemv_shapes(cfg: dict, dtype: str | None = None) -> list[dict]:
+FP8_BLOCK, FP8_ROW = "block", "modelopt"  # the FP8 formats: Qwen's block scales, ModelOpt's one per tensor
+FP8_FORMATS = {"gdn": FP8_BLOCK, "mamba2": FP8_ROW}  # each family's published FP8 checkpoints'
+HF_QUANT_CONFIG = "hf_quant_config.json"  # ModelOpt's own file beside config.json
+
+
+def _quantization(cfg: dict) -> dict:
+    """config.json's quantization_config (a vision-language model's may sit in its text config)."""
+    return cfg.get("quantization_config") or (cfg.get("text_config") or {}).get("quantization_config") or {}
+
+
+def config_fp8_format(cfg: dict, modelopt_file: dict | None = None) -> str | None:
+    """The FP8 format a config declares (FP8_BLOCK: quant_method "fp8"; FP8_ROW: ModelOpt FP8, in its
+    quantization_config or in hf_quant_config.json's contents `modelopt_file`), or None."""
+    q = _quantization(cfg)
+    if q.get("quant_method") == "fp8":
+        return FP8_BLOCK
+    modelopt = modelopt_file.get("quantization", modelopt_file) if modelopt_file else q
+    if q.get("quant_method") in ("modelopt", None) and modelopt.get("quant_algo") == "FP8":
+        return FP8_ROW
+    return None
+
+
+def fp8_weight_block(cfg: dict, fmt: str, K: int) -> tuple[int, int]:
+    """The scale block of an FP8 weight of K columns: the block format's weight_block_size (default
+    128 x 128), ModelOpt's per-tensor scale kept as one scale per row (1, K)."""
+    if fmt == FP8_ROW:
+        return 1, K
+    return tuple(_quantization(cfg).get("weight_block_size") or (128, 128))
+
+
+def config_gemv_shapes(cfg: dict, dtype: str | None = None, fp8: str | None = None) -> list[dict]:
     """The one-token projection shapes of the model a transformers-style config declares: one per
     distinct weight shape the one-row kernel takes (family "gemv"), and one per distinct expert weight
     of its routed experts for each of the two experts kernels (families "experts" and "grouped"); none
-    for a model in another dtype than bf16, fp16."""
+    for a model in another dtype than bf16, fp16. With an FP8 format (`fp8`, else the one the config
+    declares) each weight shape the FP8 one-row kernel takes also gets its shape (family "fp8_gemv"):
+    the modules a checkpoint keeps unquantized run the bf16 kernel, so both are built."""
     dtype = config_dtype(cfg, dtype)
-    out = [projection_shape("gemv", N, K, dtype) for N, K in config_projection_counts(cfg) if gemv_fits(K, dtype)]
+    fmt = fp8 or config_fp8_format(cfg)
+    shapes = list(config_projection_counts(cfg))
+    out = [projection_shape("gemv", N, K, dtype) for N, K in shapes if gemv_fits(K, dtype)]
+    if fmt is not None:
+        blocks = [(N, K, fp8_weight_block(cfg, fmt, K)) for N, K in shapes]
+        out += [projection_shape("fp8_gemv", N, K, dtype, b) for N, K, b in blocks if fp8_gemv_fits(K, b, dtype)]
     experts = sorted(config_expert_shapes(cfg))
     for family, fits in (("experts", gemv_fits), ("grouped", grouped_fits)):
         out += [projection_shape(family, N, K, dtype) for N, K in experts if fits(K, dtype)]
     return out
 
 
-def preset_gemv_shapes(name: str, dtype: str = DEFAULT_DTYPE) -> list[dict]:
-    return config_gemv_shapes(presets.get(name.lower()).hf_config(), dtype)
+def preset_gemv_shapes(name: str, dtype: str = DEFAULT_DTYPE, fp8: bool = False) -> list[dict]:
+    """The projection shapes of a preset; `fp8`: in its family's FP8 format (FP8_FORMATS)."""
+    cfg = presets.get(name.lower()).hf_config()
+    return config_gemv_shapes(cfg, dtype, FP8_FORMATS[config_shape(cfg)["family"]] if fp8 else None)
 
 
 def checkpoint_gemv_shapes(path: str | Path, dtype: str | None = None) -> list[dict]:
+    """The projection shapes of a checkpoint, FP8 ones when its config.json or hf_quant_config.json
+    declares an FP8 format."""
     path = Path(path)
-    return config_gemv_shapes(json.loads((path / "config.json" if path.is_dir() else path).read_text()), dtype)
+    cfg = json.loads((path / "config.json" if path.is_dir() else path).read_text())
+    quant = path / HF_QUANT_CONFIG if path.is_dir() else path.parent / HF_QUANT_CONFIG
+    fmt = config_fp8_format(cfg, json.loads(quant.read_text()) if quant.is_file() else None)
+    return config_gemv_shapes(cfg, dtype, fmt)

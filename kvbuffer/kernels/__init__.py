@@ -9,12 +9,13 @@
     prefill.py    the chunked prefill of packed prompts (both linear families): compile, launch, reference
     launch.py     a custom op's CUDA call: lookup + launch (checked, or direct for engine-built rows)
     torch_ops.py  the torch.library registrations (CPU reference, CUDA launch, fakes)
+    fp8_ops.py    the same for the FP8 one-row projection (torch.ops.kvbuffer.fp8_gemv)
 
 Importing this package registers the custom ops and never imports TileLang: compiling
 (`build_*`, a JIT lookup) imports it through kvbuffer.tiles on demand.
 """
 
-from . import torch_ops
+from . import fp8_ops, torch_ops
 from .attention import attention_decode, attention_reference, build_attention_combine, build_attention_decode
 from .compiled import CompiledOp
 from .conv import build_conv1d_accept, build_conv1d_update, conv1d_accept, conv1d_update
@@ -28,7 +29,16 @@ from .gdn import (
     gdn_recurrent_step,
     gdn_verify,
 )
-from .gemv import build_gemv, build_gemv_experts, build_grouped_experts, gemv, gemv_experts, grouped_experts
+from .gemv import (
+    build_fp8_gemv,
+    build_gemv,
+    build_gemv_experts,
+    build_grouped_experts,
+    fp8_gemv,
+    gemv,
+    gemv_experts,
+    grouped_experts,
+)
 from .keys import PREFILL_CHUNKS, AttnDims, ConvDims, GDNDims, GemvDims, KernelKey, Mamba2Dims
 from .lookup import allow_jit, clear_kernels, jit_allowed, kernel_for
 from .mamba2 import (
@@ -55,5 +65,6 @@ __all__ = [
     "build_gdn_chunk_prefill", "build_mamba2_chunk_prefill", "chunk_prefill",
     "build_conv1d_accept", "build_conv1d_update", "conv1d_accept", "conv1d_update",
     "attention_decode", "attention_reference", "build_attention_combine", "build_attention_decode",
-    "build_gemv", "gemv", "build_gemv_experts", "gemv_experts", "build_grouped_experts", "grouped_experts",
+    "build_gemv", "gemv", "build_fp8_gemv", "fp8_gemv", "build_gemv_experts", "gemv_experts",
+    "build_grouped_experts", "grouped_experts",
 ]

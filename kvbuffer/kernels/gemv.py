@@ -1,7 +1,9 @@
-"""The projections on their compiled TileLang kernels: compile (`build_gemv`, `build_gemv_experts`,
-`build_grouped_experts`) and validated launch. `gemv`: y = x W^T; `gemv_experts`: each row through each
-of its chosen experts' W (a mixture-of-experts layer at a few tokens); `grouped_experts`: rows sorted
-by expert, each through its expert's W (the same layer at any token count, tiles/grouped.py).
+"""The projections on their compiled TileLang kernels: compile (`build_gemv`, `build_fp8_gemv`,
+`build_gemv_experts`, `build_grouped_experts`) and validated launch. `gemv`: y = x W^T; `fp8_gemv`: the
+same with an FP8 weight W = q * scale by block (kvbuffer.reference.fp8), x unquantized; `gemv_experts`:
+each row through each of its chosen experts' W (a mixture-of-experts layer at a few tokens);
+`grouped_experts`: rows sorted by expert, each through its expert's W (the same layer at any token
+count, tiles/grouped.py).
 
 At one token a projection is bound by reading its weight; tiles/gemv.py streams it faster than
 torch's GEMM does at that size. Semantics are `torch.nn.functional.linear(x, weight)` without a bias,
@@ -15,8 +17,9 @@ import torch
 
 from ..checks import check_expert_ends, check_expert_ids, check_tensor
 from ..errors import ShapeError
+from ..reference.fp8 import FP8, scale_grid
 from .compiled import ACT_DTYPES, CompiledOp, check_contiguous, check_on_cuda, expect_kind, out_tensor
-from .keys import GemvDims, KernelKey
+from .keys import FP8_DTYPE, GemvDims, KernelKey
 from .specs import spec_for
 
 
@@ -39,6 +42,32 @@ def gemv(op: CompiledOp, x: torch.Tensor, weight: torch.Tensor, out: torch.Tenso
         check_contiguous(name, t)
     out = out_tensor(out, (p["rows"], p["N"]), x)
     op.fn(x, weight, out)
+    return out
+
+
+def build_fp8_gemv(N: int, K: int, block: tuple[int, int], rows: int = 1, *, dtype: str = "bfloat16",
+                   **tunables) -> CompiledOp:
+    """Compile y (rows, N) = x (rows, K) . (q * scale)^T for an FP8 weight q (N, K) scaled per `block`
+    (bn, bk), x and y in `dtype`, for the local GPU (tunables: tiles.gemv.FP8_DEFAULT's)."""
+    key = KernelKey("gemv", "fp8_gemv", GemvDims(N, K, *block), dtype, w_dtype=FP8_DTYPE, T=rows)
+    return spec_for(key).build(key, tunables)
+
+
+def fp8_gemv(op: CompiledOp, x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor,
+             out: torch.Tensor | None = None) -> torch.Tensor:
+    """x (rows, K) . (q * scale)^T -> (rows, N) in x's dtype: q (N, K) float8_e4m3fn, scale fp32 of the
+    kernel's block grid (ceil(N / bn), ceil(K / bk)), x in the kernel's dtype, all contiguous on CUDA."""
+    expect_kind(op, "fp8_gemv")
+    p = op.params
+    dev = x.device if isinstance(x, torch.Tensor) else None
+    check_tensor("x", x, (p["rows"], p["K"]), (ACT_DTYPES[p["dtype"]],), dev)
+    check_on_cuda("x", dev)
+    check_tensor("q", q, (p["N"], p["K"]), (FP8,), dev)
+    check_tensor("scale", scale, scale_grid(p["N"], p["K"], (p["bn"], p["bk"])), (torch.float32,), dev)
+    for name, t in (("x", x), ("q", q), ("scale", scale)):
+        check_contiguous(name, t)
+    out = out_tensor(out, (p["rows"], p["N"]), x)
+    op.fn(x, q, scale, out)
     return out
 
 

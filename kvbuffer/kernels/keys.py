@@ -3,13 +3,13 @@
 One key type serves every family: Gated DeltaNet ("gdn"), Mamba-2 ("mamba2"), the short conv
 ("conv1d"), decode attention over the KV cache ("attention") and the one-token projections
 ("gemv": y = x W^T; "experts": the same through each row's chosen experts; "grouped": rows sorted by
-expert, each expert's rows through its weight). Its `op` names the kernel within the family; its
-`dims` carry the family's own dimension
+expert, each expert's rows through its weight; "fp8_gemv": y = x W^T with W an FP8 weight scaled by
+block). Its `op` names the kernel within the family; its `dims` carry the family's own dimension
 names (GDN's Hk, Hv, K, V; Mamba-2's G, H, N, P; the conv's D, W, span; attention's H, Hkv, D; a
-projection's N, K). Batch, pool and cache sizes are dynamic, so they are not part of a key. What a key
-means to the cache (its tune template, record shapes, layouts, build command) is its KernelSpec's
-(kvbuffer.kernels.specs). PREFILL_CHUNKS, the prompt-chunk lengths the engine feeds the kernels and
-`kvbuffer tune` builds, is written here once.
+projection's N, K, and an FP8 weight's scale block bn, bk). Batch, pool and cache sizes are dynamic,
+so they are not part of a key. What a key means to the cache (its tune template, record shapes,
+layouts, build command) is its KernelSpec's (kvbuffer.kernels.specs). PREFILL_CHUNKS, the
+prompt-chunk lengths the engine feeds the kernels and `kvbuffer tune` builds, is written here once.
 """
 
 from __future__ import annotations
@@ -27,11 +27,14 @@ ATTENTION_OPS = ("decode", "combine")  # the per-split pass over the cache, and 
 ATTENTION_MAX_TOKENS = 8  # new tokens per row the attention kernels take: a decode step up to a verify of 7 drafts
 ATTENTION_HEAD_DIMS = (32, 64, 128, 256)  # D / 32 elements a lane
 # the projection kernels by op: y = x W^T at one token; the same through each of a row's top-k experts' W;
-# rows sorted by expert through their expert's W (a mixture-of-experts layer at any token count)
-GEMV_KERNELS = {"gemv": "gemv", "experts": "gemv_experts", "grouped": "grouped_experts"}
+# rows sorted by expert through their expert's W (a mixture-of-experts layer at any token count); the
+# one-row product with an FP8 weight scaled by block
+GEMV_KERNELS = {"gemv": "gemv", "experts": "gemv_experts", "grouped": "grouped_experts", "fp8_gemv": "fp8_gemv"}
 GEMV_OPS = tuple(GEMV_KERNELS)
 GEMV_DTYPES = ("bfloat16", "float16")  # the one-row kernel's dtypes (weight, input and output alike)
 GEMV_CHUNK = 8  # elements of its 16-byte loads: K must be a multiple
+FP8_DTYPE = "float8_e4m3fn"  # the FP8 one-row kernel's weight dtype (its x and output: GEMV_DTYPES)
+FP8_CHUNK = 16  # FP8 weights of its 16-byte loads: K and the scale block's bk must be multiples
 GROUPED_K = 64  # the grouped experts kernel's K step (tiles/grouped.py's tiles are 64 wide in K): K must be a multiple
 ATTENTION_REGISTER_BUDGET = 64  # fp32 registers a lane spends on its query rows (and as many on their accumulators)
 DTYPE_NAMES = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}
@@ -103,8 +106,14 @@ def attention_shape(H: int, Hkv: int, D: int, dtype: str, kv_dtype: str) -> dict
 
 @dataclass(frozen=True)
 class GemvDims:
-    N: int  # output features (rows of the weight)
-    K: int  # input features
+    N: int       # output features (rows of the weight)
+    K: int       # input features
+    bn: int = 0  # an FP8 weight's scale block, rows (0: a weight without scales)
+    bk: int = 0  # ... and columns: q[i, j] weighs scale[i // bn, j // bk]
+
+    @property
+    def block(self) -> tuple[int, int]:
+        return self.bn, self.bk
 
 
 def gemv_fits(K: int, dtype: str) -> bool:
@@ -112,16 +121,27 @@ def gemv_fits(K: int, dtype: str) -> bool:
     return dtype in GEMV_DTYPES and K % GEMV_CHUNK == 0
 
 
+def fp8_gemv_fits(K: int, block: tuple[int, int], dtype: str) -> bool:
+    """Whether the FP8 one-row kernel takes an FP8 weight of K columns scaled per `block` (bn, bk) with
+    x and the output in `dtype`: whole 16-byte chunks, each inside one scale block."""
+    bn, bk = block
+    return dtype in GEMV_DTYPES and K % FP8_CHUNK == 0 and bn >= 1 and bk >= FP8_CHUNK and bk % FP8_CHUNK == 0
+
+
 def grouped_fits(K: int, dtype: str) -> bool:
     """Whether the grouped experts kernel takes experts' weights of K columns in `dtype`."""
     return dtype in GEMV_DTYPES and K % GROUPED_K == 0
 
 
-def projection_shape(family: str, N: int, K: int, dtype: str) -> dict:
-    """The tuning record shape of a projection kernel (family "gemv", "experts" or "grouped"): the
-    weight's rows and columns (for the experts kernels one expert's, any number of experts and rows),
-    and the dtype of the weight, the input and the output."""
-    return {"family": family, "N": int(N), "K": int(K), "dtype": dtype}
+def projection_shape(family: str, N: int, K: int, dtype: str, block: tuple[int, int] | None = None) -> dict:
+    """The tuning record shape of a projection kernel (family "gemv", "experts", "grouped" or
+    "fp8_gemv"): the weight's rows and columns (for the experts kernels one expert's, any number of
+    experts and rows), and the dtype of the weight, the input and the output (fp8_gemv: of the input and
+    the output; its weight is FP8 with the scale `block` (bn, bk))."""
+    shape = {"family": family, "N": int(N), "K": int(K), "dtype": dtype}
+    if block is not None:
+        shape.update(bn=int(block[0]), bk=int(block[1]))
+    return shape
 
 
 GEMV_FAMILIES = GEMV_OPS  # each projection kernel's record family is its op's name
@@ -138,12 +158,13 @@ class KernelKey:
 
     family: "gdn" | "mamba2" | "conv1d" | "attention" | "gemv". op: "recurrent" | "buffered" | "flush"
     | "recurrent_drafts" | "chunk_prefill" (linear families), "advance" | "verify" | "accept" (conv1d), "decode" | "combine" (attention),
-    "gemv" | "experts" | "grouped" (gemv). in_dtype: activations (conv: x and the pool; attention: q and the output;
-    gemv: x, the weight and the output; "" for a linear flush).
+    "gemv" | "experts" | "grouped" | "fp8_gemv" (gemv). in_dtype: activations (conv: x and the pool;
+    attention: q and the output; gemv: x, the weight and the output, fp8_gemv: x and the output; "" for
+    a linear flush).
     buf_dtype: buffer entries (attention: the KV cache; "" for the recurrent step and the conv).
-    w_dtype: the conv's weight and bias ("" otherwise). cap: buffer entries per slot. T: tokens per
-    row (conv advance: 0 = any count; gemv: rows of x, 1 for the experts kernels, whose rows are
-    dynamic). C: flush_at (0: no fused flush).
+    w_dtype: the conv's weight and bias; fp8_gemv's weight, FP8_DTYPE ("" otherwise). cap: buffer entries
+    per slot. T: tokens per row (conv advance: 0 = any count; gemv: rows of x, 1 for the experts
+    kernels, whose rows are dynamic). C: flush_at (0: no fused flush).
     """
 
     family: str

@@ -23,7 +23,7 @@ from . import autobuild
 from . import conv, gdn, mamba2, prefill
 from . import gemv as projections
 from . import specs
-from .keys import AttnDims, ConvDims, GemvDims, KernelKey, check_conv_mode, dtype_name, linear_dims
+from .keys import FP8_DTYPE, AttnDims, ConvDims, GemvDims, KernelKey, check_conv_mode, dtype_name, linear_dims
 from .lookup import kernel_for
 from .specs import KernelSpec
 
@@ -293,6 +293,21 @@ def gemv(x, weight, *, checked=True):
     return _on_torch_stream(projections.gemv, op, x, weight)
 
 
+def fp8_gemv_key(q, block_n: int, block_k: int, dtype: str, rows: int = 1) -> KernelKey:
+    """The kernel an fp8_gemv call of `rows` rows of x in `dtype` (a name) needs: the FP8 weight's shape
+    and scale block."""
+    spec = specs.FP8_GEMV
+    return KernelKey(spec.family, spec.op, GemvDims(q.shape[0], q.shape[1], int(block_n), int(block_k)), dtype,
+                     w_dtype=FP8_DTYPE, T=rows)
+
+
+def fp8_gemv(x, q, scale, block_n, block_k, *, checked=True):
+    """x (rows, K) . (q * scale)^T for an FP8 weight q scaled per (block_n, block_k) blocks on the FP8
+    one-row kernel (the tensors' checks always run: they read no device memory)."""
+    op = kernel_for(fp8_gemv_key(q, block_n, block_k, dtype_name(x), x.shape[0]))
+    return _on_torch_stream(projections.fp8_gemv, op, x, q, scale)
+
+
 def gemv_experts_key(weight) -> KernelKey:
     """The kernel a gemv_experts call needs: one expert's weight shape (N, K) and the dtype."""
     spec = specs.GEMV_EXPERTS
@@ -327,7 +342,7 @@ CUDA_LAUNCHES = {
     "mamba2_recurrent_drafts": mamba2_recurrent_drafts,
     "gdn_chunk_prefill": gdn_chunk_prefill, "mamba2_chunk_prefill": mamba2_chunk_prefill,
     "conv1d_update": conv1d_update, "conv1d_accept": conv1d_accept, "attention_decode": attention_decode,
-    "gemv": gemv, "gemv_experts": gemv_experts, "grouped_experts": grouped_experts,
+    "gemv": gemv, "gemv_experts": gemv_experts, "grouped_experts": grouped_experts, "fp8_gemv": fp8_gemv,
 }  # op name -> the CUDA implementation of torch.ops.kvbuffer.<name>
 
 
@@ -376,6 +391,7 @@ CONV_UPDATE = EngineOp(conv1d_update, lambda: torch.ops.kvbuffer.conv1d_update)
 CONV_ACCEPT = EngineOp(conv1d_accept, lambda: torch.ops.kvbuffer.conv1d_accept)
 ATTENTION_DECODE = EngineOp(attention_decode, lambda: torch.ops.kvbuffer.attention_decode)
 GEMV = EngineOp(gemv, lambda: torch.ops.kvbuffer.gemv)
+FP8_GEMV = EngineOp(fp8_gemv, lambda: torch.ops.kvbuffer.fp8_gemv)  # (x, q, scale, block_n, block_k)
 GEMV_EXPERTS = EngineOp(gemv_experts, lambda: torch.ops.kvbuffer.gemv_experts)
 GROUPED_EXPERTS = EngineOp(grouped_experts, lambda: torch.ops.kvbuffer.grouped_experts)
 

@@ -17,6 +17,7 @@ from ..gpus import local_target
 from ..reference import conv as ref_conv
 from ..reference import core as ref_core
 from ..reference import experts as ref_experts
+from ..reference import fp8 as ref_fp8
 from ..reference import gdn as ref_gdn
 from ..reference import mamba2 as ref_mamba2
 from .compiled import CompiledOp
@@ -409,8 +410,8 @@ ATTENTION_SPECS = [
 ]
 
 
-def _module_default(module: str) -> Callable[[KernelKey], dict]:
-    return lambda k: dict(importlib.import_module(f"{TILES}.{module}").DEFAULT)
+def _module_default(module: str, name: str = "DEFAULT") -> Callable[[KernelKey], dict]:
+    return lambda k: dict(getattr(importlib.import_module(f"{TILES}.{module}"), name))
 
 
 def _projection_args(k: KernelKey) -> dict:
@@ -431,10 +432,21 @@ def _experts(x, weight, expert):
     return (weight[expert] @ x[:, None, :, None])[..., 0]
 
 
+def _fp8_args(k: KernelKey) -> dict:
+    return dict(_rows_args(k), bn=k.dims.bn, bk=k.dims.bk)
+
+
+def _fp8_linear(x, q, scale, bn: int, bk: int):
+    """The FP8 one-row kernel's math: x . (q * scale)^T in fp32, in x's dtype."""
+    return ref_fp8.linear(x, q, scale, (bn, bk))
+
+
 def _projection_records(name: str) -> dict:
-    """A projection fits every layout; tune builds it for one row, stored under its op's record family."""
+    """A projection fits every layout; tune builds it for one row, stored under its op's record family
+    (with an FP8 weight's scale block)."""
     return dict(tune_template=lambda k: name if k.T == 1 else None,
-                record_shapes=lambda k: [projection_shape(k.op, k.dims.N, k.dims.K, k.in_dtype)],
+                record_shapes=lambda k: [projection_shape(k.op, k.dims.N, k.dims.K, k.in_dtype,
+                                                          k.dims.block if k.dims.bn else None)],
                 tune_command=_model_command(lambda k: [(None, 0)]))
 
 
@@ -450,6 +462,10 @@ GEMV_SPECS = [
                defaults=_module_default("grouped"), configs=_configs("grouped", "get_configs"),
                params=_projection_args, args=("x", "weight", "ends", "out"), reference=ref_experts.grouped_matmul,
                custom_ops=("grouped_experts",), **_projection_records("grouped_experts")),
+    KernelSpec("fp8_gemv", "gemv", "gemv", "fp8_gemv", "fp8_gemv", template_args=_fp8_args,
+               defaults=_module_default("gemv", "FP8_DEFAULT"), configs=_configs("gemv", "get_fp8_configs"),
+               params=_fp8_args, args=("x", "q", "scale", "out"), reference=_fp8_linear, custom_ops=("fp8_gemv",),
+               **_projection_records("fp8_gemv")),
 ]
 
 GDN_SPECS = _linear_specs("gdn", GDN_FRONT, "o", ref_gdn)
@@ -458,7 +474,7 @@ GDN_RECURRENT, GDN_BUFFERED, GDN_FLUSH, GDN_RECURRENT_DRAFTS = GDN_SPECS
 MAMBA2_RECURRENT, MAMBA2_BUFFERED, MAMBA2_FLUSH, MAMBA2_RECURRENT_DRAFTS = MAMBA2_SPECS
 CONV_ADVANCE, CONV_VERIFY, CONV_ACCEPT = CONV_SPECS
 ATTENTION_DECODE, ATTENTION_COMBINE = ATTENTION_SPECS
-GEMV, GEMV_EXPERTS, GROUPED_EXPERTS = GEMV_SPECS
+GEMV, GEMV_EXPERTS, GROUPED_EXPERTS, FP8_GEMV = GEMV_SPECS
 PREFILL_SPECS = [GDN_CHUNK_PREFILL, MAMBA2_CHUNK_PREFILL]
 SPECS = {(s.family, s.op): s for s in GDN_SPECS + MAMBA2_SPECS + PREFILL_SPECS + CONV_SPECS + ATTENTION_SPECS
          + GEMV_SPECS}
