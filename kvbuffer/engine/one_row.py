@@ -2,7 +2,8 @@
 
 `use_one_row_kernel` turns the one-row kernel on for every bias-free projection whose kernel loads
 (from the artifact cache, built once by kvbuffer.kernels.autobuild, or JIT-compiled with
-KVBUFFER_JIT=1); the others keep torch's GEMM. Routed experts take the experts kernel in forwards of
+KVBUFFER_JIT=1), the FP8 one-row kernel for an FP8 checkpoint's projections; the others keep torch's
+GEMM (FP8: kvbuffer.models.quant.fp8.gemm_path). Routed experts take the experts kernel in forwards of
 up to EXPERT_TOKENS tokens and the grouped experts kernel up to GROUPED_TOKENS, where their kernels
 load. Forwards of more tokens run torch's matmuls. Where each wins: docs/kernels.md.
 """
@@ -15,8 +16,9 @@ import torch
 
 from ..errors import ArtifactError
 from ..kernels import autobuild, launch, lookup
-from ..kernels.keys import dtype_name, gemv_fits, grouped_fits
+from ..kernels.keys import FP8_DTYPE, dtype_name, fp8_gemv_fits, gemv_fits, grouped_fits
 from ..models.layers import RoutedExperts, one_row_experts, one_row_linears
+from ..models.quant.linear import FP8Linear
 
 log = logging.getLogger("kvbuffer")
 
@@ -37,6 +39,8 @@ def use_one_row_kernel(model: torch.nn.Module, option, kernels: bool) -> str:
     if option not in OPTIONS:
         raise ValueError(f"gemv must be True, False or 'auto', got {option!r}")
     mods = one_row_linears(model)
+    fp8 = [m for m in model.modules() if isinstance(m, FP8Linear) and m.bias is None]
+    mods += fp8
     experts = one_row_experts(model)
     for m in (*mods, *experts):
         m.one_row = False
@@ -48,7 +52,10 @@ def use_one_row_kernel(model: torch.nn.Module, option, kernels: bool) -> str:
         if option is True:
             raise ValueError("gemv=True needs the compiled kernels (kernels=True on a CUDA device)")
         return "the linear layers run on the reference ops"
-    keys = {m: [launch.gemv_key(m.weight)] for m in mods if _fits(m.weight)}
+    act = _activation_dtype(model)
+    keys = {m: [launch.gemv_key(m.weight)] for m in mods if not isinstance(m, FP8Linear) and _fits(m.weight)}
+    keys.update({m: [launch.fp8_gemv_key(m.weight, *m.block, act)] for m in fp8
+                 if m.weight.is_cuda and fp8_gemv_fits(m.in_features, m.block, act)})
     keys.update({m: [launch.gemv_experts_key(w) for w in m.expert_weights()] for m in experts
                  if all(_fits(w) for w in m.expert_weights())})
     grouped = {m: [launch.grouped_experts_key(w) for w in m.expert_weights()] for m in experts
@@ -73,6 +80,12 @@ def use_one_row_kernel(model: torch.nn.Module, option, kernels: bool) -> str:
                  f"of up to {GROUPED_TOKENS} on the grouped experts kernel")
     log.info("kvbuffer: %s", line)
     return line
+
+
+def _activation_dtype(model: torch.nn.Module) -> str:
+    """The name of the dtype a model's activations run in: its first floating parameter's that is not FP8."""
+    return next((dtype_name(p) for p in model.parameters() if p.is_floating_point() and dtype_name(p) != FP8_DTYPE),
+                "bfloat16")
 
 
 def _fits(weight: torch.Tensor, fits=gemv_fits) -> bool:

@@ -3,13 +3,14 @@
 way, weights dequantized) within the output's bf16 rounding and against the dequantized product within
 FP8's activation error; and FP8 checkpoints of both families through the engine (CUDA graphs, compile,
 both modes) against their dequantized models: logits within FP8 tolerance, greedy tokens equal but for
-near ties. The one-row kernel claims no FP8 projection.
+near ties. A one-token forward's FP8 projections run on the FP8 one-row kernel.
 """
 
 import pytest
 import torch
 
 from kvbuffer import LLM, ops
+from kvbuffer.kernels.keys import fp8_gemv_fits
 from kvbuffer.models.layers import one_row_linears
 from kvbuffer.models.quant.fp8 import (FP8, FP8_MAX, GROUP, dequantize, device_support, fp8_linear, gemm_path,
                                        quantize, quantize_activations)
@@ -124,16 +125,22 @@ def jit():
 @pytest.mark.parametrize("kind, config, fmt", CASES, ids=[f"{k}-{f}" for k, _, f in CASES])
 def test_fp8_checkpoint_through_the_engine(tmp_path, jit, kind, config, fmt, mode):
     """Default engine options (kernels, CUDA graphs, compile where they resolve so): logits within FP8's
-    activation error of the dequantized model's, greedy tokens equal up to the first near tie."""
+    activation error of the dequantized model's, greedy tokens equal up to the first near tie; a lone
+    prompt too, whose decode steps run the FP8 projections on the one-row kernel."""
     path = write_checkpoint(_model(kind, config), config, tmp_path / "fp8", fmt)
     reference = dequantize_checkpoint(path, tmp_path / "dequantized")
     g = torch.Generator().manual_seed(3)
     prompts = [torch.randint(0, 97, (n,), generator=g).tolist() for n in (1, 9, 40)]
     llm = LLM(path, device="cuda", mode=mode)
     assert any(isinstance(m, (FP8Linear, FP8PackedLinear)) for m in llm.model.modules())
+    fp8 = [m for m in llm.model.modules() if isinstance(m, FP8Linear) and m.bias is None]
+    assert fp8 and all(m.one_row for m in fp8 if fp8_gemv_fits(m.in_features, m.block, "bfloat16"))
     assert not any(isinstance(m, (FP8Linear, FP8PackedLinear)) for m in one_row_linears(llm.model))
     got = llm.generate(prompts, max_new_tokens=8, return_logits=True)
-    want = LLM(reference, device="cuda", mode=mode).generate(prompts, max_new_tokens=8, return_logits=True)
+    got += llm.generate(prompts[1:2], max_new_tokens=8, return_logits=True)
+    dequantized = LLM(reference, device="cuda", mode=mode)
+    want = dequantized.generate(prompts, max_new_tokens=8, return_logits=True)
+    want += dequantized.generate(prompts[1:2], max_new_tokens=8, return_logits=True)
     for a, b in zip(got, want):
         for i, (la, lb) in enumerate(zip(a.logits, b.logits)):
             assert _rel(la.float(), lb.double()) <= 2 * ACTIVATION, (i, _rel(la.float(), lb.double()))

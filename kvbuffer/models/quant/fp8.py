@@ -13,6 +13,8 @@ import logging
 import torch
 import torch.nn.functional as F
 
+from ...kernels import launch
+
 log = logging.getLogger("kvbuffer")
 
 FP8 = torch.float8_e4m3fn
@@ -67,9 +69,14 @@ def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def _blockwise(x2, q, scale, out_dtype):
+    m = x2.shape[0]
+    rows = -(-m // 4) * 4  # the activation scales' column stride must span 16 bytes: pad to 4 rows
+    if rows != m:
+        x2 = F.pad(x2, (0, 0, 0, rows - m))
     xq, xs = quantize_activations(x2)
     # the 1 x 128 activation scales outer-dim-major, the 128 x 128 weight scales as (K/128, N/128)
-    return torch._scaled_mm(xq, q.t(), scale_a=xs.t().contiguous().t(), scale_b=scale.t(), out_dtype=out_dtype)
+    y = torch._scaled_mm(xq, q.t(), scale_a=xs.t().contiguous().t(), scale_b=scale.t(), out_dtype=out_dtype)
+    return y[:m]
 
 
 def _rowwise(x2, q, scale, input_scale, out_dtype):
@@ -116,9 +123,12 @@ def _try_blockwise(device: torch.device) -> bool:
 
 
 def gemm_path(x: torch.Tensor, q: torch.Tensor, block: tuple[int, int], input_scale: torch.Tensor | None,
-              support: tuple[bool, bool] = (False, False)) -> str:
+              support: tuple[bool, bool] = (False, False), one_row: bool = False) -> str:
     """How an FP8 projection multiplies x by its weight q, chosen in this one place (`support`: the
-    weight's device_support):
+    weight's device_support; `one_row`: the engine found its FP8 one-row kernel, kvbuffer.engine.one_row):
+
+    - "one_row": one token in bf16 / fp16 on CUDA with `one_row`: the FP8 one-row kernel streams q
+      (torch.ops.kvbuffer.fp8_gemv; x is not quantized: the dequantized product in fp32).
 
     - "rowwise": a per-tensor (ModelOpt) weight, kept as one scale per row, with its static input_scale: x
       quantized by input_scale, torch._scaled_mm with row-wise weight scales.
@@ -131,6 +141,8 @@ def gemm_path(x: torch.Tensor, q: torch.Tensor, block: tuple[int, int], input_sc
     multiples of 16 (128 for block-wise).
     """
     n, k = q.shape
+    if one_row and x.is_cuda and x.numel() == k and x.dtype in (torch.bfloat16, torch.float16):
+        return "one_row"
     rowwise, blockwise = support
     if not (rowwise and x.is_cuda and x.dtype == torch.bfloat16 and n % 16 == 0 and k % 16 == 0):
         return "dequantize"
@@ -143,12 +155,15 @@ def gemm_path(x: torch.Tensor, q: torch.Tensor, block: tuple[int, int], input_sc
 
 def fp8_linear(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, block: tuple[int, int],
                input_scale: torch.Tensor | None = None, bias: torch.Tensor | None = None,
-               support: tuple[bool, bool] = (False, False)) -> torch.Tensor:
+               support: tuple[bool, bool] = (False, False), one_row: bool = False) -> torch.Tensor:
     """x (..., K) times the FP8 weight q (N, K) scaled per `block` (plus `bias`), in x's dtype; the path
     is gemm_path's."""
-    path = gemm_path(x, q, block, input_scale, support)
+    path = gemm_path(x, q, block, input_scale, support, one_row)
     if path == "dequantize":
         return F.linear(x, dequantize(q, scale, block, x.dtype), bias)
+    if path == "one_row":
+        y = launch.FP8_GEMV(x.reshape(1, -1).contiguous(), q, scale, *block).view(*x.shape[:-1], q.shape[0])
+        return y if bias is None else y + bias
     x2 = x.reshape(-1, x.shape[-1])
     if x2.shape[0] == 0:
         return x.new_zeros(*x.shape[:-1], q.shape[0])

@@ -2,8 +2,8 @@
 
 The weights stay float8_e4m3fn and the scales fp32 whatever the model is cast to (`model.to(bf16)`
 moves them and keeps their dtypes); the bias follows the model's dtype. The forward is
-kvbuffer.models.quant.fp8.fp8_linear. These classes are not Linear / PackedLinear, so the one-row
-kernel (kvbuffer.engine.one_row) does not claim them.
+kvbuffer.models.quant.fp8.fp8_linear; the engine sets an FP8Linear's `one_row` where the FP8 one-row
+kernel loads (kvbuffer.engine.one_row), as it does a Linear's.
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ class FP8Linear(nn.Module):
     `input_scale` (ModelOpt's static activation scale, () fp32) or None."""
 
     KEPT = ("weight", "weight_scale", "input_scale")  # dtypes no cast changes
+    one_row = False
 
     def __init__(self, weight: torch.Tensor, weight_scale: torch.Tensor, block: tuple[int, int],
                  input_scale: torch.Tensor | None = None, bias: torch.Tensor | None = None):
@@ -38,7 +39,8 @@ class FP8Linear(nn.Module):
         self.support = device_support(weight.device)  # what the FP8 GEMMs of the weight's device serve
 
     def forward(self, x):
-        return fp8_linear(x, self.weight, self.weight_scale, self.block, self.input_scale, self.bias, self.support)
+        return fp8_linear(x, self.weight, self.weight_scale, self.block, self.input_scale, self.bias, self.support,
+                          self.one_row)
 
     def dequantized(self, dtype) -> torch.Tensor:
         """The weight the dequantized model has, in `dtype`."""
@@ -46,7 +48,7 @@ class FP8Linear(nn.Module):
 
     def path(self, x: torch.Tensor) -> str:
         """How a forward of x runs (kvbuffer.models.quant.fp8.gemm_path)."""
-        return gemm_path(x, self.weight, self.block, self.input_scale, self.support)
+        return gemm_path(x, self.weight, self.block, self.input_scale, self.support, self.one_row)
 
     def _apply(self, fn, recurse=True):
         """nn.Module._apply (to, cuda, half, ...) with the FP8 weight and the fp32 scales only moved."""
