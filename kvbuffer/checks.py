@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from typing import Sequence
 
+import numpy as np
 import torch
 
 from .errors import BufferOverflowError, DeviceError, DTypeError, ExpertIndexError, ShapeError, SlotError
@@ -197,11 +198,31 @@ def check_row_writes(dst: dict, rows: object, pos: object, values: dict, real: o
     if not read_values or not rows.numel():
         return
     num_slots, length = first.shape[:2]
-    r, p = rows.long(), pos.long()
-    bad = (r < 0) | (r >= num_slots) | (p < 0) | (p >= length)
-    if real is not None:
-        bad &= real.view((-1,) + (1,) * (rows.dim() - 1))
-    if bool(bad.any()):
+    at = _first_outside(rows, pos, real, num_slots, length)
+    if at is not None:
+        at, slot, position = at
+        raise SlotError(f"index {at} of rows and pos writes slot {slot}, position {position}: outside the "
+                        f"{num_slots} slots x {length} positions of {first_name}")
+
+
+def _first_outside(rows, pos, real, num_slots: int, length: int):
+    """(index, slot, position) of the first writing row's index outside [0, num_slots) x [0, length),
+    or None; in int64. CPU tensors are read as arrays, without launching a torch op per test."""
+    lead = (-1,) + (1,) * (rows.dim() - 1)
+    if rows.device.type == "cpu":
+        r, p = rows.numpy().astype(np.int64), pos.numpy().astype(np.int64)
+        bad = (r < 0) | (r >= num_slots) | (p < 0) | (p >= length)
+        if real is not None:
+            bad &= real.numpy().reshape(lead)
+        if not bad.any():
+            return None
+        at = tuple(int(i) for i in np.argwhere(bad)[0])
+    else:
+        r, p = rows.long(), pos.long()
+        bad = (r < 0) | (r >= num_slots) | (p < 0) | (p >= length)
+        if real is not None:
+            bad &= real.view(lead)
+        if not bool(bad.any()):
+            return None
         at = tuple(int(i) for i in bad.nonzero()[0])
-        raise SlotError(f"index {at} of rows and pos writes slot {int(r[at])}, position {int(p[at])}: outside "
-                        f"the {num_slots} slots x {length} positions of {first_name}")
+    return at, int(r[at]), int(p[at])
