@@ -40,6 +40,7 @@ import json
 import logging
 import os
 import re
+import shutil
 import struct
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -375,9 +376,15 @@ class ArtifactStore:
         if _has_marker(self.root):
             return
         self.root.mkdir(parents=True, exist_ok=True)
+        marker = self.root / MARKER
+        if marker.is_dir() and not marker.is_symlink():  # kvbuffer's name, damaged: replaced like any entry
+            shutil.rmtree(marker, ignore_errors=True)
         tmp = self.root / f".{MARKER}.{os.getpid()}.{os.urandom(4).hex()}"
-        tmp.write_text(MARKER_TEXT)
-        os.replace(tmp, self.root / MARKER)
+        try:
+            tmp.write_text(MARKER_TEXT)
+            os.replace(tmp, marker)
+        finally:
+            tmp.unlink(missing_ok=True)
         self._ours = True
 
     @contextlib.contextmanager

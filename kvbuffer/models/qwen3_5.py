@@ -297,7 +297,7 @@ class Qwen35ForCausalLM(nn.Module):
 
 def _divisor(fields: ConfigFields, key: str, of: int, of_key: str) -> int:
     """A head count that divides `of` (grouped heads share one key/value head)."""
-    value = fields.int(key, of)
+    value = fields.int(key)
     if of % value:
         raise fields.error(key, f"a divisor of {of_key} ({of})", value)
     return value
