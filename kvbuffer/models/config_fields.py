@@ -54,19 +54,19 @@ class ConfigFields:
             raise self.error(key, f"an integer in [{lo}, {hi}]", value)
         return value
 
-    def float(self, key: str, default: Any = _REQUIRED, *, positive: bool = True, hi: float = math.inf,
-              closed_hi: bool = True) -> float:
-        """A finite number, > 0 when `positive` (else >= 0), at most `hi` (below it unless `closed_hi`)."""
+    def float(self, key: str, default: Any = _REQUIRED, *, hi: float = math.inf) -> float:
+        """A finite number > 0 and at most `hi`."""
         if not self.has(key):
             return self.raw(key, default)
         value = self.data[key]
-        ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
-        ok = ok and (value > 0 if positive else value >= 0) and (value <= hi if closed_hi else value < hi)
-        if not ok:
-            lower = "> 0" if positive else ">= 0"
-            upper = "" if hi == math.inf else f" and {'<=' if closed_hi else '<'} {hi}"
-            raise self.error(key, f"a finite number {lower}{upper}", value)
-        return float(value)
+        try:
+            number = float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else math.nan
+        except OverflowError:  # an integer too large for a float
+            number = math.nan
+        if not (math.isfinite(number) and 0 < number <= hi):
+            upper = "" if hi == math.inf else f" and <= {hi}"
+            raise self.error(key, f"a finite number > 0{upper}", value)
+        return number
 
     def bool(self, key: str, default: Any = _REQUIRED) -> bool:
         if not self.has(key):
