@@ -28,10 +28,18 @@ def path(cache_dir):
 @_CACHE_DIR
 @click.option("--json", "as_json", is_flag=True, help="One JSON object per line.")
 def ls(cache_dir, as_json):
-    """List artifacts and tuning records, their status, and whether their checksums verify."""
+    """List artifacts and tuning records, their status, and whether their checksums verify.
+
+    Reads under the cache's lock (shared): a clear or import running meanwhile is seen before or
+    after, never halfway. A folder that is not kvbuffer's cache is an error, and nothing is read."""
     from ..autotune.cache import ArtifactCache
 
     store = ArtifactCache(cache_dir)
+    with store.reading():
+        _list(store, as_json)
+
+
+def _list(store, as_json: bool) -> None:
     rows = store.entries()
     if as_json:
         for row in rows:
@@ -82,13 +90,16 @@ def _prunable_lines(store) -> None:
 @click.option("--gpu", default=None, help="Only this GPU's artifacts and tuning records.")
 @click.option("--yes", is_flag=True, help="Do not ask for confirmation.")
 def clear(cache_dir, gpu, yes):
-    """Delete cached artifacts and tuning records."""
+    """Delete cached artifacts and tuning records (of kvbuffer's cache only: a folder without its marker
+    and not provably its cache is refused)."""
     from ..autotune.cache import ArtifactCache
 
     store = ArtifactCache(cache_dir)
+    store.check_ours()  # another program's folder: refused before anything is asked or removed
     what = f"{gpu}'s entries" if gpu else "every entry"
     if not yes:
         click.confirm(f"delete {what} in {store.root}?", abort=True)
+    store.mark()
     n = store.clear(gpu)
     click.echo(f"removed {n} entr{'y' if n == 1 else 'ies'} from {store.root}")
 
@@ -122,6 +133,7 @@ def prune(cache_dir, older_than, keep_hours):
 
     seconds = keep_hours * 3600 if keep_hours is not None else _seconds(older_than)
     store = ArtifactCache(cache_dir)
+    store.mark()
     plan = store.prune(seconds)
     n, leftovers = len(plan.artifacts), len(plan.orphans) + len(plan.staging)
     line = f"removed {n} unused artifact{'s' * (n != 1)} ({plan.bytes / 2**20:.1f} MiB)"
@@ -179,6 +191,7 @@ def import_(cache_dir, bundle, sha256):
     from ..autotune.cache import ArtifactCache
 
     store = ArtifactCache(cache_dir)
+    store.mark()
     report = import_bundle(store, bundle, sha256)
     for line in report.notes:
         click.echo(f"note: {line}")

@@ -3,12 +3,19 @@
 A cache root (`cache_dir()`: --cache-dir, else $KVBUFFER_CACHE_DIR, else $XDG_CACHE_HOME/kvbuffer,
 else ~/.cache/kvbuffer) holds
 
+    CACHEDIR.TAG                       kvbuffer's marker (a cache directory tag, bford.info/cachedir)
     manifest.json                      every artifact and tuning record, the sha256 of each file, status
-    .lock                              writers hold it exclusively (fcntl.flock)
+    .lock                              writers hold it exclusively, `cache ls` shared (fcntl.flock)
     artifacts/<readable>-<hash16>/     kernel.so (TileLang `export_library`) + meta.json (key, function)
     tunings/<readable>-<hash16>.json   per GPU, head shape and versions: the artifact to use per
                                        (kernel, batch bucket, chunk size) and the chunk-size policy
-    staging/                           writers build here, then os.replace into place
+    staging/<name>.<pid>.<hex8>        writers build here, then os.replace into place
+
+kvbuffer reads, changes or deletes only a folder it recognises as its own (`ArtifactStore.ownership`):
+one with its marker; a new or empty one; or, from before the marker, one whose manifest is exactly
+kvbuffer's or whose artifacts name themselves (the sha256 of the key in meta.json is in the
+directory's name), with only names kvbuffer writes. Within it, only kvbuffer's own names
+(ENTRY_NAME under artifacts/ and tunings/, STAGING_NAME under staging/) are ever touched.
 
 `<hash16>` is the start of the sha256 of the artifact key as normalized JSON (sorted keys, no
 spaces): GPU, arch, kernel, shapes, chunk size, tunables, template source and the versions of
@@ -23,7 +30,9 @@ installed tilelang wheel without importing it, or at $KVBUFFER_TVM_RUNTIME); see
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
+import fcntl
 import functools
 import hashlib
 import importlib.metadata
@@ -31,10 +40,11 @@ import json
 import logging
 import os
 import re
+import shutil
 import struct
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Iterator, Mapping
 
 from .errors import ArtifactError
 
@@ -42,6 +52,11 @@ log = logging.getLogger(__name__)
 
 FORMAT = 1
 MANIFEST = "manifest.json"
+MARKER = "CACHEDIR.TAG"
+MARKER_TEXT = ("Signature: 8a477f597d28d172789f06886806bc55\n"
+               "# This file is a cache directory tag created by kvbuffer: its compiled-kernel cache.\n"
+               "# For information about cache directory tags, see https://bford.info/cachedir/\n")
+LOCK = ".lock"
 LIBRARY = "kernel.so"
 META = "meta.json"
 STATUSES = ("untuned", "tuned")
@@ -105,6 +120,9 @@ def safe_name(name: str) -> str:
 
 
 ENTRY_NAME = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9_.-]*")
+HASHED_NAME = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9_.-]*-[0-9a-f]{16}")  # kvbuffer's entry names: readable-<hash16>
+STAGING_NAME = re.compile(r".+\.(\d+)\.[0-9a-f]{8}")  # <name>.<pid>.<8 hex>: a writer's staging dir
+TEMP_NAME = re.compile(r"\..+\.(\d+)\.[0-9a-f]{8}")  # .<file>.<pid>.<8 hex>: a write's temp file in the root
 
 
 def check_entry_name(name: object, where: str) -> str:
@@ -324,12 +342,72 @@ class ArtifactStore:
 
     def __init__(self, root: str | os.PathLike | None = None):
         self.root = cache_dir(root)
+        self._ours = False  # recognised once (marked or proven): it stays kvbuffer's
 
-    # -- manifest
-    def manifest(self) -> dict:
+    # -- whose folder
+    def ownership(self) -> str:
+        """'marked' (kvbuffer's marker), 'new' (missing or empty) or 'proven' (from before the marker:
+        a manifest exactly kvbuffer's, artifacts that name themselves, or only kvbuffer's names); an
+        ArtifactError for any other folder, which kvbuffer then neither reads nor changes."""
         if self.root.exists() and not self.root.is_dir():
             raise ArtifactError(f"the kernel cache {self.root} is not a directory; pass --cache-dir or set "
                                 "KVBUFFER_CACHE_DIR to a directory")
+        if _has_marker(self.root):
+            return "marked"
+        if not self.root.exists() or not any(self.root.iterdir()):
+            return "new"
+        why = _not_proven(self.root)
+        if why:
+            raise ArtifactError(f"{self.root} is not a kvbuffer kernel cache ({why}; and it has no {MARKER} "
+                                "written by kvbuffer): kvbuffer neither reads nor changes it. Pass --cache-dir or "
+                                "set KVBUFFER_CACHE_DIR to kvbuffer's own cache or to a new or empty folder")
+        return "proven"
+
+    def check_ours(self) -> None:
+        """ownership(), remembered once the folder is known to be kvbuffer's."""
+        if not self._ours:
+            self._ours = self.ownership() in ("marked", "proven")
+
+    def mark(self) -> None:
+        """Recognise the folder (ownership) and write kvbuffer's marker if it has none: writers call
+        this before changing anything, so that a cache kvbuffer created stays recognised whatever
+        becomes of its manifest."""
+        self.check_ours()
+        if _has_marker(self.root):
+            return
+        self.root.mkdir(parents=True, exist_ok=True)
+        marker = self.root / MARKER
+        if marker.is_dir() and not marker.is_symlink():  # kvbuffer's name, damaged: replaced like any entry
+            shutil.rmtree(marker, ignore_errors=True)
+        tmp = self.root / f".{MARKER}.{os.getpid()}.{os.urandom(4).hex()}"
+        try:
+            tmp.write_text(MARKER_TEXT)
+            os.replace(tmp, marker)
+        finally:
+            tmp.unlink(missing_ok=True)
+        self._ours = True
+
+    @contextlib.contextmanager
+    def reading(self) -> Iterator[None]:
+        """A consistent view for a whole listing: the cache's lock, shared (writers hold it exclusively
+        while they change anything). A root without a lock file yet, or one this process may not
+        open, is read without it."""
+        self.check_ours()
+        try:
+            f = open(self.root / LOCK, "r")
+        except OSError:
+            yield
+            return
+        with f:
+            fcntl.flock(f.fileno(), fcntl.LOCK_SH)
+            try:
+                yield
+            finally:
+                fcntl.flock(f.fileno(), fcntl.LOCK_UN)
+
+    # -- manifest
+    def manifest(self) -> dict:
+        self.check_ours()
         path = self.root / MANIFEST
         if not path.exists():
             return empty_manifest()
@@ -490,6 +568,88 @@ def manifest_problem(data: object) -> str | None:
                                              and isinstance(entry.get("versions"), dict)):
                 return f"tuning record {name}: needs 'shape' and 'versions' objects"
     return None
+
+
+def _has_marker(root: Path) -> bool:
+    try:
+        return (root / MARKER).read_text().startswith(MARKER_TEXT)
+    except (OSError, ValueError):  # ValueError: not UTF-8
+        return False
+
+
+def _not_proven(root: Path) -> str | None:
+    """Why an unmarked, non-empty folder is not provably a kvbuffer cache (None: it is one). It must
+    hold only names kvbuffer writes, and either a manifest exactly kvbuffer's (or none), or, its
+    manifest damaged, an artifact whose meta.json names it, or kvbuffer's lock file next to entries
+    named as kvbuffer names them (a readable name, '-', 16 hex digits of their key's sha256)."""
+    strangers = _foreign_names(root)
+    if strangers:
+        return f"it holds {strangers[0]!r}, a name kvbuffer never writes"
+    path = root / MANIFEST
+    if not path.exists():
+        return None
+    try:
+        data = json.loads(path.read_text()) if path.is_file() and not path.is_symlink() else None
+    except (OSError, ValueError, RecursionError):
+        data = None
+    why = own_manifest_problem(data) if data is not None else "is not a readable JSON file"
+    if why is None or _self_named_artifact(root) or _hashed_entries_and_lock(root):
+        return None
+    return f"its {MANIFEST} {why}"
+
+
+def _hashed_entries_and_lock(root: Path) -> bool:
+    if not (root / LOCK).is_file():
+        return False
+    names = [p.name for sub in ("artifacts", "tunings") if (root / sub).is_dir() for p in (root / sub).iterdir()]
+    return any(HASHED_NAME.fullmatch(n.removesuffix(".json")) for n in names)
+
+
+def own_manifest_problem(data: object) -> str | None:
+    """What makes `data` not a manifest kvbuffer wrote (None: it is exactly one): manifest_problem's
+    checks, then nothing but kvbuffer's keys and each entry's files under its own name."""
+    problem = manifest_problem(data)
+    if problem is not None:
+        return problem
+    if set(data) != {"format", "artifacts", "tunings"}:
+        return f"has keys {sorted(set(data) - {'format', 'artifacts', 'tunings'})} kvbuffer does not write"
+    expect = {"artifacts": lambda n: {f"artifacts/{n}/{LIBRARY}", f"artifacts/{n}/{META}"},
+              "tunings": lambda n: {f"tunings/{n}.json"}}
+    for section, files in expect.items():
+        for name, entry in data[section].items():
+            if set(entry["files"]) != files(name):
+                return f"lists {section[:-1]} {name!r}, which is not one kvbuffer names"
+    return None
+
+
+def _self_named_artifact(root: Path, limit: int = 64) -> bool:
+    """An artifact directory whose meta.json holds the key its name was hashed from (proof enough)."""
+    folder = root / "artifacts"
+    if folder.is_symlink() or not folder.is_dir():
+        return False
+    for i, d in enumerate(sorted(folder.iterdir())):
+        if i >= limit:
+            break
+        try:
+            if ArtifactKey.from_json(json.loads((d / META).read_text())["key"]).name == d.name:
+                return True
+        except (OSError, ValueError, KeyError, TypeError, AttributeError, RecursionError):
+            continue
+    return False
+
+
+def _foreign_names(root: Path) -> list[str]:
+    """Names in the root (and in staging/, artifacts/, tunings/) kvbuffer would never write."""
+    out = [p.name for p in root.iterdir()
+           if p.name not in (MANIFEST, LOCK, MARKER, "artifacts", "tunings", "staging") and not TEMP_NAME.fullmatch(p.name)]
+    for sub, own in (("staging", STAGING_NAME), ("artifacts", ENTRY_NAME), ("tunings", None)):
+        folder = root / sub
+        if folder.is_dir() and not folder.is_symlink():
+            for p in folder.iterdir():
+                ok = own.fullmatch(p.name) if own else p.name.endswith(".json") and ENTRY_NAME.fullmatch(p.name[:-5])
+                if not ok:
+                    out.append(f"{sub}/{p.name}")
+    return out
 
 
 def check_artifact_matches(key: ArtifactKey, kernel: str, shape: Mapping, chunk_size: int, drafts: int) -> None:

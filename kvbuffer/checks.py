@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from typing import Sequence
 
+import numpy as np
 import torch
 
 from .errors import BufferOverflowError, DeviceError, DTypeError, ExpertIndexError, ShapeError, SlotError
@@ -167,3 +168,61 @@ def _byte_span(t: torch.Tensor) -> tuple[int, int]:
     if not t.numel():
         return start, start
     return start, start + t.element_size() * (1 + sum(s * (n - 1) for s, n in zip(t.stride(), t.shape)))
+
+
+def check_row_writes(dst: dict, rows: object, pos: object, values: dict, real: object = None, *,
+                     read_values: bool = True) -> None:
+    """The arguments of `pool[rows, pos] = value` for each pool of `dst` (name -> a (slots, positions,
+    ...) tensor; several pools match but for their last axis) and its value in `values` (name ->
+    tensor, in the same order): rows and pos int32/int64 of one shape (B, ...), each value shaped
+    rows.shape + its pool's trailing dims and of its pool's dtype (nothing is cast), one device,
+    pools that own their memory. `real` (B,) bool: the rows that write (the others' indices are not
+    read). read_values: also read the indices back and refuse any outside [0, slots) x [0, positions),
+    in int64 (off under CUDA-graph capture, where nothing may be read)."""
+    check_same_device({**dst, "rows": rows, "pos": pos, **values, "real": real})
+    (first_name, first), *others = dst.items()
+    check_tensor(first_name, first, dtypes=FLOAT_DTYPES)
+    if first.dim() < 2:
+        raise ShapeError(f"{first_name} must have shape (slots, positions, ...), got {tuple(first.shape)}")
+    for name, pool in others:
+        check_tensor(name, pool, tuple(first.shape[:-1]) + (None,), (first.dtype,))
+    check_disjoint(dst)
+    check_tensor("rows", rows, dtypes=INDEX_DTYPES)
+    if rows.dim() < 1:
+        raise ShapeError(f"rows must have shape (B, ...), got {tuple(rows.shape)}")
+    check_tensor("pos", pos, tuple(rows.shape), INDEX_DTYPES)
+    for (name, t), pool in zip(values.items(), dst.values()):
+        check_tensor(name, t, tuple(rows.shape) + tuple(pool.shape[2:]), (pool.dtype,))
+    if real is not None:
+        check_tensor("real", real, (rows.shape[0],), (torch.bool,))
+    if not read_values or not rows.numel():
+        return
+    num_slots, length = first.shape[:2]
+    at = _first_outside(rows, pos, real, num_slots, length)
+    if at is not None:
+        at, slot, position = at
+        raise SlotError(f"index {at} of rows and pos writes slot {slot}, position {position}: outside the "
+                        f"{num_slots} slots x {length} positions of {first_name}")
+
+
+def _first_outside(rows, pos, real, num_slots: int, length: int):
+    """(index, slot, position) of the first writing row's index outside [0, num_slots) x [0, length),
+    or None; in int64. CPU tensors are read as arrays, without launching a torch op per test."""
+    lead = (-1,) + (1,) * (rows.dim() - 1)
+    if rows.device.type == "cpu":
+        r, p = rows.numpy().astype(np.int64), pos.numpy().astype(np.int64)
+        bad = (r < 0) | (r >= num_slots) | (p < 0) | (p >= length)
+        if real is not None:
+            bad &= real.numpy().reshape(lead)
+        if not bad.any():
+            return None
+        at = tuple(int(i) for i in np.argwhere(bad)[0])
+    else:
+        r, p = rows.long(), pos.long()
+        bad = (r < 0) | (r >= num_slots) | (p < 0) | (p >= length)
+        if real is not None:
+            bad &= real.view(lead)
+        if not bool(bad.any()):
+            return None
+        at = tuple(int(i) for i in bad.nonzero()[0])
+    return at, int(r[at]), int(p[at])

@@ -9,7 +9,10 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from .errors import CheckpointError
+
 BYTE_TOKENIZER_FILE = "kvbuffer_tokenizer.json"
+HF_FILES = ("tokenizer.json", "tokenizer_config.json")  # a transformers tokenizer (either is enough)
 
 
 class ByteTokenizer:
@@ -30,18 +33,48 @@ class ByteTokenizer:
 
 
 def load_tokenizer(path: Path):
-    """The checkpoint's tokenizer, or None when it ships none."""
+    """The checkpoint's tokenizer, or None when it ships none. A file that is there but broken (not
+    JSON, not an object, fields of the wrong kind, a tokenizer transformers cannot build) is a
+    CheckpointError naming it."""
     path = Path(path)
     own = path / BYTE_TOKENIZER_FILE
     if own.is_file():
-        spec = json.loads(own.read_text())
+        spec = _json_object(own)
         if spec.get("type") != "bytes":
-            raise ValueError(f"{own}: unknown tokenizer type {spec.get('type')!r}")
-        return ByteTokenizer(spec.get("eos_token_id", 256))
-    if (path / "tokenizer.json").is_file() or (path / "tokenizer_config.json").is_file():
-        try:
-            from transformers import AutoTokenizer
-        except ImportError as e:
-            raise ImportError(f"{path} has a transformers tokenizer; install transformers to use it") from e
+            raise CheckpointError(f"{own}: unknown tokenizer type {spec.get('type')!r} (kvbuffer's is 'bytes')")
+        eos = spec.get("eos_token_id", 256)
+        if not isinstance(eos, int) or isinstance(eos, bool) or not 0 <= eos <= 256:
+            raise CheckpointError(f"{own}: eos_token_id must be an integer in [0, 256], got {eos!r}")
+        return ByteTokenizer(eos)
+    files = [path / name for name in HF_FILES if (path / name).is_file()]
+    if not files:
+        return None
+    for f in files:
+        _json_object(f)
+    try:
+        from transformers import AutoTokenizer
+    except ImportError as e:
+        raise ImportError(f"{path} has a transformers tokenizer; install transformers to use it") from e
+    try:
         return AutoTokenizer.from_pretrained(str(path))
-    return None
+    except Exception as e:  # the tokenizers library raises a bare Exception for a file it cannot parse
+        names = ", ".join(f.name for f in files)
+        raise CheckpointError(f"{path}: transformers cannot build a tokenizer from {names}: "
+                              f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}") from e
+
+
+def _json_object(f: Path) -> dict:
+    """The JSON object in file `f`; a CheckpointError naming it otherwise."""
+    try:
+        data = json.loads(f.read_text(encoding="utf-8"))
+    except UnicodeDecodeError as e:
+        raise CheckpointError(f"{f} is not UTF-8 text (byte {e.start})") from None
+    except json.JSONDecodeError as e:
+        raise CheckpointError(f"{f} is not valid JSON: {e.msg} at line {e.lineno} column {e.colno}") from None
+    except RecursionError:
+        raise CheckpointError(f"{f} nests its JSON too deeply") from None
+    except OSError as e:
+        raise CheckpointError(f"{f} cannot be read: {e.strerror}") from None
+    if not isinstance(data, dict):
+        raise CheckpointError(f"{f} must hold a JSON object, got a {type(data).__name__}")
+    return data

@@ -93,10 +93,13 @@ def _check_inputs(op: CompiledOp, q, k_cache, v_cache, slots, cached, checked: b
 
 def check_cached_range(slots, cached, T: int, max_len: int) -> None:
     """Every real row's T new tokens must lie in its cache: 0 <= cached, cached + T <= max_len (reads
-    the device back)."""
-    if bool(((slots >= 0) & ((cached < 0) | (cached + T > max_len))).any()):
+    the device back). Summed in int64: an int32 `cached` near 2**31 - 1 must not wrap into range."""
+    end = cached.long() + T
+    bad = (slots >= 0) & ((end < T) | (end > max_len))
+    if bool(bad.any()):
+        row = int(bad.nonzero()[0, 0])
         raise ShapeError(f"cached + T must lie in [T, max_len={max_len}] for every real row (T={T}), "
-                         f"got cached {cached.tolist()}")
+                         f"got cached {int(cached[row])} in row {row}")
 
 
 def attention_decode(op: CompiledOp, combine: CompiledOp | None, q, k_cache, v_cache, slots, cached, scale: float,

@@ -111,13 +111,13 @@ def out_tensor(out, shape, like: torch.Tensor) -> torch.Tensor:
 def check_fill_rules(op, state_slots, buffer_slots, lengths, T_new: int) -> None:
     """The buffer must hold the new tokens, must not pass the fused flush point, and a row that
     reaches it needs a state to fold into (shared by the GDN and Mamba-2 launchers)."""
-    valid = buffer_slots >= 0
+    valid, end = buffer_slots >= 0, lengths.long() + T_new  # int64: no int32 wrap near 2**31
     check_capacity(lengths, valid, T_new, op["cap"])
     C = op["flush_at"]
     if C:
-        if bool((valid & (lengths + T_new > C)).any()):
+        if bool((valid & (end > C)).any()):
             raise ShapeError(f"a row would pass flush_at={C} with {T_new} new token(s): flush it first")
-        if bool((valid & (lengths + T_new == C) & (state_slots < 0)).any()):
+        if bool((valid & (end == C) & (state_slots < 0)).any()):
             raise SlotError("a row fills its buffer in this call but has no state slot: allocate a state first")
 
 

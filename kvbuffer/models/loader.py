@@ -40,19 +40,27 @@ def read_config(path: str | Path) -> dict:
         raise CheckpointError(f"{cfg_file} is not UTF-8 text (byte {e.start})") from None
     except json.JSONDecodeError as e:
         raise CheckpointError(f"{cfg_file} is not valid JSON: {e.msg} at line {e.lineno} column {e.colno}") from None
+    except RecursionError:
+        raise CheckpointError(f"{cfg_file} nests its JSON too deeply to be a config") from None
     if not isinstance(cfg, dict):
         raise CheckpointError(f"{cfg_file} must hold a JSON object, got a {type(cfg).__name__}")
     return cfg
 
 
 def build_model(hf_config: dict):
-    """Construct the model (random weights) for a config.json dict."""
-    model_type = hf_config.get("model_type")
+    """Construct the model (random weights) for a config.json dict. Every field is checked first
+    (CheckpointError naming it), then the model is sized on the meta device: one larger than the
+    memory of the device it is built on is a CheckpointError before anything is allocated."""
+    model_type = hf_config.get("model_type") if isinstance(hf_config, dict) else None
     if not isinstance(model_type, str) or model_type not in REGISTRY:
         raise CheckpointError(f"unsupported model_type {model_type!r}; kvbuffer supports {supported_model_types()}")
+    from .sizing import check_fits
+
     config_cls, model_cls = REGISTRY[model_type]
     try:
-        return model_cls(config_cls.from_hf(hf_config))
+        config = config_cls.from_hf(hf_config)
+        check_fits(model_cls, config)
+        return model_cls(config)
     except CheckpointError:
         raise
     except KeyError as e:

@@ -22,6 +22,7 @@ from torch import nn
 from ..errors import CheckpointError
 from ..pools import LinearLayerShape
 from ..runtime import mixing
+from .config_fields import ConfigFields
 from .layers import Linear, PackedLinear, RoutedExperts, cache_layout, fp32, rms_normalize, route_to_experts
 
 MODEL_TYPES = ("nemotron_h",)
@@ -42,28 +43,31 @@ def _unsupported(message: str):
     return CheckpointError(f"nemotron_h: {message}")
 
 
-def _layer_types(d: dict) -> tuple[str, ...]:
-    types = d.get("layers_block_type") or d.get("layer_types")
-    if types is None:
-        pattern = d["hybrid_override_pattern"]
+def _layer_types(f: ConfigFields) -> tuple[str, ...]:
+    """`layers_block_type` (or `layer_types`), else `hybrid_override_pattern`, as layer types."""
+    key = "layers_block_type" if f.has("layers_block_type") else "layer_types" if f.has("layer_types") else None
+    if key is None:
+        pattern = f.raw("hybrid_override_pattern")
+        if not isinstance(pattern, str) or not 1 <= len(pattern) <= 4096:
+            raise f.error("hybrid_override_pattern", "a string of 1 to 4096 layer characters", pattern)
         bad = sorted(set(pattern) - set(_PATTERN))
         if bad:
             raise _unsupported(f"hybrid_override_pattern has unknown layer characters {bad}")
         return tuple(_PATTERN[ch] for ch in pattern)
-    types = tuple(_LEGACY.get(t, t) for t in types)
-    bad = sorted(set(types) - set(_PATTERN.values()))
-    if bad:
-        raise _unsupported(f"layers_block_type has unsupported layer types {bad}")
-    return types
+    types = f.str_list(key, set(_PATTERN.values()) | set(_LEGACY))
+    return tuple(_LEGACY.get(t, t) for t in types)
 
 
-def _mtp_layer_types(d: dict) -> tuple[str, ...]:
+def _mtp_layer_types(f: ConfigFields) -> tuple[str, ...]:
     """The MTP head's block kinds: `mtp_layers_block_type`, or vLLM's `mtp_hybrid_override_pattern`."""
-    if d.get("mtp_layers_block_type"):
-        types = tuple(_LEGACY.get(t, t) for t in d["mtp_layers_block_type"])
-    else:
-        types = tuple(_PATTERN.get(ch, ch) for ch in d.get("mtp_hybrid_override_pattern", "*E"))
-    bad = sorted(set(types) - {"full_attention", "moe", "mlp"})
+    supported = {"full_attention", "moe", "mlp"}
+    if f.has("mtp_layers_block_type"):
+        return tuple(_LEGACY.get(t, t) for t in f.str_list("mtp_layers_block_type", supported | {"attention"}))
+    pattern = f.raw("mtp_hybrid_override_pattern", "*E")
+    if not isinstance(pattern, str) or not 1 <= len(pattern) <= 64:
+        raise f.error("mtp_hybrid_override_pattern", "a string of 1 to 64 layer characters", pattern)
+    types = tuple(_PATTERN.get(ch, ch) for ch in pattern)
+    bad = sorted(set(types) - supported)
     if bad:
         raise _unsupported(f"MTP layers of kinds {bad} are not supported (attention, MoE and MLP blocks are)")
     return types
@@ -108,48 +112,64 @@ class NemotronHConfig:
 
     @classmethod
     def from_hf(cls, d: dict) -> "NemotronHConfig":
-        """Build from a config.json dict; absent optional fields take transformers' defaults."""
-        eos = d.get("eos_token_id", 2)
-        eos = () if eos is None else tuple(eos) if isinstance(eos, (list, tuple)) else (eos,)
-        H, n_heads = d["hidden_size"], d["num_attention_heads"]
-        mamba_act, mlp_act = d.get("mamba_hidden_act", "silu"), d.get("mlp_hidden_act", "relu2")
-        if mamba_act != "silu":  # the runtime's short conv applies SiLU
-            raise _unsupported(f"mamba_hidden_act={mamba_act!r} is not supported (only 'silu')")
-        if mlp_act not in _ACTIVATIONS:
-            raise _unsupported(f"mlp_hidden_act={mlp_act!r} is not supported ({sorted(_ACTIVATIONS)})")
+        """Build from a config.json dict; absent optional fields take transformers' defaults. Every
+        field is read through ConfigFields: a bad one is a CheckpointError naming it."""
+        f = ConfigFields(d)
+        vocab, H, n_heads = f.int("vocab_size"), f.int("hidden_size"), f.int("num_attention_heads")
+        if not f.has("head_dim") and H < n_heads:
+            raise f.error("hidden_size", f"at least num_attention_heads ({n_heads}) when head_dim is not given", H)
+        mamba_heads = f.int("mamba_num_heads")
+        f.choice("mamba_hidden_act", ("silu",), "silu")  # the runtime's short conv applies SiLU
+        mlp_act = f.choice("mlp_hidden_act", _ACTIVATIONS, "relu2")
         return cls(
-            model_type=d.get("model_type", "nemotron_h"),
-            vocab_size=d["vocab_size"],
+            model_type=f.choice("model_type", MODEL_TYPES, "nemotron_h"),
+            vocab_size=vocab,
             hidden_size=H,
-            layer_types=_layer_types(d),
-            layer_norm_epsilon=d.get("layer_norm_epsilon", 1e-5),
-            tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
-            eos_token_ids=eos,
+            layer_types=_layer_types(f),
+            layer_norm_epsilon=f.float("layer_norm_epsilon", 1e-5),
+            tie_word_embeddings=f.bool("tie_word_embeddings", False),
+            eos_token_ids=f.ids("eos_token_id", vocab, () if "eos_token_id" in d or vocab <= 2 else (2,)),
             num_attention_heads=n_heads,
-            num_key_value_heads=d.get("num_key_value_heads") or n_heads,
-            head_dim=d.get("head_dim") or H // n_heads,
-            mamba_num_heads=d["mamba_num_heads"],
-            mamba_head_dim=d["mamba_head_dim"],
-            ssm_state_size=d.get("ssm_state_size", 128),
-            n_groups=d.get("n_groups", d.get("mamba_n_groups", 8)),
-            conv_kernel=d.get("conv_kernel", d.get("mamba_d_conv", 4)),
-            use_conv_bias=bool(d.get("use_conv_bias", d.get("mamba_conv_bias", True))),
-            use_bias=bool(d.get("use_bias", False)),
-            intermediate_size=d.get("intermediate_size", 21504),
+            num_key_value_heads=_divisor(f, "num_key_value_heads", n_heads, n_heads, "num_attention_heads"),
+            head_dim=f.int("head_dim", H // n_heads),
+            mamba_num_heads=mamba_heads,
+            mamba_head_dim=f.int("mamba_head_dim"),
+            ssm_state_size=f.int("ssm_state_size", 128),
+            n_groups=_divisor(f, "n_groups", f.int("mamba_n_groups", 8), mamba_heads, "mamba_num_heads"),
+            conv_kernel=f.int("conv_kernel", f.int("mamba_d_conv", 4)),
+            use_conv_bias=f.bool("use_conv_bias", f.bool("mamba_conv_bias", True)),
+            use_bias=f.bool("use_bias", False),
+            intermediate_size=f.int("intermediate_size", 21504),
             mlp_hidden_act=mlp_act,
-            mlp_bias=bool(d.get("mlp_bias", False)),
-            n_routed_experts=d.get("n_routed_experts", 8),
-            num_experts_per_tok=d.get("num_experts_per_tok", 2),
-            moe_intermediate_size=d.get("moe_intermediate_size", 7688),
-            moe_shared_expert_intermediate_size=d.get("moe_shared_expert_intermediate_size", 7688),
-            moe_latent_size=d.get("moe_latent_size"),
-            n_group=d.get("n_group", 1),
-            topk_group=d.get("topk_group", 1),
-            norm_topk_prob=bool(d.get("norm_topk_prob", True)),
-            routed_scaling_factor=float(d.get("routed_scaling_factor", 1.0)),
-            num_nextn_predict_layers=d.get("num_nextn_predict_layers", 0),
-            mtp_layer_types=_mtp_layer_types(d),
-        )
+            mlp_bias=f.bool("mlp_bias", False),
+            n_routed_experts=f.int("n_routed_experts", 8),
+            num_experts_per_tok=f.int("num_experts_per_tok", 2),
+            moe_intermediate_size=f.int("moe_intermediate_size", 7688),
+            moe_shared_expert_intermediate_size=f.int("moe_shared_expert_intermediate_size", 7688),
+            moe_latent_size=f.int("moe_latent_size", None),
+            n_group=f.int("n_group", 1),
+            topk_group=f.int("topk_group", 1),
+            norm_topk_prob=f.bool("norm_topk_prob", True),
+            routed_scaling_factor=f.float("routed_scaling_factor", 1.0),
+            num_nextn_predict_layers=f.int("num_nextn_predict_layers", 0, lo=0, hi=64),
+            mtp_layer_types=_mtp_layer_types(f),
+        ).checked(f)
+
+    def checked(self, f: ConfigFields) -> "NemotronHConfig":
+        """Refuse what each field allows alone but the routed experts cannot run together (only
+        when a block routes: dense models' files need not state consistent MoE fields)."""
+        routes = "moe" in self.layer_types or (self.num_nextn_predict_layers and "moe" in self.mtp_layer_types)
+        if not routes:
+            return self
+        E, G = self.n_routed_experts, self.n_group
+        if E % G:
+            raise _unsupported(f"n_routed_experts={E} is not a multiple of n_group={G}")
+        if self.topk_group > G:
+            raise f.error("topk_group", f"at most n_group ({G})", self.topk_group)
+        if self.num_experts_per_tok > self.topk_group * (E // G):
+            raise f.error("num_experts_per_tok", f"at most the {self.topk_group * (E // G)} experts of the "
+                          "topk_group groups a token may route to", self.num_experts_per_tok)
+        return self
 
     @property
     def mamba_intermediate(self) -> int:
@@ -476,3 +496,11 @@ class MultiTokenPredictor(nn.Module):
         for layer in self.layers:
             x = layer(x, batch, caches)
         return self.layers[-1].final_layernorm(x)
+
+
+def _divisor(f: ConfigFields, key: str, default: int, of: int, of_key: str) -> int:
+    """A head or group count that divides `of` (heads in one group share it)."""
+    value = f.int(key, default)
+    if of % value:
+        raise f.error(key, f"a divisor of {of_key} ({of})", value)
+    return value

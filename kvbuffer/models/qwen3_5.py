@@ -13,6 +13,7 @@ from torch import nn
 
 from ..pools import LinearLayerShape
 from ..runtime import mixing
+from .config_fields import ConfigFields
 from .layers import (GatedMLP, GatedRMSNorm, Linear, PackedLinear, RMSNorm, SoftmaxTopKMoE, apply_rotary, cache_layout, fp32,
                      rotary_cos_sin)
 from .mtp import MultiTokenPredictor, mtp_layer_config
@@ -53,41 +54,53 @@ class Qwen35Config:
 
     @classmethod
     def from_hf(cls, d: dict) -> "Qwen35Config":
-        """Build from a config.json dict (the published multimodal files nest it under text_config)."""
-        top_type = d.get("model_type")
-        text = d.get("text_config") or d
-        rope = text.get("rope_parameters") or text.get("rope_scaling") or {}
-        eos = text.get("eos_token_id", d.get("eos_token_id"))
-        eos = () if eos is None else tuple(eos) if isinstance(eos, (list, tuple)) else (eos,)
-        H = text["hidden_size"]
-        n_heads = text["num_attention_heads"]
+        """Build from a config.json dict (the published multimodal files nest it under text_config),
+        every field read through ConfigFields: a bad one is a CheckpointError naming it."""
+        top = ConfigFields(d)
+        text = top.obj("text_config") if top.has("text_config") else top
+        rope = text.obj("rope_parameters" if text.has("rope_parameters") else "rope_scaling")
+        top_type = top.choice("model_type", MODEL_TYPES)
+        vocab, H = text.int("vocab_size"), text.int("hidden_size")
+        n_heads = text.int("num_attention_heads")
+        kv_heads = _divisor(text, "num_key_value_heads", n_heads, "num_attention_heads")
+        head_dim = text.int("head_dim") if text.has("head_dim") else _derived_head_dim(text, H, n_heads)
+        layer_types = text.str_list("layer_types", ("linear_attention", "full_attention"))
+        experts = text.int("num_experts", 0, lo=0) if "moe" in top_type or top_type == "qwen3_next" else 0
+        eos_fields = text if text.has("eos_token_id") else top
         return cls(
             model_type=top_type,
-            vocab_size=text["vocab_size"],
+            vocab_size=vocab,
             hidden_size=H,
-            layer_types=tuple(text["layer_types"]),
-            rms_norm_eps=text.get("rms_norm_eps", 1e-6),
-            tie_word_embeddings=bool(d.get("tie_word_embeddings", text.get("tie_word_embeddings", False))),
-            eos_token_ids=eos,
+            layer_types=layer_types,
+            rms_norm_eps=text.float("rms_norm_eps", 1e-6),
+            tie_word_embeddings=top.bool("tie_word_embeddings", text.bool("tie_word_embeddings", False)),
+            eos_token_ids=eos_fields.ids("eos_token_id", vocab),
             num_attention_heads=n_heads,
-            num_key_value_heads=text["num_key_value_heads"],
-            head_dim=text.get("head_dim") or H // n_heads,
-            rope_theta=rope.get("rope_theta", text.get("rope_theta", 10000.0)),
-            partial_rotary_factor=rope.get("partial_rotary_factor", text.get("partial_rotary_factor", 1.0)),
-            linear_num_key_heads=text["linear_num_key_heads"],
-            linear_num_value_heads=text["linear_num_value_heads"],
-            linear_key_head_dim=text["linear_key_head_dim"],
-            linear_value_head_dim=text["linear_value_head_dim"],
-            linear_conv_kernel_dim=text.get("linear_conv_kernel_dim", 4),
-            intermediate_size=text.get("intermediate_size", 0),
-            num_experts=text.get("num_experts", 0) if "moe" in top_type or top_type == "qwen3_next" else 0,
-            num_experts_per_tok=text.get("num_experts_per_tok", 0),
-            moe_intermediate_size=text.get("moe_intermediate_size", 0),
-            shared_expert_intermediate_size=text.get("shared_expert_intermediate_size", 0),
-            norm_topk_prob=text.get("norm_topk_prob", True),
-            mlp_only_layers=tuple(text.get("mlp_only_layers", ())),
-            decoder_sparse_step=text.get("decoder_sparse_step", 1),
-        )
+            num_key_value_heads=kv_heads,
+            head_dim=head_dim,
+            rope_theta=rope.float("rope_theta", text.float("rope_theta", 10000.0)),
+            partial_rotary_factor=_rotary_factor(rope if rope.has("partial_rotary_factor") else text, head_dim),
+            linear_num_key_heads=text.int("linear_num_key_heads"),
+            linear_num_value_heads=_multiple(text, "linear_num_value_heads", "linear_num_key_heads"),
+            linear_key_head_dim=text.int("linear_key_head_dim"),
+            linear_value_head_dim=text.int("linear_value_head_dim"),
+            linear_conv_kernel_dim=text.int("linear_conv_kernel_dim", 4),
+            intermediate_size=text.int("intermediate_size", 0, lo=0),
+            num_experts=experts,
+            num_experts_per_tok=text.int("num_experts_per_tok", hi=experts) if experts else 0,
+            moe_intermediate_size=text.int("moe_intermediate_size") if experts else 0,
+            shared_expert_intermediate_size=text.int("shared_expert_intermediate_size") if experts else 0,
+            norm_topk_prob=text.bool("norm_topk_prob", True),
+            mlp_only_layers=text.int_list("mlp_only_layers", (), hi=len(layer_types) - 1),
+            decoder_sparse_step=text.int("decoder_sparse_step", 1),
+        ).checked(text)
+
+    def checked(self, fields: ConfigFields) -> "Qwen35Config":
+        """Refuse what each field allows alone but the model cannot run together."""
+        dense = [i for i in range(len(self.layer_types)) if not self.is_moe_layer(i)]
+        if dense and not self.intermediate_size:
+            raise fields.error("intermediate_size", f"an integer >= 1 (layer {dense[0]} has a dense MLP)", 0)
+        return self
 
     @property
     def linear_shape(self) -> LinearLayerShape:
@@ -280,3 +293,36 @@ class Qwen35ForCausalLM(nn.Module):
     def skip_checkpoint_tensor(name: str) -> bool:
         """The vision tower is not used by the text decoder."""
         return name.startswith(("model.visual.", "visual."))
+
+
+def _divisor(fields: ConfigFields, key: str, of: int, of_key: str) -> int:
+    """A head count that divides `of` (grouped heads share one key/value head)."""
+    value = fields.int(key)
+    if of % value:
+        raise fields.error(key, f"a divisor of {of_key} ({of})", value)
+    return value
+
+
+def _multiple(fields: ConfigFields, key: str, of_key: str) -> int:
+    """A head count that is a multiple of the one named `of_key`."""
+    value, of = fields.int(key), fields.int(of_key)
+    if value % of:
+        raise fields.error(key, f"a multiple of {of_key} ({of})", value)
+    return value
+
+
+def _derived_head_dim(fields: ConfigFields, hidden: int, heads: int) -> int:
+    if hidden < heads:
+        raise fields.error("hidden_size", f"at least num_attention_heads ({heads}) when head_dim is not given",
+                           hidden)
+    return hidden // heads
+
+
+def _rotary_factor(fields: ConfigFields, head_dim: int) -> float:
+    """partial_rotary_factor in (0, 1] whose rotated channels (head_dim * it) are an even number >= 2."""
+    factor = fields.float("partial_rotary_factor", 1.0, hi=1.0)
+    rotary = int(head_dim * factor)
+    if rotary < 2 or rotary % 2:
+        raise fields.error("partial_rotary_factor", f"a factor that rotates an even number >= 2 of the head's "
+                           f"{head_dim} channels (it rotates {rotary})", factor)
+    return factor

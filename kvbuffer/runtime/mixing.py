@@ -11,6 +11,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from ..checks import check_row_writes
+from ..kernels.launch import capturing
 from ..reference.prefill_attention import prefill_attention
 from ..rows import put_rows
 from . import flash_prompt
@@ -162,14 +164,17 @@ def put_kv_rows(k_cache: torch.Tensor, v_cache: torch.Tensor, rows: torch.Tensor
     index a place the caller may write (padding rows pointed at the sink). Several padding rows write
     the same sink positions, in no set order, with different values: unlike put_rows' equal-bytes
     writes, that is harmless only because no row reads the sink. Opaque to torch.compile for the
-    reason put_slot_rows is."""
-    k_cache[rows, pos] = k.to(k_cache.dtype)
-    v_cache[rows, pos] = v.to(v_cache.dtype)
+    reason put_slot_rows is. Every argument is checked before the first write (the indices read
+    back unless a CUDA graph is being captured): a refused call changes neither cache."""
+    check_row_writes({"k_cache": k_cache, "v_cache": v_cache}, rows, pos, {"k": k, "v": v},
+                     read_values=not capturing())
+    k_cache[rows, pos] = k
+    v_cache[rows, pos] = v
 
 
 @put_kv_rows.register_fake
 def _put_kv_rows_fake(k_cache, v_cache, rows, pos, k, v) -> None:
-    return None
+    check_row_writes({"k_cache": k_cache, "v_cache": v_cache}, rows, pos, {"k": k, "v": v}, read_values=False)
 
 
 @torch.library.custom_op("kvbuffer::put_slot_rows", mutates_args=("dst",))
@@ -177,13 +182,15 @@ def put_slot_rows(dst: torch.Tensor, rows: torch.Tensor, pos: torch.Tensor, valu
                   real: torch.Tensor) -> None:
     """dst[rows, pos] = values for the real rows: put_rows as one opaque op. Traced as aten ops
     into a pool (a layer's KV cache, its draft states), torch.compile computed the write into a copy
-    of the whole pool and copied it back, every step."""
+    of the whole pool and copied it back, every step. Checked as put_kv_rows is (dst (slots, positions,
+    ...), values of its dtype), the real rows' indices only."""
+    check_row_writes({"dst": dst}, rows, pos, {"values": values}, real, read_values=not capturing())
     put_rows(dst, (rows, pos), values, real)
 
 
 @put_slot_rows.register_fake
 def _put_slot_rows_fake(dst, rows, pos, values, real) -> None:
-    return None
+    check_row_writes({"dst": dst}, rows, pos, {"values": values}, real, read_values=False)
 
 
 def _window(cache, rows, L: int, pos, new=None):

@@ -142,7 +142,10 @@ def test_a_reader_that_stops_early_gets_no_error(tmp_path):
 
     # ~300 KB of listing, well past a 64 KB pipe buffer (1000 entries printed 59 KB: the command could finish
     # before the reader closed, and the test raced)
+    from kvbuffer.artifacts import MARKER, MARKER_TEXT
+
     entries = {f"a{i:05d}": {"status": "untuned", "files": {}} for i in range(5000)}
+    (tmp_path / MARKER).write_text(MARKER_TEXT)  # kvbuffer's cache, though no kvbuffer wrote this manifest
     (tmp_path / "manifest.json").write_text(json.dumps({"format": 1, "artifacts": entries, "tunings": {}}))
     proc = subprocess.Popen([sys.executable, "-c", "from kvbuffer.cli.main import main; main()", "cache", "ls",
                              "--cache-dir", str(tmp_path)], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
