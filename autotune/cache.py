@@ -12,7 +12,10 @@ published only if every artifact it names is still in the manifest (a clear betw
 tune's artifacts makes that tune fail instead of leaving a record that points at nothing). A
 staging directory whose owner process is gone (a killed tune), or older than STALE_STAGING_S, is
 removed by `clear`; one a live writer is still building in is kept. Every path removed is one
-kvbuffer.artifacts resolved inside the cache root; a symlink is unlinked, never followed.
+kvbuffer.artifacts resolved inside the cache root and named as kvbuffer names its files (ENTRY_NAME,
+STAGING_NAME, TEMP_NAME): another program's file next to them is never touched; a symlink is
+unlinked, never followed. Every writer first recognises the folder as kvbuffer's and marks it
+(ArtifactStore.mark): another program's folder is refused before anything is written.
 
 `prune` removes what an interrupted or superseded tune left: the artifacts no tuning record names
 (a re-tune's or a template change's old builds, an interrupted tune's last group, whose record was
@@ -40,8 +43,8 @@ from pathlib import Path
 from typing import Callable, Iterator, Mapping
 
 from kvbuffer.artifacts import (
-    FORMAT, LIBRARY, MANIFEST, META, STATUSES, ArtifactKey, ArtifactStore, empty_manifest, runtime_versions,
-    sha256_file,
+    ENTRY_NAME, FORMAT, LIBRARY, MANIFEST, META, STAGING_NAME, STATUSES, TEMP_NAME, ArtifactKey, ArtifactStore,
+    empty_manifest, runtime_versions, sha256_file,
 )
 from kvbuffer.errors import ArtifactError
 from kvbuffer.tuning import TuningStore
@@ -49,7 +52,6 @@ from kvbuffer.tuning import TuningStore
 from .policy import merge_records
 
 STALE_STAGING_S = 24 * 3600  # a build takes seconds to minutes; a staging dir this old is abandoned
-_STAGING_OWNER = re.compile(r".+\.(\d+)\.[0-9a-f]{8}")  # <name>.<pid>.<random>, as _staging names it
 TUNE_MARK = "tune-running"  # staging/<TUNE_MARK>.<pid>.<random>: a tune in progress, since the dir's mtime
 
 
@@ -118,9 +120,10 @@ class ArtifactCache(TuningStore):
 
     @contextlib.contextmanager
     def lock(self) -> Iterator[None]:
-        """The cache's exclusive writer lock (tune's publish steps and clear)."""
+        """The cache's exclusive writer lock (tune's publish steps and clear). Refuses a folder that is
+        not kvbuffer's cache, and marks a new or recognised one (ArtifactStore.mark)."""
         try:
-            self.root.mkdir(parents=True, exist_ok=True)
+            self.mark()
             f = open(self.root / ".lock", "a")
         except OSError as e:
             raise self.unwritable(e) from None
@@ -164,7 +167,7 @@ class ArtifactCache(TuningStore):
         if staging.is_symlink() or not staging.is_dir():
             return out
         for path in staging.glob(f"{TUNE_MARK}.*"):
-            owner = _STAGING_OWNER.fullmatch(path.name)
+            owner = STAGING_NAME.fullmatch(path.name)
             try:
                 started = path.lstat().st_mtime
             except OSError:
@@ -179,7 +182,7 @@ class ArtifactCache(TuningStore):
         if staging.is_symlink() or not staging.is_dir():
             return 0
         for path in staging.iterdir():
-            owner = _STAGING_OWNER.fullmatch(path.name)
+            owner = STAGING_NAME.fullmatch(path.name)
             if owner is not None and int(owner.group(1)) == os.getpid() and not path.name.startswith(TUNE_MARK):
                 _remove(path)
                 n += 1
@@ -395,12 +398,13 @@ class ArtifactCache(TuningStore):
     def _orphans(self, manifest: dict) -> list[Path]:
         """Paths under artifacts/ and tunings/ that no manifest entry owns (a publish cut short between
         its rename and its manifest write), and write_json temp files of dead writers in the root."""
-        out = [p for p in _children(self.root / "artifacts") if p.name not in manifest["artifacts"]]
+        out = [p for p in _children(self.root / "artifacts")
+               if ENTRY_NAME.fullmatch(p.name) and p.name not in manifest["artifacts"]]
         out += [p for p in _children(self.root / "tunings")
-                if not (p.name.endswith(".json") and p.name[:-5] in manifest["tunings"])]
+                if p.name.endswith(".json") and ENTRY_NAME.fullmatch(p.name[:-5]) and p.name[:-5] not in manifest["tunings"]]
         for p in _children(self.root):
-            owner = _STAGING_OWNER.fullmatch(p.name)
-            if p.name.startswith(".") and owner is not None and not _pid_alive(int(owner.group(1))):
+            owner = TEMP_NAME.fullmatch(p.name)
+            if owner is not None and not _pid_alive(int(owner.group(1))):
                 out.append(p)
         return out
 
@@ -439,12 +443,14 @@ class ArtifactCache(TuningStore):
             return [staging]
         now, out = time.time(), []
         for path in _children(staging):
-            owner = _STAGING_OWNER.fullmatch(path.name)
+            owner = STAGING_NAME.fullmatch(path.name)
+            if owner is None:
+                continue  # not a name kvbuffer gives: not kvbuffer's to remove
             try:
                 age = now - path.lstat().st_mtime
             except OSError:
                 continue
-            if owner is None or not _pid_alive(int(owner.group(1))) or age > stale_after:
+            if not _pid_alive(int(owner.group(1))) or age > stale_after:
                 out.append(path)
         return out
 
@@ -454,9 +460,19 @@ class ArtifactCache(TuningStore):
             _remove(path)
 
     def _reset(self) -> int:
-        """Replace an invalid manifest by an empty one (call with the lock held)."""
-        for sub in ("artifacts", "tunings", MANIFEST):
-            _remove(self.root / sub)
+        """Replace an invalid manifest by an empty one, with every entry under artifacts/ and tunings/
+        (kvbuffer's names only; call with the lock held)."""
+        for p in _children(self.root / "artifacts"):
+            if ENTRY_NAME.fullmatch(p.name):
+                _remove(p)
+        for p in _children(self.root / "tunings"):
+            if p.name.endswith(".json") and ENTRY_NAME.fullmatch(p.name[:-5]):
+                _remove(p)
+        for sub in ("artifacts", "tunings"):  # gone when nothing else was in them
+            if not (self.root / sub).is_symlink():
+                with contextlib.suppress(OSError):
+                    (self.root / sub).rmdir()
+        _remove(self.root / MANIFEST)
         self._write_manifest(empty_manifest())
         return 0
 
