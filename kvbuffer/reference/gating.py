@@ -36,9 +36,14 @@ def gdn_front(q, k, a, b, A_log, dt_bias, dtype=torch.float32):
     _floats(q=q, k=k, a=a, b=b, A_log=A_log, dt_bias=dt_bias)
     q, k = l2norm(q.to(dtype)), l2norm(k.to(dtype))
     q = q * q.shape[-1] ** -0.5
+    return (q, k, *_gdn_gates(a, b, A_log, dt_bias, dtype))
+
+
+def _gdn_gates(a, b, A_log, dt_bias, dtype):
+    """(g, beta) of gdn_front."""
     beta = torch.sigmoid(b.to(dtype))
     g = -torch.exp(A_log.to(dtype)) * F.softplus(a.to(dtype) + dt_bias.to(dtype))
-    return q, k, g, beta
+    return g, beta
 
 
 def mamba2_front(x, dt, A_log, dt_bias, dtype=torch.float32):
@@ -71,3 +76,50 @@ def mamba2_output(o, x, D, z=None, real=None):
         mask = real.view(-1, *([1] * (y.dim() - 1)))
         y = torch.where(mask, y, torch.zeros((), dtype=y.dtype, device=y.device))
     return y
+
+
+# ----------------------------------------------------------------------------------------------
+# the fronts of a prompt, packed for the chunked prefill (kvbuffer.kernels.prefill)
+
+
+def adjacent_heads(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor | None:
+    """q and k (..., Hk, K) as one (..., 2 Hk, K) view when k's heads follow q's in memory (the models'
+    projection layout: q, k, v side by side), else None."""
+    if q.dtype != k.dtype or q.device != k.device or q.shape != k.shape or q.stride() != k.stride() \
+            or q.stride()[-2:] != (q.shape[-1], 1) or q.untyped_storage().data_ptr() != k.untyped_storage().data_ptr() \
+            or k.storage_offset() != q.storage_offset() + q.shape[-2] * q.shape[-1]:
+        return None
+    shape = (*q.shape[:-2], 2 * q.shape[-2], q.shape[-1])
+    return q.as_strided(shape, q.stride(), q.storage_offset())
+
+
+def gdn_prompt_front(q, k, a, b, A_log, dt_bias, act: torch.dtype, dtype=torch.float32):
+    """gdn_front's values for the N tokens of a prompt (q, k (B, T, Hk, K), a, b (B, T, Hv)), packed:
+    q, k (N, Hk, K) rounded to `act`, g, beta (N, Hv) in `dtype`, all contiguous. The same arithmetic in
+    fewer launches: q and k are normalised in one pass where they are adjacent (adjacent_heads), and
+    each is rounded to `act` once, into its packed tensor."""
+    _floats(q=q, k=k, a=a, b=b, A_log=A_log, dt_bias=dt_bias)
+    N, Hk, K = q.shape[0] * q.shape[1], q.shape[-2], q.shape[-1]
+    pair = adjacent_heads(q, k)
+    if pair is None:
+        qn, kn, g, beta = gdn_front(q, k, a, b, A_log, dt_bias, dtype)
+        packed = qn.reshape(N, Hk, K).to(act).contiguous(), kn.reshape(N, Hk, K).to(act).contiguous()
+    else:
+        x = pair.to(dtype)
+        n = x * torch.rsqrt((x * x).sum(dim=-1, keepdim=True).add_(L2NORM_EPS))  # l2norm of q and k at once
+        qn, kn = n[..., :Hk, :], n[..., Hk:, :]
+        qn.mul_(K ** -0.5)
+        packed = tuple(t.reshape(N, Hk, K).to(act).contiguous() for t in (qn, kn))
+        g, beta = _gdn_gates(a, b, A_log, dt_bias, dtype)
+    return (*packed, g.reshape(N, -1).contiguous(), beta.reshape(N, -1).contiguous())
+
+
+def mamba2_prompt_front(x, dt, A_log, dt_bias, act: torch.dtype, dtype=torch.float32):
+    """mamba2_front's value and g for the N tokens of a prompt (x (B, T, H, P), dt (B, T, H)), packed:
+    value (N, H, P) rounded to `act` (written straight into it), g (N, H) in `dtype`."""
+    _floats(x=x, dt=dt, A_log=A_log, dt_bias=dt_bias)
+    N = x.shape[0] * x.shape[1]
+    dt = F.softplus(dt.to(dtype) + dt_bias.to(dtype)).reshape(N, -1)
+    value = torch.empty((N, *x.shape[2:]), dtype=act, device=x.device)
+    torch.mul(dt[..., None], x.reshape(N, *x.shape[2:]), out=value)
+    return value, dt.mul_(-torch.exp(A_log.to(dtype)))
