@@ -42,8 +42,16 @@ def gdn_front(q, k, a, b, A_log, dt_bias, dtype=torch.float32):
 def _gdn_gates(a, b, A_log, dt_bias, dtype):
     """(g, beta) of gdn_front."""
     beta = torch.sigmoid(b.to(dtype))
-    g = -torch.exp(A_log.to(dtype)) * F.softplus(a.to(dtype) + dt_bias.to(dtype))
+    g = -torch.exp(A_log.to(dtype)) * F.softplus(_biased(a, dt_bias, dtype))
     return g, beta
+
+
+def _biased(x, bias, dtype):
+    """x.to(dtype) + bias.to(dtype), with x widened inside the add where the add computes in `dtype`
+    anyway (a narrower x: the same values, one launch fewer)."""
+    widens = x.dtype == dtype or x.dtype.itemsize < dtype.itemsize  # float dtypes (_floats): exact widening
+    widens = widens and bias.dim() > 0  # a 0-dim bias would not promote x
+    return (x if widens else x.to(dtype)) + bias.to(dtype)
 
 
 def mamba2_front(x, dt, A_log, dt_bias, dtype=torch.float32):
@@ -119,7 +127,7 @@ def mamba2_prompt_front(x, dt, A_log, dt_bias, act: torch.dtype, dtype=torch.flo
     value (N, H, P) rounded to `act` (written straight into it), g (N, H) in `dtype`."""
     _floats(x=x, dt=dt, A_log=A_log, dt_bias=dt_bias)
     N = x.shape[0] * x.shape[1]
-    dt = F.softplus(dt.to(dtype) + dt_bias.to(dtype)).reshape(N, -1)
+    dt = F.softplus(_biased(dt, dt_bias, dtype)).reshape(N, -1)
     value = torch.empty((N, *x.shape[2:]), dtype=act, device=x.device)
     torch.mul(dt[..., None], x.reshape(N, *x.shape[2:]), out=value)
     return value, dt.mul_(-torch.exp(A_log.to(dtype)))

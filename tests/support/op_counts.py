@@ -166,11 +166,30 @@ def mixer_scopes(model: torch.nn.Module) -> dict[str, list[torch.nn.Module]]:
     return dict(found)
 
 
+def flash_stand_in(counter: OpCounter):
+    """A CPU stand-in for kvbuffer.runtime.flash_prompt._flash (FlashAttention-2: one launch on CUDA): the
+    same attention in plain torch, unseen by `counter`, which counts one "flash_attention" op instead."""
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    def flash(q, k, v, scale: float):
+        counter.ops[counter.scope] += 1
+        counter.calls[counter.scope]["flash_attention"] += 1
+        with _disable_current_modes():
+            T, L, G = q.shape[1], k.shape[1], q.shape[2] // k.shape[2]
+            qt, kt, vt = q.transpose(1, 2), k.repeat_interleave(G, 2).transpose(1, 2), v.repeat_interleave(G, 2)
+            ahead = torch.arange(L)[None, :] > torch.arange(T)[:, None] + (L - T)  # causal, bottom right
+            scores = (qt.float() @ kt.float().transpose(-1, -2)) * scale
+            probs = scores.masked_fill(ahead, float("-inf")).softmax(-1)
+            return (probs @ vt.float().transpose(1, 2)).transpose(1, 2).to(q.dtype)
+    return flash
+
+
 def count_prompt_piece(kind: str, tokens: int, fill: int = 0, rows: int = 1, chunk_size: int = 16,
-                       dtype=torch.float32) -> OpCounter:
+                       dtype=torch.float32, flash: bool = True) -> OpCounter:
     """One prompt piece's forward (`tokens` tokens of each of `rows` requests, each at buffer fill
     `fill`) of the tiny `kind` model on the CPU through the kernel Backend, every kernel taken as
-    loaded (so the short conv runs as its op, as on CUDA): the counter of that forward, with each
+    loaded (so the short conv runs as its op, as on CUDA) and, with `flash`, the prompt's attention
+    on the FlashAttention path (flash_stand_in), as on CUDA: the counter of that forward, with each
     mixer in its kind's scope and the linear layers' Backend.prefill in "linear_attention.prefill"."""
     from unittest import mock
 
@@ -179,6 +198,7 @@ def count_prompt_piece(kind: str, tokens: int, fill: int = 0, rows: int = 1, chu
     from kvbuffer.engine.runner import ModelRunner
     from kvbuffer.engine.sampling import SamplingParams
     from kvbuffer.kernels import lookup
+    from kvbuffer.runtime import flash_prompt
     from kvbuffer.runtime.backend import KernelBackend
     from tests.support.tiny_models import tiny_model
 
@@ -204,7 +224,11 @@ def count_prompt_piece(kind: str, tokens: int, fill: int = 0, rows: int = 1, chu
     def counted(*a, **kw):
         with counter:
             return forward(*a, **kw)
-    with mock.patch.object(lookup, "kernel_for", lambda key, batch=1: object()):
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(mock.patch.object(lookup, "kernel_for", lambda key, batch=1: object()))
+        if flash:
+            stack.enter_context(mock.patch.object(flash_prompt, "fits", lambda q, k_cache: True))
+            stack.enter_context(mock.patch.object(flash_prompt, "_flash", flash_stand_in(counter)))
         if fill:
             runner.prefill(reqs, fill)  # the earlier piece that left the buffers at `fill`
         with mock.patch.object(runner, "_view_forward", counted):
