@@ -1,0 +1,79 @@
+"""The packed prompt fronts (gating.gdn_prompt_front, mamba2_prompt_front) give gdn_front's and mamba2_front's
+values, packed as the chunked prefill takes them, bit for bit: q and k normalised together where they are
+adjacent in one projection (the models' layout) or apart, any float dtype in and out."""
+
+from __future__ import annotations
+
+import zlib
+
+import pytest
+import torch
+
+from kvbuffer.reference import gating
+
+B, T, Hk, Hv, K, V = 3, 37, 2, 6, 24, 10
+DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32, "fp64": torch.float64}
+
+
+def projection(gen, dtype, width):
+    """(B, T, width) columns of one projection output, as the models' split views see them."""
+    return (torch.randn(B, T, width + 5, generator=gen) * 3).to(dtype)[..., 2:2 + width]
+
+
+def gdn_inputs(seed: int, dtype, adjacent: bool):
+    gen = torch.Generator().manual_seed(seed)
+    qkv = projection(gen, dtype, 2 * Hk * K + Hv * V)
+    q, k = qkv[..., :Hk * K], qkv[..., Hk * K:2 * Hk * K]
+    if not adjacent:
+        k = projection(gen, dtype, Hk * K)
+    ba = projection(gen, dtype, 2 * Hv)
+    params = torch.randn(Hv, generator=gen), torch.rand(Hv, generator=gen) * 3.5 - 3
+    return q.reshape(B, T, Hk, K), k.reshape(B, T, Hk, K), ba[..., Hv:], ba[..., :Hv], *params
+
+
+@pytest.mark.parametrize("adjacent", [True, False], ids=["adjacent", "apart"])
+@pytest.mark.parametrize("act", ["bf16", "fp32", "fp64"])
+@pytest.mark.parametrize("dtype", ["bf16", "fp32", "fp64"])
+def test_gdn_prompt_front_is_gdn_front_packed(dtype, act, adjacent):
+    q, k, a, b, A_log, dt_bias = gdn_inputs(zlib.crc32(f"{dtype}/{act}/{adjacent}".encode()), DTYPES[dtype], adjacent)
+    assert (gating.adjacent_heads(q, k) is not None) == adjacent
+    compute = torch.float64 if dtype == "fp64" else torch.float32
+    got = gating.gdn_prompt_front(q, k, a, b, A_log, dt_bias, DTYPES[act], compute)
+    qn, kn, g, beta = gating.gdn_front(q, k, a, b, A_log, dt_bias, compute)
+    want = (qn.reshape(B * T, Hk, K).to(DTYPES[act]), kn.reshape(B * T, Hk, K).to(DTYPES[act]),
+            g.reshape(B * T, Hv), beta.reshape(B * T, Hv))
+    for name, x, y in zip(("q", "k", "g", "beta"), got, want):
+        assert x.is_contiguous() and x.dtype == y.dtype, name
+        assert torch.equal(x, y), name
+
+
+def test_adjacent_heads_needs_one_projection_layout():
+    q, k = gdn_inputs(0, torch.float32, adjacent=True)[:2]
+    pair = gating.adjacent_heads(q, k)
+    assert torch.equal(pair[..., :Hk, :], q) and torch.equal(pair[..., Hk:, :], k)
+    assert gating.adjacent_heads(k, q) is None  # k's heads come after q's, not before
+    assert gating.adjacent_heads(q, k.to(torch.float64)) is None
+    assert gating.adjacent_heads(q.contiguous(), k) is None
+
+
+@pytest.mark.parametrize("act", ["bf16", "fp32", "fp64"])
+@pytest.mark.parametrize("dtype", ["bf16", "fp32", "fp64"])
+def test_mamba2_prompt_front_is_mamba2_front_packed(dtype, act):
+    gen = torch.Generator().manual_seed(7)
+    xdt = projection(gen, DTYPES[dtype], Hv * V + Hv)
+    x, dt = xdt[..., :Hv * V].reshape(B, T, Hv, V), xdt[..., Hv * V:]
+    A_log, dt_bias = torch.randn(Hv, generator=gen), torch.rand(Hv, generator=gen) * 3.5 - 3
+    compute = torch.float64 if dtype == "fp64" else torch.float32
+    value, g = gating.mamba2_prompt_front(x, dt, A_log, dt_bias, DTYPES[act], compute)
+    want_value, want_g, _ = gating.mamba2_front(x, dt, A_log, dt_bias, compute)
+    assert value.is_contiguous() and value.dtype == DTYPES[act] and g.dtype == compute
+    assert torch.equal(value, want_value.reshape(B * T, Hv, V).to(DTYPES[act]))
+    assert torch.equal(g, want_g.reshape(B * T, Hv))
+
+
+def test_prompt_fronts_refuse_integer_inputs():
+    q, k, a, b, A_log, dt_bias = gdn_inputs(1, torch.float32, adjacent=True)
+    with pytest.raises(TypeError, match="a"):
+        gating.gdn_prompt_front(q, k, a.long(), b, A_log, dt_bias, torch.bfloat16)
+    with pytest.raises(TypeError, match="dt"):
+        gating.mamba2_prompt_front(q, a.long(), A_log, dt_bias, torch.bfloat16)
