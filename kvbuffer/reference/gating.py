@@ -101,25 +101,29 @@ def adjacent_heads(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor | None:
     return q.as_strided(shape, q.stride(), q.storage_offset())
 
 
-def gdn_prompt_front(q, k, a, b, A_log, dt_bias, act: torch.dtype, dtype=torch.float32):
-    """gdn_front's values for the N tokens of a prompt (q, k (B, T, Hk, K), a, b (B, T, Hv)), packed:
-    q, k (N, Hk, K) rounded to `act`, g, beta (N, Hv) in `dtype`, all contiguous. The same arithmetic in
-    fewer launches: q and k are normalised in one pass where they are adjacent (adjacent_heads), and
-    each is rounded to `act` once, into its packed tensor."""
+def gdn_prompt_front(q, k, a, b, A_log, dt_bias, act: torch.dtype, dtype=torch.float32, real=None):
+    """gdn_front's values for the N = B * T tokens of a prompt (q, k (B, T, Hk, K), a, b (B, T, Hv)), packed:
+    q, k (N, Hk, K) in `act`, g, beta (N, Hv) in `dtype`, all contiguous. `real` (B,) bool: rows not real
+    (padding) get q = 0, so the recurrence gives them zero outputs.
+
+    g and beta are gdn_front's bit for bit; q and k to within the rounding of `dtype`, in one pass over
+    the input each: the squared norm is read as torch.linalg.vector_norm's square (the input read once,
+    accumulated in `dtype`), q's scale and the padding mask are folded into its normaliser, and each is
+    rounded to `act` straight from the product. q and k are handled as one tensor where the projection
+    keeps them side by side (adjacent_heads), else they are joined first."""
     _floats(q=q, k=k, a=a, b=b, A_log=A_log, dt_bias=dt_bias)
-    N, Hk, K = q.shape[0] * q.shape[1], q.shape[-2], q.shape[-1]
+    B, T, Hk, K = q.shape
     pair = adjacent_heads(q, k)
-    if pair is None:
-        qn, kn, g, beta = gdn_front(q, k, a, b, A_log, dt_bias, dtype)
-        packed = qn.reshape(N, Hk, K).to(act).contiguous(), kn.reshape(N, Hk, K).to(act).contiguous()
-    else:
-        x = pair.to(dtype)
-        n = x * torch.rsqrt((x * x).sum(dim=-1, keepdim=True).add_(L2NORM_EPS))  # l2norm of q and k at once
-        qn, kn = n[..., :Hk, :], n[..., Hk:, :]
-        qn.mul_(K ** -0.5)
-        packed = tuple(t.reshape(N, Hk, K).to(act).contiguous() for t in (qn, kn))
-        g, beta = _gdn_gates(a, b, A_log, dt_bias, dtype)
-    return (*packed, g.reshape(N, -1).contiguous(), beta.reshape(N, -1).contiguous())
+    pair = torch.cat([q, k], dim=-2) if pair is None else pair
+    read = pair if pair.dtype.itemsize <= dtype.itemsize else pair.to(dtype)  # vector_norm does not narrow
+    r = torch.linalg.vector_norm(read, dim=-1, keepdim=True, dtype=dtype).square_().add_(L2NORM_EPS).rsqrt_()
+    r[..., :Hk, :].mul_(K ** -0.5)
+    if real is not None:
+        r[..., :Hk, :].mul_(real.view(B, 1, 1, 1))
+    qk = torch.empty((2, B * T, Hk, K), dtype=act, device=q.device)
+    torch.mul(pair.reshape(B * T, 2, Hk, K), r.view(B * T, 2, Hk, 1), out=qk.permute(1, 0, 2, 3))
+    g, beta = _gdn_gates(a, b, A_log, dt_bias, dtype)
+    return qk[0], qk[1], g.reshape(B * T, -1).contiguous(), beta.reshape(B * T, -1).contiguous()
 
 
 def mamba2_prompt_front(x, dt, A_log, dt_bias, act: torch.dtype, dtype=torch.float32):

@@ -249,9 +249,9 @@ class KernelBackend(ReferenceBackend):
         act = torch.bfloat16 if state.is_cuda else act_dtype
         cu = torch.arange(0, (B + 1) * P, P, dtype=torch.int32, device=state.device)
         rows = state_slots.to(torch.int32)
-        if inputs.family == "gdn":
+        if inputs.family == "gdn":  # a padding row's q is zero: so are its outputs
             q, k, g, beta = ref_gating.gdn_prompt_front(inputs.q, inputs.k, inputs.a, inputs.b, inputs.A_log,
-                                                        inputs.dt_bias, act, state.dtype)
+                                                        inputs.dt_bias, act, state.dtype, real=slots >= 0)
             v = inputs.v.reshape(B * P, *like.shape[2:]).to(act).contiguous()
             o = _OPS["gdn"].chunk_prefill(q, k, v, g, beta, cu, state, rows)
         else:
@@ -260,8 +260,8 @@ class KernelBackend(ReferenceBackend):
             pack = lambda t: t.reshape(B * P, *t.shape[2:]).to(act).contiguous()  # noqa: E731
             o = _OPS["mamba2"].chunk_prefill(pack(inputs.C), pack(inputs.B), value, g, cu, state, rows)
             o = torch.mul(inputs.x.reshape(o.shape), inputs.D.to(state.dtype)[:, None]).add_(o)  # + the D skip
-        o = o.view(B, P, *like.shape[2:]).masked_fill_((slots < 0).view(B, 1, 1, 1), 0)
-        return o.to(out_dtype(inputs))
+            o.view(B, P, -1).masked_fill_((slots < 0).view(B, 1, 1), 0)
+        return o.view(B, P, *like.shape[2:]).to(out_dtype(inputs))
 
     def _chunk_prefill_runs(self, inputs: LinearInputs, state) -> bool:
         """Whether the chunked prefill serves these inputs: on the CPU always (its op is the reference);

@@ -1,6 +1,8 @@
 """The packed prompt fronts (gating.gdn_prompt_front, mamba2_prompt_front) give gdn_front's and mamba2_front's
-values, packed as the chunked prefill takes them, bit for bit: q and k normalised together where they are
-adjacent in one projection (the models' layout) or apart, any float dtype in and out."""
+values packed as the chunked prefill takes them: g, beta and Mamba-2's values bit for bit, the normalised q
+and k to within one rounding of their dtype (the normaliser comes from vector_norm), with q and k adjacent in
+one projection (the models' layout) or apart, any float dtype in and out; padding rows' q is zero.
+"""
 
 from __future__ import annotations
 
@@ -39,12 +41,34 @@ def test_gdn_prompt_front_is_gdn_front_packed(dtype, act, adjacent):
     assert (gating.adjacent_heads(q, k) is not None) == adjacent
     compute = torch.float64 if dtype == "fp64" else torch.float32
     got = gating.gdn_prompt_front(q, k, a, b, A_log, dt_bias, DTYPES[act], compute)
-    qn, kn, g, beta = gating.gdn_front(q, k, a, b, A_log, dt_bias, compute)
-    want = (qn.reshape(B * T, Hk, K).to(DTYPES[act]), kn.reshape(B * T, Hk, K).to(DTYPES[act]),
-            g.reshape(B * T, Hv), beta.reshape(B * T, Hv))
-    for name, x, y in zip(("q", "k", "g", "beta"), got, want):
-        assert x.is_contiguous() and x.dtype == y.dtype, name
-        assert torch.equal(x, y), name
+    qn, kn, g, beta = gating.gdn_front(q, k, a, b, A_log, dt_bias, torch.float64)
+    rounding = max(torch.finfo(DTYPES[act]).eps, 8 * torch.finfo(compute).eps)
+    for name, x, y in zip(("q", "k"), got, (qn, kn)):
+        assert x.is_contiguous() and x.dtype == DTYPES[act] and x.shape == (B * T, Hk, K), name
+        torch.testing.assert_close(x.double(), y.reshape(B * T, Hk, K), rtol=rounding, atol=1e-30, msg=name)
+    _, _, g, beta = gating.gdn_front(q, k, a, b, A_log, dt_bias, compute)
+    for name, x, y in zip(("g", "beta"), got[2:], (g, beta)):
+        assert x.is_contiguous() and torch.equal(x, y.reshape(B * T, Hv)), name
+
+
+def test_gdn_prompt_front_computes_in_a_narrower_dtype_too():
+    q, k, a, b, A_log, dt_bias = gdn_inputs(4, torch.float64, adjacent=True)
+    got = gating.gdn_prompt_front(q, k, a, b, A_log, dt_bias, torch.float32, torch.float32)
+    qn, kn, _, _ = gating.gdn_front(q, k, a, b, A_log, dt_bias, torch.float64)
+    for x, y in zip(got, (qn, kn)):
+        torch.testing.assert_close(x.double(), y.reshape(x.shape), rtol=1e-6, atol=1e-30)
+
+
+def test_gdn_prompt_front_zeroes_the_q_of_padding_rows():
+    q, k, a, b, A_log, dt_bias = gdn_inputs(3, torch.bfloat16, adjacent=True)
+    real = torch.tensor([True, False, True])
+    masked = gating.gdn_prompt_front(q, k, a, b, A_log, dt_bias, torch.bfloat16, real=real)
+    plain = gating.gdn_prompt_front(q, k, a, b, A_log, dt_bias, torch.bfloat16)
+    rows = real.repeat_interleave(T)
+    assert torch.equal(masked[0][~rows], torch.zeros_like(masked[0][~rows]))
+    assert torch.equal(masked[0][rows], plain[0][rows])
+    for x, y in zip(masked[1:], plain[1:]):
+        assert torch.equal(x, y)
 
 
 def test_adjacent_heads_needs_one_projection_layout():
