@@ -126,12 +126,16 @@ def gdn_prompt_front(q, k, a, b, A_log, dt_bias, act: torch.dtype, dtype=torch.f
     return qk[0], qk[1], g.reshape(B * T, -1).contiguous(), beta.reshape(B * T, -1).contiguous()
 
 
-def mamba2_prompt_front(x, dt, A_log, dt_bias, act: torch.dtype, dtype=torch.float32):
-    """mamba2_front's value and g for the N tokens of a prompt (x (B, T, H, P), dt (B, T, H)), packed:
-    value (N, H, P) rounded to `act` (written straight into it), g (N, H) in `dtype`."""
+def mamba2_prompt_front(x, dt, A_log, dt_bias, act: torch.dtype, dtype=torch.float32, real=None):
+    """mamba2_front's value and g for the N = B * T tokens of a prompt (x (B, T, H, P), dt (B, T, H)), packed:
+    value (N, H, P) rounded to `act` (written straight into it), g (N, H) in `dtype`. `real` (B,) bool: rows
+    not real (padding) get dt = 0 (zero values, no decay), so the recurrence gives them zero outputs."""
     _floats(x=x, dt=dt, A_log=A_log, dt_bias=dt_bias)
-    N = x.shape[0] * x.shape[1]
-    dt = F.softplus(_biased(dt, dt_bias, dtype)).reshape(N, -1)
-    value = torch.empty((N, *x.shape[2:]), dtype=act, device=x.device)
-    torch.mul(dt[..., None], x.reshape(N, *x.shape[2:]), out=value)
+    B, T = x.shape[:2]
+    dt = F.softplus(_biased(dt, dt_bias, dtype))
+    if real is not None:
+        dt.mul_(real.view(B, 1, 1))
+    dt = dt.reshape(B * T, -1)
+    value = torch.empty((B * T, *x.shape[2:]), dtype=act, device=x.device)
+    torch.mul(dt[..., None], x.reshape(B * T, *x.shape[2:]), out=value)
     return value, dt.mul_(-torch.exp(A_log.to(dtype)))

@@ -242,26 +242,27 @@ class KernelBackend(ReferenceBackend):
     def _fold_prompt(self, inputs: LinearInputs, state, state_slots, slots, act_dtype: torch.dtype):
         """The chunked prefill of every row's P tokens from its state slot, after the family's front in
         torch, packed (on CUDA: bf16 activations, fp32 gates; on the CPU: `act_dtype` and the state's dtype).
-        Padding rows (slot -1, state slot -1) start from zero, write no state and give zeros. Returns
-        (B, P, Hv, V)."""
+        Padding rows (slot -1, state slot -1: the engine's) start from zero, write no state and give zeros.
+        Returns (B, P, Hv, V)."""
         like = getattr(inputs, inputs.output_like)
         B, P = like.shape[:2]
         act = torch.bfloat16 if state.is_cuda else act_dtype
         cu = torch.arange(0, (B + 1) * P, P, dtype=torch.int32, device=state.device)
         rows = state_slots.to(torch.int32)
-        if inputs.family == "gdn":  # a padding row's q is zero: so are its outputs
+        real = slots >= 0  # a padding row's fronts make its outputs zero (its q, or its values and D skip)
+        if inputs.family == "gdn":
             q, k, g, beta = ref_gating.gdn_prompt_front(inputs.q, inputs.k, inputs.a, inputs.b, inputs.A_log,
-                                                        inputs.dt_bias, act, state.dtype, real=slots >= 0)
+                                                        inputs.dt_bias, act, state.dtype, real)
             v = inputs.v.reshape(B * P, *like.shape[2:]).to(act).contiguous()
-            o = _OPS["gdn"].chunk_prefill(q, k, v, g, beta, cu, state, rows)
+            o = _OPS["gdn"].chunk_prefill(q, k, v, g, beta, cu, state, rows).view(like.shape)
         else:
             value, g = ref_gating.mamba2_prompt_front(inputs.x, inputs.dt, inputs.A_log, inputs.dt_bias, act,
-                                                      state.dtype)
+                                                      state.dtype, real)
             pack = lambda t: t.reshape(B * P, *t.shape[2:]).to(act).contiguous()  # noqa: E731
             o = _OPS["mamba2"].chunk_prefill(pack(inputs.C), pack(inputs.B), value, g, cu, state, rows)
-            o = torch.mul(inputs.x.reshape(o.shape), inputs.D.to(state.dtype)[:, None]).add_(o)  # + the D skip
-            o.view(B, P, -1).masked_fill_((slots < 0).view(B, 1, 1), 0)
-        return o.view(B, P, *like.shape[2:]).to(out_dtype(inputs))
+            skip = inputs.D.to(state.dtype) * real.view(B, 1)  # (B, H)
+            o = torch.mul(inputs.x, skip.view(B, 1, -1, 1)).add_(o.view(like.shape))
+        return o.to(out_dtype(inputs))
 
     def _chunk_prefill_runs(self, inputs: LinearInputs, state) -> bool:
         """Whether the chunked prefill serves these inputs: on the CPU always (its op is the reference);

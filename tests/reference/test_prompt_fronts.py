@@ -1,7 +1,8 @@
 """The packed prompt fronts (gating.gdn_prompt_front, mamba2_prompt_front) give gdn_front's and mamba2_front's
 values packed as the chunked prefill takes them: g, beta and Mamba-2's values bit for bit, the normalised q
 and k to within one rounding of their dtype (the normaliser comes from vector_norm), with q and k adjacent in
-one projection (the models' layout) or apart, any float dtype in and out; padding rows' q is zero.
+one projection (the models' layout) or apart, any float dtype in and out; padding rows' q (GDN) and
+values and decays (Mamba-2) are zero.
 """
 
 from __future__ import annotations
@@ -93,6 +94,18 @@ def test_mamba2_prompt_front_is_mamba2_front_packed(dtype, act):
     assert value.is_contiguous() and value.dtype == DTYPES[act] and g.dtype == compute
     assert torch.equal(value, want_value.reshape(B * T, Hv, V).to(DTYPES[act]))
     assert torch.equal(g, want_g.reshape(B * T, Hv))
+
+
+def test_mamba2_prompt_front_zeroes_the_values_and_decays_of_padding_rows():
+    gen = torch.Generator().manual_seed(9)
+    x, dt = torch.randn(B, T, Hv, V, generator=gen), torch.randn(B, T, Hv, generator=gen)
+    A_log, dt_bias = torch.randn(Hv, generator=gen), torch.randn(Hv, generator=gen)
+    real = torch.tensor([False, True, True])
+    value, g = gating.mamba2_prompt_front(x, dt, A_log, dt_bias, torch.bfloat16, real=real)
+    want_value, want_g = gating.mamba2_prompt_front(x, dt, A_log, dt_bias, torch.bfloat16)
+    rows = real.repeat_interleave(T)
+    assert not value[~rows].any() and not g[~rows].any()
+    assert torch.equal(value[rows], want_value[rows]) and torch.equal(g[rows], want_g[rows])
 
 
 def test_prompt_fronts_refuse_integer_inputs():
