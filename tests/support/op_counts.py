@@ -184,13 +184,29 @@ def flash_stand_in(counter: OpCounter):
     return flash
 
 
+def fused_norm_stand_in(counter: OpCounter, rms_normalize):
+    """kvbuffer.models.layers.rms_normalize as CUDA runs it (one F.rms_norm launch, and a cast where the
+    weight's dtype is not x's), counted so in `counter`; the CPU formula computes the values unseen."""
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    def norm(x, eps, weight=None):
+        launches = 1 if weight is None or weight.dtype == x.dtype else 3  # x.float(), the norm, .to(x.dtype)
+        counter.ops[counter.scope] += launches
+        counter.calls[counter.scope]["rms_norm"] += launches
+        with _disable_current_modes():
+            return rms_normalize(x, eps, weight)
+    return norm
+
+
 def count_prompt_piece(kind: str, tokens: int, fill: int = 0, rows: int = 1, chunk_size: int = 16,
-                       dtype=torch.float32, flash: bool = True) -> OpCounter:
+                       dtype=torch.float32, cuda_like: bool = True, config: dict | None = None) -> OpCounter:
     """One prompt piece's forward (`tokens` tokens of each of `rows` requests, each at buffer fill
     `fill`) of the tiny `kind` model on the CPU through the kernel Backend, every kernel taken as
-    loaded (so the short conv runs as its op, as on CUDA) and, with `flash`, the prompt's attention
-    on the FlashAttention path (flash_stand_in), as on CUDA: the counter of that forward, with each
-    mixer in its kind's scope and the linear layers' Backend.prefill in "linear_attention.prefill"."""
+    loaded (so the short conv runs as its op, as on CUDA) and, with `cuda_like`, the prompt's attention
+    on the FlashAttention path (flash_stand_in) and the RMS norms fused (fused_norm_stand_in), as on
+    CUDA: the counter of that forward, with each
+    mixer in its kind's scope and the linear layers' Backend.prefill in "linear_attention.prefill".
+    `config`: tiny_model's overrides (e.g. a published model's layer list)."""
     from unittest import mock
 
     from kvbuffer import LLM
@@ -198,11 +214,12 @@ def count_prompt_piece(kind: str, tokens: int, fill: int = 0, rows: int = 1, chu
     from kvbuffer.engine.runner import ModelRunner
     from kvbuffer.engine.sampling import SamplingParams
     from kvbuffer.kernels import lookup
+    from kvbuffer.models import layers, nemotron_h
     from kvbuffer.runtime import flash_prompt
     from kvbuffer.runtime.backend import KernelBackend
     from tests.support.tiny_models import tiny_model
 
-    model = tiny_model(kind).to(dtype)
+    model = tiny_model(kind, **(config or {})).to(dtype)
     llm = LLM(model, device="cpu", dtype=dtype, chunk_size=chunk_size, max_batch=rows, kernels=False,
               max_len=fill + tokens + 1)
     runner = ModelRunner(llm.model, llm.runner.spec, mode="kvbuffer", device="cpu", dtype=dtype,
@@ -226,9 +243,12 @@ def count_prompt_piece(kind: str, tokens: int, fill: int = 0, rows: int = 1, chu
             return forward(*a, **kw)
     with contextlib.ExitStack() as stack:
         stack.enter_context(mock.patch.object(lookup, "kernel_for", lambda key, batch=1: object()))
-        if flash:
+        if cuda_like:
             stack.enter_context(mock.patch.object(flash_prompt, "fits", lambda q, k_cache: True))
             stack.enter_context(mock.patch.object(flash_prompt, "_flash", flash_stand_in(counter)))
+            norm = fused_norm_stand_in(counter, layers.rms_normalize)
+            for module in (layers, nemotron_h):
+                stack.enter_context(mock.patch.object(module, "rms_normalize", norm))
         if fill:
             runner.prefill(reqs, fill)  # the earlier piece that left the buffers at `fill`
         with mock.patch.object(runner, "_view_forward", counted):
