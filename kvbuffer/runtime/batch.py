@@ -25,7 +25,8 @@ class ForwardBatch:
               (T = 1) or "verify" (T drafts, nothing committed until the engine accepts some of them).
     mode:     "kvbuffer" (buffered linear layers) or "recurrent" (today's servers' scheme).
     positions (B, T) int64: absolute position of each new token.
-    slots     (B,) int32: request slots (buffer, conv, KV cache); -1 marks a padding row.
+    slots     (B,) int32: request slots (buffer, conv, KV cache); -1 marks a padding row (its state slot
+              is -1 too).
     state_slots (B,) int32: recurrent-state slots; -1 = no state yet (short context).
     lengths   (B,) int32: buffer fill of each row before this forward (kvbuffer mode).
     cached    (B,) int32: tokens already in each row's attention KV cache.

@@ -72,3 +72,24 @@ def test_counter_counts_a_custom_op_once_and_not_its_reference():
     with counter:
         torch.ops.kvbuffer.conv1d_update(torch.randn(2, 4, 2), state, slots, torch.randn(2, 3), None, "advance", True)
     assert counter.calls["rest"]["conv1d_update"] == 1 and counter.total("syncs") == 0, (counter.calls, counter.syncs)
+
+
+def test_prompt_batches_carry_their_rows_on_the_host():
+    """Every eager prompt forward's ForwardBatch has its slots and cached as host lists, equal to the device's;
+    decode forwards have none."""
+    from kvbuffer import LLM
+
+    model = tiny_model("qwen3_5")
+    llm = LLM(model, device="cpu", chunk_size=4, max_batch=2, max_prefill_tokens=6)
+    seen, forward = [], model.forward
+
+    def watched(ids, batch, caches, **kw):
+        seen.append((batch.phase, batch.host_slots, batch.host_cached, batch.slots.tolist(), batch.cached.tolist()))
+        return forward(ids, batch, caches, **kw)
+    model.forward = watched
+    llm.generate([list(range(3, 20)), list(range(40, 49))], max_new_tokens=2)
+    prompts = [s for s in seen if s[0] == "prefill"]
+    assert len(prompts) >= 3 and any(any(c) for *_, c in prompts)  # pieces after the first have cached tokens
+    for _, host_slots, host_cached, slots, cached in prompts:
+        assert (host_slots, host_cached) == (slots, cached)
+    assert all(s[1] is None for s in seen if s[0] == "decode")
