@@ -222,12 +222,19 @@ class KernelBackend(ReferenceBackend):
         if not r:
             return o
         tail = per_token(inputs, lambda t: t[:, T - r:])
-        return torch.cat([o, self.prefill_in_chunks(tail, state, state_slots, buf, slots, 0, flush_at)], 1)
+        outs = self._verify_chunks(tail, state, state_slots, buf, slots, 0, flush_at)
+        return torch.cat([o, *outs], 1).to(out_dtype(inputs))
 
     def prefill_in_chunks(self, inputs: LinearInputs, state, state_slots, buf, slots, fill: int, flush_at: int):
-        """The reference Backend's verify chunks on the kernels, the outputs cast back once; one row's inputs
-        are cast to the buffer's dtype once (a slice of its tokens is then contiguous as it is), several
-        rows' per chunk (their slices would need copies again)."""
+        """The reference Backend's verify chunks on the kernels, the outputs joined and cast back once."""
+        outs = self._verify_chunks(inputs, state, state_slots, buf, slots, fill, flush_at)
+        return (torch.cat(outs, 1) if len(outs) > 1 else outs[0]).to(out_dtype(inputs))
+
+    def _verify_chunks(self, inputs: LinearInputs, state, state_slots, buf, slots, fill: int,
+                       flush_at: int) -> list[torch.Tensor]:
+        """Each verify chunk's outputs (B, take, Hv, V) in the buffer's dtype. One row's inputs are cast to
+        that dtype once (a slice of its tokens is then contiguous as it is), several rows' per chunk (their
+        slices would need copies again)."""
         dtype, op = buf[0].dtype, _OPS[inputs.family].verify
         whole = slots.shape[0] == 1
         args = self._cast(inputs, dtype) if whole else inputs
@@ -237,7 +244,7 @@ class KernelBackend(ReferenceBackend):
             part = part if whole else self._cast(part, dtype)
             outs.append(op(*part, state, state_slots, *buf, slots, torch.full_like(slots, fill), flush_at))
             fill, start = (fill + take) % flush_at, start + take
-        return (torch.cat(outs, 1) if len(outs) > 1 else outs[0]).to(out_dtype(inputs))
+        return outs
 
     def _fold_prompt(self, inputs: LinearInputs, state, state_slots, slots, act_dtype: torch.dtype):
         """The chunked prefill of every row's P tokens from its state slot, after the family's front in
