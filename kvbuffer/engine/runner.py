@@ -130,13 +130,16 @@ class ModelRunner:
         return True
 
     def _view_batch(self, phase: str, tokens: int, view: torch.Tensor, context_len: int, fill: int = 0,
-                    mode: str | None = None):
-        """(ids (B, T), the ForwardBatch) over StepInputs' device view (step_columns' order)."""
+                    mode: str | None = None, host_rows: tuple[list[int], list[int]] | None = None):
+        """(ids (B, T), the ForwardBatch) over StepInputs' device view (step_columns' order); host_rows:
+        the rows' slots and cached as uploaded (an eager prompt's, for ForwardBatch.host_slots / host_cached)."""
         ids, positions, slots, state_slots, lengths, cached = split_view(view, tokens)
         i32 = torch.int32
+        host_slots, host_cached = host_rows if host_rows is not None else (None, None)
         batch = ForwardBatch(phase=phase, mode=mode or self.mode, backend=self.backend, positions=positions,
                              slots=slots.to(i32), state_slots=state_slots.to(i32), lengths=lengths.to(i32),
-                             cached=cached.to(i32), flush_at=self.spec.chunk_size, context_len=context_len)
+                             cached=cached.to(i32), flush_at=self.spec.chunk_size, context_len=context_len,
+                             host_slots=host_slots, host_cached=host_cached)
         batch.common_fill = fill
         return ids, batch
 
@@ -145,12 +148,12 @@ class ModelRunner:
         return self._forward(*self._view_batch("decode", 1, view, context_len, mode=mode))[:, 0]
 
     def _view_forward(self, phase: str, tokens: int, view, context_len: int, fill: int = 0, want_hidden=False,
-                      commit=False):
+                      commit=False, host_rows=None):
         """A verify or prefill forward over StepInputs' device view: logits (B, T, vocab) [, hidden].
         A verify's padding drafts (PADDING_DRAFT) are fed as token 0. commit (greedy verify): the
         target's picks (B, T) and the drafts kept (B,) [, hidden] instead of the logits, the kept
-        tokens committed (kvbuffer.engine.commit)."""
-        ids, batch = self._view_batch(phase, tokens, view, context_len, fill)
+        tokens committed (kvbuffer.engine.commit). host_rows: see _view_batch."""
+        ids, batch = self._view_batch(phase, tokens, view, context_len, fill, host_rows=host_rows)
         out = self._forward(ids.clamp(min=0) if phase == "verify" else ids, batch, **self._hidden(want_hidden))
         if not commit:
             return out
@@ -236,7 +239,9 @@ class ModelRunner:
         if out is not None:  # graph outputs live until the next replay; the caller keeps these longer
             out = tuple(o.clone() for o in out) if want_hidden else out[:, -1:].clone()
         else:
-            out = self._view_forward("prefill", T, inputs.upload(columns, len(rows)), context_len, fill, want_hidden)
+            host_rows = ([r.slot for r in rows], [r.cached for r in rows])  # the prompt's attention slices rows by them
+            out = self._view_forward("prefill", T, inputs.upload(columns, len(rows)), context_len, fill, want_hidden,
+                                     host_rows=host_rows)
         logits, hidden = out if want_hidden else (out, None)
         for r in rows:
             self._advance(r, T)

@@ -222,31 +222,54 @@ class KernelBackend(ReferenceBackend):
         if not r:
             return o
         tail = per_token(inputs, lambda t: t[:, T - r:])
-        return torch.cat([o, self.prefill_in_chunks(tail, state, state_slots, buf, slots, 0, flush_at)], 1)
+        outs = self._verify_chunks(tail, state, state_slots, buf, slots, 0, flush_at)
+        return torch.cat([o, *outs], 1).to(out_dtype(inputs))
+
+    def prefill_in_chunks(self, inputs: LinearInputs, state, state_slots, buf, slots, fill: int, flush_at: int):
+        """The reference Backend's verify chunks on the kernels, the outputs joined and cast back once."""
+        outs = self._verify_chunks(inputs, state, state_slots, buf, slots, fill, flush_at)
+        return (torch.cat(outs, 1) if len(outs) > 1 else outs[0]).to(out_dtype(inputs))
+
+    def _verify_chunks(self, inputs: LinearInputs, state, state_slots, buf, slots, fill: int,
+                       flush_at: int) -> list[torch.Tensor]:
+        """Each verify chunk's outputs (B, take, Hv, V) in the buffer's dtype. One row's inputs are cast to
+        that dtype once (a slice of its tokens is then contiguous as it is), several rows' per chunk (their
+        slices would need copies again)."""
+        dtype, op = buf[0].dtype, _OPS[inputs.family].verify
+        whole = slots.shape[0] == 1
+        args = self._cast(inputs, dtype) if whole else inputs
+        outs, start, T = [], 0, getattr(inputs, inputs.output_like).shape[1]
+        for take in prefill_plan(fill, T, flush_at, kernels=True):
+            part = per_token(args, lambda t: t[:, start:start + take])
+            part = part if whole else self._cast(part, dtype)
+            outs.append(op(*part, state, state_slots, *buf, slots, torch.full_like(slots, fill), flush_at))
+            fill, start = (fill + take) % flush_at, start + take
+        return outs
 
     def _fold_prompt(self, inputs: LinearInputs, state, state_slots, slots, act_dtype: torch.dtype):
         """The chunked prefill of every row's P tokens from its state slot, after the family's front in
-        torch (on CUDA: bf16 activations, fp32 gates; on the CPU: `act_dtype` and the state's dtype).
-        Padding rows (slot -1) start from zero, write no state and give zeros. Returns (B, P, Hv, V)."""
+        torch, packed (on CUDA: bf16 activations, fp32 gates; on the CPU: `act_dtype` and the state's dtype).
+        Padding rows (slot -1, state slot -1: the engine's) start from zero, write no state and give zeros.
+        Returns (B, P, Hv, V)."""
         like = getattr(inputs, inputs.output_like)
         B, P = like.shape[:2]
         act = torch.bfloat16 if state.is_cuda else act_dtype
-        pack = lambda t: t.reshape(B * P, *t.shape[2:]).to(act).contiguous()  # noqa: E731
-        cu = torch.arange(B + 1, dtype=torch.int32, device=state.device) * P
-        rows = torch.where(slots >= 0, state_slots, torch.full_like(state_slots, -1)).to(torch.int32)
+        cu = torch.arange(0, (B + 1) * P, P, dtype=torch.int32, device=state.device)
+        rows = state_slots.to(torch.int32)
+        real = slots >= 0  # a padding row's fronts make its outputs zero (its q, or its values and D skip)
         if inputs.family == "gdn":
-            q, k, g, beta = ref_gating.gdn_front(inputs.q, inputs.k, inputs.a, inputs.b, inputs.A_log,
-                                                 inputs.dt_bias, state.dtype)
-            o = _OPS["gdn"].chunk_prefill(pack(q), pack(k), pack(inputs.v), g.reshape(B * P, -1).contiguous(),
-                                          beta.reshape(B * P, -1).contiguous(), cu, state, rows)
+            q, k, g, beta = ref_gating.gdn_prompt_front(inputs.q, inputs.k, inputs.a, inputs.b, inputs.A_log,
+                                                        inputs.dt_bias, act, state.dtype, real)
+            v = inputs.v.reshape(B * P, *like.shape[2:]).to(act).contiguous()
+            o = _OPS["gdn"].chunk_prefill(q, k, v, g, beta, cu, state, rows).view(like.shape)
         else:
-            value, g, _ = ref_gating.mamba2_front(inputs.x, inputs.dt, inputs.A_log, inputs.dt_bias, state.dtype)
-            o = _OPS["mamba2"].chunk_prefill(pack(inputs.C), pack(inputs.B), pack(value),
-                                             g.reshape(B * P, -1).contiguous(), cu, state, rows)
-            o = ref_gating.mamba2_output(o.to(state.dtype), inputs.x.reshape(B * P, *like.shape[2:]), inputs.D)
-        o = o.reshape(B, P, *like.shape[2:])
-        return torch.where((slots >= 0).view(B, 1, 1, 1), o, torch.zeros((), dtype=o.dtype, device=o.device)) \
-            .to(out_dtype(inputs))
+            value, g = ref_gating.mamba2_prompt_front(inputs.x, inputs.dt, inputs.A_log, inputs.dt_bias, act,
+                                                      state.dtype, real)
+            pack = lambda t: t.reshape(B * P, *t.shape[2:]).to(act).contiguous()  # noqa: E731
+            o = _OPS["mamba2"].chunk_prefill(pack(inputs.C), pack(inputs.B), value, g, cu, state, rows)
+            skip = inputs.D.to(state.dtype) * real.view(B, 1)  # (B, H)
+            o = torch.mul(inputs.x, skip.view(B, 1, -1, 1)).add_(o.view(like.shape))
+        return o.to(out_dtype(inputs))
 
     def _chunk_prefill_runs(self, inputs: LinearInputs, state) -> bool:
         """Whether the chunked prefill serves these inputs: on the CPU always (its op is the reference);

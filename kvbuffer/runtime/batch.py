@@ -25,7 +25,8 @@ class ForwardBatch:
               (T = 1) or "verify" (T drafts, nothing committed until the engine accepts some of them).
     mode:     "kvbuffer" (buffered linear layers) or "recurrent" (today's servers' scheme).
     positions (B, T) int64: absolute position of each new token.
-    slots     (B,) int32: request slots (buffer, conv, KV cache); -1 marks a padding row.
+    slots     (B,) int32: request slots (buffer, conv, KV cache); -1 marks a padding row (its state slot
+              is -1 too).
     state_slots (B,) int32: recurrent-state slots; -1 = no state yet (short context).
     lengths   (B,) int32: buffer fill of each row before this forward (kvbuffer mode).
     cached    (B,) int32: tokens already in each row's attention KV cache.
@@ -33,6 +34,8 @@ class ForwardBatch:
     context_len: at least the longest row context after this forward (max of cached + T), known on
               the host so attention sizes its window without reading the device; None = compute it
               (a sync). CUDA graphs fix it to a bucket.
+    host_slots, host_cached: a prompt's slots and cached as the host built them (None: not given, as in
+              a CUDA graph), so its attention can slice each row's cache without reading them back.
     """
 
     phase: str
@@ -45,6 +48,8 @@ class ForwardBatch:
     flush_at: int
     context_len: int | None = None
     common_fill: int = 0  # prefill: the rows' shared buffer fill, on the host (the chunk plan)
+    host_slots: list[int] | None = None
+    host_cached: list[int] | None = None
     backend: Backend = REFERENCE  # what the mixers call (kvbuffer.runtime.backend), resolved once by the LLM
 
     def __post_init__(self):
