@@ -104,13 +104,13 @@ def attention(q, k, v, batch: ForwardBatch, caches: ModelCaches, layer: int, sca
     rows_t = rows[:, None].expand(B, T)
     compiling = torch.compiler.is_compiling()  # then the windows are read first (see the docstring)
     if not compiling:
-        put_slot_rows(kc, rows_t, pos, k, real)
-        put_slot_rows(vc, rows_t, pos, v, real)
+        put_slot_rows(kc, rows_t, pos, k, real, False)
+        put_slot_rows(vc, rows_t, pos, v, real, False)
     keys = _window(kc, rows, L, pos, k if compiling else None).to(q.dtype)  # (B, Hkv, L, D)
     vals = _window(vc, rows, L, pos, v if compiling else None).to(q.dtype)
     if compiling:
-        put_slot_rows(kc, rows_t, pos, k, real)
-        put_slot_rows(vc, rows_t, pos, v, real)
+        put_slot_rows(kc, rows_t, pos, k, real, False)
+        put_slot_rows(vc, rows_t, pos, v, real, False)
     qg = q.reshape(B, T, Hkv, G, D).permute(0, 2, 3, 1, 4).reshape(B, Hkv, G * T, D)  # rows (g, t)
     scores = torch.matmul(qg, keys.transpose(2, 3)) * scaling  # (B, Hkv, G*T, L)
     ahead = torch.arange(L, device=q.device)[None, None, :] > pos[:, :, None]  # (B, T, L): not visible
@@ -129,10 +129,13 @@ def _prompt_attention(q, k, v, kc, vc, batch: ForwardBatch, scaling: float):
     real = batch.slots >= 0
     rows = batch.slots.clamp(min=0).long()[:, None].expand(B, T)
     pos = batch.cached.long()[:, None] + torch.arange(T, device=q.device)[None, :]
-    put_slot_rows(kc, rows, pos, k, real)
-    put_slot_rows(vc, rows, pos, v, real)
+    put_slot_rows(kc, rows, pos, k, real, False)
+    put_slot_rows(vc, rows, pos, v, real, False)
     if flash_prompt.fits(q, kc):
-        host = torch.stack([batch.slots, batch.cached]).tolist()  # the rows' views are sliced on the host
+        if batch.host_slots is not None and batch.host_cached is not None:
+            host = [batch.host_slots, batch.host_cached]  # the rows' views are sliced on the host
+        else:
+            host = torch.stack([batch.slots, batch.cached]).tolist()
         return flash_prompt.flash_prompt_attention(q, k, v, kc, vc, host[0], host[1], scaling)
     cu_seqlens = torch.arange(B + 1, dtype=torch.int64, device=q.device) * T
     out = prefill_attention(q.reshape(B * T, H, D), kc, vc, cu_seqlens, batch.slots, batch.cached, scaling)
@@ -150,46 +153,47 @@ def _attention_in_place(q, k, v, kc, vc, max_len: int, batch: ForwardBatch, scal
     ahead = torch.arange(T, device=q.device)[None, :]
     pos = batch.cached.long()[:, None] + ahead
     if kc.shape[1] - max_len >= T:
-        put_kv_rows(kc, vc, rows, torch.where(real[:, None], pos, max_len + ahead), k, v)
+        put_kv_rows(kc, vc, rows, torch.where(real[:, None], pos, max_len + ahead), k, v, False)
     else:
-        put_slot_rows(kc, rows, pos, k, real)
-        put_slot_rows(vc, rows, pos, v, real)
+        put_slot_rows(kc, rows, pos, k, real, False)
+        put_slot_rows(vc, rows, pos, v, real, False)
     return batch.backend.cache_attention(q, kc, vc, batch.slots, batch.cached, scaling, batch.context_len or 0)
 
 
 @torch.library.custom_op("kvbuffer::put_kv_rows", mutates_args=("k_cache", "v_cache"))
 def put_kv_rows(k_cache: torch.Tensor, v_cache: torch.Tensor, rows: torch.Tensor, pos: torch.Tensor,
-                k: torch.Tensor, v: torch.Tensor) -> None:
+                k: torch.Tensor, v: torch.Tensor, checked: bool = True) -> None:
     """k_cache[rows, pos] = k and v_cache[rows, pos] = v: (B, T) indices, (B, T, Hkv, D) values, every
     index a place the caller may write (padding rows pointed at the sink). Several padding rows write
     the same sink positions, in no set order, with different values: unlike put_rows' equal-bytes
     writes, that is harmless only because no row reads the sink. Opaque to torch.compile for the
-    reason put_slot_rows is. Every argument is checked before the first write (the indices read
-    back unless a CUDA graph is being captured): a refused call changes neither cache."""
+    reason put_slot_rows is. Every argument is checked before the first write, the indices read back
+    too when `checked` (the engine's own calls, whose indices it built, pass False: no host sync) and no
+    CUDA graph is being captured: a refused call changes neither cache."""
     check_row_writes({"k_cache": k_cache, "v_cache": v_cache}, rows, pos, {"k": k, "v": v},
-                     read_values=not capturing())
+                     read_values=checked and not capturing())
     k_cache[rows, pos] = k
     v_cache[rows, pos] = v
 
 
 @put_kv_rows.register_fake
-def _put_kv_rows_fake(k_cache, v_cache, rows, pos, k, v) -> None:
+def _put_kv_rows_fake(k_cache, v_cache, rows, pos, k, v, checked=True) -> None:
     check_row_writes({"k_cache": k_cache, "v_cache": v_cache}, rows, pos, {"k": k, "v": v}, read_values=False)
 
 
 @torch.library.custom_op("kvbuffer::put_slot_rows", mutates_args=("dst",))
 def put_slot_rows(dst: torch.Tensor, rows: torch.Tensor, pos: torch.Tensor, values: torch.Tensor,
-                  real: torch.Tensor) -> None:
+                  real: torch.Tensor, checked: bool = True) -> None:
     """dst[rows, pos] = values for the real rows: put_rows as one opaque op. Traced as aten ops
     into a pool (a layer's KV cache, its draft states), torch.compile computed the write into a copy
     of the whole pool and copied it back, every step. Checked as put_kv_rows is (dst (slots, positions,
     ...), values of its dtype), the real rows' indices only."""
-    check_row_writes({"dst": dst}, rows, pos, {"values": values}, real, read_values=not capturing())
+    check_row_writes({"dst": dst}, rows, pos, {"values": values}, real, read_values=checked and not capturing())
     put_rows(dst, (rows, pos), values, real)
 
 
 @put_slot_rows.register_fake
-def _put_slot_rows_fake(dst, rows, pos, values, real) -> None:
+def _put_slot_rows_fake(dst, rows, pos, values, real, checked=True) -> None:
     check_row_writes({"dst": dst}, rows, pos, {"values": values}, real, read_values=False)
 
 
