@@ -10,6 +10,7 @@ import json
 from pathlib import Path
 
 from .errors import CheckpointError
+from .jsonfile import read_object
 
 BYTE_TOKENIZER_FILE = "kvbuffer_tokenizer.json"
 HF_FILES = ("tokenizer.json", "tokenizer_config.json")  # a transformers tokenizer (either is enough)
@@ -39,7 +40,7 @@ def load_tokenizer(path: Path):
     path = Path(path)
     own = path / BYTE_TOKENIZER_FILE
     if own.is_file():
-        spec = _json_object(own)
+        spec = read_object(own)
         if spec.get("type") != "bytes":
             raise CheckpointError(f"{own}: unknown tokenizer type {spec.get('type')!r} (kvbuffer's is 'bytes')")
         eos = spec.get("eos_token_id", 256)
@@ -50,7 +51,7 @@ def load_tokenizer(path: Path):
     if not files:
         return None
     for f in files:
-        _json_object(f)
+        read_object(f)
     try:
         from transformers import AutoTokenizer
     except ImportError as e:
@@ -61,20 +62,3 @@ def load_tokenizer(path: Path):
         names = ", ".join(f.name for f in files)
         raise CheckpointError(f"{path}: transformers cannot build a tokenizer from {names}: "
                               f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}") from e
-
-
-def _json_object(f: Path) -> dict:
-    """The JSON object in file `f`; a CheckpointError naming it otherwise."""
-    try:
-        data = json.loads(f.read_text(encoding="utf-8"))
-    except UnicodeDecodeError as e:
-        raise CheckpointError(f"{f} is not UTF-8 text (byte {e.start})") from None
-    except json.JSONDecodeError as e:
-        raise CheckpointError(f"{f} is not valid JSON: {e.msg} at line {e.lineno} column {e.colno}") from None
-    except RecursionError:
-        raise CheckpointError(f"{f} nests its JSON too deeply") from None
-    except OSError as e:
-        raise CheckpointError(f"{f} cannot be read: {e.strerror}") from None
-    if not isinstance(data, dict):
-        raise CheckpointError(f"{f} must hold a JSON object, got a {type(data).__name__}")
-    return data

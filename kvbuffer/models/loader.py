@@ -9,13 +9,13 @@ format, NVIDIA ModelOpt's) load through kvbuffer.models.quant; tensors of any ot
 
 from __future__ import annotations
 
-import json
 import re
 from pathlib import Path
 
 import torch
 
 from ..errors import CheckpointError
+from ..jsonfile import read_object
 from . import REGISTRY, supported_model_types
 from .layers import PackedLinear
 from .quant.config import QuantConfig, read_quant_config
@@ -34,17 +34,7 @@ def read_config(path: str | Path) -> dict:
     cfg_file = path / "config.json" if path.is_dir() else path
     if not cfg_file.is_file():
         raise CheckpointError(f"no config.json in {path}")
-    try:
-        cfg = json.loads(cfg_file.read_text(encoding="utf-8"))
-    except UnicodeDecodeError as e:
-        raise CheckpointError(f"{cfg_file} is not UTF-8 text (byte {e.start})") from None
-    except json.JSONDecodeError as e:
-        raise CheckpointError(f"{cfg_file} is not valid JSON: {e.msg} at line {e.lineno} column {e.colno}") from None
-    except RecursionError:
-        raise CheckpointError(f"{cfg_file} nests its JSON too deeply to be a config") from None
-    if not isinstance(cfg, dict):
-        raise CheckpointError(f"{cfg_file} must hold a JSON object, got a {type(cfg).__name__}")
-    return cfg
+    return read_object(cfg_file)
 
 
 def build_model(hf_config: dict):

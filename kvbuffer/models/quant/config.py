@@ -10,11 +10,11 @@ tensor). Every other method is refused with a CheckpointError that names it.
 from __future__ import annotations
 
 import fnmatch
-import json
 from dataclasses import dataclass
 from pathlib import Path
 
 from ...errors import CheckpointError
+from ...jsonfile import read_object
 
 BLOCK = "block"    # Qwen block FP8: weight_scale_inv per (bn, bk) block
 MODELOPT = "modelopt"  # ModelOpt FP8: weight_scale and input_scale per tensor
@@ -83,11 +83,8 @@ def _read_hf_quant_config(path: Path) -> dict | None:
     f = path / HF_QUANT_CONFIG
     if not f.is_file():
         return None
-    try:
-        data = json.loads(f.read_text(encoding="utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise CheckpointError(f"{f} is not valid JSON: {e}") from None
-    q = data.get("quantization", data) if isinstance(data, dict) else None
+    data = read_object(f)
+    q = data.get("quantization", data)
     if not isinstance(q, dict):
         raise CheckpointError(f"{f} must hold a JSON object with a 'quantization' object")
     return q
