@@ -14,18 +14,13 @@ import torch
 import torch.nn.functional as F
 
 from ...kernels import launch
+from ...reference.fp8 import FP8, dequantize as reference_dequantize, scale_grid
 
 log = logging.getLogger("kvbuffer")
 
-FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0  # the largest finite e4m3fn value
 NAN_BYTES = (0x7F, 0xFF)  # e4m3fn has no infinity; these two bytes are its NaNs
 GROUP = 128  # activations are quantized per token and per this many columns (block FP8)
-
-
-def scale_grid(n: int, k: int, block: tuple[int, int]) -> tuple[int, int]:
-    """The scale grid's shape for an (n, k) weight in (bn, bk) blocks: partial blocks count."""
-    return -(-n // block[0]), -(-k // block[1])
 
 
 def expand_scale(scale: torch.Tensor, shape: tuple[int, int], block: tuple[int, int]) -> torch.Tensor:
@@ -35,8 +30,9 @@ def expand_scale(scale: torch.Tensor, shape: tuple[int, int], block: tuple[int, 
 
 
 def dequantize(q: torch.Tensor, scale: torch.Tensor, block: tuple[int, int], dtype=torch.float32) -> torch.Tensor:
-    """W = q * scale per block, computed in fp32 and returned in `dtype`: the dequantized model's weight."""
-    return (q.float() * expand_scale(scale, tuple(q.shape), block)).to(dtype)
+    """W = q * scale per block (kvbuffer.reference.fp8), computed in fp32 and returned in `dtype`: the
+    dequantized model's weight."""
+    return reference_dequantize(q, scale, block).to(dtype)
 
 
 def quantize(w: torch.Tensor, block: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
