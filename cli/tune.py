@@ -40,11 +40,12 @@ def _table(rows: list[tuple], echo=click.echo) -> None:
         echo("  ".join(str(c).ljust(w) for c, w in zip(row, widths)).rstrip())
 
 
-def _resolve_shapes(model, heads, family, dtype, conv: bool, attention: bool = False, gemv: bool = False) -> list[dict]:
+def _resolve_shapes(model, heads, family, dtype, conv: bool, attention: bool = False, gemv: bool = False,
+                    fp8: bool = False) -> list[dict]:
     """The head shapes to build, each once: a model's or --heads' linear-layer shape, (with `conv`)
     its short conv's, (with `attention`, a model only) its attention layers' decode kernels and (with
-    `gemv`, a model only) its projections' one-row kernels; neither given: every bundled preset's.
-    dtype None: a checkpoint's own, else bfloat16."""
+    `gemv`, a model only) its projections' one-row kernels, (with `fp8`, a preset) those of its FP8
+    checkpoint too; neither given: every bundled preset's. dtype None: a checkpoint's own, else bfloat16."""
     from pathlib import Path
 
     from ..autotune import models
@@ -53,6 +54,9 @@ def _resolve_shapes(model, heads, family, dtype, conv: bool, attention: bool = F
         raise click.UsageError("give --model or --heads, not both")
     try:
         if model is not None and model.lower() not in models.HEAD_SHAPES and Path(model).exists():
+            if fp8:
+                raise ValueError("--fp8 names a preset's FP8 form; a checkpoint directory's own quantization "
+                                 "config decides which projections are FP8")
             shape = models.checkpoint_shape(model, dtype)
             pairs = [(shape, models.checkpoint_conv_shape(model, shape))]
             softmax = [models.checkpoint_attention_shape(model, dtype)]
@@ -66,7 +70,7 @@ def _resolve_shapes(model, heads, family, dtype, conv: bool, attention: bool = F
             pairs = [(shape, models.conv_shape(shape)) for shape in linear]
             softmax = [models.preset_attention_shape(name, dtype or models.DEFAULT_DTYPE) for name in names]
             projections = [p for name in names if gemv
-                           for p in models.preset_gemv_shapes(name, dtype or models.DEFAULT_DTYPE)]
+                           for p in models.preset_gemv_shapes(name, dtype or models.DEFAULT_DTYPE, fp8)]
     except (ValueError, KeyError, OSError) as e:
         raise click.BadParameter(str(e), param_hint="--model/--heads") from None
     shapes = [linear for linear, _ in pairs] + ([c for _, c in pairs] if conv else []) \
@@ -150,6 +154,9 @@ def _templates(shapes: list[dict], kernels: str | None) -> list[tuple[dict, list
 @click.option("--gemv/--no-gemv", default=True, show_default=True,
               help="Also build the one-row kernel of each of the model's projection shapes (a one-token "
               "forward's) and both experts kernels of its routed-expert weight shapes (not with --heads).")
+@click.option("--fp8", is_flag=True,
+              help="Also the one-row kernels of the preset's FP8 checkpoint (its family's published format); a "
+                   "checkpoint directory's quantization config decides this itself.")
 @click.option("--kernels", help="Comma-separated template names (default: every template of the family, "
               "its conv, the model's attention and its projections).")
 @click.option("--build-only", is_flag=True, help="Compile defaults without measuring, even on the named GPU.")
@@ -158,7 +165,7 @@ def _templates(shapes: list[dict], kernels: str | None) -> list[tuple[dict, list
 @click.option("--cache-dir", type=click.Path(file_okay=False), default=None,
               help="Cache root [default: $KVBUFFER_CACHE_DIR, else $XDG_CACHE_HOME/kvbuffer].")
 def tune(gpu, list_gpus, model, heads, family, dtype, chunk_sizes, batch_buckets, draft_tokens, conv, attention,
-         gemv, kernels, build_only, max_configs, cache_dir):
+         gemv, fp8, kernels, build_only, max_configs, cache_dir):
     """Compile kernels for a GPU and head shape into the artifact cache, measuring them if the GPU is here.
 
     Without the named GPU, each kernel is compiled for its arch with default tunables and recorded
@@ -180,7 +187,7 @@ def tune(gpu, list_gpus, model, heads, family, dtype, chunk_sizes, batch_buckets
     from ..autotune.models import HEAD_SHAPES
     from ..kernels.autobuild import nvcc_problem
 
-    shapes = _resolve_shapes(model, heads, family, dtype, conv, attention, gemv)
+    shapes = _resolve_shapes(model, heads, family, dtype, conv, attention, gemv, fp8)
     target, present = _resolve_gpu(gpu)
     chunks, buckets = _ints(chunk_sizes, "--chunk-sizes"), _ints(batch_buckets, "--batch-buckets")
     drafts = _drafts(draft_tokens)
