@@ -26,6 +26,19 @@ def test_subpackages_install_under_kvbuffer():
         assert spec is None or "site-packages" not in (spec.origin or ""), f"top-level '{generic}' installed"
 
 
+def test_every_package_is_listed_for_install():
+    """pyproject's explicit package list names every directory with an __init__.py (a package missing from
+    it is left out of a non-editable install: the editable one used by the tests would not notice)."""
+    import tomllib
+
+    root = pathlib.Path(__file__).resolve().parents[2]
+    config = tomllib.loads((root / "pyproject.toml").read_text())["tool"]["setuptools"]
+    dirs = {name: root / path for name, path in config["package-dir"].items()}
+    found = {".".join([top, *init.parent.relative_to(path).parts])
+             for top, path in dirs.items() for init in path.rglob("__init__.py")}
+    assert found <= set(config["packages"]), sorted(found - set(config["packages"]))
+
+
 def test_cli_env_runs(tmp_path, monkeypatch):
     from kvbuffer import gpus
     from kvbuffer.cli.main import main
