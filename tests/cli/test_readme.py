@@ -47,7 +47,6 @@ def test_readme_python_examples_run(capsys):
     for block in found:
         exec(compile(block, "README.md", "exec"), {})
     out = capsys.readouterr().out
-    assert "torch.Size([1, 32, 128]) 8" in out
     assert "same tokens with kvbuffer: True" in out
 
 
