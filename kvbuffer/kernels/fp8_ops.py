@@ -26,7 +26,7 @@ import logging
 import torch
 
 from ..checks import check_same_device, check_tensor
-from ..errors import ArtifactError, DTypeError
+from ..errors import ArtifactError, DeviceError, DTypeError
 from ..reference import fp8 as ref_fp8
 from . import autobuild, launch, lookup, specs
 from .compiled import ACT_DTYPES, CompiledOp, check_contiguous, check_on_cuda, expect_kind
@@ -120,28 +120,36 @@ def launch_fp8_quant_act(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 _QUANT_KERNELS: dict = {}  # (device, K, dtype name) -> the quantizer's CompiledOp, or None where none loads
 
 
+def _load_or_build(key: KernelKey) -> CompiledOp:
+    """The kernel of `key`: from the artifact cache or a JIT compile (lookup.kernel_for), else built into the
+    cache now (autobuild), else an ArtifactError saying why not."""
+    try:
+        return lookup.kernel_for(key)
+    except ArtifactError:
+        if lookup.jit_allowed():
+            raise
+        why = autobuild.ensure_gemv_kernels([key])
+        if why is not None:
+            raise ArtifactError(why) from None
+        return lookup.kernel_for(key)
+
+
 def quant_kernel(x: torch.Tensor) -> CompiledOp | None:
     """The quantizer kernel for CUDA x, found once per device, K and dtype: from the artifact cache, a
-    JIT compile, or built now on first use (kvbuffer.kernels.autobuild); None where none loads or
-    builds here (x's dtype or K not taken, no TileLang or nvcc, KVBUFFER_BUILD_KERNELS=0), said once."""
+    JIT compile, or built now on first use (kvbuffer.kernels.autobuild); None where none loads or builds
+    here (x's dtype or K not taken, no TileLang or nvcc, KVBUFFER_BUILD_KERNELS=0, a GPU TileLang has
+    no target for), said once in the log."""
     entry = (x.device, x.shape[1], dtype_name(x))
     if entry in _QUANT_KERNELS:
         return _QUANT_KERNELS[entry]
-    op, why = None, None
+    op = None
     if not fp8_quant_fits(x.shape[1], entry[2]):
         why = f"it takes bfloat16 or float16 x of K a multiple of {ref_fp8.GROUP}, got {entry[2]}, K = {x.shape[1]}"
     else:
-        key = fp8_quant_key(x.shape[1], entry[2])
         try:
-            op = lookup.kernel_for(key)
-        except ArtifactError as e:
+            op = _load_or_build(fp8_quant_key(x.shape[1], entry[2]))
+        except (ArtifactError, DeviceError) as e:
             why = str(e).splitlines()[0]
-            if not lookup.jit_allowed():
-                why = autobuild.ensure_gemv_kernels([key]) or why
-                try:
-                    op = lookup.kernel_for(key)
-                except ArtifactError:
-                    pass
     if op is None:
         log.info("kvbuffer: block-FP8 activations of K = %d (%s) on %s are quantized with torch ops, not the fused "
                  "kernel: %s", x.shape[1], entry[2], x.device, why)

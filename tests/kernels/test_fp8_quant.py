@@ -340,6 +340,21 @@ def test_without_a_kernel_the_cuda_op_runs_the_reference_and_says_why_once(monke
     assert len(launched) == 1 and launched[0][0] is x and q.shape == (8, 256) and scale.shape == (2, 8)
 
 
+def test_a_gpu_without_a_target_falls_back_too(monkeypatch, caplog):
+    from kvbuffer.errors import DeviceError
+    from kvbuffer.kernels import fp8_ops, lookup
+
+    def no_target(key, batch=1):
+        raise DeviceError("compute capability 7.5 has no TileLang target here")
+
+    monkeypatch.setattr(fp8_ops, "_QUANT_KERNELS", {})
+    monkeypatch.setattr(lookup, "kernel_for", no_target)
+    x = _case(3, 128, 5)
+    with caplog.at_level("INFO", logger="kvbuffer"):
+        _assert_bit_identical(fp8_ops._quant_cuda(x), ref_fp8.quantize_activations_padded(x))
+    assert fp8_ops.quant_kernel(x) is None and "capability 7.5" in caplog.text
+
+
 def test_blockwise_gemm_takes_the_ops_outputs(monkeypatch):
     """_blockwise hands _scaled_mm the op's q and the transpose of its scales (column-major, 4-row padded),
     and returns the first M rows; the device probe quantizes with the torch ops alone."""
