@@ -167,7 +167,7 @@ def fp8_quant_act(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 @fp8_quant_act.register_fake
 def _quant_fake(x):
     ref_fp8.check_activations(x)
-    rows = -(-x.shape[0] // ref_fp8.ROW_MULTIPLE) * ref_fp8.ROW_MULTIPLE
+    rows = ref_fp8.padded_rows(x.shape[0])  # a symbolic row count too
     return (x.new_empty(rows, x.shape[1], dtype=ref_fp8.FP8),
             x.new_empty(x.shape[1] // ref_fp8.GROUP, rows, dtype=torch.float32))
 
