@@ -13,7 +13,8 @@ one-row kernel in a forward of one token; its routed experts, one shape per dist
 on the experts kernel in forwards of a few tokens (family 'experts') and on the grouped experts
 kernel in larger ones (family 'grouped'). In an FP8 checkpoint (its quantization, or `fp8` for a
 preset) each projection shape also gets the FP8 one-row kernel's (family 'fp8_gemv', with the weight's
-scale block).
+scale block), and in a block-FP8 one each K of the projections that run block-scaled FP8 GEMMs gets the
+activation quantizer's (family 'fp8_quant').
 """
 
 from __future__ import annotations
@@ -22,7 +23,9 @@ import json
 from pathlib import Path
 
 from kvbuffer import presets
+from kvbuffer.kernels.fp8_ops import fp8_quant_fits
 from kvbuffer.kernels.keys import attention_shape, fp8_gemv_fits, gemv_fits, grouped_fits, projection_shape
+from kvbuffer.reference.fp8 import GROUP
 from kvbuffer.tuning import make_conv_shape, make_shape
 
 DEFAULT_DTYPE = "bfloat16"
@@ -198,10 +201,21 @@ def config_gemv_shapes(cfg: dict, dtype: str | None = None, fp8: str | None = No
     if fmt is not None:
         blocks = [(N, K, fp8_weight_block(cfg, fmt, K)) for N, K in shapes]
         out += [projection_shape("fp8_gemv", N, K, dtype, b) for N, K, b in blocks if fp8_gemv_fits(K, b, dtype)]
+        out += fp8_quant_shapes(blocks, dtype)
     experts = sorted(config_expert_shapes(cfg))
     for family, fits in (("experts", gemv_fits), ("grouped", grouped_fits)):
         out += [projection_shape(family, N, K, dtype) for N, K in experts if fits(K, dtype)]
     return out
+
+
+def fp8_quant_shapes(blocks: list[tuple[int, int, tuple[int, int]]], dtype: str) -> list[dict]:
+    """The activation quantizer's shapes for FP8 weights (N, K, scale block): one per K of those that run
+    block-scaled FP8 GEMMs (kvbuffer.models.quant.fp8.gemm_path: (128, 128) blocks, N and K multiples of
+    128, bf16 activations)."""
+    if dtype != "bfloat16":
+        return []
+    ks = sorted({K for N, K, b in blocks if b == (GROUP, GROUP) and N % GROUP == 0 and fp8_quant_fits(K, dtype)})
+    return [projection_shape("fp8_quant", K, K, dtype, (1, GROUP)) for K in ks]
 
 
 def preset_gemv_shapes(name: str, dtype: str = DEFAULT_DTYPE, fp8: bool = False) -> list[dict]:

@@ -28,8 +28,10 @@ ATTENTION_MAX_TOKENS = 8  # new tokens per row the attention kernels take: a dec
 ATTENTION_HEAD_DIMS = (32, 64, 128, 256)  # D / 32 elements a lane
 # the projection kernels by op: y = x W^T at one token; the same through each of a row's top-k experts' W;
 # rows sorted by expert through their expert's W (a mixture-of-experts layer at any token count); the
-# one-row product with an FP8 weight scaled by block
-GEMV_KERNELS = {"gemv": "gemv", "experts": "gemv_experts", "grouped": "grouped_experts", "fp8_gemv": "fp8_gemv"}
+# one-row product with an FP8 weight scaled by block; a block-FP8 GEMM's activations quantized per token
+# and 128 columns (dims N = K, block (1, 128))
+GEMV_KERNELS = {"gemv": "gemv", "experts": "gemv_experts", "grouped": "grouped_experts", "fp8_gemv": "fp8_gemv",
+                "fp8_quant": "fp8_quant_act"}
 GEMV_OPS = tuple(GEMV_KERNELS)
 GEMV_DTYPES = ("bfloat16", "float16")  # the one-row kernel's dtypes (weight, input and output alike)
 GEMV_CHUNK = 8  # elements of its 16-byte loads: K must be a multiple

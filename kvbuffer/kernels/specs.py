@@ -450,6 +450,10 @@ def _projection_records(name: str) -> dict:
                 tune_command=_model_command(lambda k: [(None, 0)]))
 
 
+def _quant_args(k: KernelKey) -> dict:
+    return dict(K=k.dims.K, dtype=k.in_dtype)
+
+
 GEMV_SPECS = [
     KernelSpec("gemv", "gemv", "gemv", "gemv", "gemv", template_args=_rows_args, defaults=_module_default("gemv"),
                configs=_configs("gemv", "get_configs"), params=_rows_args, args=("x", "weight", "out"),
@@ -466,6 +470,10 @@ GEMV_SPECS = [
                defaults=_module_default("gemv", "FP8_DEFAULT"), configs=_configs("gemv", "get_fp8_configs"),
                params=_fp8_args, args=("x", "q", "scale", "out"), reference=_fp8_linear, custom_ops=("fp8_gemv",),
                **_projection_records("fp8_gemv")),
+    KernelSpec("fp8_quant_act", "fp8_quant", "gemv", "fp8_quant", "fp8_quant_act", template_args=_quant_args,
+               defaults=_module_default("fp8_quant"), configs=_configs("fp8_quant", "get_configs"),
+               params=_quant_args, args=("x", "q", "scale"), reference=ref_fp8.quantize_activations_padded,
+               custom_ops=("fp8_quant_act",), **_projection_records("fp8_quant_act")),
 ]
 
 GDN_SPECS = _linear_specs("gdn", GDN_FRONT, "o", ref_gdn)
@@ -474,7 +482,7 @@ GDN_RECURRENT, GDN_BUFFERED, GDN_FLUSH, GDN_RECURRENT_DRAFTS = GDN_SPECS
 MAMBA2_RECURRENT, MAMBA2_BUFFERED, MAMBA2_FLUSH, MAMBA2_RECURRENT_DRAFTS = MAMBA2_SPECS
 CONV_ADVANCE, CONV_VERIFY, CONV_ACCEPT = CONV_SPECS
 ATTENTION_DECODE, ATTENTION_COMBINE = ATTENTION_SPECS
-GEMV, GEMV_EXPERTS, GROUPED_EXPERTS, FP8_GEMV = GEMV_SPECS
+GEMV, GEMV_EXPERTS, GROUPED_EXPERTS, FP8_GEMV, FP8_QUANT_ACT = GEMV_SPECS
 PREFILL_SPECS = [GDN_CHUNK_PREFILL, MAMBA2_CHUNK_PREFILL]
 SPECS = {(s.family, s.op): s for s in GDN_SPECS + MAMBA2_SPECS + PREFILL_SPECS + CONV_SPECS + ATTENTION_SPECS
          + GEMV_SPECS}

@@ -14,13 +14,12 @@ import torch
 import torch.nn.functional as F
 
 from ...kernels import launch
-from ...reference.fp8 import FP8, dequantize as reference_dequantize, scale_grid
+from ...reference.fp8 import FP8, FP8_MAX, GROUP, dequantize as reference_dequantize, quantize_activations, \
+    quantize_activations_padded, scale_grid
 
 log = logging.getLogger("kvbuffer")
 
-FP8_MAX = 448.0  # the largest finite e4m3fn value
 NAN_BYTES = (0x7F, 0xFF)  # e4m3fn has no infinity; these two bytes are its NaNs
-GROUP = 128  # activations are quantized per token and per this many columns (block FP8)
 
 
 def expand_scale(scale: torch.Tensor, shape: tuple[int, int], block: tuple[int, int]) -> torch.Tensor:
@@ -54,24 +53,16 @@ def has_nan_bytes(t: torch.Tensor) -> bool:
     return bool(((b & 0x7F) == 0x7F).any())
 
 
-def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(q (M, K) e4m3fn, scale (M, K / GROUP) fp32) of x (M, K): one scale per token and GROUP columns,
-    the dynamic activation scheme of block FP8 (K a multiple of GROUP)."""
-    m, k = x.shape
-    g = x.float().view(m, k // GROUP, GROUP)
-    scale = g.abs().amax(-1).clamp(min=1e-12) / FP8_MAX
-    q = (g / scale[..., None]).clamp(-FP8_MAX, FP8_MAX).to(FP8).view(m, k)
-    return q, scale
-
-
-def _blockwise(x2, q, scale, out_dtype):
+def _blockwise(x2, q, scale, out_dtype, fused: bool = True):
+    """x2 (M, K) bf16 times the (128, 128)-block weight q on torch._scaled_mm. `fused`: x2 quantized by
+    torch.ops.kvbuffer.fp8_quant_act (on CUDA the fused kernel where it loads, else the same torch ops);
+    else by those torch ops directly (the device probe, which must build no kernel). Either way q and
+    its scales come padded to 4 rows, the scales group-major: scale_a is their transpose, column-major."""
     m = x2.shape[0]
-    rows = -(-m // 4) * 4  # the activation scales' column stride must span 16 bytes: pad to 4 rows
-    if rows != m:
-        x2 = F.pad(x2, (0, 0, 0, rows - m))
-    xq, xs = quantize_activations(x2)
+    quantize = torch.ops.kvbuffer.fp8_quant_act if fused else quantize_activations_padded
+    xq, xs = quantize(x2)
     # the 1 x 128 activation scales outer-dim-major, the 128 x 128 weight scales as (K/128, N/128)
-    y = torch._scaled_mm(xq, q.t(), scale_a=xs.t().contiguous().t(), scale_b=scale.t(), out_dtype=out_dtype)
+    y = torch._scaled_mm(xq, q.t(), scale_a=xs.t(), scale_b=scale.t(), out_dtype=out_dtype)
     return y[:m]
 
 
@@ -105,7 +96,7 @@ def _try_blockwise(device: torch.device) -> bool:
         w = torch.randn(256, 256, device=device, generator=g)
         x = torch.randn(32, 256, device=device, generator=g).bfloat16()
         q, s = quantize(w, (GROUP, GROUP))
-        got = _blockwise(x, q, s, torch.bfloat16).float()
+        got = _blockwise(x, q, s, torch.bfloat16, fused=False).float()
         xq, xs = quantize_activations(x)
         want = dequantize(xq, xs, (1, GROUP)) @ dequantize(q, s, (GROUP, GROUP)).t()
         ok = bool(torch.allclose(got, want, rtol=2e-2, atol=2e-2 * float(want.abs().max())))
