@@ -341,12 +341,20 @@ def traffic_bytes(kernel: str, shape: dict, C: int, B: int) -> float | None:
 
     One-row projection: its weight, once; the experts kernel: the weights of the experts it is timed
     with (kvbuffer.autotune.gemv_templates.EXPERTS_TIMED), once; the grouped experts kernel: its
-    experts' weights once, its rows read and written once (gemv_templates.grouped_counts).
+    experts' weights once, its rows read and written once (gemv_templates.grouped_counts); the FP8
+    one-row kernel: its 1-byte weight and fp32 scales, once; the activation quantizer: its timed rows'
+    2-byte x read, 1-byte q and one fp32 scale per 128 written.
     Recurrent step: read + write every state. Buffered step: read every state, write it in the 1/C
     of rows that flush, read on average C/2 buffer entries. Flush: read + write, read C entries.
     """
     if shape["family"] == "gemv":
         return 2.0 * shape["N"] * shape["K"]
+    if shape["family"] == "fp8_gemv":
+        return shape["N"] * shape["K"] + 4.0 * -(-shape["N"] // shape["bn"]) * -(-shape["K"] // shape["bk"])
+    if shape["family"] == "fp8_quant":
+        from kvbuffer.autotune.fp8_quant_templates import TIMED_ROWS
+
+        return TIMED_ROWS * shape["K"] * (2 + 1 + 4 / 128)
     if shape["family"] == "experts":
         from kvbuffer.autotune.gemv_templates import EXPERTS_TIMED
 

@@ -9,7 +9,8 @@
     prefill.py    the chunked prefill of packed prompts (both linear families): compile, launch, reference
     launch.py     a custom op's CUDA call: lookup + launch (checked, or direct for engine-built rows)
     torch_ops.py  the torch.library registrations (CPU reference, CUDA launch, fakes)
-    fp8_ops.py    the same for the FP8 one-row projection (torch.ops.kvbuffer.fp8_gemv)
+    fp8_ops.py    the same for the FP8 one-row projection (torch.ops.kvbuffer.fp8_gemv) and the block-FP8
+                  GEMM's activation quantizer (torch.ops.kvbuffer.fp8_quant_act)
 
 Importing this package registers the custom ops and never imports TileLang: compiling
 (`build_*`, a JIT lookup) imports it through kvbuffer.tiles on demand.
