@@ -279,3 +279,17 @@ def test_gate_runs_our_variants_beside_the_default():
                           variants={"kvbuffer[states_BV=16]": our_standin})
     assert {k.split("/")[0] for k in errors} == {"kvbuffer", "kvbuffer[states_BV=16]"}
     assert max(errors.values()) < 1e-2
+
+
+def test_a_variant_that_does_not_build_is_dropped_alone():
+    def good(*args):
+        return our_standin(*args)
+
+    def bad(*args):
+        raise AssertionError("never run")
+
+    good.load = lambda batch: object()
+    bad.load = lambda batch: (_ for _ in ()).throw(ValueError("BV=48 must divide V"))
+    dropped = {}
+    kept = prefill._built_variants({"kvbuffer[a=1]": good, "kvbuffer[b=2]": bad}, dropped)
+    assert list(kept) == ["kvbuffer[a=1]"] and dropped["kvbuffer[b=2]"].startswith("did not build: BV=48")
