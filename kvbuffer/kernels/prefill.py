@@ -249,17 +249,6 @@ def mamba2_launches(op: CompiledOp, x, dt, A_log, dt_bias, B, C, D, cu_seqlens, 
             ("output", (C, B, h, x, D, gcum, dts, chunks, state_slots, out))]
 
 
-def mamba2_launch(x, dt, A_log, dt_bias, B, C, D, cu_seqlens, state, state_slots, dt_min: float = 0.0,
-                  dt_max: float | None = None, *, checked: bool = True) -> torch.Tensor:
-    """The CUDA implementation of torch.ops.kvbuffer.mamba2_chunk_prefill: the kernel looked up for the
-    arguments' shapes (artifact, else JIT), run on torch's stream; `checked` as kvbuffer.kernels.launch's."""
-    from . import launch  # imports this module
-
-    op = launch.kernel_for(launch.chunk_prefill_key("mamba2", B, x), cu_seqlens.shape[0] - 1)
-    return launch._on_torch_stream(mamba2_chunk_prefill, op, x, dt, A_log, dt_bias, B, C, D, cu_seqlens, state,
-                                   state_slots, dt_min, dt_max, check_values=checked and not launch.capturing())
-
-
 def chunk_prefill_reference(q, k, v, g, beta, cu_seqlens, state, state_slots) -> torch.Tensor:
     """The op's contract in torch (any float dtypes; computed in the state's): o (N, Hv, V) in v's dtype.
 

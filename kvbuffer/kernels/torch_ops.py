@@ -397,7 +397,17 @@ def _bind(name: str, args: tuple, kwargs: dict) -> dict:
     return bound
 
 
-_CUDA_LAUNCHES = {**launch.CUDA_LAUNCHES, "mamba2_chunk_prefill": prefill.mamba2_launch}  # its schema's launch
+def mamba2_chunk_prefill_cuda(x, dt, A_log, dt_bias, B, C, D, cu_seqlens, state, state_slots, dt_min: float = 0.0,
+                              dt_max: float | None = None, *, checked: bool = True) -> torch.Tensor:
+    """The CUDA launch of mamba2_chunk_prefill's schema (raw x and dt, the front and D skip inside): the kernel
+    looked up for the arguments' shapes (artifact, else JIT), run on torch's stream; `checked` as
+    kvbuffer.kernels.launch's."""
+    op = launch.kernel_for(launch.chunk_prefill_key("mamba2", B, x), cu_seqlens.shape[0] - 1)
+    return launch._on_torch_stream(prefill.mamba2_chunk_prefill, op, x, dt, A_log, dt_bias, B, C, D, cu_seqlens,
+                                   state, state_slots, dt_min, dt_max, check_values=checked and not launch.capturing())
+
+
+_CUDA_LAUNCHES = {**launch.CUDA_LAUNCHES, "mamba2_chunk_prefill": mamba2_chunk_prefill_cuda}
 
 
 def _checked_launch(name: str):

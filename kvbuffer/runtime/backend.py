@@ -24,7 +24,7 @@ from typing import NamedTuple, Union
 import torch
 
 from ..errors import ArtifactError
-from ..kernels import autobuild, launch, lookup, specs
+from ..kernels import autobuild, launch, lookup, specs, torch_ops
 from ..kernels import prefill as prefill_kernels
 from ..kernels.keys import (
     ATTENTION_HEAD_DIMS,
@@ -46,7 +46,8 @@ from ..reference import mamba2 as ref_mamba2
 log = logging.getLogger("kvbuffer")
 _OPS = {"gdn": launch.GDN_OPS, "mamba2": launch.MAMBA2_OPS}  # a linear family's ops, by its inputs' family
 # Mamba-2's chunked prefill takes the raw x and dt (its front and D skip inside): its own launch
-MAMBA2_CHUNK_PREFILL = launch.EngineOp(prefill_kernels.mamba2_launch, lambda: torch.ops.kvbuffer.mamba2_chunk_prefill)
+MAMBA2_CHUNK_PREFILL = launch.EngineOp(torch_ops.mamba2_chunk_prefill_cuda,
+                                       lambda: torch.ops.kvbuffer.mamba2_chunk_prefill)
 
 
 class GDNInputs(NamedTuple):
