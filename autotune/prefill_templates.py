@@ -3,8 +3,9 @@ MAMBA2_CHUNK_PREFILL), one kernel of several launches.
 
 Built once per shape for every chunk size (the op folds whole prompts, C plays no part) and stored as one
 artifact per launch. Its inputs are a packed prefill of about PREFILL_TOKENS tokens spread over the batch's
-sequences (awkward lengths), each from a state slot of its own; it is checked against the op's reference
-(kvbuffer.kernels.prefill.chunk_prefill_reference) in fp64: outputs and final states.
+sequences (awkward lengths), each from a state slot of its own (GDN's after its front, Mamba-2's the raw
+layer inputs); it is checked against the op's reference (kvbuffer.kernels.prefill.chunk_prefill_reference,
+mamba2_chunk_prefill_reference) in fp64: outputs and final states.
 """
 
 from __future__ import annotations
@@ -18,7 +19,8 @@ from kvbuffer.kernels.specs import SPECS, TILES
 from .template import Template, from_spec
 
 PREFILL_TOKENS = 4096  # tokens of the tuned prefill, shared out among the batch's sequences
-TOKENS = {"gdn": ("q", "k", "v", "g", "beta"), "mamba2": ("C", "B", "value", "g")}
+TOKENS = {"gdn": ("q", "k", "v", "g", "beta"), "mamba2": ("x", "dt", "A_log", "dt_bias", "B", "C", "D")}
+OUTPUT = {"gdn": "o", "mamba2": "y"}
 
 
 def _key(shape: Mapping, chunk_size: int, drafts: int) -> KernelKey:
@@ -46,31 +48,34 @@ def _inputs(shape, batch, chunk_size, device, gen) -> dict:
     cu = torch.tensor([0] + torch.tensor(lengths).cumsum(0).tolist(), dtype=torch.int32, device=device)
     state = 0.1 * r(batch, Hv, K, V)
     slots = torch.randperm(batch, generator=gen, device=gen.device).to(device=device, dtype=torch.int32)
-    pools = dict(cu_seqlens=cu, state=state, state_slots=slots, o=torch.empty(N, Hv, V, device=device).bfloat16())
+    out = torch.empty(N, Hv, V, device=device).bfloat16()
+    pools = dict(cu_seqlens=cu, state=state, state_slots=slots)
     if shape["family"] == "gdn":
-        return dict(q=q, k=k, v=r(N, Hv, V).bfloat16(), g=g, beta=torch.sigmoid(r(N, Hv)), **pools)
-    return dict(C=q, B=k, value=(0.1 * r(N, Hv, V)).bfloat16(), g=g, **pools)
+        return dict(q=q, k=k, v=r(N, Hv, V).bfloat16(), g=g, beta=torch.sigmoid(r(N, Hv)), o=out, **pools)
+    A_log = torch.linspace(-2.0, 1.0, Hv, device=device)  # slow to fast decay, as g above
+    return dict(x=(0.3 * r(N, Hv, V)).bfloat16(), dt=r(N, Hv) - 1.0, A_log=A_log, dt_bias=0.5 * r(Hv), B=k, C=q,
+                D=r(Hv), y=out, **pools)
 
 
 def _reference(shape, chunk_size, args: Mapping) -> dict:
-    from kvbuffer.kernels.prefill import chunk_prefill_reference
+    from kvbuffer.kernels import prefill
 
-    tokens = [args[n].double() for n in TOKENS[shape["family"]]]
-    if shape["family"] == "mamba2":
-        tokens.append(None)
+    family = shape["family"]
+    tokens = [args[n].double() for n in TOKENS[family]]
+    fn = prefill.chunk_prefill_reference if family == "gdn" else prefill.mamba2_chunk_prefill_reference
     state = args["state"].double()
-    o = chunk_prefill_reference(*tokens, args["cu_seqlens"], state, args["state_slots"])
-    return {"o": o, "state": state}
+    o = fn(*tokens, args["cu_seqlens"], state, args["state_slots"])
+    return {OUTPUT[family]: o, "state": state}
 
 
 def _launch(family: str):
     def launch(op, args: list) -> None:
-        from kvbuffer.kernels.prefill import chunk_prefill
+        from kvbuffer.kernels import prefill
 
         named = dict(zip(SPECS[(family, "chunk_prefill")].args, args))
-        tokens = [named[n] for n in TOKENS[family]] + ([None] if family == "mamba2" else [])
-        chunk_prefill(op, *tokens, named["cu_seqlens"], named["state"], named["state_slots"], out=named["o"],
-                      check_values=False)
+        fn = prefill.chunk_prefill if family == "gdn" else prefill.mamba2_chunk_prefill
+        rows = [named[n] for n in ("cu_seqlens", "state", "state_slots")]
+        fn(op, *(named[n] for n in TOKENS[family]), *rows, out=named[OUTPUT[family]], check_values=False)
     return launch
 
 

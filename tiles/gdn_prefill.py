@@ -14,26 +14,32 @@ The chunkwise (WY / UT) form, chunks of BT = 64 tokens, G the within-chunk cumul
     o_t = exp(G_t) h^T q_t + sum_{s <= t} exp(G_t - G_s) (k_s . q_t) delta_s
     h <- exp(G_last) h + sum_s exp(G_last - G_s) k_s delta_s^T
 Four launches: `gdn_prefill_chunks` (the chunk table), `gdn_prefill_prep` (per chunk and value head: G, A
-on tensor cores, Tinv by forward substitution in fp32, w and u on tensor cores), `gdn_prefill_states` (per
+on tensor cores, Tinv in fp32 by forward substitution or blockwise (16 x 16 diagonal blocks inverted, then
+merged by tensor-core products), w and u on tensor cores), `gdn_prefill_states` (per
 value tile, head and sequence: the chunks in order, the state in an fp32 fragment; writes each chunk's
 starting state h (bf16) and the deltas), `gdn_prefill_output` (per chunk, head and value tile: o from h and
 the deltas). The tensor-core operands are bf16 (k, v, q as given; Tinv, w, u, h and the deltas rounded to
 bf16), accumulation fp32.
 
-Decay-only form (`delta_rule=False` in gdn_prefill_states: Mamba-2's SSD, no beta and no delta correction):
-the values are folded as they are (delta = v), so there is no prep launch: the state pass forms G itself,
-and the output kernel reads v where it reads the deltas.
+Decay-only form (Mamba-2's SSD, no beta and no delta correction; `delta_rule=False` in gdn_prefill_states
+and gdn_prefill_output), its front and D skip inside: from the raw x (N, H, P), dt (N, H), B, C (N, G, N_state)
+and the layer's A_log, dt_bias, D (H,), each token's dt = min(max(softplus(dt + dt_bias), dt_min), dt_max) and
+log decay g = -exp(A_log) dt; the values dt x are folded (delta = dt x), so there is no prep launch: the state
+pass forms dt and G itself (writing both per token for the output pass), and the output pass weighs the
+intra-chunk products by dt_s, reads x where it reads the deltas and adds D x: y (N, H, P) bf16. A sequence on
+slot -1 is a padding row there: dt = 0 and no D skip, so its outputs are zero.
 
 Chunk slots: chunk c of sequence i owns slot cu_seqlens[i] // BT + i + c (unique, below
 ceil(N / BT) + B), so the sequential kernel finds its chunks' slots without a table, and the table
-(`chunks`: first token and token count per slot, 0 tokens for a slot owning no chunk) is built on the
-device from cu_seqlens alone: no host round trip, so the op can be captured in a CUDA graph.
+(`chunks`: first token, token count and sequence per slot, 0 tokens for a slot owning no chunk) is built on
+the device from cu_seqlens alone: no host round trip, so the op can be captured in a CUDA graph.
 """
 
 from ..reference.core import LOG_DECAY_FLOOR
-from .linear_decode import _tl
+from .linear_decode import _softplus, _tl
 
 BT = 64  # tokens per chunk
+CHUNK_FIELDS = 3  # a chunk table row: first token, tokens, sequence
 
 
 def _check(Hk: int, Hv: int, K: int, V: int, BV: int) -> None:
@@ -46,9 +52,10 @@ def _check(Hk: int, Hv: int, K: int, V: int, BV: int) -> None:
 
 
 def gdn_prefill_chunks(*, threads: int = 128):
-    """The chunk table: chunks[s] = (first token, tokens) of the chunk owning chunk slot s, (0, 0) for none.
+    """The chunk table: chunks[s] = (first token, tokens, sequence) of the chunk owning chunk slot s, (0, 0, 0)
+    for none.
 
-    Args: cu_seqlens (B + 1,), chunks (chunk slots, 2) int32.
+    Args: cu_seqlens (B + 1,), chunks (chunk slots, 3) int32.
     """
     T = _tl()
     B = T.dynamic("batch")
@@ -57,38 +64,89 @@ def gdn_prefill_chunks(*, threads: int = 128):
     @T.prim_func
     def gdn_prefill_chunks_kernel(
         cu_seqlens: T.Tensor((B + 1,), "int32"),
-        chunks: T.Tensor((NC, 2), "int32"),
+        chunks: T.Tensor((NC, CHUNK_FIELDS), "int32"),
     ):
         with T.Kernel(T.ceildiv(NC, threads), threads=threads) as bx:
             tx = T.get_thread_binding()
             first = T.alloc_local((1,), "int32")
             count = T.alloc_local((1,), "int32")
+            seq = T.alloc_local((1,), "int32")
             s = bx * threads + tx
             first[0] = 0
             count[0] = 0
+            seq[0] = 0
             for i in T.serial(B):
                 base = cu_seqlens[i] // BT + i
                 if s >= base and (s - base) * BT < cu_seqlens[i + 1] - cu_seqlens[i]:
                     first[0] = cu_seqlens[i] + (s - base) * BT
                     count[0] = T.min(BT, cu_seqlens[i + 1] - first[0])
+                    seq[0] = i
             if s < NC:
                 chunks[s, 0] = first[0]
                 chunks[s, 1] = count[0]
+                chunks[s, 2] = seq[0]
 
     return gdn_prefill_chunks_kernel
 
 
-def gdn_prefill_prep(Hk: int, Hv: int, K: int = 128, V: int = 128, *, threads: int = 128):
+SOLVES = ("substitution", "blockwise")  # how the prep forms Tinv = (I + A)^-1 (gdn_prefill_prep's `solve`)
+SOLVE_BLOCK = 16  # the blockwise solve's diagonal blocks
+
+
+def gdn_prefill_prep(Hk: int, Hv: int, K: int = 128, V: int = 128, *, threads: int = 128,
+                     solve: str = "substitution"):
     """Per (chunk slot, value head): gcum = G (clamped, within the chunk), w, u (bf16) for the chunk's tokens.
 
+    `solve` forms Tinv = (I + A)^-1 (fp32, rounded to bf16 for the products):
+    - "substitution": forward substitution, one column a thread, 64 rows in series;
+    - "blockwise": the 16 x 16 diagonal blocks inverted by substitution (16 rows in series), Dinv their
+      block-diagonal inverse, then with N = Dinv A_off (A's blocks below the diagonal, so N^4 = 0)
+      Tinv = (I - N + N^2 - N^3) Dinv: four 64 x 64 products on tensor cores (fp32 operands: TF32).
     Args: k, v, g, beta, chunks, w (N, Hv, K), u (N, Hv, V), gcum (N, Hv).
     """
     _check(Hk, Hv, K, V, 16)
+    if solve not in SOLVES:
+        raise ValueError(f"solve={solve!r} must be one of {SOLVES}")
     T = _tl()
     N = T.dynamic("num_tokens")
     NC = T.dynamic("chunk_slots")
     r = Hv // Hk
     f32, bf16 = "float32", "bfloat16"
+    SB = SOLVE_BLOCK
+
+    @T.macro
+    def front(k, v, g, beta, gcum, gl, Gs, bs, ks, kb, vs, gram, acc, tx, t0, L, hk, hv):
+        """G, beta, the Gram k k^T and the right-hand sides beta exp(G) k and beta v of one chunk."""
+        for i in T.Parallel(BT):
+            gl[i] = T.if_then_else(i < L, T.max(g[T.min(t0 + i, N - 1), hv], LOG_DECAY_FLOOR), 0.0)
+            bs[i] = T.if_then_else(i < L, beta[T.min(t0 + i, N - 1), hv], 0.0)
+        if tx < BT:
+            acc[0] = 0.0
+            for j in T.serial(BT):
+                if j <= tx:
+                    acc[0] = acc[0] + gl[j]
+            Gs[tx] = acc[0]
+            if tx < L:
+                gcum[t0 + tx, hv] = acc[0]
+        for i, d in T.Parallel(BT, K):
+            ks[i, d] = T.if_then_else(i < L, k[T.min(t0 + i, N - 1), hk, d], T.cast(0.0, bf16))
+            kb[i, d] = T.cast(T.if_then_else(i < L, T.cast(k[T.min(t0 + i, N - 1), hk, d], f32), 0.0)
+                              * bs[i] * T.exp(Gs[i]), bf16)
+        for i, d in T.Parallel(BT, V):
+            vs[i, d] = T.cast(T.if_then_else(i < L, T.cast(v[T.min(t0 + i, N - 1), hv, d], f32), 0.0) * bs[i], bf16)
+        T.gemm(ks, ks, gram, transpose_B=True, clear_accum=True)
+
+    @T.macro
+    def products(Ai, kb, vs, wf, uf, w, u, t0, L, hv):
+        """w = Tinv (beta exp(G) k), u = Tinv (beta v), the chunk's rows written."""
+        T.gemm(Ai, kb, wf, clear_accum=True)
+        T.gemm(Ai, vs, uf, clear_accum=True)
+        for i, d in T.Parallel(BT, K):
+            if i < L:
+                w[t0 + i, hv, d] = T.cast(wf[i, d], bf16)
+        for i, d in T.Parallel(BT, V):
+            if i < L:
+                u[t0 + i, hv, d] = T.cast(uf[i, d], bf16)
 
     @T.prim_func
     def gdn_prefill_prep_kernel(
@@ -96,7 +154,7 @@ def gdn_prefill_prep(Hk: int, Hv: int, K: int = 128, V: int = 128, *, threads: i
         v: T.Tensor((N, Hv, V), bf16),
         g: T.Tensor((N, Hv), f32),
         beta: T.Tensor((N, Hv), f32),
-        chunks: T.Tensor((NC, 2), "int32"),
+        chunks: T.Tensor((NC, CHUNK_FIELDS), "int32"),
         w: T.Tensor((N, Hv, K), bf16),
         u: T.Tensor((N, Hv, V), bf16),
         gcum: T.Tensor((N, Hv), f32),
@@ -123,26 +181,7 @@ def gdn_prefill_prep(Hk: int, Hv: int, K: int = 128, V: int = 128, *, threads: i
             L = chunks[s, 1]
             if L > 0:
                 hk = hv // r
-                for i in T.Parallel(BT):
-                    gl[i] = T.if_then_else(i < L, T.max(g[T.min(t0 + i, N - 1), hv], LOG_DECAY_FLOOR), 0.0)
-                    bs[i] = T.if_then_else(i < L, beta[T.min(t0 + i, N - 1), hv], 0.0)
-                if tx < BT:
-                    acc[0] = 0.0
-                    for j in T.serial(BT):
-                        if j <= tx:
-                            acc[0] = acc[0] + gl[j]
-                    Gs[tx] = acc[0]
-                    if tx < L:
-                        gcum[t0 + tx, hv] = acc[0]
-                # raw k for the Gram; the right-hand sides beta exp(G) k and beta v
-                for i, d in T.Parallel(BT, K):
-                    ks[i, d] = T.if_then_else(i < L, k[T.min(t0 + i, N - 1), hk, d], T.cast(0.0, bf16))
-                    kb[i, d] = T.cast(T.if_then_else(i < L, T.cast(k[T.min(t0 + i, N - 1), hk, d], f32), 0.0)
-                                      * bs[i] * T.exp(Gs[i]), bf16)
-                for i, d in T.Parallel(BT, V):
-                    vs[i, d] = T.cast(T.if_then_else(i < L, T.cast(v[T.min(t0 + i, N - 1), hv, d], f32), 0.0) * bs[i],
-                                      bf16)
-                T.gemm(ks, ks, gram, transpose_B=True, clear_accum=True)
+                front(k, v, g, beta, gcum, gl, Gs, bs, ks, kb, vs, gram, acc, tx, t0, L, hk, hv)
                 for i, j in T.Parallel(BT, BT):  # stored transposed: At[s, t] = A[t, s]
                     At[j, i] = T.if_then_else(i > j, bs[i] * T.exp(Gs[i] - Gs[j]) * gram[i, j], 0.0)
                 # Tinv by forward substitution in fp32, one column a thread, 16 rows at a time in registers:
@@ -162,16 +201,71 @@ def gdn_prefill_prep(Hk: int, Hv: int, K: int = 128, V: int = 128, *, threads: i
                         for ii in T.unroll(16):
                             Xs[blk * 16 + ii, tx] = xb[ii]
                             Ai[blk * 16 + ii, tx] = T.cast(xb[ii], bf16)
-                T.gemm(Ai, kb, wf, clear_accum=True)
-                T.gemm(Ai, vs, uf, clear_accum=True)
-                for i, d in T.Parallel(BT, K):
-                    if i < L:
-                        w[t0 + i, hv, d] = T.cast(wf[i, d], bf16)
-                for i, d in T.Parallel(BT, V):
-                    if i < L:
-                        u[t0 + i, hv, d] = T.cast(uf[i, d], bf16)
+                products(Ai, kb, vs, wf, uf, w, u, t0, L, hv)
 
-    return gdn_prefill_prep_kernel
+    @T.prim_func
+    def blockwise_prep_kernel(
+        k: T.Tensor((N, Hk, K), bf16),
+        v: T.Tensor((N, Hv, V), bf16),
+        g: T.Tensor((N, Hv), f32),
+        beta: T.Tensor((N, Hv), f32),
+        chunks: T.Tensor((NC, CHUNK_FIELDS), "int32"),
+        w: T.Tensor((N, Hv, K), bf16),
+        u: T.Tensor((N, Hv, V), bf16),
+        gcum: T.Tensor((N, Hv), f32),
+    ):
+        with T.Kernel(NC, Hv, threads=threads) as (s, hv):
+            tx = T.get_thread_binding()
+            gl = T.alloc_shared((BT,), f32)
+            Gs = T.alloc_shared((BT,), f32)
+            bs = T.alloc_shared((BT,), f32)
+            ks = T.alloc_shared((BT, K), bf16)
+            kb = T.alloc_shared((BT, K), bf16)
+            vs = T.alloc_shared((BT, V), bf16)
+            Ad = T.alloc_shared((BT, BT), f32)   # A's diagonal blocks; later N^2
+            Ao = T.alloc_shared((BT, BT), f32)   # A's blocks below the diagonal; later I - N + N^2 - N^3
+            Dm = T.alloc_shared((BT, BT), f32)   # Dinv
+            Nm = T.alloc_shared((BT, BT), f32)   # N = Dinv A_off
+            Ai = T.alloc_shared((BT, BT), bf16)
+            gram = T.alloc_fragment((BT, BT), f32)
+            mf = T.alloc_fragment((BT, BT), f32)  # the solve's products (TF32)
+            wf = T.alloc_fragment((BT, K), f32)
+            uf = T.alloc_fragment((BT, V), f32)
+            xb = T.alloc_local((SB,), f32)
+            acc = T.alloc_local((1,), f32)
+
+            t0 = chunks[s, 0]
+            L = chunks[s, 1]
+            if L > 0:
+                hk = hv // r
+                front(k, v, g, beta, gcum, gl, Gs, bs, ks, kb, vs, gram, acc, tx, t0, L, hk, hv)
+                for i, j in T.Parallel(BT, BT):
+                    Ad[i, j] = T.if_then_else(i // SB == j // SB, T.if_then_else(
+                        i > j, bs[i] * T.exp(Gs[i] - Gs[j]) * gram[i, j], 0.0), 0.0)
+                    Ao[i, j] = T.if_then_else(i // SB > j // SB, bs[i] * T.exp(Gs[i] - Gs[j]) * gram[i, j], 0.0)
+                # Dinv: column tx % SB of diagonal block tx // SB by forward substitution, zeros off the block
+                if tx < BT:
+                    for ii in T.unroll(SB):
+                        xb[ii] = T.if_then_else(ii == tx % SB, 1.0, 0.0)
+                    for ii in T.unroll(SB):
+                        for jj in T.unroll(SB):
+                            if jj < ii:
+                                xb[ii] = xb[ii] - Ad[tx // SB * SB + ii, tx // SB * SB + jj] * xb[jj]
+                    for blk in T.unroll(BT // SB):
+                        for ii in T.unroll(SB):
+                            Dm[blk * SB + ii, tx] = T.if_then_else(blk == tx // SB, xb[ii], 0.0)
+                T.gemm(Dm, Ao, mf, clear_accum=True)          # N
+                T.copy(mf, Nm)
+                T.gemm(Nm, Nm, mf, clear_accum=True)          # N^2
+                T.copy(mf, Ad)
+                T.gemm(Ad, Nm, mf, clear_accum=True)          # N^3
+                for i, j in T.Parallel(BT, BT):
+                    Ao[i, j] = T.if_then_else(i == j, 1.0, 0.0) - Nm[i, j] + Ad[i, j] - mf[i, j]
+                T.gemm(Ao, Dm, mf, clear_accum=True)          # Tinv
+                T.copy(mf, Ai)
+                products(Ai, kb, vs, wf, uf, w, u, t0, L, hv)
+
+    return blockwise_prep_kernel if solve == "blockwise" else gdn_prefill_prep_kernel
 
 
 def gdn_prefill_states(Hk: int, Hv: int, K: int = 128, V: int = 128, *, BV: int = 32, threads: int = 128,
@@ -181,9 +275,10 @@ def gdn_prefill_states(Hk: int, Hv: int, K: int = 128, V: int = 128, *, BV: int 
     Delta rule: writes h[chunk slot] (the state at each chunk's start, bf16), delta = u - w h (bf16) and
     the final state back into its slot (none for slot -1).
     Args: k, w, u, gcum, cu_seqlens, state, state_slots, h (chunk slots, Hv, K, V), delta (N, Hv, V).
-    Decay-only (delta_rule=False, Mamba-2: no prep launch, the values are folded as they are): the chunk's
-    cumulative decay is formed here from g (clamped) and written to gcum by the first value tile.
-    Args: k, v, g, cu_seqlens, state, state_slots, h, gcum (N, Hv).
+    Decay-only (delta_rule=False, Mamba-2: no prep launch, the values dt x folded as they are): each token's
+    dt (the front, module docstring) and the chunk's cumulative decay G are formed here, and written to
+    dts and gcum by the first value tile; a sequence on slot -1 gets dt = 0 (a padding row).
+    Args: x, dt, A_log, dt_bias, k (= B), cu_seqlens, state, state_slots, h, gcum, dts (N, Hv), dt_min, dt_max.
     `stages` > 0 (delta rule): the chunk's w, k, u and G are whole-tile copies in a T.Pipelined loop of that
     many stages (TileLang lowers them to TMA loads from a producer warpgroup, the next chunk's loads
     overlapping this chunk's products); rows past the sequence are read as they are (the next sequence's
@@ -274,14 +369,19 @@ def gdn_prefill_states(Hk: int, Hv: int, K: int = 128, V: int = 128, *, BV: int 
 
     @T.prim_func
     def decay_only_states_kernel(
+        x: T.Tensor((N, Hv, V), bf16),
+        dt: T.Tensor((N, Hv), f32),
+        A_log: T.Tensor((Hv,), f32),
+        dt_bias: T.Tensor((Hv,), f32),
         k: T.Tensor((N, Hk, K), bf16),
-        v: T.Tensor((N, Hv, V), bf16),
-        g: T.Tensor((N, Hv), f32),
         cu_seqlens: T.Tensor((B + 1,), "int32"),
         state: T.Tensor((NS, Hv, K, V), f32),
         state_slots: T.Tensor((B,), "int32"),
         h: T.Tensor((NC, Hv, K, V), bf16),
         gcum: T.Tensor((N, Hv), f32),
+        dts: T.Tensor((N, Hv), f32),
+        dt_min: T.float32,
+        dt_max: T.float32,
     ):
         with T.Kernel(V // BV, Hv, B, threads=threads) as (bv, hv, bb):
             tx = T.get_thread_binding()
@@ -289,9 +389,10 @@ def gdn_prefill_states(Hk: int, Hv: int, K: int = 128, V: int = 128, *, BV: int 
             hs = T.alloc_shared((K, BV), bf16)
             ks = T.alloc_shared((BT, K), bf16)
             ds = T.alloc_shared((BT, BV), bf16)
-            df = T.alloc_fragment((BT, BV), f32)
+            dv = T.alloc_shared((BT,), f32)
             gl = T.alloc_shared((BT,), f32)
             Gs = T.alloc_shared((BT,), f32)
+            wv = T.alloc_shared((BT,), f32)
             acc = T.alloc_local((1,), f32)
             hk = hv // r
             v0 = bv * BV
@@ -306,8 +407,12 @@ def gdn_prefill_states(Hk: int, Hv: int, K: int = 128, V: int = 128, *, BV: int 
                 start_chunk(hf, hs, h, base, c, hv, v0)
                 for i, d in T.Parallel(BT, K):
                     ks[i, d] = T.if_then_else(i < L, k[T.min(t0 + i, N - 1), hk, d], T.cast(0.0, bf16))
+                # the front: dt = clamp(softplus(dt + dt_bias)) (0 past the chunk and for a padding row)
                 for i in T.Parallel(BT):
-                    gl[i] = T.if_then_else(i < L, T.max(g[T.min(t0 + i, N - 1), hv], LOG_DECAY_FLOOR), 0.0)
+                    dv[i] = T.if_then_else(i < L, T.if_then_else(slot >= 0, T.min(T.max(
+                        _softplus(T, dt[T.min(t0 + i, N - 1), hv] + dt_bias[hv]), dt_min), dt_max), 0.0), 0.0)
+                for i in T.Parallel(BT):
+                    gl[i] = T.max(-T.exp(A_log[hv]) * dv[i], LOG_DECAY_FLOOR)
                 if tx < BT:
                     acc[0] = 0.0
                     for j in T.serial(BT):
@@ -316,9 +421,16 @@ def gdn_prefill_states(Hk: int, Hv: int, K: int = 128, V: int = 128, *, BV: int 
                     Gs[tx] = acc[0]
                     if bv == 0 and tx < L:
                         gcum[t0 + tx, hv] = acc[0]
+                        dts[t0 + tx, hv] = dv[tx]
+                # h <- exp(G_last) h + (exp(G_last - G_s) k_s)^T (dt_s x_s)
+                for i in T.Parallel(BT):
+                    wv[i] = dv[i] * T.exp(Gs[L - 1] - Gs[i])
                 for i, j in T.Parallel(BT, BV):
-                    df[i, j] = T.if_then_else(i < L, T.cast(v[T.min(t0 + i, N - 1), hv, v0 + j], f32), 0.0)
-                fold(hf, ks, ds, df, Gs, L)
+                    ds[i, j] = T.cast(T.if_then_else(i < L, T.cast(x[T.min(t0 + i, N - 1), hv, v0 + j], f32), 0.0)
+                                      * wv[i], bf16)
+                for i, j in T.Parallel(K, BV):
+                    hf[i, j] = hf[i, j] * T.exp(Gs[L - 1])
+                T.gemm(ks, ds, hf, transpose_A=True)
             store_state(hf, state, slot, hv, v0)
 
     @T.prim_func
@@ -374,17 +486,32 @@ def gdn_prefill_states(Hk: int, Hv: int, K: int = 128, V: int = 128, *, BV: int 
     return pipelined_states_kernel if stages else gdn_prefill_states_kernel
 
 
-def gdn_prefill_output(Hk: int, Hv: int, K: int = 128, V: int = 128, *, BV: int = 128, threads: int = 128):
+def gdn_prefill_output(Hk: int, Hv: int, K: int = 128, V: int = 128, *, BV: int = 128, threads: int = 128,
+                       delta_rule: bool = True):
     """Per (chunk slot, value head, value tile): o = exp(G) q h + causal(exp(G_t - G_s) q k^T) delta (bf16).
 
     Args: q, k, h, delta, gcum, chunks, o (N, Hv, V).
+    Decay-only (delta_rule=False, Mamba-2): delta_s = dt_s x_s, with dt_s weighing the intra-chunk products,
+    and y = o + D x, neither for a padding row (its sequence on slot -1).
+    Args: q (= C), k (= B), h, x, D (Hv,), gcum, dts, chunks, state_slots, o (= y).
     """
     _check(Hk, Hv, K, V, BV)
     T = _tl()
     N = T.dynamic("num_tokens")
+    B = T.dynamic("batch")
     NC = T.dynamic("chunk_slots")
     r = Hv // Hk
     f32, bf16 = "float32", "bfloat16"
+
+    @T.macro
+    def load_chunk(qs, ks, ds, Gs, q, k, delta, gcum, t0, L, hk, hv, v0):
+        for i, d in T.Parallel(BT, K):
+            qs[i, d] = T.if_then_else(i < L, q[T.min(t0 + i, N - 1), hk, d], T.cast(0.0, bf16))
+            ks[i, d] = T.if_then_else(i < L, k[T.min(t0 + i, N - 1), hk, d], T.cast(0.0, bf16))
+        for i, j in T.Parallel(BT, BV):
+            ds[i, j] = T.if_then_else(i < L, delta[T.min(t0 + i, N - 1), hv, v0 + j], T.cast(0.0, bf16))
+        for i in T.Parallel(BT):
+            Gs[i] = T.if_then_else(i < L, gcum[T.min(t0 + i, N - 1), hv], 0.0)
 
     @T.prim_func
     def gdn_prefill_output_kernel(
@@ -393,7 +520,7 @@ def gdn_prefill_output(Hk: int, Hv: int, K: int = 128, V: int = 128, *, BV: int 
         h: T.Tensor((NC, Hv, K, V), bf16),
         delta: T.Tensor((N, Hv, V), bf16),
         gcum: T.Tensor((N, Hv), f32),
-        chunks: T.Tensor((NC, 2), "int32"),
+        chunks: T.Tensor((NC, CHUNK_FIELDS), "int32"),
         o: T.Tensor((N, Hv, V), bf16),
     ):
         with T.Kernel(NC, Hv, V // BV, threads=threads) as (s, hv, bv):
@@ -410,13 +537,7 @@ def gdn_prefill_output(Hk: int, Hv: int, K: int = 128, V: int = 128, *, BV: int 
             if L > 0:
                 hk = hv // r
                 v0 = bv * BV
-                for i, d in T.Parallel(BT, K):
-                    qs[i, d] = T.if_then_else(i < L, q[T.min(t0 + i, N - 1), hk, d], T.cast(0.0, bf16))
-                    ks[i, d] = T.if_then_else(i < L, k[T.min(t0 + i, N - 1), hk, d], T.cast(0.0, bf16))
-                for i, j in T.Parallel(BT, BV):
-                    ds[i, j] = T.if_then_else(i < L, delta[T.min(t0 + i, N - 1), hv, v0 + j], T.cast(0.0, bf16))
-                for i in T.Parallel(BT):
-                    Gs[i] = T.if_then_else(i < L, gcum[T.min(t0 + i, N - 1), hv], 0.0)
+                load_chunk(qs, ks, ds, Gs, q, k, delta, gcum, t0, L, hk, hv, v0)
                 T.copy(h[s, hv, 0:K, v0:v0 + BV], hs)
                 T.gemm(qs, ks, sc, transpose_B=True, clear_accum=True)
                 T.gemm(qs, hs, of, clear_accum=True)
@@ -429,19 +550,66 @@ def gdn_prefill_output(Hk: int, Hv: int, K: int = 128, V: int = 128, *, BV: int 
                     if i < L:
                         o[t0 + i, hv, v0 + j] = T.cast(of[i, j], bf16)
 
-    return gdn_prefill_output_kernel
+    @T.prim_func
+    def decay_only_output_kernel(
+        q: T.Tensor((N, Hk, K), bf16),
+        k: T.Tensor((N, Hk, K), bf16),
+        h: T.Tensor((NC, Hv, K, V), bf16),
+        x: T.Tensor((N, Hv, V), bf16),
+        D: T.Tensor((Hv,), f32),
+        gcum: T.Tensor((N, Hv), f32),
+        dts: T.Tensor((N, Hv), f32),
+        chunks: T.Tensor((NC, CHUNK_FIELDS), "int32"),
+        state_slots: T.Tensor((B,), "int32"),
+        o: T.Tensor((N, Hv, V), bf16),
+    ):
+        with T.Kernel(NC, Hv, V // BV, threads=threads) as (s, hv, bv):
+            qs = T.alloc_shared((BT, K), bf16)
+            ks = T.alloc_shared((BT, K), bf16)
+            hs = T.alloc_shared((K, BV), bf16)
+            xs = T.alloc_shared((BT, BV), bf16)
+            ps = T.alloc_shared((BT, BT), bf16)
+            Gs = T.alloc_shared((BT,), f32)
+            dv = T.alloc_shared((BT,), f32)
+            sc = T.alloc_fragment((BT, BT), f32)
+            of = T.alloc_fragment((BT, BV), f32)
+            t0 = chunks[s, 0]
+            L = chunks[s, 1]
+            if L > 0:
+                hk = hv // r
+                v0 = bv * BV
+                skip = T.if_then_else(state_slots[chunks[s, 2]] >= 0, D[hv], 0.0)
+                load_chunk(qs, ks, xs, Gs, q, k, x, gcum, t0, L, hk, hv, v0)
+                for i in T.Parallel(BT):
+                    dv[i] = T.if_then_else(i < L, dts[T.min(t0 + i, N - 1), hv], 0.0)
+                T.copy(h[s, hv, 0:K, v0:v0 + BV], hs)
+                T.gemm(qs, ks, sc, transpose_B=True, clear_accum=True)
+                T.gemm(qs, hs, of, clear_accum=True)
+                for i, j in T.Parallel(BT, BT):
+                    ps[i, j] = T.cast(T.if_then_else(i >= j, T.exp(Gs[i] - Gs[j]) * sc[i, j] * dv[j], 0.0), bf16)
+                for i, j in T.Parallel(BT, BV):
+                    of[i, j] = of[i, j] * T.exp(Gs[i])
+                T.gemm(ps, xs, of)
+                for i, j in T.Parallel(BT, BV):
+                    if i < L:
+                        o[t0 + i, hv, v0 + j] = T.cast(of[i, j] + skip * T.cast(xs[i, j], f32), bf16)
+
+    return gdn_prefill_output_kernel if delta_rule else decay_only_output_kernel
 
 
 def gdn_prefill_configs() -> list[dict]:
     """Tunables of the templates, the defaults first. states_BV sets the state pass's grid (V / BV x Hv x B
     blocks, one sequence each): a small BV feeds the SMs when few sequences run (B = 1), a large one
     halves the chunk loads per block when many do; states_stages > 0 pipelines the state pass's chunk
-    loads (gdn_prefill_states' `stages`); output_BV is the output's value tile."""
+    loads (gdn_prefill_states' `stages`); output_BV is the output's value tile; prep_solve how the prep
+    forms Tinv (gdn_prefill_prep's `solve`; "substitution" where a config names none)."""
     first = [{"states_BV": 32, "output_BV": 128}, {"states_BV": 16, "output_BV": 64},
              {"states_BV": 64, "output_BV": 128}]
+    blockwise = [dict(c, prep_solve="blockwise") for c in first]
     rest = [{"states_BV": bv, "output_BV": obv} for bv in (16, 32, 64, 128) for obv in (128, 64)]
     piped = [{"states_BV": bv, "states_stages": 2, "output_BV": 128} for bv in (32, 64, 16)]
-    return first + piped + [c for c in rest if c not in first]
+    piped_blockwise = [dict(c, prep_solve="blockwise") for c in piped[:2]]
+    return first + blockwise + piped + piped_blockwise + [c for c in rest if c not in first]
 
 
 configs = gdn_prefill_configs

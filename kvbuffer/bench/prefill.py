@@ -12,11 +12,11 @@ concatenated, `cu_seqlens`, an initial state per prompt, every final state writt
   (`use_qk_l2norm_in_kernel`, as vLLM and SGLang call it). g and beta are made before all three, as the
   servers make them (fused_gdn_gating).
 - mamba2 (Nemotron-3-Nano heads): "mamba_ssm" on the layer's raw x, dt, A, B, C, D, dt_bias with
-  dt_softplus (seq_idx and cu_seqlens when packed, as vLLM calls it); "kvbuffer" from the same raw
-  inputs (dt = softplus(dt + dt_bias), g = dt A, v = dt x in torch, the kernel, then y += D x);
-  "kvbuffer_kernel" the kernel alone on v and g made beforehand. mamba_ssm 2.3 takes one initial state
-  per batch row, so its packed call starts every prompt but the first from zero: packed Mamba-2 rows
-  start every prompt from zero, for every op; B = 1 starts from a random state.
+  dt_softplus (seq_idx and cu_seqlens when packed, as vLLM calls it); "kvbuffer" on the same raw
+  inputs (its op does the front and the D skip in its kernels; dt made fp32 in the call, as the
+  engine does). mamba_ssm 2.3 takes one initial state per batch row, so its packed call starts every
+  prompt but the first from zero: packed Mamba-2 rows start every prompt from zero, for every op; B = 1
+  starts from a random state.
 
 Method: a correctness gate first: every op against the fp64 chunked reference (kvbuffer.reference
 .chunked with every token folded) on awkward packed lengths and on one long prompt, outputs and final
@@ -24,6 +24,15 @@ states, relative error below kernels.GATE_TOLERANCE. Then every op timed by timi
 inputs in sets rotated past twice the L2 (one set where one alone exceeds it). An op that cannot be
 captured in a CUDA graph is timed eagerly instead (CUDA events around `launches` calls, median of
 `replays`); its row says so.
+
+Breakdown (every row): each launch of kvbuffer's op (chunk table, prep, state pass, output) on its own,
+`launches` calls captured in a CUDA graph, median of `replays`, on set 0's inputs with the workspace one
+whole call filled (so its inputs are not rotated past the L2, unlike the whole op's); and the peers' stages
+where their Python entry calls them by name (FLA's chunk_gated_delta_rule_fwd: cumsum, kkt, solve_tril,
+w/u, fwd_h, fwd_o; mamba_ssm's _mamba_chunk_scan_combined_fwd: chunk cumsum, chunk state, state passing,
+bmm, chunk scan), timed eagerly by CUDA events around each stage's call (launch gaps included), median of
+`replays`; a peer whose stages cannot be found says so. Variants (VARIANTS: the tuner's choices, e.g. the
+blockwise prep solve) run as extra ops "kvbuffer[name=value,...]" in the same run, gated like the others.
 
 Work: the FLOPs of the chunk form's matrix products, per value head and token, with C = 64 tokens per
 chunk (every product counted as if per value head; the triangular solve and the masks not counted):
@@ -66,7 +75,16 @@ CHUNK = 64  # the chunk of the FLOP count (kvbuffer's and FLA's)
 MAMBA_SSM_CHUNK = 128  # Nemotron-3's config chunk_size, which vLLM passes to the scan
 GATE_LENGTHS = {"packed": (1000, 1, 63, 64, 65, 4097, 130, 7), "single": (3001,)}
 DEFAULT_LAUNCHES, DEFAULT_REPLAYS = 4, 10  # each launch is a whole prefill (milliseconds)
-KERNEL_ONLY = "kvbuffer_kernel"  # Mamba-2's kernel alone: its output is the recurrence's, before the D skip
+# our op's tunables timed beside its defaults (built now, like the defaults without an artifact)
+VARIANTS = {"gdn": ({"prep_solve": "blockwise"}, {"states_BV": 64, "states_stages": 2, "prep_solve": "blockwise"}),
+            "mamba2": ({"states_BV": 16},)}
+# the peers' stages, by the names their forward calls them (module globals of the peer's entry point)
+PEER_STAGES = {
+    "fla": ("chunk_local_cumsum", "chunk_scaled_dot_kkt_fwd", "solve_tril", "recompute_w_u_fwd",
+            "chunk_gated_delta_rule_fwd_h", "chunk_fwd_o", "l2norm_fwd"),
+    "mamba_ssm": ("_chunk_cumsum_fwd", "_chunk_state_fwd", "chunk_state_varlen", "_state_passing_fwd",
+                  "_bmm_chunk_fwd", "_chunk_scan_fwd"),
+}
 
 
 def check_lengths(lengths, *, lo: int = 1, hi: int | None = None, option: str = "--prompt-lens") -> tuple[int, ...]:
@@ -93,7 +111,7 @@ class Packed:
 
     def __init__(self, family: str, heads: Mapping, lengths, *, sets: int = 1, zero_states: bool = False,
                  device="cuda", seed: int = 0):
-        from ..reference.gating import gdn_front, l2norm, mamba2_front
+        from ..reference.gating import gdn_front, l2norm
 
         self.family, self.heads, self.lengths, self.sets = family, dict(heads), tuple(lengths), sets
         B, N = len(self.lengths), sum(self.lengths)
@@ -113,8 +131,7 @@ class Packed:
                                         q_unit=l2norm(q.float()).to(torch.bfloat16), g=gate, beta=beta))
             else:
                 x, dt, Bm, Cm, _ = toks  # the gate z stays outside the scan
-                value, gate, _ = mamba2_front(x, dt, *self.params[:2])
-                self.tokens.append(dict(x=x, dt=dt, B=Bm, C=Cm, v=value.to(torch.bfloat16), g=gate))
+                self.tokens.append(dict(x=x, dt=dt, B=Bm, C=Cm))
         self.state = torch.zeros(sets * B, Hv, K, V, device=device)
         if not zero_states:
             self.state.normal_(0.0, 0.1, generator=g)
@@ -136,29 +153,64 @@ class Packed:
         return int(self.N * per_token + 2 * self.window(0).nbytes + self.out.nbytes)
 
 
-def our_kernel(heads: Mapping, *, delta_rule: bool) -> Callable:
+def our_kernel(heads: Mapping, *, delta_rule: bool, tunables: Mapping | None = None) -> Callable:
     """kvbuffer's chunked prefill for one head shape, as the engine loads it (the tuned artifact for the
-    batch, else compiled now with the spec's defaults): run(q, k, v, g, beta, cu_seqlens, state, state_slots,
-    out) -> out (N, Hv, V), each final state written at its slot. The one place this module calls the
-    kernel's lookup, builder and launcher."""
+    batch, else compiled now with the spec's defaults; with `tunables`, compiled now with those): GDN's
+    run(q, k, v, g, beta, cu_seqlens, state, state_slots, out), Mamba-2's run(x, dt, A_log, dt_bias, B, C, D,
+    cu_seqlens, state, state_slots, out) -> out (N, Hv, V), each final state written at its slot;
+    run.launches(*the same arguments) -> [(part, a call of that launch alone)], the workspace allocated;
+    run.load(batch) -> the CompiledOp.
+    The one place this module calls the kernel's lookup, builder and launcher."""
     from ..errors import ArtifactError
     from ..kernels import launch, lookup, prefill
 
     family = "gdn" if delta_rule else "mamba2"
 
     @functools.cache
-    def load(batch: int):
-        key = launch.chunk_prefill_key(family, *_shaped(heads))
-        try:
-            return lookup.kernel_for(key, batch)
-        except ArtifactError:
-            return prefill.build_gdn_chunk_prefill(heads["Hk"], heads["Hv"], heads["K"], heads["V"],
-                                                   delta_rule=delta_rule)
+    def built():  # compiled once, whatever the batch
+        return prefill.build_gdn_chunk_prefill(heads["Hk"], heads["Hv"], heads["K"], heads["V"],
+                                               delta_rule=delta_rule, **(tunables or {}))
 
-    def run(q, k, v, g, beta, cu_seqlens, state, state_slots, out):
-        return prefill.chunk_prefill(load(cu_seqlens.shape[0] - 1), q, k, v, g, beta, cu_seqlens, state,
-                                     state_slots, out, check_values=False)
+    @functools.cache
+    def load(batch: int):
+        if tunables:
+            return built()
+        try:
+            return lookup.kernel_for(launch.chunk_prefill_key(family, *_shaped(heads)), batch)
+        except ArtifactError:
+            return built()
+
+    def run(*args):
+        *tokens, cu_seqlens, state, state_slots, out = args
+        op = load(cu_seqlens.shape[0] - 1)
+        if delta_rule:
+            return prefill.chunk_prefill(op, *tokens, cu_seqlens, state, state_slots, out, check_values=False)
+        return prefill.mamba2_chunk_prefill(op, *tokens, cu_seqlens, state, state_slots, out=out,
+                                            check_values=False)
+
+    def launches(*args):
+        *tokens, cu_seqlens, state, state_slots, out = args
+        op = load(cu_seqlens.shape[0] - 1)
+        parts = prefill.gdn_launches(op, *tokens, cu_seqlens, state, state_slots, out) if delta_rule else \
+            prefill.mamba2_launches(op, *tokens, cu_seqlens, state, state_slots, 0.0, None, out)
+        return [(part, functools.partial(op.fn[part], *part_args)) for part, part_args in parts]
+
+    run.launches, run.load = launches, load
     return run
+
+
+def variant_name(tunables: Mapping) -> str:
+    return "kvbuffer[" + ",".join(f"{k}={v}" for k, v in sorted(tunables.items())) + "]"
+
+
+def our_args(inp: "Packed", s: int) -> tuple:
+    """Our op's arguments for set s (Mamba-2's dt made fp32 here, as the engine does)."""
+    t = inp.tokens[s % inp.sets]
+    rows = (inp.cu, inp.state, inp.slots(s), inp.out)
+    if inp.family == "gdn":
+        return (t["qn"], t["kn"], t["v"], t["g"], t["beta"], *rows)
+    A_log, dt_bias, D = inp.params
+    return (t["x"], t["dt"].float(), A_log, dt_bias, t["B"], t["C"], D, *rows)
 
 
 def _shaped(heads: Mapping) -> tuple:
@@ -193,25 +245,28 @@ def load_peers(family: str) -> tuple[dict, list[str]]:
                                f"(return_varlen_states) when packed, initial_states at B = 1{extra}"]
 
 
-def make_ops(inp: Packed, ours: Callable, peers: Mapping) -> dict:
+def make_ops(inp: Packed, ours: Callable, peers: Mapping, variants: Mapping | None = None) -> dict:
     """{op name: f(set index) -> (output (N, Hv, V), final states (B, Hv, K, V) in kvbuffer's layout, or None
-    where the op wrote them into the pool at the set's slots, as our kernel does)}.
+    where the op wrote them into the pool at the set's slots, as our kernel does)}; `variants` {name: run}
+    are more of ours.
 
     Everything an op's call needs besides its inputs (A = -exp(A_log), seq_idx, mamba_ssm's initial
     states in its (H, P, N) layout) is made here, before any timing."""
+    def kernel(run):
+        def op(s):
+            run(*our_args(inp, s))
+            return inp.out, None
+        return op
+
+    ops = {"kvbuffer": kernel(ours), **{name: kernel(run) for name, run in (variants or {}).items()}}
     if inp.family == "gdn":
-        return _gdn_ops(inp, ours, peers)
-    return _mamba2_ops(inp, ours, peers)
+        return {**ops, **_gdn_ops(inp, peers)}
+    return {**ops, **_mamba2_ops(inp, peers)}
 
 
-def _gdn_ops(inp: Packed, ours, peers) -> dict:
+def _gdn_ops(inp: Packed, peers) -> dict:
     K = inp.heads["K"]
     cu_long = inp.cu.long()
-
-    def kvbuffer(s):
-        t = inp.tokens[s % inp.sets]
-        ours(t["qn"], t["kn"], t["v"], t["g"], t["beta"], inp.cu, inp.state, inp.slots(s), inp.out)
-        return inp.out, None
 
     def fla(fn, raw: bool):
         def run(s):
@@ -223,30 +278,16 @@ def _gdn_ops(inp: Packed, ours, peers) -> dict:
             return o[0], final
         return run
 
-    ops = {"kvbuffer": kvbuffer}
+    ops = {}
     if "fla" in peers:
         ops["fla"] = fla(peers["fla"], raw=False)
         ops["fla_qk_l2norm"] = fla(peers["fla_qk_l2norm"], raw=True)
     return ops
 
 
-def _mamba2_ops(inp: Packed, ours, peers) -> dict:
-    A_log, dt_bias, D = inp.params
-    A = -torch.exp(A_log.float())
-
-    def kernel_only(s):
-        t = inp.tokens[s % inp.sets]
-        ours(t["C"], t["B"], t["v"], t["g"], None, inp.cu, inp.state, inp.slots(s), inp.out)
-        return inp.out, None
-
-    def kvbuffer(s):  # the front and the D skip around the kernel, in torch
-        t = inp.tokens[s % inp.sets]
-        dt = torch.nn.functional.softplus(t["dt"].float() + dt_bias)
-        ours(t["C"], t["B"], (dt[..., None] * t["x"]).to(torch.bfloat16), dt * A, None, inp.cu, inp.state,
-             inp.slots(s), inp.out)
-        return (inp.out + D[:, None] * t["x"]).to(torch.bfloat16), None
-
-    ops = {"kvbuffer": kvbuffer, KERNEL_ONLY: kernel_only}
+def _mamba2_ops(inp: Packed, peers) -> dict:
+    A = -torch.exp(inp.params[0].float())
+    ops = {}
     if "mamba_ssm" in peers:
         ops["mamba_ssm"] = _mamba_ssm_op(inp, peers["mamba_ssm"], A)
     return ops
@@ -294,21 +335,21 @@ def reference(inp: Packed, s: int = 0) -> tuple[torch.Tensor, torch.Tensor, torc
 
 
 def gate(family: str, heads: Mapping, ours: Callable, peers: Mapping, *, device="cuda",
-         cases: Mapping = GATE_LENGTHS) -> dict:
-    """{"op/case/o" and "op/case/state": relative error against the fp64 reference} for every op, on
-    `cases` (outputs poisoned with NaN first; each op from the same starting pool)."""
+         cases: Mapping = GATE_LENGTHS, variants: Mapping | None = None) -> dict:
+    """{"op/case/o" and "op/case/state": relative error against the fp64 reference} for every op (our
+    `variants` too), on `cases` (outputs poisoned with NaN first; each op from the same starting pool)."""
     errors = {}
     for case, lengths in cases.items():
         inp = Packed(family, heads, lengths, zero_states=family == "mamba2" and len(lengths) > 1, device=device,
                      seed=1)
-        want_y, want_core, want_s = reference(inp)
+        want_y, _, want_s = reference(inp)
         start = inp.state.clone()
-        for name, op in make_ops(inp, ours, peers).items():
+        for name, op in make_ops(inp, ours, peers, variants).items():
             inp.state.copy_(start)
             inp.out.fill_(float("nan"))
             o, final = op(0)
             final = inp.state[inp.slots(0).long()] if final is None else final
-            errors[f"{name}/{case}/o"] = common.rel_err(o, want_core if name == KERNEL_ONLY else want_y)
+            errors[f"{name}/{case}/o"] = common.rel_err(o, want_y)
             errors[f"{name}/{case}/state"] = common.rel_err(final, want_s)
     return errors
 
@@ -349,7 +390,7 @@ def kernel_row(family: str, preset: str, heads: Mapping, B: int, P: int, measure
            "us": {op: s * 1e6 for op, s in secs.items()}, "tokens_per_s": {op: tokens / s for op, s in secs.items()},
            "tflops": {op: flops / s / 1e12 for op, s in secs.items()},
            "method": {op: m for op, (_, m) in measured.items()}}
-    row["over_kvbuffer"] = {op: s / secs["kvbuffer"] for op, s in secs.items() if not op.startswith("kvbuffer")}
+    row["over_kvbuffer"] = {op: s / secs["kvbuffer"] for op, s in secs.items() if op != "kvbuffer"}
     return row
 
 
@@ -361,8 +402,10 @@ def new_result(what: str, **fields) -> dict:
 
 def run_kernels(*, families=tuple(FAMILIES), prompt_lens=PROMPT_LENS, batches=BATCHES,
                 launches: int = DEFAULT_LAUNCHES, replays: int = DEFAULT_REPLAYS,
-                on_row: Callable[[dict], None] = lambda result: None) -> dict:
-    """Gate, then time every op at every (family, B, P); returns the result dict."""
+                on_row: Callable[[dict], None] = lambda result: None, variants: Mapping | None = None) -> dict:
+    """Gate, then time every op at every (family, B, P), each launch of ours and each peer's stages too (the
+    row's "breakdown"); `variants` {family: [tunables, ...]} (default VARIANTS) are more of ours, timed in the
+    same run. Returns the result dict."""
     check_lengths(prompt_lens, lo=MIN_LEN, hi=MAX_LEN)
     check_lengths(batches, option="--batches")
     unknown = [f for f in families if f not in FAMILIES]
@@ -380,31 +423,121 @@ def run_kernels(*, families=tuple(FAMILIES), prompt_lens=PROMPT_LENS, batches=BA
         print("\n".join(notes), flush=True)
         result["peers"][family] = notes
         ours = our_kernel(heads, delta_rule=family == "gdn")
-        errors = gate(family, heads, ours, peers)
+        mine = {variant_name(t): our_kernel(heads, delta_rule=family == "gdn", tunables=t)
+                for t in (VARIANTS if variants is None else variants).get(family, ())}
+        mine = _built_variants(mine, result.setdefault("dropped_variants", {}))
+        errors = gate(family, heads, ours, peers, variants=mine)
         print(f"gate {family}: " + " ".join(f"{k}={v:.1e}" for k, v in errors.items()), flush=True)
         result["gate"][family] = errors
-        common.check_gate(errors, preset)
+        for name in [n for n in mine if any(not v < common.GATE_TOLERANCE for k, v in errors.items()
+                                            if k.startswith(n + "/"))]:
+            result["dropped_variants"][name] = "failed the correctness gate"
+            print(f"{name}: dropped, it failed the correctness gate", flush=True)
+            del mine[name]
+        common.check_gate({k: v for k, v in errors.items() if k.split("/")[0] not in result["dropped_variants"]},
+                          preset)
         for B in batches:
             for P in prompt_lens:
-                result["rows"].append(_time_case(family, preset, heads, B, P, ours, peers, launches, replays))
+                result["rows"].append(_time_case(family, preset, heads, B, P, ours, peers, launches, replays, mine))
                 on_row(result)
     return result
 
 
-def _time_case(family, preset, heads, B, P, ours, peers, launches, replays) -> dict:
+def _built_variants(variants: Mapping, dropped: dict) -> dict:
+    """The variants that compile (each built now, once); the others go to `dropped` with their error: a
+    variant that does not build or fails the gate costs its own rows only."""
+    kept = {}
+    for name, run in variants.items():
+        try:
+            run.load(1)
+            kept[name] = run
+        except Exception as e:  # noqa: BLE001 (a template's own error, reported in the result)
+            dropped[name] = f"did not build: {' '.join(str(e).split())[:300]}"
+            print(f"{name}: dropped, it did not build ({dropped[name]})", flush=True)
+    return kept
+
+
+def _time_case(family, preset, heads, B, P, ours, peers, launches, replays, variants=None) -> dict:
     probe = Packed(family, heads, (P,) * B, sets=1, zero_states=family == "mamba2" and B > 1)
     sets = timing.sets_to_exceed(probe.set_bytes(), 2 * timing.l2_bytes(), at_least=1)
     inp = probe if sets == 1 else Packed(family, heads, (P,) * B, sets=sets, zero_states=family == "mamba2" and B > 1)
     del probe
     rotated = sets * inp.set_bytes()
-    measured = {name: time_op(op, inp, rotated, launches=launches, replays=replays)
-                for name, op in make_ops(inp, ours, peers).items()}
+    ops = make_ops(inp, ours, peers, variants)
+    measured = {name: time_op(op, inp, rotated, launches=launches, replays=replays) for name, op in ops.items()}
     row = kernel_row(family, preset, heads, B, P, measured)
     row["rotated_MB"] = round(rotated / 1e6)
+    row["breakdown"] = {name: our_breakdown(run, inp, launches=launches, replays=replays)
+                        for name, run in {"kvbuffer": ours, **(variants or {})}.items()}
+    for peer, fn in peers.items():
+        if peer in PEER_STAGES:
+            row["breakdown"][peer] = peer_breakdown(fn, PEER_STAGES[peer], ops[peer], replays=replays)
     print(f"{family:6s} B={B:2d} P={P:6d} " + " ".join(f"{k}={v / 1e3:.2f}ms" for k, v in row["us"].items()), flush=True)
+    print(breakdown_lines(row), flush=True)
     del inp
     torch.cuda.empty_cache()
     return row
+
+
+def our_breakdown(run: Callable, inp: Packed, *, launches: int, replays: int) -> dict:
+    """{part: µs} of each launch of our op alone (module docstring), in launch order, and their "sum"."""
+    parts = run.launches(*our_args(inp, 0))
+    for _, call in parts:  # the workspace each launch reads, filled in order
+        call()
+    torch.cuda.synchronize()
+    us = {part: timing.graph_median(lambda i, call=call: call(), 1, rotated_bytes=0, launches=launches,
+                                    replays=replays).seconds * 1e6 for part, call in parts}
+    return {**us, "sum": sum(us.values())}
+
+
+def peer_breakdown(fn: Callable, stages: tuple, op: Callable[[int], object], *, replays: int) -> dict | str:
+    """{stage: µs per call of the peer} by CUDA events around each named stage its entry point's module calls
+    (eager: launch gaps included), median of `replays` calls after one warm-up, and their "sum"; a line
+    saying why where no stage is found."""
+    import inspect
+
+    scope = inspect.unwrap(fn).__globals__
+    found = [name for name in stages if callable(scope.get(name))]
+    if not found:
+        return f"not separable: none of {', '.join(stages)} in {scope.get('__name__', '?')}"
+    events: dict[str, list] = {name: [] for name in found}
+    originals = {name: scope[name] for name in found}
+
+    def timed(name, original):
+        def stage(*args, **kwargs):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            out = original(*args, **kwargs)
+            end.record()
+            events[name].append((start, end))
+            return out
+        return stage
+
+    scope.update({name: timed(name, f) for name, f in originals.items()})
+    try:
+        op(0)
+        for name in found:
+            events[name].clear()
+        per_call = {name: [] for name in found}
+        for _ in range(replays):
+            op(0)
+            torch.cuda.synchronize()
+            for name in found:
+                per_call[name].append(sum(a.elapsed_time(b) for a, b in events[name]) * 1e3)
+                events[name].clear()
+    finally:
+        scope.update(originals)
+    us = {name: statistics.median(t) for name, t in per_call.items() if any(t)}
+    return {**us, "sum": sum(us.values())} if us else f"not separable: {', '.join(found)} were not called"
+
+
+def breakdown_lines(row: dict) -> str:
+    """One line per op of a row's breakdown: µs per launch or stage."""
+    lines = []
+    for op, parts in row.get("breakdown", {}).items():
+        body = parts if isinstance(parts, str) else " ".join(f"{k}={v:.1f}" for k, v in parts.items())
+        lines.append(f"  {row['family']:6s} B={row['B']:2d} P={row['P']:6d}  {op:16s} us: {body}")
+    return "\n".join(lines)
 
 
 def kernels_table(result: dict) -> str:
@@ -418,6 +551,10 @@ def kernels_table(result: dict) -> str:
                          + (f"{over:6.2f}" if over is not None else f"{'':6s}")
                          + ("" if r["method"][op] == "graph" else "  (eager)"))
     lines.append("x kvb: the op's time over kvbuffer's (above 1: kvbuffer is faster)")
+    breakdown = [breakdown_lines(r) for r in result["rows"] if r.get("breakdown")]
+    if breakdown:
+        lines += ["per launch (ours: each launch alone in a CUDA graph; peers: CUDA events around each stage)",
+                  *breakdown]
     return "\n".join(lines)
 
 

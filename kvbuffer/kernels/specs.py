@@ -218,22 +218,24 @@ def _linear_specs(family: str, front: tuple, out: str, reference) -> list[Kernel
 
 
 # ----------------------------------------------------------------------------------------------
-# the chunked prefill of packed prompts (tiles/gdn_prefill.py): four launches, three decay-only
+# the chunked prefill of packed prompts (tiles/gdn_prefill.py): four launches, three decay-only (Mamba-2's,
+# from the layer's raw x, dt and parameters: kvbuffer.kernels.prefill.mamba2_chunk_prefill)
 
 
-PREFILL_TUNABLES = ("states_BV", "states_stages", "output_BV", "threads")
+PREFILL_TUNABLES = ("states_BV", "states_stages", "output_BV", "threads", "prep_solve")
+_PREFILL_DEFAULTS = {"states_stages": 0, "threads": 128, "prep_solve": "substitution"}  # where a config names none
 
 
 def prefill_tunables(key: KernelKey, given: dict | None = None) -> dict:
-    """The chunked prefill's tunables for `key`: its defaults (the templates' first config, 128 threads)
-    with `given` over them, each value tile capped at the head's V and halved until it divides V.
+    """The chunked prefill's tunables for `key`: its defaults (the templates' first config over
+    _PREFILL_DEFAULTS) with `given` over them, each value tile capped at the head's V and halved until it divides V.
     Unknown names are a TypeError."""
     unknown = set(given or {}) - set(PREFILL_TUNABLES)
     if unknown:
         raise TypeError(f"unknown chunked prefill tunables {sorted(unknown)}; they are {PREFILL_TUNABLES}")
     t = dict(given or {})
     if set(PREFILL_TUNABLES) - set(t):  # an artifact's are complete: the run time imports no template here
-        t = {"states_stages": 0, "threads": 128, **importlib.import_module(f"{TILES}.gdn_prefill").configs()[0], **t}
+        t = {**_PREFILL_DEFAULTS, **importlib.import_module(f"{TILES}.gdn_prefill").configs()[0], **t}
     V = key.dims.record_fields()["V"]
     return dict(t, states_BV=_dividing_tile(t["states_BV"], V), output_BV=_dividing_tile(t["output_BV"], V))
 
@@ -247,12 +249,12 @@ def _dividing_tile(BV: int, V: int) -> int:
 
 
 def _prefill_configs(family: str) -> Callable[[], list]:
-    """The templates' configs, each complete (so a tuned artifact's tunables are); the decay-only state
-    pass has no pipelined form."""
+    """The templates' configs, each complete (so a tuned artifact's tunables are); the decay-only form has
+    no pipelined state pass and no prep (so no prep solve)."""
     def configs() -> list:
-        found = importlib.import_module(f"{TILES}.gdn_prefill").configs()
-        return [{"states_stages": 0, "threads": 128, **c} for c in found
-                if family == "gdn" or not c.get("states_stages")]
+        found = [{**_PREFILL_DEFAULTS, **c} for c in importlib.import_module(f"{TILES}.gdn_prefill").configs()]
+        return [c for c in found if family == "gdn" or (not c["states_stages"]
+                                                         and c["prep_solve"] == _PREFILL_DEFAULTS["prep_solve"])]
     return configs
 
 
@@ -266,10 +268,10 @@ def _prefill_templates(tiles, key: KernelKey, t: dict) -> dict:
     delta_rule = key.family == "gdn"
     prims = {"chunks": tiles.gdn_prefill_chunks(threads=t["threads"])}
     if delta_rule:
-        prims["prep"] = tiles.gdn_prefill_prep(**dims, threads=t["threads"])
+        prims["prep"] = tiles.gdn_prefill_prep(**dims, threads=t["threads"], solve=t["prep_solve"])
     prims["states"] = tiles.gdn_prefill_states(**dims, BV=t["states_BV"], threads=t["threads"],
                                                stages=t["states_stages"], delta_rule=delta_rule)
-    prims["output"] = tiles.gdn_prefill_output(**dims, BV=t["output_BV"], threads=t["threads"])
+    prims["output"] = tiles.gdn_prefill_output(**dims, BV=t["output_BV"], threads=t["threads"], delta_rule=delta_rule)
     return prims
 
 
@@ -299,7 +301,8 @@ def _prefill_spec(family: str, args: tuple) -> KernelSpec:
 
 
 GDN_CHUNK_PREFILL = _prefill_spec("gdn", ("q", "k", "v", "g", "beta", "cu_seqlens", "state", "state_slots", "o"))
-MAMBA2_CHUNK_PREFILL = _prefill_spec("mamba2", ("C", "B", "value", "g", "cu_seqlens", "state", "state_slots", "o"))
+MAMBA2_CHUNK_PREFILL = _prefill_spec("mamba2", ("x", "dt", "A_log", "dt_bias", "B", "C", "D", "cu_seqlens", "state",
+                                                "state_slots", "y"))  # its front and D skip inside
 
 
 # ----------------------------------------------------------------------------------------------

@@ -10,7 +10,8 @@
     torch.ops.kvbuffer.mamba2_recurrent_step(x, dt, A_log, dt_bias, B, C, D, state, state_slots, z=None) -> y
     torch.ops.kvbuffer.mamba2_buffered_step / mamba2_verify / mamba2_flush / mamba2_recurrent_drafts  (the same)
     torch.ops.kvbuffer.gdn_chunk_prefill(q, k, v, g, beta, cu_seqlens, state, state_slots) -> o (N, Hv, V)
-    torch.ops.kvbuffer.mamba2_chunk_prefill(C, B, value, g, cu_seqlens, state, state_slots) -> o (N, H, P)
+    torch.ops.kvbuffer.mamba2_chunk_prefill(x, dt, A_log, dt_bias, B, C, D, cu_seqlens, state, state_slots,
+                                            dt_min=0.0, dt_max=None) -> y (N, H, P)
     torch.ops.kvbuffer.conv1d_update(x, conv_state, slots, weight, bias=None, kind="advance", silu=True) -> out
     torch.ops.kvbuffer.conv1d_accept(conv_state, slots, accepted, width)
     torch.ops.kvbuffer.attention_decode(q, k_cache, v_cache, slots, cached, scale, context_len=0) -> out
@@ -36,8 +37,9 @@ mixture-of-experts layer at a few tokens, reading only the chosen experts' weigh
 is torch._grouped_mm(x, weight.transpose(1, 2), offs=ends) for rows sorted by expert (int32 ends,
 expert e's rows ending at ends[e]): the same layer at any token count (kvbuffer.reference.experts). The *_chunk_prefill ops run
 the plain recurrence over each sequence of packed prompts (cu_seqlens (B + 1,)) from its state slot
-(zero for -1) after the family's front, and write each final state back (none for -1); they mutate
-`state` (kvbuffer.kernels.prefill states the contract).
+(zero for -1), GDN's after its front, Mamba-2's from the raw x and dt with its front and D skip inside (a
+sequence on slot -1 is padding there: zero outputs), and write each final state back (none for -1); they
+mutate `state` (kvbuffer.kernels.prefill states the contract).
 
 CPU: the pure-torch reference (with its checks). CUDA: kvbuffer.kernels.launch, which looks the
 compiled kernel up (kvbuffer.kernels.lookup: artifact, else JIT when allowed, else ArtifactError)
@@ -196,11 +198,14 @@ def gdn_chunk_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torc
 
 
 @torch.library.custom_op("kvbuffer::mamba2_chunk_prefill", mutates_args=("state",), device_types="cpu")
-def mamba2_chunk_prefill(C: torch.Tensor, B: torch.Tensor, value: torch.Tensor, g: torch.Tensor,
-                         cu_seqlens: torch.Tensor, state: torch.Tensor, state_slots: torch.Tensor) -> torch.Tensor:
-    """prefill.chunk_prefill_reference, decay-only: C, B (N, G, N_state), value = dt * x (N, H, P), g = dt * A
-    (N, H) -> o (N, H, P) before the D skip and the gate; final states written as gdn_chunk_prefill's."""
-    return prefill.chunk_prefill_reference(C, B, value, g, None, cu_seqlens, state, state_slots)
+def mamba2_chunk_prefill(x: torch.Tensor, dt: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor,
+                         B: torch.Tensor, C: torch.Tensor, D: torch.Tensor, cu_seqlens: torch.Tensor,
+                         state: torch.Tensor, state_slots: torch.Tensor, dt_min: float = 0.0,
+                         dt_max: Optional[float] = None) -> torch.Tensor:
+    """prefill.mamba2_chunk_prefill_reference: raw x (N, H, P), dt (N, H), B, C (N, G, N_state), A_log, dt_bias,
+    D (H,) -> y (N, H, P) with the D skip, before the gate; final states written as gdn_chunk_prefill's."""
+    return prefill.mamba2_chunk_prefill_reference(x, dt, A_log, dt_bias, B, C, D, cu_seqlens, state, state_slots,
+                                                  dt_min, dt_max)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -229,8 +234,7 @@ def _meta_checks(name: str, args: dict) -> None:
         return prefill.check_shapes(*(args[n] for n in ("q", "k", "v", "g", "beta", "cu_seqlens", "state",
                                                       "state_slots")), delta_rule=True)
     if name == "mamba2_chunk_prefill":
-        return prefill.check_shapes(*(args[n] for n in ("C", "B", "value", "g")), None,
-                                    *(args[n] for n in ("cu_seqlens", "state", "state_slots")), delta_rule=False)
+        return prefill.check_mamba2_shapes(**args)
     state = args["state"]
     if name.endswith("flush"):
         ref_core.check_flush_shapes(state, args["buf_k"], args["buf_v"], args["buf_g"])
@@ -381,7 +385,7 @@ _BY_NAME = {
 OPS = tuple(_BY_NAME)
 _OUTPUTS = {name: ("x" if name.startswith("mamba2") else "v") for name in OPS}
 _OUTPUTS.update(gdn_flush=None, mamba2_flush=None, conv1d_update="x", conv1d_accept=None, attention_decode="q",
-                gemv=None, gemv_experts=None, grouped_experts=None, mamba2_chunk_prefill="value")
+                gemv=None, gemv_experts=None, grouped_experts=None)
 _PARAMS = {name: tuple(inspect.signature(op._init_fn).parameters.values()) for name, op in _BY_NAME.items()}
 
 
@@ -393,9 +397,22 @@ def _bind(name: str, args: tuple, kwargs: dict) -> dict:
     return bound
 
 
+def mamba2_chunk_prefill_cuda(x, dt, A_log, dt_bias, B, C, D, cu_seqlens, state, state_slots, dt_min: float = 0.0,
+                              dt_max: float | None = None, *, checked: bool = True) -> torch.Tensor:
+    """The CUDA launch of mamba2_chunk_prefill's schema (raw x and dt, the front and D skip inside): the kernel
+    looked up for the arguments' shapes (artifact, else JIT), run on torch's stream; `checked` as
+    kvbuffer.kernels.launch's."""
+    op = launch.kernel_for(launch.chunk_prefill_key("mamba2", B, x), cu_seqlens.shape[0] - 1)
+    return launch._on_torch_stream(prefill.mamba2_chunk_prefill, op, x, dt, A_log, dt_bias, B, C, D, cu_seqlens,
+                                   state, state_slots, dt_min, dt_max, check_values=checked and not launch.capturing())
+
+
+_CUDA_LAUNCHES = {**launch.CUDA_LAUNCHES, "mamba2_chunk_prefill": mamba2_chunk_prefill_cuda}
+
+
 def _checked_launch(name: str):
     """The CUDA implementation of op `name`: the metadata checks (no device reads), then the launch."""
-    launch_fn = launch.CUDA_LAUNCHES[name]
+    launch_fn = _CUDA_LAUNCHES[name]
 
     def cuda_impl(*args, **kwargs):
         _meta_checks(name, _bind(name, args, kwargs))

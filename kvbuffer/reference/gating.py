@@ -54,11 +54,13 @@ def _biased(x, bias, dtype):
     return (x if widens else x.to(dtype)) + bias.to(dtype)
 
 
-def mamba2_front(x, dt, A_log, dt_bias, dtype=torch.float32):
+def mamba2_front(x, dt, A_log, dt_bias, dtype=torch.float32, dt_limits=None):
     """Nemotron-H Mamba-2 discretisation: returns (value, g, dt) in `dtype`.
 
     x: (..., H, P); dt: (..., H) raw; A_log, dt_bias: (H,). dt = softplus(dt + dt_bias),
     value = dt * x (the token's contribution to the state), g = dt * A with A = -exp(A_log).
+    `dt_limits` (lo, hi or None): dt clamped to [lo, hi] after the softplus (mamba_ssm's dt_limit);
+    None: no clamp.
 
     kvbuffer applies no dt floor: transformers clamps dt to `time_step_min` only in its chunked
     prefill path, not in single-token decode, and mamba_ssm and vLLM apply none in decode. One rule
@@ -66,6 +68,8 @@ def mamba2_front(x, dt, A_log, dt_bias, dtype=torch.float32):
     """
     _floats(x=x, dt=dt, A_log=A_log, dt_bias=dt_bias)
     dt = F.softplus(dt.to(dtype) + dt_bias.to(dtype))
+    if dt_limits is not None:
+        dt = dt.clamp(min=dt_limits[0], max=dt_limits[1])
     value = dt[..., None] * x.to(dtype)
     g = dt * -torch.exp(A_log.to(dtype))
     return value, g, dt

@@ -24,7 +24,7 @@ from typing import NamedTuple, Union
 import torch
 
 from ..errors import ArtifactError
-from ..kernels import autobuild, launch, lookup, specs
+from ..kernels import autobuild, launch, lookup, specs, torch_ops
 from ..kernels import prefill as prefill_kernels
 from ..kernels.keys import (
     ATTENTION_HEAD_DIMS,
@@ -45,6 +45,9 @@ from ..reference import mamba2 as ref_mamba2
 
 log = logging.getLogger("kvbuffer")
 _OPS = {"gdn": launch.GDN_OPS, "mamba2": launch.MAMBA2_OPS}  # a linear family's ops, by its inputs' family
+# Mamba-2's chunked prefill takes the raw x and dt (its front and D skip inside): its own launch
+MAMBA2_CHUNK_PREFILL = launch.EngineOp(torch_ops.mamba2_chunk_prefill_cuda,
+                                       lambda: torch.ops.kvbuffer.mamba2_chunk_prefill)
 
 
 class GDNInputs(NamedTuple):
@@ -247,29 +250,27 @@ class KernelBackend(ReferenceBackend):
         return outs
 
     def _fold_prompt(self, inputs: LinearInputs, state, state_slots, slots, act_dtype: torch.dtype):
-        """The chunked prefill of every row's P tokens from its state slot, after the family's front in
-        torch, packed (on CUDA: bf16 activations, fp32 gates; on the CPU: `act_dtype` and the state's dtype).
-        Padding rows (slot -1, state slot -1: the engine's) start from zero, write no state and give zeros.
-        Returns (B, P, Hv, V)."""
+        """The chunked prefill of every row's P tokens from its state slot, packed (on CUDA: bf16 activations,
+        fp32 gates; on the CPU: `act_dtype` and the state's dtype). GDN's front runs in torch first; Mamba-2's
+        op takes the raw x and dt and does its front and D skip itself. Padding rows (slot -1, state slot -1:
+        the engine's) start from zero, write no state and give zeros. Returns (B, P, Hv, V)."""
         like = getattr(inputs, inputs.output_like)
         B, P = like.shape[:2]
         act = torch.bfloat16 if state.is_cuda else act_dtype
         cu = torch.arange(0, (B + 1) * P, P, dtype=torch.int32, device=state.device)
         rows = state_slots.to(torch.int32)
-        real = slots >= 0  # a padding row's fronts make its outputs zero (its q, or its values and D skip)
+        pack = lambda t, dtype=act: t.reshape(B * P, *t.shape[2:]).to(dtype).contiguous()  # noqa: E731
         if inputs.family == "gdn":
+            real = slots >= 0  # a padding row's front makes its outputs zero (its q)
             q, k, g, beta = ref_gating.gdn_prompt_front(inputs.q, inputs.k, inputs.a, inputs.b, inputs.A_log,
                                                         inputs.dt_bias, act, state.dtype, real)
-            v = inputs.v.reshape(B * P, *like.shape[2:]).to(act).contiguous()
-            o = _OPS["gdn"].chunk_prefill(q, k, v, g, beta, cu, state, rows).view(like.shape)
-        else:
-            value, g = ref_gating.mamba2_prompt_front(inputs.x, inputs.dt, inputs.A_log, inputs.dt_bias, act,
-                                                      state.dtype, real)
-            pack = lambda t: t.reshape(B * P, *t.shape[2:]).to(act).contiguous()  # noqa: E731
-            o = _OPS["mamba2"].chunk_prefill(pack(inputs.C), pack(inputs.B), value, g, cu, state, rows)
-            skip = inputs.D.to(state.dtype) * real.view(B, 1)  # (B, H)
-            o = torch.mul(inputs.x, skip.view(B, 1, -1, 1)).add_(o.view(like.shape))
-        return o.to(out_dtype(inputs))
+            o = _OPS["gdn"].chunk_prefill(q, k, pack(inputs.v), g, beta, cu, state, rows)
+        else:  # a padding row's state slot is -1: the op gives it zeros
+            param = lambda t: t.to(state.dtype).contiguous()  # noqa: E731  (fp32 already: no copy)
+            o = MAMBA2_CHUNK_PREFILL(pack(inputs.x), pack(inputs.dt, state.dtype), param(inputs.A_log),
+                                     param(inputs.dt_bias), pack(inputs.B), pack(inputs.C), param(inputs.D), cu, state,
+                                     rows)
+        return o.view(like.shape).to(out_dtype(inputs))
 
     def _chunk_prefill_runs(self, inputs: LinearInputs, state) -> bool:
         """Whether the chunked prefill serves these inputs: on the CPU always (its op is the reference);

@@ -95,9 +95,16 @@ def _prefill32(q, k, v, g, beta, cu, state, slots):
     return o
 
 
-def our_standin(q, k, v, g, beta, cu_seqlens, state, state_slots, out):
-    """Our kernel's contract (kvbuffer.kernels.prefill) on the CPU."""
-    return out.copy_(_prefill32(q, k, v, g, beta, cu_seqlens, state, state_slots))
+def our_standin(*args):
+    """Our kernel's contract (kvbuffer.kernels.prefill) on the CPU: GDN's after its front, Mamba-2's from the
+    raw inputs (its front and D skip inside)."""
+    *tokens, cu_seqlens, state, state_slots, out = args
+    if len(tokens) == 5:
+        return out.copy_(_prefill32(*tokens, cu_seqlens, state, state_slots))
+    x, dt, A_log, dt_bias, B, C, D = tokens
+    dtv = F.softplus(dt.float() + dt_bias)
+    o = _prefill32(C, B, dtv[..., None] * x.float(), dtv * -A_log.exp(), None, cu_seqlens, state, state_slots)
+    return out.copy_(o + D[:, None] * x.float())
 
 
 def fla_standin(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False, cu_seqlens=None,
@@ -135,7 +142,7 @@ def scan_standin(x, dt, A, B, C, chunk_size, D=None, dt_bias=None, dt_softplus=F
                                            ("mamba2", {"mamba_ssm": scan_standin})], ids=["gdn", "mamba2"])
 def test_gate_passes_every_op_that_keeps_the_contract(family, peers):
     errors = prefill.gate(family, HEADS[family], our_standin, peers, device="cpu", cases=CASES)
-    ops = {"gdn": ("kvbuffer", "fla", "fla_qk_l2norm"), "mamba2": ("kvbuffer", "kvbuffer_kernel", "mamba_ssm")}
+    ops = {"gdn": ("kvbuffer", "fla", "fla_qk_l2norm"), "mamba2": ("kvbuffer", "mamba_ssm")}
     assert set(errors) == {f"{op}/{case}/{what}" for op in ops[family] for case in CASES for what in ("o", "state")}
     common.check_gate(errors, family)
     assert max(errors.values()) < 1e-2
@@ -209,3 +216,80 @@ def test_kernels_reject_bad_lengths_before_anything_else(monkeypatch):
         prefill.run_kernels(prompt_lens=(256,))
     with pytest.raises(ValueError, match="--families"):
         prefill.run_kernels(families=("rwkv",))
+
+
+class _Event:
+    """A CUDA event stand-in on a fake clock: each record() reads the clock (ms)."""
+
+    clock = [0.0]
+
+    def __init__(self, enable_timing=False):
+        self.at = None
+
+    def record(self):
+        self.at = _Event.clock[0]
+
+    def elapsed_time(self, end):
+        return end.at - self.at
+
+
+def _peer_entry():
+    """A peer's entry point whose module-level stages advance the fake clock by known times (ms)."""
+    def stage_a(x):
+        _Event.clock[0] += 2.0
+        return x + 1
+
+    def stage_b(x):
+        _Event.clock[0] += 0.5
+        return x * 2
+
+    scope = {"__name__": "peer.module", "stage_a": stage_a, "stage_b": stage_b}
+    exec("def entry(x):\n    return stage_b(stage_a(x)) + stage_b(x)\n", scope)
+    return scope["entry"]
+
+
+def test_peer_breakdown_times_each_named_stage_and_restores_them(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "Event", _Event)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
+    entry = _peer_entry()
+    before = dict(entry.__globals__)
+    got = prefill.peer_breakdown(entry, ("stage_a", "stage_b", "absent"), lambda s: entry(3), replays=3)
+    assert got == pytest.approx({"stage_a": 2000.0, "stage_b": 1000.0, "sum": 3000.0})  # µs; stage_b twice a call
+    assert entry.__globals__["stage_a"] is before["stage_a"] and entry.__globals__["stage_b"] is before["stage_b"]
+    assert prefill.peer_breakdown(entry, ("nothing",), lambda s: entry(3), replays=1).startswith("not separable")
+
+
+def test_breakdown_shows_in_the_table():
+    heads = HEADS["mamba2"]
+    row = prefill.kernel_row("mamba2", "nemotron-3-nano", heads, 1, 4096,
+                             {"kvbuffer": (1e-3, "graph"), "kvbuffer[states_BV=16]": (2e-3, "graph")})
+    assert row["over_kvbuffer"] == pytest.approx({"kvbuffer[states_BV=16]": 2.0})
+    row["breakdown"] = {"kvbuffer": {"chunks": 3.0, "states": 500.0, "output": 400.0, "sum": 903.0},
+                        "mamba_ssm": "not separable: none of _chunk_scan_fwd in m"}
+    result = prefill.new_result("kernels", timing="cuda-graph")
+    result["rows"].append(row)
+    table = prefill.kernels_table(result)
+    assert "states=500.0" in table and "not separable" in table
+    assert prefill.variant_name({"states_BV": 16, "prep_solve": "blockwise"}) == \
+        "kvbuffer[prep_solve=blockwise,states_BV=16]"
+
+
+def test_gate_runs_our_variants_beside_the_default():
+    errors = prefill.gate("mamba2", HEADS["mamba2"], our_standin, {}, device="cpu", cases=CASES,
+                          variants={"kvbuffer[states_BV=16]": our_standin})
+    assert {k.split("/")[0] for k in errors} == {"kvbuffer", "kvbuffer[states_BV=16]"}
+    assert max(errors.values()) < 1e-2
+
+
+def test_a_variant_that_does_not_build_is_dropped_alone():
+    def good(*args):
+        return our_standin(*args)
+
+    def bad(*args):
+        raise AssertionError("never run")
+
+    good.load = lambda batch: object()
+    bad.load = lambda batch: (_ for _ in ()).throw(ValueError("BV=48 must divide V"))
+    dropped = {}
+    kept = prefill._built_variants({"kvbuffer[a=1]": good, "kvbuffer[b=2]": bad}, dropped)
+    assert list(kept) == ["kvbuffer[a=1]"] and dropped["kvbuffer[b=2]"].startswith("did not build: BV=48")

@@ -4,7 +4,10 @@ Awkward lengths (1, 63, 64, 65, 1000, 10007 and packed batches of mixed lengths,
 them), random non-zero starting states, decays from slow to fast across the heads. Outputs are poisoned
 with NaN before the kernel runs; pool slots outside the batch must come back bit-exact; a slot -1
 sequence starts from zero and writes no state. FLA's naive recurrence checks the fp64 reference itself.
-The decay-only form (Mamba-2) runs at Nemotron-3 Nano's shape and a small one; the custom ops launch both.
+The decay-only form (Mamba-2, its front and D skip inside: raw x and dt in, dt limits) runs at Nemotron-3
+Nano's shape and a small one against its fp64 reference (kvbuffer.kernels.prefill.mamba2_chunk_prefill_reference,
+itself checked against the recurrence on the CPU), a slot -1 sequence a padding row (zero outputs); the
+custom ops launch both.
 Errors are relative Frobenius norms (tests.support.gdn_cases.rel_err), recorded by gdn_cases.record.
 """
 
@@ -16,7 +19,12 @@ import zlib
 import pytest
 import torch
 
-from kvbuffer.kernels.prefill import build_gdn_chunk_prefill, chunk_prefill
+from kvbuffer.kernels.prefill import (
+    build_gdn_chunk_prefill,
+    chunk_prefill,
+    mamba2_chunk_prefill,
+    mamba2_chunk_prefill_reference,
+)
 from kvbuffer.reference.core import clamp_log_decay
 
 from tests.support.gdn_cases import bits_equal, record, rel_err
@@ -111,37 +119,78 @@ DECAY_ONLY_LENGTHS = {**{c: LENGTHS[c] for c in ("len1", "len63", "len64", "len6
                       "three": [1000, 63, 65], "mixed": LENGTHS["mixed"]}
 
 
+def mamba2_inputs(lengths, G, H, N, P, *, slots, num_slots, gen):
+    """Packed raw x, dt, A_log, dt_bias, B, C, D (the layer's, as the engine hands them over), cu_seqlens, a
+    state pool and the rows' slots."""
+    T = sum(lengths)
+    dev = "cuda"
+    rn = lambda *s: torch.randn(*s, generator=gen, device=dev)  # noqa: E731
+    x, Bm, Cm = (0.5 * rn(T, H, P)).bfloat16(), (0.3 * rn(T, G, N)).bfloat16(), (0.3 * rn(T, G, N)).bfloat16()
+    A_log = torch.linspace(-2.0, 2.5, H, device=dev)  # slow to fast decay across the heads
+    cu = torch.tensor([0] + list(torch.tensor(lengths).cumsum(0).tolist()), dtype=torch.int32, device=dev)
+    return ((x, rn(T, H) - 1.0, A_log, 0.5 * rn(H), Bm, Cm, rn(H)), cu, rn(num_slots, H, N, P) * 0.1,
+            torch.tensor(slots, dtype=torch.int32, device=dev))
+
+
 @pytest.mark.parametrize("start", ["existing", "fresh"])
 @pytest.mark.parametrize("heads", DECAY_ONLY_HEADS)
 @pytest.mark.parametrize("case", DECAY_ONLY_LENGTHS)
-def test_decay_only_prefill_matches_fp64_recurrence(case, heads, start):
-    """The decay-only form (Mamba-2's SSD): values folded as they are; from existing states, or from zeroed
-    ones (a fresh request), the last sequence of a packed batch on slot -1."""
-    Hk, Hv, K, V = DECAY_ONLY_HEADS[heads]
+def test_decay_only_prefill_matches_fp64_reference(case, heads, start):
+    """The decay-only form (Mamba-2's SSD) from the layer's raw inputs: from existing states, or from zeroed
+    ones (a fresh request), the last sequence of a packed batch on slot -1 (a padding row: zeros)."""
+    G, H, N, P = DECAY_ONLY_HEADS[heads]
     lengths = DECAY_ONLY_LENGTHS[case]
     B = len(lengths)
     gen = torch.Generator(device="cuda").manual_seed(zlib.crc32(f"decay/{case}/{heads}/{start}".encode()))
     slots = list(range(B))
     if B > 1:
         slots[-1] = -1
-    q, k, v, g, _, cu, state, slot_t = inputs(lengths, Hk, Hv, K, V, slots=slots, num_slots=B + 1, gen=gen,
-                                              delta_rule=False)
+    tokens, cu, state, slot_t = mamba2_inputs(lengths, G, H, N, P, slots=slots, num_slots=B + 1, gen=gen)
     if start == "fresh":
         state[:B] = 0
     before = state.clone()
-    o_ref, finals = recurrence64(q, k, v, g, None, cu, before, slot_t)
-    out = torch.full_like(v, float("nan"))
-    o = chunk_prefill(prefill_op(Hk, Hv, K, V, delta_rule=False), q, k, v, g, None, cu, state, slot_t, out=out)
-    err = rel_err(o, o_ref)
+    state64 = state.double()
+    y_ref = mamba2_chunk_prefill_reference(*(t.double() for t in tokens), cu, state64, slot_t)
+    out = torch.full_like(tokens[0], float("nan"))
+    y = mamba2_chunk_prefill(prefill_op(G, H, N, P, delta_rule=False), *tokens, cu, state, slot_t, out=out)
+    err = rel_err(y, y_ref)
     record(f"gdn_prefill/decay_only/{case}/{heads}/{start}/o", err)
     assert err < OUT_TOL, f"output rel err {err:.2e}"
+    if B > 1:
+        assert bits_equal(y[int(cu[-2]):], torch.zeros_like(y[int(cu[-2]):])), "a padding row's outputs"
     real = [i for i in slots if i >= 0]
     if real:
-        s_err = max(rel_err(state[i], finals[i]) for i in real)
+        s_err = max(rel_err(state[i], state64[i]) for i in real)
         record(f"gdn_prefill/decay_only/{case}/{heads}/{start}/state", s_err)
         assert s_err < STATE_TOL, f"state rel err {s_err:.2e}"
     untouched = [s for s in range(state.shape[0]) if s not in real]
     assert bits_equal(state[untouched], before[untouched]), "a slot outside the batch changed"
+
+
+@pytest.mark.parametrize("tunables", [{"states_BV": 16}, {"states_BV": 64, "output_BV": 64}], ids=str)
+def test_decay_only_tunables_agree(tunables):
+    G, H, N, P = DECAY_ONLY_HEADS["nano"]
+    gen = torch.Generator(device="cuda").manual_seed(29)
+    tokens, cu, state, slots = mamba2_inputs([200, 64, 1, 1000, 63], G, H, N, P, slots=[0, 1, 2, 3, -1],
+                                             num_slots=4, gen=gen)
+    state64 = state.double()
+    y_ref = mamba2_chunk_prefill_reference(*(t.double() for t in tokens), cu, state64, slots)
+    y = mamba2_chunk_prefill(prefill_op(G, H, N, P, delta_rule=False, **tunables), *tokens, cu, state, slots)
+    assert rel_err(y, y_ref) < OUT_TOL
+    assert rel_err(state, state64) < STATE_TOL
+
+
+@pytest.mark.parametrize("limits", [(0.0, 0.3), (0.05, None)], ids=str)
+def test_decay_only_dt_limits(limits):
+    """dt_min / dt_max clamp the softplus inside the state pass (the output pass reads the clamped dt)."""
+    G, H, N, P = DECAY_ONLY_HEADS["nano"]
+    gen = torch.Generator(device="cuda").manual_seed(23)
+    tokens, cu, state, slots = mamba2_inputs([300, 65], G, H, N, P, slots=[1, 0], num_slots=2, gen=gen)
+    state64 = state.double()
+    y_ref = mamba2_chunk_prefill_reference(*(t.double() for t in tokens), cu, state64, slots, *limits)
+    y = mamba2_chunk_prefill(prefill_op(G, H, N, P, delta_rule=False), *tokens, cu, state, slots, *limits)
+    assert rel_err(y, y_ref) < OUT_TOL
+    assert rel_err(state, state64) < STATE_TOL
 
 
 @pytest.mark.parametrize("family", ["gdn", "mamba2"])
@@ -150,17 +199,19 @@ def test_custom_ops_launch_the_kernels(family):
     implementation run in fp64 on the same inputs."""
     from kvbuffer import ops
 
-    Hk, Hv, K, V = (16, 32, 128, 128) if family == "gdn" else DECAY_ONLY_HEADS["nano"]
     gen = torch.Generator(device="cuda").manual_seed(11)
-    q, k, v, g, beta, cu, state, slots = inputs([300, 0, 65], Hk, Hv, K, V, slots=[2, 0, -1], num_slots=3,
-                                                gen=gen, delta_rule=family == "gdn")
+    if family == "gdn":
+        q, k, v, g, beta, cu, state, slots = inputs([300, 0, 65], 16, 32, slots=[2, 0, -1], num_slots=3, gen=gen)
+        tokens = (q, k, v, g, beta)
+    else:
+        tokens, cu, state, slots = mamba2_inputs([300, 0, 65], *DECAY_ONLY_HEADS["nano"], slots=[2, 0, -1],
+                                                 num_slots=3, gen=gen)
     state64 = state.double().cpu()
-    cpu = [t.double().cpu() for t in (q, k, v, g)] + ([beta.double().cpu()] if beta is not None else [])
     op = getattr(torch.ops.kvbuffer, f"{family}_chunk_prefill")
-    o_ref = op(*cpu, cu.cpu(), state64, slots.cpu())
+    o_ref = op(*(t.double().cpu() for t in tokens), cu.cpu(), state64, slots.cpu())
     ops.allow_jit(True)
     try:
-        o = op(q, k, v, g, *([beta] if beta is not None else []), cu, state, slots)
+        o = op(*tokens, cu, state, slots)
     finally:
         ops.allow_jit(None)
     assert rel_err(o.cpu(), o_ref) < OUT_TOL
@@ -168,10 +219,12 @@ def test_custom_ops_launch_the_kernels(family):
 
 
 @pytest.mark.parametrize("tunables", [{"states_BV": 64, "output_BV": 64}, {"states_BV": 16},
-                                      {"states_stages": 2}, {"states_BV": 64, "states_stages": 2}], ids=str)
+                                      {"states_stages": 2}, {"states_BV": 64, "states_stages": 2},
+                                      {"prep_solve": "blockwise"},
+                                      {"states_BV": 64, "states_stages": 2, "prep_solve": "blockwise"}], ids=str)
 def test_prefill_tunables_agree(tunables):
-    """Other value tiles of the state pass and the output, and the pipelined state pass, give the same
-    results within rounding."""
+    """Other value tiles of the state pass and the output, the pipelined state pass and the blockwise prep
+    solve give the same results within rounding."""
     gen = torch.Generator(device="cuda").manual_seed(7)
     args = inputs([200, 64, 1, 1000, 63], 16, 32, slots=[0, 1, 2, 3, 4], num_slots=5, gen=gen)
     state0 = args[6].clone()

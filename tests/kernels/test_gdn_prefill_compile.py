@@ -21,13 +21,15 @@ from kvbuffer.tiles import compile_template, gdn_prefill  # noqa: E402
 CASES = {
     "chunks": (gdn_prefill.gdn_prefill_chunks, {}),
     "prep_qwen35_9b": (gdn_prefill.gdn_prefill_prep, dict(Hk=16, Hv=32)),
+    # Tinv blockwise: 16 x 16 diagonal blocks by substitution, merged by four tensor-core products
+    "prep_blockwise_qwen35_9b": (gdn_prefill.gdn_prefill_prep, dict(Hk=16, Hv=32, solve="blockwise")),
     "states_qwen35_9b": (gdn_prefill.gdn_prefill_states, dict(Hk=16, Hv=32)),
     "output_qwen35_9b": (gdn_prefill.gdn_prefill_output, dict(Hk=16, Hv=32)),
     # the state pass with its chunk loads pipelined (TMA loads from a producer warpgroup)
     "states_pipelined_qwen35_9b": (gdn_prefill.gdn_prefill_states, dict(Hk=16, Hv=32, stages=2)),
     # the decay-only form at Nemotron-3 Nano's shape (8 groups, 64 heads, state 128, head dim 64)
     "states_decay_only_nano": (gdn_prefill.gdn_prefill_states, dict(Hk=8, Hv=64, K=128, V=64, delta_rule=False)),
-    "output_nano": (gdn_prefill.gdn_prefill_output, dict(Hk=8, Hv=64, K=128, V=64, BV=64)),
+    "output_nano": (gdn_prefill.gdn_prefill_output, dict(Hk=8, Hv=64, K=128, V=64, BV=64, delta_rule=False)),
 }
 
 
@@ -47,6 +49,7 @@ def test_configs_fit_the_templates():
     for cfg in gdn_prefill.configs():
         gdn_prefill.gdn_prefill_states(16, 32, BV=cfg["states_BV"], stages=cfg.get("states_stages", 0))
         gdn_prefill.gdn_prefill_output(16, 32, BV=cfg["output_BV"])
+        gdn_prefill.gdn_prefill_prep(16, 32, solve=cfg.get("prep_solve", "substitution"))
 
 
 def test_bad_shapes_are_refused():
@@ -56,6 +59,8 @@ def test_bad_shapes_are_refused():
         gdn_prefill.gdn_prefill_prep(16, 24)
     with pytest.raises(ValueError, match="stages"):
         gdn_prefill.gdn_prefill_states(8, 64, 128, 64, stages=2, delta_rule=False)
+    with pytest.raises(ValueError, match="solve"):
+        gdn_prefill.gdn_prefill_prep(16, 32, solve="cholesky")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -110,13 +115,16 @@ def test_prefill_tunables():
     """Defaults are the templates' first config; value tiles fit the head's V; unknown names are refused."""
     gdn, nano = SPEC_SHAPES["gdn_qwen35_9b"][0], SPEC_SHAPES["mamba2_nano"][0]
     first = gdn_prefill.configs()[0]
-    assert specs.prefill_tunables(gdn) == dict(first, states_stages=0, threads=128)
+    assert specs.prefill_tunables(gdn) == dict(first, states_stages=0, threads=128, prep_solve="substitution")
     assert specs.prefill_tunables(nano)["output_BV"] == 64
     odd = KernelKey("mamba2", "chunk_prefill", Mamba2Dims(2, 4, 64, 48), "bfloat16")
-    assert specs.prefill_tunables(odd) == dict(first, states_stages=0, threads=128, states_BV=16, output_BV=48)
+    assert specs.prefill_tunables(odd) == dict(first, states_stages=0, threads=128, prep_solve="substitution",
+                                               states_BV=16, output_BV=48)
     with pytest.raises(TypeError, match="BV"):
         specs.prefill_tunables(gdn, {"BV": 32})
     assert all(not c.get("states_stages") for c in specs.MAMBA2_CHUNK_PREFILL.configs())
+    assert {c["prep_solve"] for c in specs.MAMBA2_CHUNK_PREFILL.configs()} == {"substitution"}  # no prep
+    assert {c["prep_solve"] for c in specs.GDN_CHUNK_PREFILL.configs()} == {"substitution", "blockwise"}
     assert any(c.get("states_stages") for c in specs.GDN_CHUNK_PREFILL.configs())
 
 
@@ -150,6 +158,6 @@ def test_tune_stores_one_artifact_per_launch_and_the_lookup_joins_them(family, t
 
 
 def test_every_config_is_complete():
-    """A tuned artifact records its config's tunables: each names all four, so loading one needs no defaults."""
+    """A tuned artifact records its config's tunables: each names every one, so loading one needs no defaults."""
     for spec in (specs.GDN_CHUNK_PREFILL, specs.MAMBA2_CHUNK_PREFILL):
         assert all(set(c) == set(specs.PREFILL_TUNABLES) for c in spec.configs())
