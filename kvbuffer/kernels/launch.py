@@ -191,8 +191,12 @@ def gdn_chunk_prefill(q, k, v, g, beta, cu_seqlens, state, state_slots, *, check
     return _chunk_prefill("gdn", q, k, v, g, beta, cu_seqlens, state, state_slots, checked)
 
 
-def mamba2_chunk_prefill(C, B, value, g, cu_seqlens, state, state_slots, *, checked=True):
-    return _chunk_prefill("mamba2", C, B, value, g, None, cu_seqlens, state, state_slots, checked)
+def mamba2_chunk_prefill(x, dt, A_log, dt_bias, B, C, D, cu_seqlens, state, state_slots, dt_min: float = 0.0,
+                         dt_max: float | None = None, *, checked=True):
+    """Mamba-2's takes the layer's raw x and dt: its front and D skip run inside the kernels."""
+    op = kernel_for(chunk_prefill_key("mamba2", B, x), cu_seqlens.shape[0] - 1)
+    return _on_torch_stream(prefill.mamba2_chunk_prefill, op, x, dt, A_log, dt_bias, B, C, D, cu_seqlens, state,
+                            state_slots, dt_min, dt_max, check_values=checked and not capturing())
 
 
 # ----------------------------------------------------------------------------------------------

@@ -397,22 +397,9 @@ def _bind(name: str, args: tuple, kwargs: dict) -> dict:
     return bound
 
 
-def mamba2_chunk_prefill_cuda(x, dt, A_log, dt_bias, B, C, D, cu_seqlens, state, state_slots, dt_min: float = 0.0,
-                              dt_max: float | None = None, *, checked: bool = True) -> torch.Tensor:
-    """The CUDA launch of mamba2_chunk_prefill's schema (raw x and dt, the front and D skip inside): the kernel
-    looked up for the arguments' shapes (artifact, else JIT), run on torch's stream; `checked` as
-    kvbuffer.kernels.launch's."""
-    op = launch.kernel_for(launch.chunk_prefill_key("mamba2", B, x), cu_seqlens.shape[0] - 1)
-    return launch._on_torch_stream(prefill.mamba2_chunk_prefill, op, x, dt, A_log, dt_bias, B, C, D, cu_seqlens,
-                                   state, state_slots, dt_min, dt_max, check_values=checked and not launch.capturing())
-
-
-_CUDA_LAUNCHES = {**launch.CUDA_LAUNCHES, "mamba2_chunk_prefill": mamba2_chunk_prefill_cuda}
-
-
 def _checked_launch(name: str):
     """The CUDA implementation of op `name`: the metadata checks (no device reads), then the launch."""
-    launch_fn = _CUDA_LAUNCHES[name]
+    launch_fn = launch.CUDA_LAUNCHES[name]
 
     def cuda_impl(*args, **kwargs):
         _meta_checks(name, _bind(name, args, kwargs))

@@ -24,7 +24,7 @@ from typing import NamedTuple, Union
 import torch
 
 from ..errors import ArtifactError
-from ..kernels import autobuild, launch, lookup, specs, torch_ops
+from ..kernels import autobuild, launch, lookup, specs
 from ..kernels import prefill as prefill_kernels
 from ..kernels.keys import (
     ATTENTION_HEAD_DIMS,
@@ -45,9 +45,6 @@ from ..reference import mamba2 as ref_mamba2
 
 log = logging.getLogger("kvbuffer")
 _OPS = {"gdn": launch.GDN_OPS, "mamba2": launch.MAMBA2_OPS}  # a linear family's ops, by its inputs' family
-# Mamba-2's chunked prefill takes the raw x and dt (its front and D skip inside): its own launch
-MAMBA2_CHUNK_PREFILL = launch.EngineOp(torch_ops.mamba2_chunk_prefill_cuda,
-                                       lambda: torch.ops.kvbuffer.mamba2_chunk_prefill)
 
 
 class GDNInputs(NamedTuple):
@@ -267,7 +264,7 @@ class KernelBackend(ReferenceBackend):
             o = _OPS["gdn"].chunk_prefill(q, k, pack(inputs.v), g, beta, cu, state, rows)
         else:  # a padding row's state slot is -1: the op gives it zeros
             param = lambda t: t.to(state.dtype).contiguous()  # noqa: E731  (fp32 already: no copy)
-            o = MAMBA2_CHUNK_PREFILL(pack(inputs.x), pack(inputs.dt, state.dtype), param(inputs.A_log),
+            o = launch.MAMBA2_OPS.chunk_prefill(pack(inputs.x), pack(inputs.dt, state.dtype), param(inputs.A_log),
                                      param(inputs.dt_bias), pack(inputs.B), pack(inputs.C), param(inputs.D), cu, state,
                                      rows)
         return o.view(like.shape).to(out_dtype(inputs))

@@ -182,8 +182,8 @@ def test_a_chunk_prefill_index_out_of_range_is_refused_and_writes_nothing(family
                     g=-torch.rand(N, Hv), beta=torch.rand(N, Hv))
     else:
         op = torch.ops.kvbuffer.mamba2_chunk_prefill
-        call.update(C=torch.randn(N, Hk, K), B=torch.randn(N, Hk, K), value=torch.randn(N, Hv, V),
-                    g=-torch.rand(N, Hv))
+        call.update(x=torch.randn(N, Hv, V), dt=torch.randn(N, Hv), A_log=torch.zeros(Hv), dt_bias=torch.zeros(Hv),
+                    B=torch.randn(N, Hk, K), C=torch.randn(N, Hk, K), D=torch.ones(Hv))
     before = call["state"].clone()
     with pytest.raises(KVBufferError):
         op(**call)
