@@ -11,7 +11,6 @@ from kvbuffer import LLM, demo_checkpoint
 from kvbuffer.engine import speculative as engine_speculative
 from kvbuffer.engine.sampling import SamplingParams
 from tests.engine.test_row_errors import PROMPTS, _poison
-from tests.support.hf_models import add_mtp_head, make_hf_model
 from tests.support.pool_slots import all_free
 
 NEW = [6, 12, 14, 12, 7]  # rows 0 and 4 end first: from then on an overlapped engine verifies
@@ -44,6 +43,8 @@ def _run(llm, params):
 
 @pytest.fixture(scope="module")
 def mtp_checkpoint(tmp_path_factory):
+    from tests.support.hf_models import add_mtp_head, make_hf_model  # (transformers: imported where used)
+
     path = tmp_path_factory.mktemp("mtp")
     make_hf_model("qwen3_5_text").save_pretrained(path)
     add_mtp_head(path)
@@ -60,8 +61,8 @@ ENGINES = {
 
 
 @pytest.fixture(scope="module", params=list(ENGINES), ids=list(ENGINES))
-def engine(request, mtp_checkpoint):
-    path = mtp_checkpoint if request.param.startswith("mtp") else str(demo_checkpoint())
+def engine(request):
+    path = request.getfixturevalue("mtp_checkpoint") if request.param.startswith("mtp") else str(demo_checkpoint())
     return LLM(path, device="cpu", max_batch=len(PROMPTS), chunk_size=4, **ENGINES[request.param])
 
 
@@ -120,21 +121,23 @@ def test_inf_logits_in_a_verify_fail_the_row_alone(engine, monkeypatch):
     _fails_alone(engine, clean, faulty, SAMPLED, "NaN or infinite")
 
 
-def test_an_acceptance_that_raises_fails_its_row_alone(engine, monkeypatch):
-    """A fault inside the batched sampled acceptance: each row is accepted again alone (its generator
-    as before the batch), and only the row that raises again fails."""
-    clean = _run(engine, _params("top_k"))
-    accept_sampled = engine_speculative.accept_sampled
-
+def raising_acceptance(accept_sampled):
+    """accept_sampled, but a batch with the marked top_k draws from its generators and then raises."""
     def faulty(logits, drafts, params, generators):
         if any(p.top_k == MARK_TOP_K for p in params):
             for g in generators:  # draws first, as a fault late in the batch would: the retry must not see them
                 if g is not None:
-                    torch.rand(3, generator=g)
+                    torch.rand(3, generator=g, device=g.device)
             raise RuntimeError("injected fault\nsecond line")
         return accept_sampled(logits, drafts, params, generators)
+    return faulty
 
-    monkeypatch.setattr(engine_speculative, "accept_sampled", faulty)
+
+def test_an_acceptance_that_raises_fails_its_row_alone(engine, monkeypatch):
+    """A fault inside the batched sampled acceptance: each row is accepted again alone (its generator
+    as before the batch), and only the row that raises again fails."""
+    clean = _run(engine, _params("top_k"))
+    monkeypatch.setattr(engine_speculative, "accept_sampled", raising_acceptance(engine_speculative.accept_sampled))
     before = _verified(engine)
     out = _run(engine, _params("top_k"))
     monkeypatch.undo()
