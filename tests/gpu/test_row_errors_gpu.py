@@ -34,7 +34,8 @@ def test_an_acceptance_that_raises_fails_its_row_alone_on_cuda(name, monkeypatch
     llm = LLM(str(demo_checkpoint()), device="cuda", max_batch=5, chunk_size=4, cuda_graphs=False,
               **spec.ENGINES[name])
     clean = spec._run(llm, spec._params("top_k"))
-    monkeypatch.setattr(engine_speculative, "accept_sampled", spec.raising_acceptance(engine_speculative.accept_sampled))
+    faulty = spec.raising_acceptance(engine_speculative.accept_sampled)
+    monkeypatch.setattr(engine_speculative, "accept_sampled", faulty)
     out = spec._run(llm, spec._params("top_k"))
     monkeypatch.undo()
     victim = spec.SAMPLED

@@ -150,7 +150,8 @@ def test_completion_fields_are_never_coerced(client, field, value):
 
 @pytest.mark.parametrize("route, body", [
     ("/v1/completions", {"prompt": "The ", "max_tokens": 2, "stream_options": {}}),
-    ("/v1/completions", {"prompt": "The ", "max_tokens": 2, "stream": False, "stream_options": {"include_usage": True}}),
+    ("/v1/completions", {"prompt": "The ", "max_tokens": 2, "stream": False,
+                         "stream_options": {"include_usage": True}}),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2,
                               "stream_options": {"include_usage": False}}),
 ], ids=["absent", "false", "chat"])
