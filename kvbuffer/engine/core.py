@@ -20,7 +20,8 @@ from .outputs import GenerationStats, StepOutput, group_events
 from .overlap import OverlapPipeline, ends_at_length
 from .request import Request
 from .runner import ModelRunner
-from .sampling import NO_TOKEN, NO_TOKEN_ERROR, penalize_requests, pick_rows, token_logprob
+from .sampling import (NO_TOKEN, NO_TOKEN_ERROR, penalize_requests, pick_rows, row_error, rows_alone_on_failure,
+                       token_logprob)
 from .scheduler import Scheduler
 from .speculative import SpeculativeDecoder
 
@@ -45,7 +46,7 @@ class EngineCore:
         self.overlapped = overlap
         self.overlap = OverlapPipeline(runner, self.pick, self.emit)
         self.speculative = None if speculative is None else \
-            SpeculativeDecoder(speculative, drafter, runner, self.generators, self.emit)
+            SpeculativeDecoder(speculative, drafter, runner, self.generators, self.emit, self._row_errors)
         self._fed = speculative.fed if speculative is not None else 1
 
     @property
@@ -212,21 +213,19 @@ class EngineCore:
     def pick(self, logits: torch.Tensor, reqs: list[Request]) -> torch.Tensor:
         """Each request's token from its row of logits (B, V), penalized, on the device (sampling.pick_rows):
         NO_TOKEN where the row has none to pick. Where picking the batch raises, each row is picked
-        alone and a row that raises again gets NO_TOKEN and its error (its neighbours draw again)."""
-        try:
-            return pick_rows(penalize_requests(logits, reqs), [r.params for r in reqs],
-                             [self.generators[r.rid] for r in reqs])
-        except Exception:
-            if len(reqs) == 1:
-                return self._pick_alone(logits, reqs)
-            return torch.cat([self._pick_alone(logits[i:i + 1], [r]) for i, r in enumerate(reqs)])
+        alone (sampling.rows_alone_on_failure) and a row that raises again gets NO_TOKEN and its error."""
+        generators = [self.generators[r.rid] for r in reqs]
 
-    def _pick_alone(self, logits: torch.Tensor, reqs: list[Request]) -> torch.Tensor:
-        try:
-            return pick_rows(penalize_requests(logits, reqs), [reqs[0].params], [self.generators[reqs[0].rid]])
-        except Exception as e:
-            self._row_errors[reqs[0].rid] = f"sampling failed: {type(e).__name__}: {_one_line(e)}"
+        def run(rows: slice) -> torch.Tensor:
+            return pick_rows(penalize_requests(logits[rows], reqs[rows]), [r.params for r in reqs[rows]],
+                             generators[rows])
+
+        def failed(i: int, e: Exception) -> torch.Tensor:
+            self._row_errors[reqs[i].rid] = row_error("sampling", e)
             return torch.full((1,), NO_TOKEN, dtype=torch.long, device=logits.device)
+
+        parts = rows_alone_on_failure(run, len(reqs), generators, failed)
+        return parts[0] if len(parts) == 1 else torch.cat(parts)
 
     def emit(self, req: Request, token: int, logits: torch.Tensor | None = None) -> None:
         """Append a sampled token; `logits` (its row) is read only when req.wants_logits, else may be None.
@@ -234,10 +233,15 @@ class EngineCore:
         if token == NO_TOKEN:
             req.finish_reason, req.error = "error", self._row_errors.pop(req.rid, f"sampling: {NO_TOKEN_ERROR}")
             return
+        try:
+            logprob = token_logprob(logits, token) if req.params.logprobs else None
+            kept = logits.detach().float().cpu() if req.keep_logits else None
+        except Exception as e:  # this row alone: it ends as a row whose pick failed does
+            req.finish_reason, req.error = "error", row_error("recording the token", e)
+            return
         req.output.append(token)
-        if req.keep_logits:
-            req.logits.append(logits.detach().float().cpu())
-        logprob = token_logprob(logits, token) if req.params.logprobs else None
+        if kept is not None:
+            req.logits.append(kept)
         if logprob is not None:
             req.logprobs.append(logprob)
         self._events.append((req.rid, token, logprob))
@@ -245,7 +249,3 @@ class EngineCore:
             req.finish_reason = "stop"
         elif ends_at_length(req, len(req.output), self.runner.spec.max_len):
             req.finish_reason = "length"  # max_new_tokens, or the next token could not be fed within max_len
-
-
-def _one_line(e: BaseException) -> str:
-    return str(e).splitlines()[0] if str(e) else repr(e)

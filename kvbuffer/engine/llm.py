@@ -29,7 +29,7 @@ from .request import Request
 from .runner import ModelRunner
 from .sampling import SamplingParams, seeded_generator
 from .speculative import make_drafter
-from .validate import SEED_LIMIT, check_generate_args, describe, token_ids
+from .validate import SEED_LIMIT, check_generate_args, check_text, describe, token_ids
 
 __all__ = ["LLM", "GenerationOutput", "StepOutput"]
 
@@ -295,6 +295,7 @@ class LLM:
             if isinstance(p, str):
                 if self.tokenizer is None:
                     raise ValueError("text prompts need a tokenizer; pass token ids or a checkpoint with tokenizer files")
+                check_text(p, f"prompt {i}")
                 ids = list(self.tokenizer.encode(p))
             else:
                 ids = token_ids(p, f"prompt {i}", "a string or a list of token ids")

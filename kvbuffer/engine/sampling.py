@@ -185,6 +185,34 @@ def draw(probs: torch.Tensor, generators: list) -> torch.Tensor:
     return out
 
 
+def rows_alone_on_failure(run, count: int, generators: list, failed) -> list:
+    """Row isolation for a batch of `count` rows: [run(slice(0, count))], or, where that raises, each
+    row's run(slice(i, i + 1)) in order, a row that raises alone giving failed(i, error) instead.
+    The seeded generators (None: the default one) are put back as they were before the batch, so
+    a row that does not raise draws what it would have drawn with no failure beside it."""
+    saved = [(g, g.get_state()) for g in generators if g is not None]
+    try:
+        return [run(slice(0, count))]
+    except Exception as e:
+        if count == 1:
+            return [failed(0, e)]
+    for g, state in saved:
+        g.set_state(state)
+    out = []
+    for i in range(count):
+        try:
+            out.append(run(slice(i, i + 1)))
+        except Exception as e:
+            out.append(failed(i, e))
+    return out
+
+
+def row_error(what: str, e: BaseException) -> str:
+    """A failed row's one-line error: what failed, the exception's type and its first line."""
+    text = str(e).splitlines()[0] if str(e) else repr(e)
+    return f"{what} failed: {type(e).__name__}: {text}"
+
+
 def check_drawn(tokens: list[int], names: list[str] | None = None) -> list[int]:
     """tokens as read back from the device, or a RuntimeError naming the first row that got NO_TOKEN
     (`names`: how to call each row, default "row i"). The engine does not call it: it finishes such

@@ -11,7 +11,7 @@ import torch
 from .acceptance import accept_drafts, accept_sampled
 from .config import SpeculativeConfig
 from .drafters import MTPDrafter, NgramDrafter
-from .sampling import greedy_picks, penalize
+from .sampling import NO_TOKEN, greedy_picks, penalize, row_error, rows_alone_on_failure
 from .outputs import DraftStats
 
 
@@ -27,11 +27,13 @@ def make_drafter(config: SpeculativeConfig | None, model, *, max_requests: int, 
 
 class SpeculativeDecoder:
     """Draft + verify steps over `runner`; `emit(request, token, logits row or None)` delivers tokens,
-    `generators` maps a request id to its sampler. `stats` counts drafts proposed, kept and emitted."""
+    `generators` maps a request id to its sampler; a row whose acceptance fails gets NO_TOKEN and its
+    one-line error in `row_errors` (rid -> error, which emit reads). `stats` counts drafts proposed,
+    kept and emitted."""
 
-    def __init__(self, config: SpeculativeConfig, drafter, runner, generators: dict, emit):
+    def __init__(self, config: SpeculativeConfig, drafter, runner, generators: dict, emit, row_errors: dict):
         self.config, self.drafter, self.runner = config, drafter, runner
-        self.generators, self.emit = generators, emit
+        self.generators, self.emit, self.row_errors = generators, emit, row_errors
         self.stats = DraftStats()
 
     def applies(self, running) -> bool:
@@ -71,9 +73,22 @@ class SpeculativeDecoder:
         self.drafter.on_commit(running, hidden, [m + 1 for m in accepted], [[max(t, 0) for t in f] for f in following])
 
     def _accept_on_host(self, running, logits, drafts) -> tuple[list[int], list[list[int]]]:
-        """Each request's kept drafts and the tokens it emits, from the verify's logits (B, T+1, V):
-        greedy rows by one argmax of the batch, sampled rows by one batched acceptance; penalized rows
-        first take their penalties (penalized_verify)."""
+        """Each request's kept drafts and the tokens it emits, from the verify's logits (B, T+1, V)
+        (_accept). Where that raises, each row is accepted alone (sampling.rows_alone_on_failure): a
+        row that raises again keeps no draft and emits NO_TOKEN, and its error goes to row_errors."""
+        def run(rows: slice):
+            return self._accept(running[rows], logits[rows], drafts[rows])
+
+        def failed(i: int, e: Exception):
+            self.row_errors[running[i].rid] = row_error("sampling", e)
+            return [0], [[NO_TOKEN]]
+
+        parts = rows_alone_on_failure(run, len(running), [self.generators[r.rid] for r in running], failed)
+        return [m for ms, _ in parts for m in ms], [f for _, fs in parts for f in fs]
+
+    def _accept(self, running, logits, drafts) -> tuple[list[int], list[list[int]]]:
+        """_accept_on_host for a batch: greedy rows by one argmax, sampled rows by one batched acceptance;
+        penalized rows first take their penalties (penalized_verify)."""
         logits = penalized_verify(running, logits, drafts)
         greedy = [i for i, r in enumerate(running) if r.params.temperature == 0.0]
         sampled = [i for i, r in enumerate(running) if r.params.temperature != 0.0]

@@ -147,6 +147,16 @@ def token_ids(prompt, what: str, expected: str = "a list of token ids") -> list[
     return [int(t) for t in prompt]
 
 
+def check_text(text: str, what: str) -> None:
+    """ValueError naming `what` for a string that UTF-8 cannot hold: a lone surrogate (what a JSON
+    "\\ud800" escape or a broken decode leaves), which no tokenizer can encode."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise ValueError(f"{what} is not valid text: {text[e.start]!r} at index {e.start} is a lone surrogate; "
+                         f"send UTF-8 text or token ids") from None
+
+
 def check_generate_args(*, stop_token_ids, return_logits, on_token, vocab_size: int) -> None:
     """Raise TypeError/ValueError naming the first bad `generate(...)` argument that SamplingParams
     does not check (the prompts are checked as they are encoded)."""

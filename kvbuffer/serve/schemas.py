@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 MAX_N = 16
 
@@ -52,6 +52,12 @@ class _Sampling(_Strict):
             if any(isinstance(s, int) and s < 0 for s in v):
                 raise ValueError("stop token ids must be >= 0")
         return v
+
+    @model_validator(mode="after")
+    def _stream_options_need_a_stream(self):
+        if self.stream_options is not None and not self.stream:
+            raise ValueError("stream_options is only allowed with stream: true")
+        return self
 
     def stop_strings(self) -> list[str]:
         if self.stop is None:

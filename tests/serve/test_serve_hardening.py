@@ -148,6 +148,19 @@ def test_completion_fields_are_never_coerced(client, field, value):
     assert err["param"].split(".")[0] == field, err
 
 
+@pytest.mark.parametrize("route, body", [
+    ("/v1/completions", {"prompt": "The ", "max_tokens": 2, "stream_options": {}}),
+    ("/v1/completions", {"prompt": "The ", "max_tokens": 2, "stream": False,
+                         "stream_options": {"include_usage": True}}),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2,
+                              "stream_options": {"include_usage": False}}),
+], ids=["absent", "false", "chat"])
+def test_stream_options_without_a_stream_is_a_400(client, route, body):
+    """As vLLM: options of a stream that is not one are a client's mistake, not something to ignore."""
+    assert "stream_options is only allowed with stream: true" in _error(client.post(route, json=body), 400)["message"]
+    assert client.post(route, json=dict(body, stream=True)).status_code == 200
+
+
 CHAT_COERCED = [("logprobs", 1), ("logprobs", "true"), ("max_completion_tokens", True), ("top_logprobs", False),
                 ("messages", [{"role": "user", "content": 5}]), ("messages", [{"role": "user", "content": None}])]
 
