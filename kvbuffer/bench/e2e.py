@@ -267,10 +267,10 @@ def peers_missing(model) -> str | None:
 
 def replayssm_missing(model, *, chunk_size: int, drafts: int = 0) -> str | None:
     """Why the replayssm rows cannot run for this model, ring length and drafts (None: they can)."""
-    shape = geometry_of(model).linear_shape
-    why = unsupported(shape, chunk_size, drafts + 1)
-    if why is None and load_kernels(_family(model), drafts + 1)[0] is None:
-        why = load_kernels(_family(model), drafts + 1)[1]
+    why = unsupported(geometry_of(model).linear_shape, chunk_size, drafts + 1)
+    if why is None:
+        found, note = load_kernels(_family(model), drafts + 1)
+        why = None if found else note
     return why
 
 

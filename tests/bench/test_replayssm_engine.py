@@ -192,3 +192,28 @@ def test_cli_help_names_the_mode():
     for command in ("decode", "spec"):
         res = CliRunner().invoke(main, ["bench", command, "--help"])
         assert "replayssm" in res.output and "--replayssm-ring" in res.output
+
+
+@pytest.mark.slow  # torch.compile from a cold Inductor cache and the interpreter: minutes on a 2-core CPU
+@pytest.mark.parametrize("drafts", [0, 2], ids=["decode", "verify"])
+def test_compiled_steps_have_no_graph_break(drafts):
+    """Under torch.compile each server kernel call is one custom op: no graph break, the state pool's own
+    layer views reach it (ReplaySSMBackend finds each layer by its place in the pool), the uncompiled tokens."""
+    import torch._dynamo
+    from torch._dynamo.utils import counters
+
+    _kernels_or_skip("qwen3_5", drafts)
+    refs = [(p, o.token_ids) for p, o in zip(PROMPTS, _kvbuffer_run(tiny_model("qwen3_5"), 8, 8))]
+    outs = []
+    with interpreted():
+        for compile_ in (False, True):
+            torch._dynamo.reset()
+            counters.clear()
+            llm = replayssm_llm(tiny_model("qwen3_5"), device="cpu", chunk_size=8, max_batch=4, compile=compile_,
+                                drafts=drafts)
+            if drafts:
+                llm.drafter = ScriptedDrafter(refs, "some", llm.vocab_size)
+            outs.append([o.token_ids for o in llm.generate(PROMPTS, max_new_tokens=5, stop_token_ids=[])])
+            if compile_:
+                assert not counters["graph_break"], dict(counters["graph_break"])
+    assert outs[0] == outs[1] == [c[:5] for _, c in refs]
