@@ -515,6 +515,8 @@ def run(what: str, *, preset: str, device: str = "cuda", dtype=None, out_dir=Non
         result["prompts"] = "lengths prompt_len + i % chunk_size: each step flushes 1/chunk_size of the rows"
     settings = "_" + "-".join(options["settings"]) if "settings" in options else ""  # one file per setting run
     settings += "_sampled" if options.get("temperature") else ""  # beside the greedy run's file
+    bf16_ring = REPLAYSSM in options.get("modes", ()) and options.get("replayssm_ring") == "bfloat16"
+    settings += "_bf16ring" if bf16_ring else ""  # beside the run with SGLang's default ring
     name = f"e2e_{what}{settings}_{preset}" + ("_fp8" if fp8 else "")
     path = results.result_path(out_dir or results.DEFAULT_DIR, name, result)
 

@@ -218,3 +218,13 @@ def test_compiled_steps_have_no_graph_break(drafts):
             if compile_:
                 assert not counters["graph_break"], dict(counters["graph_break"])
     assert outs[0] == outs[1] == [c[:5] for _, c in refs]
+
+
+def test_a_bf16_ring_run_writes_its_own_file(tmp_path, monkeypatch):
+    """Runs with SGLang's two decode ring dtypes land in two files (the second does not overwrite the first)."""
+    monkeypatch.setattr(e2e, "bench_decode", lambda model, **options: [])
+    for ring in ("float32", "bfloat16"):
+        e2e.run("decode", preset="tiny-qwen", device="cpu", out_dir=tmp_path, batches=(1,), modes=("replayssm",),
+                replayssm_ring=ring)
+    names = sorted(p.name.split("_20")[0] for p in tmp_path.glob("*.json"))
+    assert names == ["e2e_decode_bf16ring_tiny-qwen", "e2e_decode_tiny-qwen"]
