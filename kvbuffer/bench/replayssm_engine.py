@@ -221,16 +221,16 @@ class ReplaySSMBackend:
         """kvbuffer's prefill of every row's whole prompt piece into its checkpoint (the module's
         docstring); the engine's buffers serve as scratch. Capturable: nothing is read back."""
         B, T = getattr(inputs, inputs.output_like).shape[:2]
-        real = slots >= 0
-        rows = torch.where(real, torch.arange(B, dtype=torch.int32, device=slots.device), NULL)
+        kept = state_slots >= 0  # padding rows (and prompts too short for a state: refused) write nothing
+        rows = torch.where(kept, torch.arange(B, dtype=torch.int32, device=slots.device), NULL)
         at = state_slots.clamp(min=0).long()
         major = _value_major(state)
         scratch = major[at].transpose(-1, -2).contiguous()  # (B, Hv, K, V): kvbuffer's layout
         o = self.base.prefill(inputs, scratch, rows, buf, slots, 0, flush_at)
         if T % flush_at:  # the remainder buffered by the prefill: folded too
             self.base.flush(inputs.family, scratch, rows, buf, slots, torch.full_like(slots, T % flush_at))
-        put_rows(major, (at,), scratch.transpose(-1, -2), real)
-        self._empty_rings(self._layer(state), state_slots, slots, real)
+        put_rows(major, (at,), scratch.transpose(-1, -2), kept)
+        self._empty_rings(self._layer(state), state_slots, slots, kept)
         return o
 
     # helpers -------------------------------------------------------------------------------------
@@ -242,17 +242,17 @@ class ReplaySSMBackend:
             raise ValueError("replayssm: the state passed is not a layer of the engine's state pool")
         return layer
 
-    def _empty_rings(self, layer: int, state_slots, slots, real) -> None:
-        """The rows' ring entries zeroed in `layer`; speculative cursors to 0 (decode: the engine's fill)."""
+    def _empty_rings(self, layer: int, state_slots, slots, kept) -> None:
+        """The kept rows' ring entries zeroed in `layer`; speculative cursors to 0 (decode: the engine's fill)."""
         keyed = slots if self.fed > 1 and self.family == "gdn" else state_slots
         at = keyed.clamp(min=0).long()
         for ring in self.caches.rings():
             put_rows(ring[layer], (at,), torch.zeros((at.shape[0], *ring.shape[2:]), dtype=ring.dtype,
-                                                     device=ring.device), real)
+                                                     device=ring.device), kept)
         if self.fed > 1:
             for name in ("write_pos", "cache_base", "is_flush"):
                 t = getattr(self.caches, name)
-                put_rows(t, (at,), torch.zeros(at.shape, dtype=t.dtype, device=t.device), real)
+                put_rows(t, (at,), torch.zeros(at.shape, dtype=t.dtype, device=t.device), kept)
 
     def _step(self, args: list[torch.Tensor], state, state_slots, lengths) -> torch.Tensor:
         layer, c = self._layer(state), self.caches
