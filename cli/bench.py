@@ -104,7 +104,13 @@ def _engine_options(f):
         _fp8_option,
         click.option("--modes", default="kvbuffer,recurrent", show_default=True,
                      help="Engine modes to compare: kvbuffer, recurrent, peers (the recurrent scheme on the "
-                          "servers' kernels: FLA, mamba_ssm)."),
+                          "servers' kernels: FLA, mamba_ssm), replayssm (the servers' ReplaySSM kernels in the "
+                          "engine: SGLang's GDN step, verify and commit, vLLM's Mamba-2 step, on their own rings; "
+                          "from an installed sglang / vllm or a python -m kvbuffer.bench.peer_sources folder on "
+                          "PYTHONPATH)."),
+        click.option("--replayssm-ring", type=click.Choice(["float32", "bfloat16"]), default="float32",
+                     show_default=True, help="replayssm: SGLang's GDN decode ring dtype (float32 is its default; "
+                                             "its speculative rings are bfloat16)."),
         click.option("--prompt-len", default=128, show_default=True, type=click.IntRange(min=1),
                      help="Prompt tokens. decode staggers them over one chunk (prompt-len .. prompt-len + "
                           "chunk-size - 1), so each step flushes 1/chunk-size of the rows, as a server does."),
@@ -119,15 +125,20 @@ def _engine_options(f):
 
 
 def _engine_run(what, preset, fp8, modes, config, out, **options):
-    need_cuda()
     from kvbuffer import presets
     from kvbuffer.bench import e2e
 
+    chosen = tuple(m.strip() for m in modes.split(",") if m.strip())
+    try:
+        e2e.check_modes(chosen, prompt_len=options["prompt_len"], chunk_size=config.chunk_size)
+    except ValueError as e:
+        raise click.BadParameter(str(e), param_hint="--modes") from None
+    need_cuda()
     try:
         presets.get(preset)
     except ValueError as e:
         raise click.BadParameter(str(e), param_hint="--preset") from None
-    e2e.run(what, preset=preset, out_dir=out, modes=tuple(modes.split(",")), chunk_size=config.chunk_size,
+    e2e.run(what, preset=preset, out_dir=out, modes=chosen, chunk_size=config.chunk_size,
             kernels=config.kernels, cuda_graphs=config.cuda_graphs, compile=config.compile, **_fp8_keyword(fp8),
             **options)
 
@@ -147,10 +158,12 @@ def _profile_option(f):
               help="Nucleus mass for the sampled requests.")
 @engine_options("gemv")
 @_profile_option
-def decode(preset, fp8, modes, prompt_len, new_tokens, config, out, batches, temperature, top_p, profile_batch):
+def decode(preset, fp8, modes, replayssm_ring, prompt_len, new_tokens, config, out, batches, temperature, top_p,
+           profile_batch):
     """Decode throughput and step latency, kvbuffer vs the recurrent scheme, random-weight model (the peers
-    row always runs torch's GEMM)."""
+    and replayssm rows always run torch's GEMM)."""
     _engine_run("decode", preset, fp8, modes, config, out, prompt_len=prompt_len, new_tokens=new_tokens,
+                replayssm_ring=replayssm_ring,
                 batches=positive_ints(batches, "--batches"), temperature=temperature, top_p=top_p, gemv=config.gemv,
                 profile_batch=profile_batch)
 
@@ -170,10 +183,11 @@ def decode(preset, fp8, modes, prompt_len, new_tokens, config, out, batches, tem
 @click.option("--max-requests", default=1024, show_default=True, type=click.IntRange(min=1),
               help="Cap on the requests admitted (capacity setting).")
 @_profile_option
-def spec(preset, fp8, modes, prompt_len, new_tokens, config, out, settings, batches, alphas, draft_tokens,
-         memory_budget, max_requests, profile_batch):
+def spec(preset, fp8, modes, replayssm_ring, prompt_len, new_tokens, config, out, settings, batches, alphas,
+         draft_tokens, memory_budget, max_requests, profile_batch):
     """Speculative decoding with a drafter of chosen acceptance: equal batch and under a memory budget."""
     _engine_run("spec", preset, fp8, modes, config, out, prompt_len=prompt_len, new_tokens=new_tokens,
+                replayssm_ring=replayssm_ring,
                 settings=tuple(settings),
                 batches=positive_ints(batches, "--batches"), alphas=numbers(alphas, "--alphas"), drafts=draft_tokens,
                 budget_bytes=int(memory_budget * 2**30), max_requests=max_requests, profile_batch=profile_batch)

@@ -24,7 +24,15 @@ Mode "peers" (kvbuffer.bench.peers) is the recurrent scheme on the kernels today
 (FLA's fused recurrent GDN update, mamba_ssm's selective_state_update; speculative decoding keeps one
 state per fed token): the baseline vLLM and SGLang users have. Where the family's package is
 missing, its rows are skipped with one line; its projections run on torch's GEMM, as the servers'
-do. `compile` is LLM(compile=...): compare "auto" (on CUDA with graphs) against False for the fused
+do. Mode "replayssm" (kvbuffer.bench.replayssm_engine) runs the servers' ReplaySSM kernels inside the
+engine: SGLang's GDN decode step, or its verify and commit with drafts, and vLLM's Mamba-2 decode
+step, on the servers' own layout (value-major checkpoints, rings of length chunk_size, cursors), in
+place, compiled and graphed like the other modes: what a vLLM or SGLang user runs today. Its prompts
+are prefilled by kvbuffer's path into that layout (not the peer's prefill) and must have at least
+chunk_size tokens; `replayssm_ring` is SGLang's decode ring dtype ("float32", its default, or
+"bfloat16"). Where the kernels' modules are not importable, or the heads or drafts are ones they do
+not take (vLLM has no Mamba-2 verify), its rows are one skipped row with the reason.
+`compile` is LLM(compile=...): compare "auto" (on CUDA with graphs) against False for the fused
 step's effect; `gemv` is LLM(gemv=...): compare "auto" against False for the one-row projections'.
 """
 
@@ -43,9 +51,12 @@ from ..models.loader import build_model
 from ..plan import geometry_of, request_spec
 from .drafter import ReferenceDrafter, expected_accepted
 from .peers import PeersBackend, load_peers, reserve_pad_slot
+from .replayssm_engine import RING_DTYPES, load_kernels, replayssm_llm, request_nbytes, unsupported
 
-MODES = ("kvbuffer", "recurrent")  # the default rows; "peers" is the third mode
+MODES = ("kvbuffer", "recurrent")  # the default rows; "peers" and "replayssm" are the others
 PEERS = "peers"
+REPLAYSSM = "replayssm"
+ALL_MODES = MODES + (PEERS, REPLAYSSM)
 ALPHAS = (0.0, 0.5, 0.7, 0.9)
 REFERENCE_BATCH = 256  # the greedy reference runs in batches of at most this many requests
 
@@ -225,8 +236,20 @@ def format_profile(tag: str, prof: dict) -> str:
 # -- decode ----------------------------------------------------------------------------------------
 
 def _scheme(mode: str) -> str:
-    """The engine mode (and planner scheme) a benchmark mode runs: peers is the recurrent scheme."""
-    return "recurrent" if mode == PEERS else mode
+    """The engine mode (and planner scheme) a benchmark mode runs: peers is the recurrent scheme,
+    replayssm runs in kvbuffer mode (kvbuffer.bench.replayssm_engine)."""
+    return {PEERS: "recurrent", REPLAYSSM: "kvbuffer"}.get(mode, mode)
+
+
+def check_modes(modes, *, prompt_len: int, chunk_size: int) -> None:
+    """ValueError, before any model runs, for a mode that is none of ALL_MODES, or replayssm with
+    prompts shorter than its rings (every request needs its state from admission)."""
+    bad = [m for m in modes if m not in ALL_MODES]
+    if bad or not modes:
+        raise ValueError(f"modes must be among {', '.join(ALL_MODES)}, got {', '.join(modes) or 'none'}")
+    if REPLAYSSM in modes and prompt_len < chunk_size:
+        raise ValueError(f"prompt_len must be at least chunk_size ({chunk_size}) for the replayssm mode, got "
+                         f"{prompt_len}")
 
 
 def _family(model) -> str:
@@ -242,8 +265,21 @@ def peers_missing(model) -> str | None:
     return None
 
 
+def replayssm_missing(model, *, chunk_size: int, drafts: int = 0) -> str | None:
+    """Why the replayssm rows cannot run for this model, ring length and drafts (None: they can)."""
+    why = unsupported(geometry_of(model).linear_shape, chunk_size, drafts + 1)
+    if why is None:
+        found, note = load_kernels(_family(model), drafts + 1)
+        why = None if found else note
+    return why
+
+
 def _engine(model, *, device, mode, batch, max_len, chunk_size, kernels, cuda_graphs, compile="auto", drafts=0,
-            gemv="auto"):
+            gemv="auto", replayssm_ring="float32"):
+    if mode == REPLAYSSM:  # torch's GEMM for the projections, as the servers' (and the peers rows)
+        return replayssm_llm(model, drafts=drafts, ring_dtype=RING_DTYPES[replayssm_ring], device=device,
+                             chunk_size=chunk_size, max_batch=batch, max_len=max_len, kernels=kernels,
+                             cuda_graphs=cuda_graphs, compile=compile, gemv=False)
     spec = {"method": "ngram", "num_draft_tokens": drafts} if drafts else None
     states = reserve_pad_slot(batch) if mode == PEERS else None
     llm = LLM(model, device=device, mode=_scheme(mode), chunk_size=chunk_size, max_batch=batch, max_len=max_len,
@@ -254,10 +290,14 @@ def _engine(model, *, device, mode, batch, max_len, chunk_size, kernels, cuda_gr
     return llm
 
 
-def _skipped(mode, model) -> bool:
-    why = peers_missing(model) if mode == PEERS else None
+def _skipped(mode, model, rows: list, *, chunk_size: int, drafts: int = 0) -> bool:
+    """Whether `mode`'s rows are skipped (one line says why; a replayssm skip is also a row with the reason)."""
+    why = peers_missing(model) if mode == PEERS else \
+        replayssm_missing(model, chunk_size=chunk_size, drafts=drafts) if mode == REPLAYSSM else None
     if why:
         print(f"{mode}: rows skipped ({why})", flush=True)
+        if mode == REPLAYSSM:
+            rows.append(dict(mode=mode, skipped=why))
     return bool(why)
 
 
@@ -284,18 +324,21 @@ def _decode_row(llm, prompts, *, device, new_tokens, sampling: dict | None = Non
 
 def bench_decode(model, *, batches, modes=MODES, prompt_len=128, new_tokens=32, chunk_size=DEFAULT_CHUNK_SIZE,
                  device="cuda", kernels="auto", cuda_graphs="auto", compile="auto", profile_batch=0, temperature=0.0,
-                 top_p=1.0, gemv="auto", on_row=lambda rows: None) -> list[dict]:
+                 top_p=1.0, gemv="auto", replayssm_ring="float32", on_row=lambda rows: None) -> list[dict]:
     """Decode rows per batch and mode; temperature > 0 samples every request (unseeded), which is what
     most serving traffic does: its tokens are drawn after each step rather than picked inside it."""
+    check_modes(modes, prompt_len=prompt_len, chunk_size=chunk_size)
+    _check_ring(replayssm_ring)
     sampling = {} if temperature == 0.0 else dict(temperature=temperature, top_p=top_p)
     rows = []
-    modes = [m for m in modes if not _skipped(m, model)]
+    modes = [m for m in modes if not _skipped(m, model, rows, chunk_size=chunk_size)]
     for B in batches:
         prompts = random_prompts(B, prompt_len, model.config.vocab_size, seed=B, spread=chunk_size)
         for mode in modes:
             llm = _engine(model, device=device, mode=mode, batch=B, max_len=prompt_len + chunk_size + new_tokens + 8,
-                          chunk_size=chunk_size, kernels=kernels, cuda_graphs=cuda_graphs, compile=compile, gemv=gemv)
-            row = dict(batch=B, mode=mode, temperature=temperature, top_p=top_p,
+                          chunk_size=chunk_size, kernels=kernels, cuda_graphs=cuda_graphs, compile=compile, gemv=gemv,
+                          replayssm_ring=replayssm_ring)
+            row = dict(batch=B, mode=mode, temperature=temperature, top_p=top_p, **_ring(mode, replayssm_ring),
                        **_decode_row(llm, prompts, device=device, new_tokens=new_tokens, sampling=sampling))
             print(f"decode B={B:4d} {mode:9s} {row['decode_tokens_per_s']:10.1f} tok/s {row['step_ms']:8.2f} ms/step"
                   f" (start-up {row['warmup_s']:.1f} s + first step {row['first_step_s']:.1f} s)", flush=True)
@@ -307,6 +350,16 @@ def bench_decode(model, *, batches, modes=MODES, prompt_len=128, new_tokens=32, 
             release(device)
             on_row(rows)
     return rows
+
+
+def _check_ring(ring: str) -> None:
+    if ring not in RING_DTYPES:
+        raise ValueError(f"replayssm_ring must be one of {', '.join(RING_DTYPES)}, got {ring!r}")
+
+
+def _ring(mode: str, ring: str) -> dict:
+    """The replayssm rows' record of SGLang's decode ring dtype (the Mamba-2 rings are vLLM's own)."""
+    return {"replayssm_ring": ring} if mode == REPLAYSSM else {}
 
 
 # -- speculative -----------------------------------------------------------------------------------
@@ -327,10 +380,16 @@ def greedy_references(model, prompts, *, tokens, device, chunk_size, kernels, cu
 
 
 def admitted_requests(model, *, mode, budget_bytes, context, drafts, chunk_size) -> int:
-    """How many requests the planner admits for `mode` in `budget_bytes` of per-request caches."""
-    spec = request_spec(geometry_of(model), scheme=_scheme(mode), context=context, draft_tokens=drafts,
-                        chunk_size=chunk_size)
-    return int(budget_bytes // sum(spec.nbytes(next(model.parameters()).dtype).values()))
+    """How many requests the planner admits for `mode` in `budget_bytes` of per-request caches. replayssm:
+    the server's caches (states, conv, KV cache, its rings and cursors; not the kvbuffer buffers its
+    engine allocates unused)."""
+    geo = geometry_of(model)
+    spec = request_spec(geo, scheme=_scheme(mode), context=context, draft_tokens=drafts, chunk_size=chunk_size)
+    parts = spec.nbytes(next(model.parameters()).dtype)
+    if mode == REPLAYSSM:
+        parts = {k: v for k, v in parts.items() if not k.startswith("buffer_")}
+        parts["rings"] = request_nbytes(geo.linear_shape, geo.num_linear_layers, chunk_size, drafts + 1)
+    return int(budget_bytes // sum(parts.values()))
 
 
 def _spec_row(llm, prompts, refs, *, alpha, drafts, device, new_tokens, vocab, profile=False) -> dict:
@@ -363,13 +422,16 @@ def _spec_row(llm, prompts, refs, *, alpha, drafts, device, new_tokens, vocab, p
 def bench_spec(model, *, settings=("equal", "capacity"), batches=(1, 16, 64, 256), alphas=ALPHAS, drafts=4,
                budget_bytes=40 * 2**30, max_requests=1024, modes=MODES, prompt_len=128, new_tokens=32,
                chunk_size=DEFAULT_CHUNK_SIZE, device="cuda", kernels="auto", cuda_graphs="auto", compile="auto",
-               profile_batch=0, on_row=lambda rows: None) -> list[dict]:
+               profile_batch=0, replayssm_ring="float32", on_row=lambda rows: None) -> list[dict]:
     """Speculative rows (per setting, batch, alpha and mode) and a plain-decoding row per (batch, mode).
 
     At `profile_batch`, the last alpha's verify steps and the plain decode steps are profiled."""
+    check_modes(modes, prompt_len=prompt_len, chunk_size=chunk_size)
+    _check_ring(replayssm_ring)
     vocab = model.config.vocab_size
     context = prompt_len + new_tokens
-    modes = [m for m in modes if not _skipped(m, model)]
+    rows = []
+    modes = [m for m in modes if not _skipped(m, model, rows, chunk_size=chunk_size, drafts=drafts)]
     plan = {}  # (setting, mode) -> [(batch, planned)]
     if "equal" in settings:
         for mode in modes:
@@ -379,13 +441,15 @@ def bench_spec(model, *, settings=("equal", "capacity"), batches=(1, 16, 64, 256
             n = admitted_requests(model, mode=mode, budget_bytes=budget_bytes, context=context, drafts=drafts,
                                   chunk_size=chunk_size)
             plan[("capacity", mode)] = [(min(n, max_requests), n)]
+    if not plan:  # every mode skipped
+        on_row(rows)
+        return rows
     largest = max(B for runs in plan.values() for B, _ in runs)
     # equal lengths here: the rates are throughputs over whole runs, which count every flush step, and
     # rows that accept different numbers of drafts soon sit at different fills anyway
     prompts = random_prompts(largest, prompt_len, vocab, seed=drafts)
     refs = greedy_references(model, prompts, tokens=new_tokens + drafts + 2, device=device, chunk_size=chunk_size,
                              kernels=kernels, cuda_graphs=cuda_graphs, compile=compile)
-    rows = []
     for (setting, mode), runs in plan.items():
         for B, planned in runs:
             if B < 1:
@@ -393,7 +457,7 @@ def bench_spec(model, *, settings=("equal", "capacity"), batches=(1, 16, 64, 256
                 continue
             mine = prompts[:B]
             common = dict(device=device, mode=mode, batch=B, chunk_size=chunk_size, kernels=kernels,
-                          cuda_graphs=cuda_graphs, compile=compile)
+                          cuda_graphs=cuda_graphs, compile=compile, replayssm_ring=replayssm_ring)
             before = _allocated(device)
             llm = _engine(model, max_len=context + drafts + 1, drafts=drafts, **common)  # the planner's max_len
             cache_gib = (_allocated(device) - before) / 2**30  # what the pools really took
@@ -413,7 +477,8 @@ def bench_spec(model, *, settings=("equal", "capacity"), batches=(1, 16, 64, 256
             release(device)
             llm = _engine(model, max_len=context + 8, **common)
             rows.append(dict(setting=setting, mode=mode, batch=B, planned_requests=planned, admitted=B, alpha=None,
-                             draft_tokens=0, **_decode_row(llm, mine, device=device, new_tokens=new_tokens)))
+                             draft_tokens=0, **_ring(mode, replayssm_ring),
+                             **_decode_row(llm, mine, device=device, new_tokens=new_tokens)))
             if B == profile_batch:
                 rows[-1]["profile"] = profile_steps(llm, mine, device=device)
                 print(format_profile(f"decode B={B} {mode}", rows[-1]["profile"]), flush=True)
@@ -450,6 +515,8 @@ def run(what: str, *, preset: str, device: str = "cuda", dtype=None, out_dir=Non
         result["prompts"] = "lengths prompt_len + i % chunk_size: each step flushes 1/chunk_size of the rows"
     settings = "_" + "-".join(options["settings"]) if "settings" in options else ""  # one file per setting run
     settings += "_sampled" if options.get("temperature") else ""  # beside the greedy run's file
+    bf16_ring = REPLAYSSM in options.get("modes", ()) and options.get("replayssm_ring") == "bfloat16"
+    settings += "_bf16ring" if bf16_ring else ""  # beside the run with SGLang's default ring
     name = f"e2e_{what}{settings}_{preset}" + ("_fp8" if fp8 else "")
     path = results.result_path(out_dir or results.DEFAULT_DIR, name, result)
 
