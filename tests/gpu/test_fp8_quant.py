@@ -140,7 +140,7 @@ def test_blockwise_gemm_with_the_kernel_is_the_torch_paths(M, N, K):
     gen = torch.Generator(device="cuda").manual_seed(M + N + K)
     q, s = quantize(torch.randn(N, K, generator=gen, device="cuda") * K ** -0.5, (128, 128))
     x = _case(M, K, M + N, kind="normal")
-    fused, torch_path = _blockwise(x, q, s, torch.bfloat16), _blockwise(x, q, s, torch.bfloat16, fused=False)
+    fused, torch_path = _blockwise(x, q, s, torch.bfloat16, fused=True), _blockwise(x, q, s, torch.bfloat16, fused=False)
     assert fused.shape == (M, N) and torch.equal(fused, torch_path)
 
 
@@ -195,7 +195,7 @@ def test_timing_of_the_blockwise_gemm(capsys):
     wb = w.bfloat16()
     xs = [_case(M, K, i, kind="normal") for i in range(8)]
     bf16 = _median_us(lambda x: x @ wb.t(), xs)
-    fused = _median_us(lambda x: _blockwise(x, q, s, torch.bfloat16), xs)
+    fused = _median_us(lambda x: _blockwise(x, q, s, torch.bfloat16, fused=True), xs)
     torch_ops = _median_us(lambda x: _blockwise(x, q, s, torch.bfloat16, fused=False), xs)
     with capsys.disabled():
         print(f"\n{torch.cuda.get_device_name()}: {M} x {N} x {K}, bf16 {bf16:.1f} us; block FP8 with the fused "

@@ -53,11 +53,19 @@ def has_nan_bytes(t: torch.Tensor) -> bool:
     return bool(((b & 0x7F) == 0x7F).any())
 
 
-def _blockwise(x2, q, scale, out_dtype, fused: bool = True):
-    """x2 (M, K) bf16 times the (128, 128)-block weight q on torch._scaled_mm. `fused`: x2 quantized by
-    torch.ops.kvbuffer.fp8_quant_act (on CUDA the fused kernel where it loads, else the same torch ops);
-    else by those torch ops directly (the device probe, which must build no kernel). Either way q and
-    its scales come padded to 4 rows, the scales group-major: scale_a is their transpose, column-major."""
+# Whether block-wise GEMMs quantize through torch.ops.kvbuffer.fp8_quant_act by default. Off: on an H100 the
+# fused kernel's q and scales differ from the reference for inputs of more than one row (its tests in
+# tests/gpu/test_fp8_quant.py), so the engine keeps the torch ops until the kernel is exact on the device.
+FUSED_QUANT = False
+
+
+def _blockwise(x2, q, scale, out_dtype, fused: bool | None = None):
+    """x2 (M, K) bf16 times the (128, 128)-block weight q on torch._scaled_mm. `fused` (default
+    FUSED_QUANT): x2 quantized by torch.ops.kvbuffer.fp8_quant_act (on CUDA the fused kernel where it
+    loads, else the same torch ops); else by those torch ops directly (the device probe, which must build
+    no kernel). Either way q and its scales come padded to 4 rows, the scales group-major: scale_a is
+    their transpose, column-major."""
+    fused = FUSED_QUANT if fused is None else fused
     m = x2.shape[0]
     quantize = torch.ops.kvbuffer.fp8_quant_act if fused else quantize_activations_padded
     xq, xs = quantize(x2)
