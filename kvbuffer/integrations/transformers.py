@@ -65,8 +65,14 @@ def _layer_classes() -> dict[type, type]:
             Qwen3NextGatedDeltaNet: BufferedGatedDeltaNet, NemotronHMamba2Mixer: BufferedMamba2Mixer}
 
 
+def _check_model(model) -> None:
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+
+
 def enabled_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
-    """The model's linear-attention layers that decode through kvbuffer."""
+    """The model's linear-attention layers that decode through kvbuffer; TypeError for a non-module."""
+    _check_model(model)
     return [m for m in model.modules() if hasattr(m, CHUNK_ATTRIBUTE)]
 
 
@@ -78,8 +84,7 @@ def enable(model: torch.nn.Module, *, chunk_size: int = 16) -> torch.nn.Module:
     ValueError, naming chunk_size, where one sequence's buffers would not fit in the model device's free
     memory (a batch's buffers are checked again when a generation makes them).
     """
-    if not isinstance(model, torch.nn.Module):
-        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    _check_model(model)
     if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
         raise ValueError(f"chunk_size must be a positive int, got {chunk_size!r}")
     table = _layer_classes()
@@ -98,8 +103,7 @@ def enable(model: torch.nn.Module, *, chunk_size: int = 16) -> torch.nn.Module:
 
 def disable(model: torch.nn.Module) -> torch.nn.Module:
     """Give the layers back their own forward; returns `model`. Fold kept caches first (`fold`)."""
-    if not isinstance(model, torch.nn.Module):
-        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    _check_model(model)
     for module in enabled_layers(model):
         del module.forward
         delattr(module, CHUNK_ATTRIBUTE)

@@ -106,7 +106,13 @@ def buffers_of(cache) -> dict:
 
 
 def fold_cache(cache) -> None:
-    """Fold every layer's pending entries into the cache's states: a plain transformers cache again."""
+    """Fold every layer's pending entries into the cache's states: a plain transformers cache again.
+    TypeError for anything but a transformers `Cache` (nothing is set on it)."""
+    from transformers.cache_utils import Cache
+
+    if not isinstance(cache, Cache):
+        raise TypeError(f"cache must be a transformers Cache (such as generate's past_key_values), "
+                        f"got {type(cache).__name__}")
     for layer in buffers_of(cache).values():
         layer.fold()
     buffers_of(cache).clear()

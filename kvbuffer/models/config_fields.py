@@ -113,6 +113,13 @@ class ConfigFields:
             raise self.error(key, f"a token id or a list of them, each in [0, {vocab_size}) (vocab_size)", value)
         return tuple(items)
 
+    def layer_count(self, n: int, list_key: str) -> None:
+        """`num_hidden_layers`, when given, must be `n`: the length of the layer list `list_key`."""
+        if self.has("num_hidden_layers"):
+            value = self.data["num_hidden_layers"]
+            if not _is_int(value) or value != n:
+                raise self.error("num_hidden_layers", f"{n}, the length of {self._name(list_key)}", value)
+
     def obj(self, key: str) -> "ConfigFields":
         """A nested object (absent or null: an empty one)."""
         return ConfigFields(self.raw(key, {}), self._name(key))

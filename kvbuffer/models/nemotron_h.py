@@ -44,7 +44,8 @@ def _unsupported(message: str):
 
 
 def _layer_types(f: ConfigFields) -> tuple[str, ...]:
-    """`layers_block_type` (or `layer_types`), else `hybrid_override_pattern`, as layer types."""
+    """`layers_block_type` (or `layer_types`), else `hybrid_override_pattern`, as layer types;
+    `num_hidden_layers`, when given, must be their number."""
     key = "layers_block_type" if f.has("layers_block_type") else "layer_types" if f.has("layer_types") else None
     if key is None:
         pattern = f.raw("hybrid_override_pattern")
@@ -53,8 +54,10 @@ def _layer_types(f: ConfigFields) -> tuple[str, ...]:
         bad = sorted(set(pattern) - set(_PATTERN))
         if bad:
             raise _unsupported(f"hybrid_override_pattern has unknown layer characters {bad}")
+        f.layer_count(len(pattern), "hybrid_override_pattern")
         return tuple(_PATTERN[ch] for ch in pattern)
     types = f.str_list(key, set(_PATTERN.values()) | set(_LEGACY))
+    f.layer_count(len(types), key)
     return tuple(_LEGACY.get(t, t) for t in types)
 
 

@@ -19,6 +19,7 @@ from .layers import (GatedMLP, GatedRMSNorm, Linear, PackedLinear, RMSNorm, Soft
 from .mtp import MultiTokenPredictor, mtp_layer_config
 
 MODEL_TYPES = ("qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text", "qwen3_next")
+ACTIVATIONS = ("silu", "swish")  # transformers' names of the SiLU that the MLPs and experts apply
 
 
 @dataclass(frozen=True)
@@ -65,6 +66,8 @@ class Qwen35Config:
         kv_heads = _divisor(text, "num_key_value_heads", n_heads, "num_attention_heads")
         head_dim = text.int("head_dim") if text.has("head_dim") else _derived_head_dim(text, H, n_heads)
         layer_types = text.str_list("layer_types", ("linear_attention", "full_attention"))
+        text.layer_count(len(layer_types), "layer_types")
+        text.choice("hidden_act", ACTIVATIONS, "silu")
         experts = text.int("num_experts", 0, lo=0) if "moe" in top_type or top_type == "qwen3_next" else 0
         eos_fields = text if text.has("eos_token_id") else top
         return cls(

@@ -245,6 +245,22 @@ def test_model_without_linear_layers_is_refused():
         kvb.enable("qwen3.5")
 
 
+@pytest.mark.parametrize("bad", [None, 3, "model", [torch.nn.Linear(2, 2)], make_hf_model],
+                         ids=["None", "int", "str", "list", "function"])
+def test_enabled_layers_takes_a_module(bad):
+    with pytest.raises(TypeError, match="model must be a torch.nn.Module"):
+        kvb.enabled_layers(bad)
+
+
+@pytest.mark.parametrize("bad", [None, 3, "cache", [], torch.nn.Linear(2, 2), make_hf_model],
+                         ids=["None", "int", "str", "list", "module", "function"])
+def test_fold_takes_a_transformers_cache_and_sets_nothing_on_anything_else(bad):
+    before = dict(vars(bad)) if hasattr(bad, "__dict__") else None
+    with pytest.raises(TypeError, match="cache must be a transformers Cache"):
+        kvb.fold(bad)
+    assert (dict(vars(bad)) if hasattr(bad, "__dict__") else None) == before
+
+
 def test_beam_search_is_refused():
     model = tiny_model("qwen3_5_text", torch.float32)
     ids, mask = left_padded([C], seed=8)

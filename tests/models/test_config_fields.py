@@ -47,7 +47,16 @@ BAD = [
     (QWEN, "head_dim", 2 ** 31, "head_dim"),
     (QWEN, "vocab_size", 10 ** 12, "vocab_size"),
     (QWEN, "hidden_size", 2 ** 30, "hidden_size"),  # in range alone, but terabytes of weights: refused unbuilt
+    (QWEN, "hidden_act", "gelu", "hidden_act"),  # the MLPs compute SiLU: a GELU model would run as another
+    (QWEN, "hidden_act", 5, "hidden_act"),
+    (QWEN, "num_hidden_layers", 3, "num_hidden_layers"),  # 4 layer_types
+    (QWEN, "num_hidden_layers", -1, "num_hidden_layers"),
+    (QWEN, "num_hidden_layers", 4.0, "num_hidden_layers"),
+    (QWEN, "num_hidden_layers", "4", "num_hidden_layers"),
     (NEMOTRON, "hidden_size", 0, "hidden_size"),
+    (NEMOTRON, "mlp_hidden_act", "swiglu", "mlp_hidden_act"),
+    (NEMOTRON, "num_hidden_layers", 4, "num_hidden_layers"),  # 5 in layers_block_type
+    (NEMOTRON, "num_hidden_layers", True, "num_hidden_layers"),
     (NEMOTRON, "layer_norm_epsilon", 0, "layer_norm_epsilon"),
     (NEMOTRON, "eos_token_id", 1e9, "eos_token_id"),
     (NEMOTRON, "tie_word_embeddings", "no", "tie_word_embeddings"),
@@ -116,3 +125,18 @@ def test_moe_fields_are_checked_together():
         build_model(dict(routed, topk_group=3))
     with pytest.raises(CheckpointError, match="num_experts_per_tok must be"):
         build_model(dict(routed, topk_group=1, num_experts_per_tok=3))
+
+
+def test_num_hidden_layers_must_count_the_layer_list():
+    assert len(build_model(dict(QWEN, num_hidden_layers=4, hidden_act="silu")).config.layer_types) == 4
+    assert build_model(dict(QWEN, hidden_act="swish")).config.layer_types == tuple(QWEN["layer_types"])
+    text = dict(QWEN, num_hidden_layers=5)
+    with pytest.raises(CheckpointError, match=r"text_config\.num_hidden_layers must be 4, the length of "
+                                              r"text_config\.layer_types, got 5"):
+        build_model({"model_type": "qwen3_5_text", "text_config": text})
+    pattern = {k: v for k, v in NEMOTRON.items() if k != "layers_block_type"}
+    pattern["hybrid_override_pattern"] = "M-*M-"
+    assert len(build_model(dict(pattern, num_hidden_layers=5)).config.layer_types) == 5
+    with pytest.raises(CheckpointError, match="num_hidden_layers must be 5, the length of hybrid_override_pattern"):
+        build_model(dict(pattern, num_hidden_layers=6))
+    assert build_model(dict(NEMOTRON, num_hidden_layers=5, mlp_hidden_act="relu2")).config.mlp_hidden_act == "relu2"
