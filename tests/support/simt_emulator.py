@@ -14,11 +14,16 @@ Blocks run one after another; rsqrtf is exact here (the GPU's is within 2 ulp).
 from __future__ import annotations
 
 import ctypes
+import fcntl
 import hashlib
 import os
 import re
 import subprocess
 import tempfile
+
+# the folder the builds go to when no `workdir` is given (tests/conftest.py sets it to the run's
+# compile-cache folder, which pytest-xdist's workers share)
+EMULATOR_DIR_VARIABLE = "KVBUFFER_TEST_EMULATOR_DIR"
 
 PRELUDE = r"""
 #include <cstdint>
@@ -204,12 +209,24 @@ extern "C" void launch(void** ptrs, int* ints, float* floats, int gx, int gy, in
 """
 
 
+def _build(code: str, so: str) -> None:
+    """Compile `code` into the shared library `so`, written beside it and renamed into place."""
+    src, partial = so[:-3] + ".cpp", so + f".{os.getpid()}.partial"
+    with open(src, "w") as f:
+        f.write(code)
+    r = subprocess.run(["g++", "-O1", "-std=c++20", "-pthread", "-shared", "-fPIC", "-w", "-o", partial, src],
+                       capture_output=True, text=True)
+    if r.returncode:
+        raise RuntimeError(f"emulator build failed:\n{r.stderr[-3000:]}")
+    os.replace(partial, so)
+
+
 class Emulated:
     """A compiled CPU stand-in for one kernel; call with the grid, the block size and named arguments.
 
-    The C++ source and shared library go to `workdir`, named by the source's hash (an existing one is
-    reused); by default the temporary directory, which tests/conftest.py points into pytest's session
-    folder.
+    The C++ source and shared library go to `workdir`, named by the source's hash: an existing one is
+    reused, and one process builds it while the others wait (a lock file beside it; the library is
+    renamed into place whole). By default $KVBUFFER_TEST_EMULATOR_DIR, else the temporary directory.
     """
 
     def __init__(self, cuda_source: str, workdir: str | None = None):
@@ -224,16 +241,12 @@ class Emulated:
                 else f"floats[{i}]" if real else f"ints[{i}]"
                 for i, (p, ptr, real) in enumerate(zip(params, self.pointer, self.real))]
         code = PRELUDE + body.replace('extern "C" ', "") + LAUNCH.replace("KERNEL_CALL", f"{sig.group(1)}({', '.join(args)})")
-        workdir = workdir or tempfile.gettempdir()
+        workdir = workdir or os.environ.get(EMULATOR_DIR_VARIABLE) or tempfile.gettempdir()
         so = os.path.join(workdir, f"kvb_emu_{hashlib.sha1(code.encode()).hexdigest()[:16]}.so")
-        if not os.path.exists(so):
-            src = so[:-3] + ".cpp"
-            with open(src, "w") as f:
-                f.write(code)
-            r = subprocess.run(["g++", "-O1", "-std=c++20", "-pthread", "-shared", "-fPIC", "-w", "-o", so, src],
-                               capture_output=True, text=True)
-            if r.returncode:
-                raise RuntimeError(f"emulator build failed:\n{r.stderr[-3000:]}")
+        with open(so[:-3] + ".lock", "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            if not os.path.exists(so):
+                _build(code, so)
         self.lib = ctypes.CDLL(so)
 
     def __call__(self, grid: tuple, threads: int, **args) -> None:
