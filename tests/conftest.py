@@ -1,7 +1,9 @@
 """The test session's rules: GPU tests skip without CUDA; tests marked `slow` run only when asked
-(`--run-slow`, or any `-m` expression, e.g. `-m slow` for them alone); and every temporary file and
-compile cache the run makes (TileLang's, Inductor's, Triton's, the SIMT emulator's, subprocesses')
-lands in one folder under pytest's session temporary folder, not in $TMPDIR or $HOME."""
+(`--run-slow`, or any `-m` expression, e.g. `-m slow` for them alone) and run first, so the short tests
+fill the workers' tails; every temporary file and compile cache the run makes (TileLang's, Inductor's,
+Triton's, the SIMT emulator's, subprocesses') lands under pytest's session temporary folder, not in
+$TMPDIR or $HOME. The compile caches are one folder for the whole run, shared by pytest-xdist's
+workers, so each kernel is built once a run; the temporary directory is each process's own."""
 
 import os
 import tempfile
@@ -9,10 +11,14 @@ import tempfile
 import pytest
 import torch
 
-# the temporary directory and the compilers' caches (each read when a compile runs, not at import),
-# and their folders under the session's
-TEMP_VARIABLES = {"TMPDIR": "tmp", "TILELANG_CACHE_DIR": "tilelang", "TORCHINDUCTOR_CACHE_DIR": "torchinductor",
-                  "TRITON_CACHE_DIR": "triton"}
+from tests.support.simt_emulator import EMULATOR_DIR_VARIABLE
+
+# the temporary directory (each process's own) and the compilers' caches (each read when a compile runs,
+# not at import; shared by the run's processes: TileLang and Inductor publish by rename, the emulator
+# under a lock), and their folders
+TEMP_VARIABLES = {"TMPDIR": "tmp"}
+CACHE_VARIABLES = {"TILELANG_CACHE_DIR": "tilelang", "TORCHINDUCTOR_CACHE_DIR": "torchinductor",
+                   "TRITON_CACHE_DIR": "triton", EMULATOR_DIR_VARIABLE: "simt_emulator"}
 SAVED = pytest.StashKey[tuple]()
 
 
@@ -28,6 +34,9 @@ def pytest_collection_modifyitems(config, items):
         if slow:
             config.hook.pytest_deselected(items=slow)
             items[:] = [item for item in items if "slow" not in item.keywords]
+    # the long tests first (a stable sort keeps each group's own order): workers take tests in this
+    # order, so the run ends on short ones instead of one worker finishing a long compile alone
+    items.sort(key=lambda item: "slow" not in item.keywords)
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU")
@@ -39,12 +48,17 @@ def pytest_collection_modifyitems(config, items):
 @pytest.hookimpl(trylast=True)  # after pytest's own tmp_path plugin has set up its factory
 def pytest_configure(config):
     """Before anything is collected, point the temporary directory (this process's and its subprocesses')
-    and the compile caches into the session's temporary folder; pytest_unconfigure restores them."""
-    root = config._tmp_path_factory.mktemp("session", numbered=False)
-    config.stash[SAVED] = ({name: os.environ.get(name) for name in TEMP_VARIABLES}, tempfile.tempdir)
-    for name, sub in TEMP_VARIABLES.items():
-        (root / sub).mkdir()
-        os.environ[name] = str(root / sub)
+    into the session's temporary folder, and the compile caches into the run's (an xdist worker's
+    temporary folder sits in its controller's); pytest_unconfigure restores them."""
+    factory = config._tmp_path_factory
+    root = factory.mktemp("session", numbered=False)
+    run = factory.getbasetemp().parent if os.environ.get("PYTEST_XDIST_WORKER") else factory.getbasetemp()
+    folders = {name: root / sub for name, sub in TEMP_VARIABLES.items()}
+    folders |= {name: run / "caches" / sub for name, sub in CACHE_VARIABLES.items()}
+    config.stash[SAVED] = ({name: os.environ.get(name) for name in folders}, tempfile.tempdir)
+    for name, folder in folders.items():
+        folder.mkdir(parents=True, exist_ok=True)
+        os.environ[name] = str(folder)
     tempfile.tempdir = str(root / "tmp")
 
 

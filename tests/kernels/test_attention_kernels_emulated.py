@@ -5,7 +5,7 @@ NaN-poisoned before the launch, padding rows exactly zero, one split and several
 The GPU tests (tests/gpu/test_attention_kernels.py) cover the real device, long contexts, the engine,
 and the tensor-core form (`attention_decode_mma`, whose bf16 products the emulator does not model).
 
-The emulator runs one OS thread per CUDA thread, so the cases keep H x T x positions small: one KV head
+The emulator runs a block's threads one after another, so the cases keep H x T x positions small: one KV head
 (G = H) and 2 warps a block; every template shape the engine builds differs from these only in Hkv,
 which only picks the cache column.
 """

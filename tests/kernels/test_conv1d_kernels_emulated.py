@@ -33,13 +33,13 @@ BLOCKS = -(-D // THREADS)
 _EMU: dict = {}
 
 
-def _emulated(tmp_path_factory, template: str, **params) -> Emulated:
+def _emulated(template: str, **params) -> Emulated:
     from kvbuffer.tiles import compile_template, conv1d
 
     key = (template, tuple(sorted(params.items())))
     if key not in _EMU:
         src = compile_template(getattr(conv1d, template)(**params), get_gpu("h200").target).get_kernel_source()
-        _EMU[key] = Emulated(src, str(tmp_path_factory.getbasetemp()))
+        _EMU[key] = Emulated(src)
     return _EMU[key]
 
 
@@ -67,8 +67,8 @@ UPDATE_CASES = [  # (mode, T, dtype, has_bias, B, padding row)
 
 @pytest.mark.parametrize("mode,T,dtype,has_bias,B,pad", UPDATE_CASES,
                          ids=[f"{m}-T{t}-{d}-{'bias' if b else 'nobias'}-B{n}" for m, t, d, b, n, _ in UPDATE_CASES])
-def test_conv1d_update_emulated(mode, T, dtype, has_bias, B, pad, tmp_path_factory):
-    emu = _emulated(tmp_path_factory, "conv1d_update", D=D, W=W, span=SPAN, T_len=T, mode=mode, dtype=dtype,
+def test_conv1d_update_emulated(mode, T, dtype, has_bias, B, pad):
+    emu = _emulated("conv1d_update", D=D, W=W, span=SPAN, T_len=T, mode=mode, dtype=dtype,
                     has_bias=has_bias, threads=THREADS)
     dt = DT[dtype]
     g = torch.Generator().manual_seed(T * 10 + len(mode) + len(dtype))
@@ -104,9 +104,9 @@ PREFILL_CASES = [(T, dtype, T % 2 == 0, (1, 3, 7)[T % 3]) for T in (1, 2, 5, 8, 
 
 @pytest.mark.parametrize("T,dtype,has_bias,B", PREFILL_CASES,
                          ids=[f"T{t}-{d}-{'bias' if b else 'nobias'}-B{n}" for t, d, b, n in PREFILL_CASES])
-def test_conv1d_prefill_dynamic_tokens_emulated(T, dtype, has_bias, B, tmp_path_factory):
+def test_conv1d_prefill_dynamic_tokens_emulated(T, dtype, has_bias, B):
     """T_len=0: one kernel for every prompt length (mode advance), prompts of one and of several token blocks."""
-    emu = _emulated(tmp_path_factory, "conv1d_update", D=D, W=W, span=SPAN, T_len=0, mode="advance", dtype=dtype,
+    emu = _emulated("conv1d_update", D=D, W=W, span=SPAN, T_len=0, mode="advance", dtype=dtype,
                     has_bias=has_bias, threads=THREADS)
     dt = DT[dtype]
     g = torch.Generator().manual_seed(100 + T)
@@ -137,8 +137,8 @@ ACCEPT_CASES = [(dtype, B) for dtype in DT for B in (1, 3, 7)]
 
 
 @pytest.mark.parametrize("dtype,B", ACCEPT_CASES, ids=[f"{d}-B{b}" for d, b in ACCEPT_CASES])
-def test_conv1d_accept_emulated(dtype, B, tmp_path_factory):
-    emu = _emulated(tmp_path_factory, "conv1d_accept", D=D, W=W, span=SPAN, dtype=dtype, threads=THREADS)
+def test_conv1d_accept_emulated(dtype, B):
+    emu = _emulated("conv1d_accept", D=D, W=W, span=SPAN, dtype=dtype, threads=THREADS)
     dt = DT[dtype]
     g = torch.Generator().manual_seed(B + len(dtype))
     pad = 1 if B > 1 else None

@@ -65,7 +65,7 @@ EXTREME_CASES = {
 
 
 @pytest.mark.parametrize("case", list(CASES) + list(EXTREME_CASES))
-def test_simt_template_emulated(case, tmp_path):
+def test_simt_template_emulated(case):
     from kvbuffer.tiles import compile_template
     from kvbuffer.tiles.gdn import gdn_buffered
 
@@ -73,7 +73,7 @@ def test_simt_template_emulated(case, tmp_path):
     params, fill, B, null_row, pad_row = CASES[base]
     Hk, Hv, T, C, cap = params["Hk"], params["Hv"], params["T_new"], params["flush_at"], params["cap"]
     K, V = params.get("K", 128), params.get("V", 128)
-    emu = Emulated(compile_template(gdn_buffered(**params), get_gpu("h200").target).get_kernel_source(), str(tmp_path))
+    emu = Emulated(compile_template(gdn_buffered(**params), get_gpu("h200").target).get_kernel_source())
 
     g = torch.Generator().manual_seed(len(case))
     r = lambda *s: torch.randn(*s, generator=g)  # noqa: E731
@@ -128,7 +128,7 @@ def test_simt_template_emulated(case, tmp_path):
 
 
 @pytest.mark.parametrize("tensor_cores,in_dtype", [(0, "bfloat16"), (1, "bfloat16"), (1, "float32")])
-def test_s0_products_keep_fp32_accuracy(tensor_cores, in_dtype, tmp_path):
+def test_s0_products_keep_fp32_accuracy(tensor_cores, in_dtype):
     """With fp32 buffer entries the new deltas (beta (v - S0^T k ...)) are stored unrounded, so their error
     against fp64 is the S0 products' own: the tensor-core split (3xTF32) must match fp32 FMAs, where
     one TF32 product leaves ~7e-5. With fp32 activations too, the output shows it as well.
@@ -137,7 +137,7 @@ def test_s0_products_keep_fp32_accuracy(tensor_cores, in_dtype, tmp_path):
     from kvbuffer.tiles.gdn import gdn_buffered
 
     params = dict(FP32_CASE, tensor_cores=tensor_cores, in_dtype=in_dtype, buf_dtype="float32")
-    emu = Emulated(compile_template(gdn_buffered(**params), get_gpu("h200").target).get_kernel_source(), str(tmp_path))
+    emu = Emulated(compile_template(gdn_buffered(**params), get_gpu("h200").target).get_kernel_source())
     args, want, deltas = fp32_accuracy_case(in_dtype)
     B, fill = args["q"].shape[0], int(args["lengths"][0])
     emu((FP32_CASE["V"] // FP32_CASE["BV"], FP32_CASE["Hv"], B), FP32_CASE["threads"], **args, batch=B,

@@ -73,7 +73,7 @@ EXTREME_CASES = {
 
 
 @pytest.mark.parametrize("case", list(CASES) + list(EXTREME_CASES))
-def test_mamba2_simt_template_emulated(case, tmp_path):
+def test_mamba2_simt_template_emulated(case):
     from kvbuffer.tiles import compile_template
     from kvbuffer.tiles.mamba2 import mamba2_buffered
 
@@ -82,7 +82,7 @@ def test_mamba2_simt_template_emulated(case, tmp_path):
     G, H, N, P = params["G"], params["H"], params["N"], params["P"]
     T, C, cap, has_z = params["T_new"], params["flush_at"], params["cap"], params.get("has_z", False)
     act = getattr(torch, params.get("in_dtype", "bfloat16"))
-    emu = Emulated(compile_template(mamba2_buffered(**params, variant="simt"), get_gpu("h200").target).get_kernel_source(), str(tmp_path))
+    emu = Emulated(compile_template(mamba2_buffered(**params, variant="simt"), get_gpu("h200").target).get_kernel_source())
 
     B = len(fills)
     g = torch.Generator().manual_seed(len(case))

@@ -1,4 +1,4 @@
-"""Run TileLang-generated SIMT CUDA on the CPU: one std::thread per CUDA thread (tests only).
+"""Run TileLang-generated SIMT CUDA on the CPU: one fiber per CUDA thread (tests only).
 
 Covers the subset the thread-level GDN template (tiles/gdn.py `gdn_buffered`) emits: threadIdx /
 blockIdx, dynamic shared memory, __syncthreads, __shfl_xor_sync, float4 / uint4 vector moves, bf16
@@ -8,24 +8,32 @@ what T.gemm's warp-level products and T.reduce emit for the tensor-core decode a
 (tiles/attention.py `attention_decode_mma`): mma_sync m16n8k16 bf16, ldmatrix x4 (plain and
 transposed), stmatrix x4 and tl::AllReduce (PTX fragment layouts, products summed in double). Shared
 memory starts NaN-poisoned, so reading a value no thread wrote shows in the outputs.
-Blocks run one after another; rsqrtf is exact here (the GPU's is within 2 ulp).
+Blocks run one after another, each block's threads as fibers of one OS thread: a thread runs until it
+waits at a barrier (__syncthreads, or its warp's in a shuffle or an mma), then the next one; even blocks
+take their threads in ascending order, odd ones in descending, so a read of another thread's write
+without a barrier between finds the NaN poison one way or the other. A barrier that never opens is an
+error, not a hang. rsqrtf is exact here (the GPU's is within 2 ulp).
 """
 
 from __future__ import annotations
 
 import ctypes
+import fcntl
 import hashlib
 import os
 import re
 import subprocess
 import tempfile
 
+# the folder the builds go to when no `workdir` is given (tests/conftest.py sets it to the run's
+# compile-cache folder, which pytest-xdist's workers share)
+EMULATOR_DIR_VARIABLE = "KVBUFFER_TEST_EMULATOR_DIR"
+
 PRELUDE = r"""
 #include <cstdint>
 #include <cmath>
 #include <cstring>
-#include <thread>
-#include <barrier>
+#include <ucontext.h>
 #include <vector>
 #include <memory>
 #include <algorithm>
@@ -38,10 +46,26 @@ typedef unsigned int uint;
 #define __align__(x)
 #define CUDART_INF_F INFINITY
 struct dim3_ { int x, y, z; };
-thread_local dim3_ threadIdx;
+dim3_ threadIdx;  // the running fiber's
 dim3_ blockIdx;
-std::barrier<>* g_bar;
-std::barrier<>* g_warpbar[32];
+ucontext_t g_launcher;
+ucontext_t* g_fiber;  // the running fiber's context
+long g_arrivals;      // barrier arrivals and finished threads: the launcher's progress check
+// a barrier of `expected` fibers: the last one to arrive opens it and runs on; the others yield to the
+// launcher until it opens
+struct Barrier {
+  int expected, count = 0;
+  long phase = 0;
+  explicit Barrier(int n) : expected(n) {}
+  void arrive_and_wait() {
+    long mine = phase;
+    ++g_arrivals;
+    if (++count == expected) { count = 0; ++phase; return; }
+    while (phase == mine) swapcontext(g_fiber, &g_launcher);
+  }
+};
+Barrier* g_bar;
+Barrier* g_warpbar[32];
 float g_xch[32][32];
 uchar* g_shmem;
 static inline void __syncthreads() { g_bar->arrive_and_wait(); }
@@ -187,29 +211,71 @@ static inline void mma_sync(float* c, const unsigned* a, const unsigned* b) {
 """
 
 LAUNCH = r"""
-extern "C" void launch(void** ptrs, int* ints, float* floats, int gx, int gy, int gz, int nt) {
+void** g_ptrs; int* g_ints; float* g_floats;
+char* g_done;
+static void run_thread() { KERNEL_CALL; g_done[threadIdx.x] = 1; ++g_arrivals; }  // then back to the launcher
+// 0, or 1 when a block's live threads all wait at barriers that cannot open
+extern "C" int launch(void** ptrs, int* ints, float* floats, int gx, int gy, int gz, int nt) {
+  const size_t stack = 256 << 10;
+  g_ptrs = ptrs; g_ints = ints; g_floats = floats;
   std::vector<uchar> smem(262144);
-  for (int bz = 0; bz < gz; ++bz) for (int by = 0; by < gy; ++by) for (int bx = 0; bx < gx; ++bx) {
+  std::vector<ucontext_t> fibers(nt);
+  std::vector<std::unique_ptr<char[]>> stacks;
+  for (int t = 0; t < nt; ++t) stacks.emplace_back(new char[stack]);
+  std::vector<char> done(nt);
+  g_done = done.data();
+  int block = 0;
+  for (int bz = 0; bz < gz; ++bz) for (int by = 0; by < gy; ++by) for (int bx = 0; bx < gx; ++bx, ++block) {
     blockIdx = {bx, by, bz};
     std::memset(smem.data(), 0xff, smem.size());
     g_shmem = smem.data();
-    std::barrier<> bar(nt); g_bar = &bar;
-    std::vector<std::unique_ptr<std::barrier<>>> wb;
-    for (int w = 0; w < (nt + 31) / 32; ++w) { wb.emplace_back(new std::barrier<>(32)); g_warpbar[w] = wb.back().get(); }
-    std::vector<std::thread> th;
-    for (int t = 0; t < nt; ++t) th.emplace_back([&, t] { threadIdx = {t, 0, 0}; KERNEL_CALL; });
-    for (auto& x : th) x.join();
+    Barrier bar(nt); g_bar = &bar;
+    std::vector<std::unique_ptr<Barrier>> wb;
+    for (int w = 0; w < (nt + 31) / 32; ++w) { wb.emplace_back(new Barrier(32)); g_warpbar[w] = wb.back().get(); }
+    std::fill(done.begin(), done.end(), 0);
+    for (int t = 0; t < nt; ++t) {
+      getcontext(&fibers[t]);
+      fibers[t].uc_stack.ss_sp = stacks[t].get();
+      fibers[t].uc_stack.ss_size = stack;
+      fibers[t].uc_link = &g_launcher;
+      makecontext(&fibers[t], run_thread, 0);
+    }
+    for (int live = nt; live > 0;) {
+      long before = g_arrivals;
+      for (int i = 0; i < nt; ++i) {
+        int t = block % 2 ? nt - 1 - i : i;
+        if (done[t]) continue;
+        threadIdx = {t, 0, 0};
+        g_fiber = &fibers[t];
+        swapcontext(&g_launcher, g_fiber);
+        live -= done[t];
+      }
+      if (live && g_arrivals == before) return 1;
+    }
   }
+  return 0;
 }
 """
+
+
+def _build(code: str, so: str) -> None:
+    """Compile `code` into the shared library `so`, written beside it and renamed into place."""
+    src, partial = so[:-3] + ".cpp", so + f".{os.getpid()}.partial"
+    with open(src, "w") as f:
+        f.write(code)
+    r = subprocess.run(["g++", "-O1", "-std=c++20", "-shared", "-fPIC", "-w", "-o", partial, src],
+                       capture_output=True, text=True)
+    if r.returncode:
+        raise RuntimeError(f"emulator build failed:\n{r.stderr[-3000:]}")
+    os.replace(partial, so)
 
 
 class Emulated:
     """A compiled CPU stand-in for one kernel; call with the grid, the block size and named arguments.
 
-    The C++ source and shared library go to `workdir`, named by the source's hash (an existing one is
-    reused); by default the temporary directory, which tests/conftest.py points into pytest's session
-    folder.
+    The C++ source and shared library go to `workdir`, named by the source's hash: an existing one is
+    reused, and one process builds it while the others wait (a lock file beside it; the library is
+    renamed into place whole). By default $KVBUFFER_TEST_EMULATOR_DIR, else the temporary directory.
     """
 
     def __init__(self, cuda_source: str, workdir: str | None = None):
@@ -220,20 +286,16 @@ class Emulated:
         self.names = [p.split()[-1].lstrip("*") for p in params]
         self.pointer = ["*" in p for p in params]
         self.real = [not ptr and p.split()[0] == "float" for p, ptr in zip(params, self.pointer)]  # float scalars
-        args = [f"({p.rsplit(' ', 1)[0].replace('__restrict__', '').strip()})ptrs[{i}]" if ptr
-                else f"floats[{i}]" if real else f"ints[{i}]"
+        args = [f"({p.rsplit(' ', 1)[0].replace('__restrict__', '').strip()})g_ptrs[{i}]" if ptr
+                else f"g_floats[{i}]" if real else f"g_ints[{i}]"
                 for i, (p, ptr, real) in enumerate(zip(params, self.pointer, self.real))]
         code = PRELUDE + body.replace('extern "C" ', "") + LAUNCH.replace("KERNEL_CALL", f"{sig.group(1)}({', '.join(args)})")
-        workdir = workdir or tempfile.gettempdir()
+        workdir = workdir or os.environ.get(EMULATOR_DIR_VARIABLE) or tempfile.gettempdir()
         so = os.path.join(workdir, f"kvb_emu_{hashlib.sha1(code.encode()).hexdigest()[:16]}.so")
-        if not os.path.exists(so):
-            src = so[:-3] + ".cpp"
-            with open(src, "w") as f:
-                f.write(code)
-            r = subprocess.run(["g++", "-O1", "-std=c++20", "-pthread", "-shared", "-fPIC", "-w", "-o", so, src],
-                               capture_output=True, text=True)
-            if r.returncode:
-                raise RuntimeError(f"emulator build failed:\n{r.stderr[-3000:]}")
+        with open(so[:-3] + ".lock", "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            if not os.path.exists(so):
+                _build(code, so)
         self.lib = ctypes.CDLL(so)
 
     def __call__(self, grid: tuple, threads: int, **args) -> None:
@@ -248,4 +310,5 @@ class Emulated:
                 floats[i] = float(a)
             else:
                 ints[i] = int(a)
-        self.lib.launch(ptrs, ints, floats, *grid, threads)
+        if self.lib.launch(ptrs, ints, floats, *grid, threads):
+            raise RuntimeError(f"the kernel's threads wait at a barrier that never opens (grid {grid}, {threads} threads)")
