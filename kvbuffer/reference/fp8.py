@@ -62,7 +62,10 @@ def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     clamp(x / s, -FP8_MAX, FP8_MAX) rounded to e4m3; a NaN in a group makes its scale and q NaN."""
     m, k = x.shape
     g = x.float().view(m, k // GROUP, GROUP)
-    scale = g.abs().amax(-1).clamp(min=AMAX_FLOOR) / FP8_MAX
+    amax = g.abs().amax(-1).clamp(min=AMAX_FLOOR)
+    # a divisor tensor, not a Python number: torch's CUDA division by a host scalar multiplies by its
+    # reciprocal (a bit off the correctly rounded quotient), so the bits would differ by device
+    scale = amax / torch.full_like(amax, FP8_MAX)
     q = (g / scale[..., None]).clamp(-FP8_MAX, FP8_MAX).to(FP8).view(m, k)
     return q, scale
 

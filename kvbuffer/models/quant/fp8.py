@@ -53,9 +53,8 @@ def has_nan_bytes(t: torch.Tensor) -> bool:
     return bool(((b & 0x7F) == 0x7F).any())
 
 
-# Whether block-wise GEMMs quantize through torch.ops.kvbuffer.fp8_quant_act by default. Off: on an H100 the
-# fused kernel's q and scales differ from the reference for inputs of more than one row (its tests in
-# tests/gpu/test_fp8_quant.py), so the engine keeps the torch ops until the kernel is exact on the device.
+# Whether block-wise GEMMs quantize through torch.ops.kvbuffer.fp8_quant_act by default. Off until the fused
+# kernel is shown bit for bit equal to the reference on a GPU (tests/gpu/test_fp8_quant.py).
 FUSED_QUANT = False
 
 
