@@ -28,7 +28,8 @@ from kvbuffer.kernels.compiled import CompiledOp
 from kvbuffer.kernels.keys import KernelKey
 from kvbuffer.kernels.specs import TILES, KernelSpec
 
-TEMPLATE_IMPORTS = ("kvbuffer.reference.core", "kvbuffer.kernels.keys")  # runtime modules the templates use
+# runtime modules the templates use (their sources are part of every artifact key)
+TEMPLATE_IMPORTS = ("kvbuffer.reference.core", "kvbuffer.reference.fp8", "kvbuffer.kernels.keys")
 
 
 @dataclass(frozen=True)
