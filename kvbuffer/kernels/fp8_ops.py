@@ -117,7 +117,7 @@ def launch_fp8_quant_act(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return launch._on_torch_stream(run_fp8_quant_act, op, x)
 
 
-_QUANT_KERNELS: dict = {}  # (device, K, dtype name) -> the quantizer's CompiledOp, or None where none loads
+_NO_KERNEL: set = set()  # (device, K, dtype name) where no quantizer kernel loads or builds (said once)
 
 
 def _load_or_build(key: KernelKey) -> CompiledOp:
@@ -135,26 +135,24 @@ def _load_or_build(key: KernelKey) -> CompiledOp:
 
 
 def quant_kernel(x: torch.Tensor) -> CompiledOp | None:
-    """The quantizer kernel for CUDA x, found once per device, K and dtype: from the artifact cache, a
-    JIT compile, or built now on first use (kvbuffer.kernels.autobuild); None where none loads or builds
-    here (x's dtype or K not taken, no TileLang or nvcc, KVBUFFER_BUILD_KERNELS=0, a GPU TileLang has
-    no target for), said once in the log."""
+    """The quantizer kernel for CUDA x: from the artifact cache, a JIT compile, or built now on first use
+    (kvbuffer.kernels.autobuild), held by lookup's one in-process cache (so clear_kernels forgets it); None
+    where none loads or builds here (x's dtype or K not taken, no TileLang or nvcc,
+    KVBUFFER_BUILD_KERNELS=0, a GPU TileLang has no target for), said once per device, K and dtype."""
     entry = (x.device, x.shape[1], dtype_name(x))
-    if entry in _QUANT_KERNELS:
-        return _QUANT_KERNELS[entry]
-    op = None
+    if entry in _NO_KERNEL:
+        return None
     if not fp8_quant_fits(x.shape[1], entry[2]):
         why = f"it takes bfloat16 or float16 x of K a multiple of {ref_fp8.GROUP}, got {entry[2]}, K = {x.shape[1]}"
     else:
         try:
-            op = _load_or_build(fp8_quant_key(x.shape[1], entry[2]))
+            return _load_or_build(fp8_quant_key(x.shape[1], entry[2]))
         except (ArtifactError, DeviceError) as e:
             why = str(e).splitlines()[0]
-    if op is None:
-        log.info("kvbuffer: block-FP8 activations of K = %d (%s) on %s are quantized with torch ops, not the fused "
-                 "kernel: %s", x.shape[1], entry[2], x.device, why)
-    _QUANT_KERNELS[entry] = op
-    return op
+    log.info("kvbuffer: block-FP8 activations of K = %d (%s) on %s are quantized with torch ops, not the fused "
+             "kernel: %s", x.shape[1], entry[2], x.device, why)
+    _NO_KERNEL.add(entry)
+    return None
 
 
 @torch.library.custom_op("kvbuffer::fp8_quant_act", mutates_args=(), device_types="cpu")

@@ -321,7 +321,7 @@ def test_without_a_kernel_the_cuda_op_runs_the_reference_and_says_why_once(monke
         raise ArtifactError("no compiled fp8_quant_act kernel")
 
     built = []
-    monkeypatch.setattr(fp8_ops, "_QUANT_KERNELS", {})
+    monkeypatch.setattr(fp8_ops, "_NO_KERNEL", set())
     monkeypatch.setattr(lookup, "kernel_for", missing)
     monkeypatch.setattr(lookup, "jit_allowed", lambda: False)
     monkeypatch.setattr(autobuild, "ensure_gemv_kernels", lambda keys: built.append(keys) or "no TileLang here")
@@ -335,7 +335,7 @@ def test_without_a_kernel_the_cuda_op_runs_the_reference_and_says_why_once(monke
     assert len(lines) == 2 and "no TileLang here" in lines[0] and "float32" in lines[1]
 
     launched = []
-    monkeypatch.setattr(fp8_ops, "_QUANT_KERNELS", {})
+    monkeypatch.setattr(fp8_ops, "_NO_KERNEL", set())
     monkeypatch.setattr(lookup, "kernel_for", lambda key, batch=1: _op(launched=launched))
     monkeypatch.setattr(fp8_ops, "check_on_cuda", lambda name, dev: None)
     monkeypatch.setattr(launch, "_on_torch_stream", lambda fn, *a: fn(*a))
@@ -350,7 +350,7 @@ def test_a_gpu_without_a_target_falls_back_too(monkeypatch, caplog):
     def no_target(key, batch=1):
         raise DeviceError("compute capability 7.5 has no TileLang target here")
 
-    monkeypatch.setattr(fp8_ops, "_QUANT_KERNELS", {})
+    monkeypatch.setattr(fp8_ops, "_NO_KERNEL", set())
     monkeypatch.setattr(lookup, "kernel_for", no_target)
     x = _case(3, 128, 5)
     with caplog.at_level("INFO", logger="kvbuffer"):
