@@ -124,14 +124,15 @@ def jit():
 @pytest.mark.parametrize("mode", ["kvbuffer", "recurrent"])
 @pytest.mark.parametrize("kind, config, fmt", CASES, ids=[f"{k}-{f}" for k, _, f in CASES])
 def test_fp8_checkpoint_through_the_engine(tmp_path, jit, kind, config, fmt, mode):
-    """Default engine options (kernels, CUDA graphs, compile where they resolve so): logits within FP8's
-    activation error of the dequantized model's, greedy tokens equal up to the first near tie; a lone
-    prompt too, whose decode steps run the FP8 projections on the one-row kernel."""
+    """Default engine options (kernels, CUDA graphs, compile where they resolve so) with bf16 activations,
+    as the published checkpoints run: logits within FP8's activation error of the dequantized model's (in
+    fp32), greedy tokens equal up to the first near tie; a lone prompt too, whose decode steps run the FP8
+    projections on the one-row kernel (it takes bf16 / fp16 activations, not the tiny model's fp32)."""
     path = write_checkpoint(_model(kind, config), config, tmp_path / "fp8", fmt)
     reference = dequantize_checkpoint(path, tmp_path / "dequantized")
     g = torch.Generator().manual_seed(3)
     prompts = [torch.randint(0, 97, (n,), generator=g).tolist() for n in (1, 9, 40)]
-    llm = LLM(path, device="cuda", mode=mode)
+    llm = LLM(path, device="cuda", mode=mode, dtype=torch.bfloat16)
     assert any(isinstance(m, (FP8Linear, FP8PackedLinear)) for m in llm.model.modules())
     fp8 = [m for m in llm.model.modules() if isinstance(m, FP8Linear) and m.bias is None]
     assert fp8 and all(m.one_row for m in fp8 if fp8_gemv_fits(m.in_features, m.block, "bfloat16"))

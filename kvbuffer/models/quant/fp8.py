@@ -53,18 +53,12 @@ def has_nan_bytes(t: torch.Tensor) -> bool:
     return bool(((b & 0x7F) == 0x7F).any())
 
 
-# Whether block-wise GEMMs quantize through torch.ops.kvbuffer.fp8_quant_act by default. Off until the fused
-# kernel is shown bit for bit equal to the reference on a GPU (tests/gpu/test_fp8_quant.py).
-FUSED_QUANT = False
-
-
-def _blockwise(x2, q, scale, out_dtype, fused: bool | None = None):
-    """x2 (M, K) bf16 times the (128, 128)-block weight q on torch._scaled_mm. `fused` (default
-    FUSED_QUANT): x2 quantized by torch.ops.kvbuffer.fp8_quant_act (on CUDA the fused kernel where it
-    loads, else the same torch ops); else by those torch ops directly (the device probe, which must build
-    no kernel). Either way q and its scales come padded to 4 rows, the scales group-major: scale_a is
-    their transpose, column-major."""
-    fused = FUSED_QUANT if fused is None else fused
+def _blockwise(x2, q, scale, out_dtype, fused: bool = True):
+    """x2 (M, K) bf16 times the (128, 128)-block weight q on torch._scaled_mm. `fused`: x2 quantized by
+    torch.ops.kvbuffer.fp8_quant_act (on CUDA the fused kernel where it loads, else the same torch ops);
+    else by those torch ops directly (the device probe, which must build no kernel). Either way the
+    activations and their scales come padded to 4 rows, the scales group-major: scale_a is their
+    transpose, column-major."""
     m = x2.shape[0]
     quantize = torch.ops.kvbuffer.fp8_quant_act if fused else quantize_activations_padded
     xq, xs = quantize(x2)
