@@ -12,8 +12,8 @@ import torch
 from kvbuffer import LLM, ops
 from kvbuffer.kernels.keys import fp8_gemv_fits
 from kvbuffer.models.layers import one_row_linears
-from kvbuffer.models.quant.fp8 import (FP8, FP8_MAX, GROUP, dequantize, device_support, fp8_linear, gemm_path,
-                                       quantize, quantize_activations)
+from kvbuffer.models.quant.fp8 import (FP8, FP8_MAX, GROUP, K_BLOCKS, dequantize, device_support, fp8_linear,
+                                       gemm_path, quantize, quantize_activations)
 from kvbuffer.models.quant.linear import FP8Linear, FP8PackedLinear
 from kvbuffer.models.quant.write import dequantize_checkpoint, write_checkpoint
 from tests.support.tiny_models import CONFIGS, tiny_model
@@ -25,10 +25,11 @@ ACTIVATION = 4e-2  # relative (norm) error FP8 activations add against the dequa
 SHAPES = [(4096, 4096), (12288, 4096), (4096, 12288), (1024, 2688), (256, 128)]  # (N, K)
 ROWS = [1, 7, 256]
 
-# multiples of 128 everywhere, so that block FP8 takes the block-wise GEMM where this torch has it
-QWEN_128 = dict(CONFIGS["qwen3_5"], hidden_size=256, intermediate_size=512, num_attention_heads=4, head_dim=64,
+# multiples of 128 everywhere, and of 512 in the hidden and intermediate sizes, so that block FP8 takes the
+# block-wise GEMM where this torch has it (fp8.K_BLOCKS)
+QWEN_128 = dict(CONFIGS["qwen3_5"], hidden_size=512, intermediate_size=512, num_attention_heads=4, head_dim=64,
                 linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=128, linear_value_head_dim=128)
-NEMOTRON_16 = dict(CONFIGS["nemotron_h"], hidden_size=256, intermediate_size=512, mamba_head_dim=32,
+NEMOTRON_16 = dict(CONFIGS["nemotron_h"], hidden_size=512, intermediate_size=512, mamba_head_dim=32,
                    layers_block_type=["mamba", "moe", "attention", "mamba", "mlp"])
 
 
@@ -77,6 +78,7 @@ def test_blockwise_gemm_against_its_emulation(N, K, rows):
     x = x[:rows].bfloat16()
     q, s = quantize(w, (GROUP, GROUP))
     lin = FP8Linear(q, s, (GROUP, GROUP))
+    blockwise = blockwise and K % (GROUP * K_BLOCKS) == 0
     assert lin.path(x) == ("blockwise" if blockwise else "dequantize")
     y = lin(x)
     w64 = dequantize(q, s, (GROUP, GROUP), torch.float64)
@@ -91,6 +93,8 @@ def test_other_sizes_and_dtypes_dequantize():
     q, s = quantize(torch.randn(100, 128, device="cuda"), (GROUP, GROUP))
     x = torch.randn(3, 128, device="cuda", dtype=torch.bfloat16)
     assert gemm_path(x, q, (GROUP, GROUP), None, support) == "dequantize"  # N = 100
+    q2, _ = quantize(torch.randn(128, 256, device="cuda"), (GROUP, GROUP))
+    assert gemm_path(x.new_ones(3, 256), q2, (GROUP, GROUP), None, support) == "dequantize"  # K / 128 = 2
     q, s = quantize(torch.randn(128, 128, device="cuda"), (GROUP, GROUP))
     assert gemm_path(x.float(), q, (GROUP, GROUP), None, support) == "dequantize"  # fp32 activations
     y = fp8_linear(x.float(), q, s, (GROUP, GROUP), support=support)

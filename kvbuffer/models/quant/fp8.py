@@ -74,6 +74,9 @@ def _rowwise(x2, q, scale, input_scale, out_dtype):
 
 
 _SUPPORT: dict[torch.device, tuple[bool, bool]] = {}  # device -> (row-wise, block-wise) _scaled_mm
+# cuBLASLt reads 128 x 128 weight scales in whole groups of 4 blocks along K (its scaling-factor layout
+# rule; a scale tensor of another count gives wrong products, not an error): block-wise needs K / 128 % 4 == 0
+K_BLOCKS = 4
 
 
 def device_support(device: torch.device) -> tuple[bool, bool]:
@@ -94,8 +97,8 @@ def device_support(device: torch.device) -> tuple[bool, bool]:
 def _try_blockwise(device: torch.device) -> bool:
     try:
         g = torch.Generator(device=device).manual_seed(0)
-        w = torch.randn(256, 256, device=device, generator=g)
-        x = torch.randn(32, 256, device=device, generator=g).bfloat16()
+        w = torch.randn(256, GROUP * K_BLOCKS, device=device, generator=g)
+        x = torch.randn(32, GROUP * K_BLOCKS, device=device, generator=g).bfloat16()
         q, s = quantize(w, (GROUP, GROUP))
         got = _blockwise(x, q, s, torch.bfloat16, fused=False).float()
         xq, xs = quantize_activations(x)
@@ -120,8 +123,8 @@ def gemm_path(x: torch.Tensor, q: torch.Tensor, block: tuple[int, int], input_sc
 
     - "rowwise": a per-tensor (ModelOpt) weight, kept as one scale per row, with its static input_scale: x
       quantized by input_scale, torch._scaled_mm with row-wise weight scales.
-    - "blockwise": a (128, 128)-block weight where torch._scaled_mm takes block-wise scales: x quantized
-      per token and 128 columns, weights per 128 x 128 block.
+    - "blockwise": a (128, 128)-block weight where torch._scaled_mm takes block-wise scales, K a multiple
+      of 128 x K_BLOCKS: x quantized per token and 128 columns, weights per 128 x 128 block.
     - "dequantize": everywhere else (the CPU, other blocks, sizes and dtypes): W = q * scale in x's dtype,
       then F.linear; exactly the dequantized model's product.
 
@@ -136,7 +139,7 @@ def gemm_path(x: torch.Tensor, q: torch.Tensor, block: tuple[int, int], input_sc
         return "dequantize"
     if input_scale is not None and block == (1, k):
         return "rowwise"
-    if blockwise and block == (GROUP, GROUP) and n % GROUP == 0 and k % GROUP == 0:
+    if blockwise and block == (GROUP, GROUP) and n % GROUP == 0 and k % (GROUP * K_BLOCKS) == 0:
         return "blockwise"
     return "dequantize"
 
