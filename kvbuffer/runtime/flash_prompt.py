@@ -9,13 +9,18 @@ zeros. `slots` and `cached` are host lists: the caller runs eagerly (a CUDA grap
 
 When every row is a fresh prompt (cached 0, none padding), the new keys and values are the whole context
 and the rows run as one batched call; otherwise each row reads its cache slot in place (a strided view,
-nothing copied).
+nothing copied). The backend: cuDNN's fused attention where torch's gate takes the dtype and head shape
+(kvbuffer.runtime.cudnn_prompt: chosen once per device, dtype and head shape), FlashAttention-2 otherwise
+and for the calls cuDNN does not take (a single key).
 """
 
 from __future__ import annotations
 
 import torch
 
+from . import cudnn_prompt
+
+BACKENDS = ("cudnn", "flash")
 MAX_HEAD_DIM = 256  # FlashAttention-2's limit
 
 
@@ -27,17 +32,36 @@ def fits(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
             and torch.cuda.get_device_capability(q.device)[0] >= 8)
 
 
+def backend_for(q: torch.Tensor, k_cache: torch.Tensor) -> str:
+    """"cudnn" where torch's cuDNN attention takes q's dtype and head shape on its device, else "flash"."""
+    return "cudnn" if cudnn_prompt.available(q, k_cache) else "flash"
+
+
 def flash_prompt_attention(q, k, v, k_cache, v_cache, slots: list[int], cached: list[int],
-                           scale: float) -> torch.Tensor:
-    """o (B, T, H, D) in q's dtype; k, v (B, T, Hkv, D) are the new tokens (also in the cache)."""
-    T = q.shape[1]
+                           scale: float, backend: str | None = None) -> torch.Tensor:
+    """o (B, T, H, D) in q's dtype; k, v (B, T, Hkv, D) are the new tokens (also in the cache).
+    backend: "cudnn" or "flash" (None: backend_for's choice)."""
+    if backend is None:
+        backend = backend_for(q, k_cache)
+    elif backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS} or None, got {backend!r}")
+    B, T = q.shape[:2]
     if all(s >= 0 for s in slots) and not any(cached):
+        if backend == "cudnn" and cudnn_prompt.takes(T, 0):
+            return cudnn_prompt.cudnn_causal(q.contiguous(), k, v, scale)
         return _flash(q, k, v, scale)
-    out = torch.zeros_like(q)
+    real = all(s >= 0 for s in slots)
+    out = torch.empty_like(q, memory_format=torch.contiguous_format) if real else torch.zeros_like(q)
     for b, (slot, start) in enumerate(zip(slots, cached)):
-        if slot >= 0:
-            L = start + T
-            out[b:b + 1] = _flash(q[b:b + 1], k_cache[slot:slot + 1, :L], v_cache[slot:slot + 1, :L], scale)
+        if slot < 0:
+            continue
+        keys, vals = k_cache[slot:slot + 1, :start + T], v_cache[slot:slot + 1, :start + T]
+        if backend == "cudnn" and cudnn_prompt.takes(T, start):
+            cudnn_prompt.split_attention(q[b:b + 1].contiguous(), keys, vals, start, scale, out=out[b:b + 1])
+        elif B == 1:
+            return _flash(q, keys, vals, scale)
+        else:
+            out[b:b + 1] = _flash(q[b:b + 1], keys, vals, scale)
     return out
 
 
