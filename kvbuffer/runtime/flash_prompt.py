@@ -51,18 +51,23 @@ def flash_prompt_attention(q, k, v, k_cache, v_cache, slots: list[int], cached: 
             return cudnn_prompt.cudnn_causal(q.contiguous(), k, v, scale)
         return _flash(q, k, v, scale)
     real = all(s >= 0 for s in slots)
+    if B == 1 and real:
+        return _row(q, k_cache, v_cache, slots[0], cached[0], scale, backend)
     out = torch.empty_like(q, memory_format=torch.contiguous_format) if real else torch.zeros_like(q)
     for b, (slot, start) in enumerate(zip(slots, cached)):
-        if slot < 0:
-            continue
-        keys, vals = k_cache[slot:slot + 1, :start + T], v_cache[slot:slot + 1, :start + T]
-        if backend == "cudnn" and cudnn_prompt.takes(T, start):
-            cudnn_prompt.split_attention(q[b:b + 1].contiguous(), keys, vals, start, scale, out=out[b:b + 1])
-        elif B == 1:
-            return _flash(q, keys, vals, scale)
-        else:
-            out[b:b + 1] = _flash(q[b:b + 1], keys, vals, scale)
+        if slot >= 0:
+            _row(q[b:b + 1], k_cache, v_cache, slot, start, scale, backend, out[b:b + 1])
     return out
+
+
+def _row(q, k_cache, v_cache, slot: int, start: int, scale: float, backend: str, out=None) -> torch.Tensor:
+    """One row's T new tokens over its slot's first start + T positions (read in place), into `out` if given."""
+    T = q.shape[1]
+    keys, vals = k_cache[slot:slot + 1, :start + T], v_cache[slot:slot + 1, :start + T]
+    if backend == "cudnn" and cudnn_prompt.takes(T, start):
+        return cudnn_prompt.split_attention(q, keys, vals, start, scale, out=out)
+    o = _flash(q, keys, vals, scale)
+    return o if out is None else out.copy_(o)
 
 
 def _flash(q, k, v, scale: float) -> torch.Tensor:
