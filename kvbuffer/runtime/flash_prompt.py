@@ -1,5 +1,5 @@
-"""A prompt's attention on CUDA through FlashAttention-2 (the build torch ships): causal, grouped-query,
-over each row's cached prefix plus its new tokens, with no score tensor.
+"""A prompt's attention on CUDA through torch's fused attention (cuDNN's, or the FlashAttention-2 build torch
+ships): causal, grouped-query, over each row's cached prefix plus its new tokens, with no score tensor.
 
 Layout as kvbuffer.reference.prefill_attention, per row: q (B, T, H, D) the new tokens, already written
 into the cache (k_cache, v_cache (slots, positions, Hkv, D)) at cached[b] .. cached[b] + T - 1. Row b's
@@ -9,7 +9,7 @@ zeros. `slots` and `cached` are host lists: the caller runs eagerly (a CUDA grap
 
 When every row is a fresh prompt (cached 0, none padding), the new keys and values are the whole context
 and the rows run as one batched call; otherwise each row reads its cache slot in place (a strided view,
-nothing copied). The backend: cuDNN's fused attention where torch's gate takes the dtype and head shape
+nothing copied), one row's output returned as computed. The backend: cuDNN's fused attention where torch's gate takes the dtype and head shape
 (kvbuffer.runtime.cudnn_prompt: chosen once per device, dtype and head shape), FlashAttention-2 otherwise
 and for the calls cuDNN does not take (a single key).
 """
