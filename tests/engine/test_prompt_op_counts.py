@@ -103,3 +103,12 @@ def test_prompt_batches_carry_their_rows_on_the_host():
     for _, host_slots, host_cached, slots, cached in prompts:
         assert (host_slots, host_cached) == (slots, cached)
     assert all(s[1] is None for s in seen if s[0] == "decode")
+
+
+def test_counter_records_each_ops_operands_when_asked():
+    x = torch.randn(4, 6).bfloat16()
+    counter = OpCounter(operands=True)
+    with counter:
+        (x[:, :3] * 2).float()
+    assert counter.signatures["rest"] == {"mul(bf16[4, 3]s) -> bf16[4, 3]c": 1, "_to_copy(bf16[4, 3]c) -> f32[4, 3]c": 1}
+    assert not OpCounter().signatures
