@@ -26,8 +26,9 @@ Part = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, float, bool], tuple]
 
 
 def available(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
-    """Whether torch's cuDNN attention takes q's dtype, heads and head dim on q's device (its own gate,
-    asked once per device, dtype and head shape; the choice is logged)."""
+    """Whether torch's cuDNN attention takes q's dtype, heads and head dim on q's device: its own gate, then
+    one small call of each kind (causal, unmasked), asked once per device, dtype and head shape; the choice
+    is logged (a refused probe as a warning)."""
     if not q.is_cuda:
         return False
     return _available(q.device, q.dtype, q.shape[2], k_cache.shape[2], q.shape[3])
@@ -40,6 +41,14 @@ def _available(device: torch.device, dtype: torch.dtype, H: int, Hkv: int, D: in
     probe_q = torch.empty(1, H, 2, D, device=device, dtype=dtype)
     probe_kv = torch.empty(1, Hkv, 2, D, device=device, dtype=dtype)
     ok = bool(can_use_cudnn_attention(SDPAParams(probe_q, probe_kv, probe_kv, None, 0.0, True, True)))
+    if ok:
+        try:  # the gate speaks for SDPA's own call; this module calls cuDNN's op directly, grouped heads as they are
+            q, kv = (torch.zeros(1, 3, h, D, device=device, dtype=dtype) for h in (H, Hkv))
+            cudnn_part(q, kv, kv, 1.0, True), cudnn_part(q, kv, kv, 1.0, False)
+        except RuntimeError as e:
+            log.warning("prompt attention: cuDNN refused a probe call on %s (%s); FlashAttention-2 instead",
+                        device, str(e).splitlines()[0][:200])
+            return False
     log.info("prompt attention on %s, %s, %d/%d heads, head dim %d: %s", device, dtype, H, Hkv, D,
              "cuDNN" if ok else "FlashAttention-2 (torch's gate refuses cuDNN)")
     return ok
