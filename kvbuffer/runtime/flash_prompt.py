@@ -9,9 +9,10 @@ zeros. `slots` and `cached` are host lists: the caller runs eagerly (a CUDA grap
 
 When every row is a fresh prompt (cached 0, none padding), the new keys and values are the whole context
 and the rows run as one batched call; otherwise each row reads its cache slot in place (a strided view,
-nothing copied), one row's output returned as computed. The backend: cuDNN's fused attention where torch's gate takes the dtype and head shape
-(kvbuffer.runtime.cudnn_prompt: chosen once per device, dtype and head shape), FlashAttention-2 otherwise
-and for the calls cuDNN does not take (a single key).
+nothing copied), one row's output returned as computed. The backend: cuDNN's fused attention where it
+takes the dtype and head shape (kvbuffer.runtime.cudnn_prompt: chosen once per device, dtype and head
+shape; torch.backends.cuda.enable_cudnn_sdp(False) before the first prompt turns it off), FlashAttention-2
+otherwise and for the calls cuDNN does not take (a single key).
 """
 
 from __future__ import annotations

@@ -110,5 +110,6 @@ def test_counter_records_each_ops_operands_when_asked():
     counter = OpCounter(operands=True)
     with counter:
         (x[:, :3] * 2).float()
-    assert counter.signatures["rest"] == {"mul(bf16[4, 3]s) -> bf16[4, 3]c": 1, "_to_copy(bf16[4, 3]c) -> f32[4, 3]c": 1}
+    assert counter.signatures["rest"] == {"mul(bf16[4, 3]s) -> bf16[4, 3]c": 1,
+                                          "_to_copy(bf16[4, 3]c) -> f32[4, 3]c": 1}
     assert not OpCounter().signatures
