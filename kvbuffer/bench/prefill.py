@@ -34,6 +34,16 @@ bmm, chunk scan), timed eagerly by CUDA events around each stage's call (launch 
 `replays`; a peer whose stages cannot be found says so. Variants (VARIANTS: the tuner's choices, e.g. the
 blockwise prep solve) run as extra ops "kvbuffer[name=value,...]" in the same run, gated like the others.
 
+attention (one GPU, `--families attention`): the prompt's attention of the preset's attention layers
+(kvbuffer.runtime.flash_prompt) on each backend: "flash" (FlashAttention-2, one call, causal aligned to the
+bottom right) and "cudnn" (cuDNN's fused attention: one causal call for a fresh prompt, after a cached prefix
+the split form, [prefix, no mask] + [piece, causal] merged by log-sum-exp). Cases per prompt length P: the
+whole prompt fresh, the last piece of ATTENTION_PIECE tokens after the P - piece cached positions, and all of
+the prompt's pieces one after the other (what the engine runs with max_prefill_tokens = piece). Gated first
+against the fp64 reference (kvbuffer.reference.prefill_attention) on awkward lengths, then timed as the
+kernels are (a CUDA graph; eager where the capture fails, labelled), caches rotated past twice the L2.
+FLOPs: 4 H D per visible (query, key) pair.
+
 Work: the FLOPs of the chunk form's matrix products, per value head and token, with C = 64 tokens per
 chunk (every product counted as if per value head; the triangular solve and the masks not counted):
     delta rule (GDN):    6 C K + 4 C V + 6 K V
@@ -66,7 +76,11 @@ from . import kernels as common
 from . import timing
 
 WHATS = ("kernels", "e2e")
-FAMILIES = {"gdn": "qwen3.5-9b", "mamba2": "nemotron-3-nano"}  # the preset whose heads each family times
+FAMILIES = {"gdn": "qwen3.5-9b", "mamba2": "nemotron-3-nano",  # the preset whose heads each family times
+            "attention": "qwen3.5-9b"}
+ATTENTION_PIECE = 2048  # tokens per prompt piece of the attention rows (the engine's max_prefill_tokens)
+ATTENTION_GATE = {"fresh": (3001, 0), "piece_after_prefix": (1000, 2001), "odd_piece": (77, 130),
+                  "one_token": (1, 4096)}  # (T new tokens, cached positions)
 PROMPT_LENS = (4096, 32768)  # kernels: tokens per prompt
 E2E_PROMPT_LENS = (512, 4096, 16384)
 BATCHES = (1, 8)
@@ -372,13 +386,18 @@ def eager_median(fn: Callable[[int], object], sets: int, *, launches: int, repla
 
 def time_op(fn: Callable[[int], object], inp: Packed, rotated: float, *, launches: int, replays: int):
     """(seconds per call, "graph" or "eager: why the capture failed")."""
+    return time_sets(fn, inp.sets, rotated, launches=launches, replays=replays)
+
+
+def time_sets(fn: Callable[[int], object], sets: int, rotated: float, *, launches: int, replays: int):
+    """time_op for fn over `sets` input sets."""
     try:
-        return timing.graph_median(fn, inp.sets, rotated_bytes=rotated, launches=launches, replays=replays).seconds, \
+        return timing.graph_median(fn, sets, rotated_bytes=rotated, launches=launches, replays=replays).seconds, \
             "graph"
     except RuntimeError as e:  # a peer that syncs with the host inside its call cannot be captured
         torch.cuda.synchronize()
         why = str(e).splitlines()[0][:160]
-        return eager_median(fn, inp.sets, launches=launches, replays=replays), f"eager: capture failed ({why})"
+        return eager_median(fn, sets, launches=launches, replays=replays), f"eager: capture failed ({why})"
 
 
 def kernel_row(family: str, preset: str, heads: Mapping, B: int, P: int, measured: Mapping) -> dict:
@@ -400,7 +419,7 @@ def new_result(what: str, **fields) -> dict:
             "rows": []}
 
 
-def run_kernels(*, families=tuple(FAMILIES), prompt_lens=PROMPT_LENS, batches=BATCHES,
+def run_kernels(*, families=("gdn", "mamba2"), prompt_lens=PROMPT_LENS, batches=BATCHES,
                 launches: int = DEFAULT_LAUNCHES, replays: int = DEFAULT_REPLAYS,
                 on_row: Callable[[dict], None] = lambda result: None, variants: Mapping | None = None) -> dict:
     """Gate, then time every op at every (family, B, P), each launch of ours and each peer's stages too (the
@@ -418,6 +437,9 @@ def run_kernels(*, families=tuple(FAMILIES), prompt_lens=PROMPT_LENS, batches=BA
                                "twice the L2 (eager where a capture failed: see each row's method)", peers={}, gate={})
     for family in families:
         preset = FAMILIES[family]
+        if family == "attention":
+            run_attention(result, preset, prompt_lens, batches, launches=launches, replays=replays, on_row=on_row)
+            continue
         heads = common.heads_of(preset)
         peers, notes = load_peers(family)
         print("\n".join(notes), flush=True)
@@ -551,11 +573,134 @@ def kernels_table(result: dict) -> str:
                          + (f"{over:6.2f}" if over is not None else f"{'':6s}")
                          + ("" if r["method"][op] == "graph" else "  (eager)"))
     lines.append("x kvb: the op's time over kvbuffer's (above 1: kvbuffer is faster)")
+    if result.get("attention_rows"):
+        lines.append(attention_table(result["attention_rows"]))
     breakdown = [breakdown_lines(r) for r in result["rows"] if r.get("breakdown")]
     if breakdown:
         lines += ["per launch (ours: each launch alone in a CUDA graph; peers: CUDA events around each stage)",
                   *breakdown]
     return "\n".join(lines)
+
+
+# -- the prompt's attention: cuDNN against FlashAttention-2 -----------------------------------------
+
+def attention_heads(preset: str) -> tuple[int, int, int]:
+    """(query heads, KV heads, head dim) of the preset's attention layers."""
+    from .. import presets
+
+    c = presets.get(preset).config
+    return c["num_attention_heads"], c["num_key_value_heads"], c["head_dim"]
+
+
+class PromptKV:
+    """`sets` copies of B rows' caches of P positions (slot s * B + b) and the queries of every piece."""
+
+    def __init__(self, heads: tuple, B: int, P: int, *, sets: int = 1, device="cuda", seed: int = 0):
+        H, Hkv, D = heads
+        g = torch.Generator(device=device).manual_seed(seed)
+        self.B, self.P, self.sets, self.scale = B, P, sets, D ** -0.5
+        self.k, self.v = (torch.randn(sets * B, P, Hkv, D, generator=g, device=device).bfloat16() for _ in range(2))
+        self.q = torch.randn(B, P, H, D, generator=g, device=device).bfloat16()
+
+    def call(self, s: int, start: int, T: int, backend: str) -> torch.Tensor:
+        """T new tokens after `start` cached positions of set s, on `backend`."""
+        rows = slice(s * self.B, (s + 1) * self.B)
+        k, v = self.k[rows, start:start + T], self.v[rows, start:start + T]
+        slots = list(range(s * self.B, (s + 1) * self.B))
+        from ..runtime import flash_prompt
+
+        return flash_prompt.flash_prompt_attention(self.q[:, start:start + T], k, v, self.k, self.v, slots,
+                                                   [start] * self.B, self.scale, backend=backend)
+
+
+def attention_cases(P: int, piece: int = ATTENTION_PIECE) -> dict:
+    """{case: [(cached, T) of each call]}: the fresh prompt, its last piece, all of its pieces in order."""
+    starts = range(0, P, piece)
+    return {"fresh": [(0, P)], "last_piece": [(starts[-1], P - starts[-1])],
+            "pieces": [(a, min(piece, P - a)) for a in starts]}
+
+
+def attention_backends(heads: tuple, device="cuda") -> tuple[str, ...]:
+    """The backends the attention rows time: FlashAttention-2, and cuDNN where torch's gate takes the heads."""
+    from ..runtime import cudnn_prompt
+
+    H, Hkv, D = heads
+    probe = torch.empty(1, 2, H, D, device=device, dtype=torch.bfloat16)
+    cudnn = cudnn_prompt.available(probe, torch.empty(1, 2, Hkv, D, device=device, dtype=torch.bfloat16))
+    return ("flash", "cudnn") if cudnn else ("flash",)
+
+
+def attention_gate(heads: tuple, *, device="cuda", cases: Mapping = ATTENTION_GATE) -> dict:
+    """{"backend/case": relative error against the fp64 reference} for every backend."""
+    from ..reference.prefill_attention import prefill_attention
+
+    errors = {}
+    for case, (T, cached) in cases.items():
+        inp = PromptKV(heads, 1, cached + T, device=device, seed=1)
+        H, D = heads[0], heads[2]
+        one = torch.tensor([0, T], device=device)
+        want = prefill_attention(inp.q[0, cached:].double(), inp.k.double(), inp.v.double(), one,
+                                 torch.zeros(1, dtype=torch.int64, device=device),
+                                 torch.tensor([cached], device=device), inp.scale)
+        for backend in attention_backends(heads, device):
+            got = inp.call(0, cached, T, backend)
+            errors[f"{backend}/{case}"] = common.rel_err(got.reshape(T, H, D), want)
+    return errors
+
+
+def attention_flops(heads: tuple, calls) -> float:
+    """4 H D per visible (query, key) pair: T new tokens after c cached positions see T c + T (T + 1) / 2."""
+    H, _, D = heads
+    return sum(4.0 * H * D * (T * c + T * (T + 1) / 2) for c, T in calls)
+
+
+def run_attention(result: dict, preset: str, prompt_lens, batches, *, launches: int, replays: int,
+                  on_row: Callable[[dict], None]) -> None:
+    """Gate, then the attention rows of every (B, P, case) into result["attention_rows"]."""
+    heads = attention_heads(preset)
+    if "cudnn" not in attention_backends(heads):
+        print("attention: torch's gate refuses cuDNN for these heads here; FlashAttention-2 alone", flush=True)
+    errors = attention_gate(heads)
+    print("gate attention: " + " ".join(f"{k}={v:.1e}" for k, v in errors.items()), flush=True)
+    result["gate"]["attention"] = errors
+    common.check_gate(errors, preset)
+    rows = result.setdefault("attention_rows", [])
+    for B in batches:
+        for P in prompt_lens:
+            set_bytes = 2 * B * P * heads[1] * heads[2] * 2  # both caches, bf16
+            sets = timing.sets_to_exceed(set_bytes, 2 * timing.l2_bytes(), at_least=1)
+            inp = PromptKV(heads, B, P, sets=sets)
+            for case, calls in attention_cases(P).items():
+                def op(backend, calls=calls):
+                    return lambda s: [inp.call(s, c, T, backend) for c, T in calls]
+                measured = {b: time_sets(op(b), sets, sets * set_bytes, launches=launches, replays=replays)
+                            for b in attention_backends(heads)}
+                flops = B * attention_flops(heads, calls)
+                rows.append({"family": "attention", "preset": preset, "heads": list(heads), "B": B, "P": P,
+                             "case": case, "calls": len(calls), "piece": ATTENTION_PIECE, "flops": flops,
+                             "us": {b: t * 1e6 for b, (t, _) in measured.items()},
+                             "tflops": {b: flops / t / 1e12 for b, (t, _) in measured.items()},
+                             "method": {b: m for b, (_, m) in measured.items()},
+                             "rotated_MB": round(sets * set_bytes / 1e6)})
+                print(attention_line(rows[-1]), flush=True)
+                on_row(result)
+            del inp
+            torch.cuda.empty_cache()
+
+
+def attention_line(r: dict) -> str:
+    ops = " ".join(f"{b}={us / 1e3:.3f}ms ({r['tflops'][b]:.0f} TFLOP/s"
+                   + (")" if r["method"][b] == "graph" else ", eager)") for b, us in r["us"].items())
+    ratio = r["us"]["flash"] / r["us"]["cudnn"] if "cudnn" in r["us"] and "flash" in r["us"] else None
+    return (f"attention B={r['B']:2d} P={r['P']:6d} {r['case']:10s} ({r['calls']} calls) {ops}"
+            + (f"  flash/cudnn {ratio:.2f}" if ratio is not None else ""))
+
+
+def attention_table(rows) -> str:
+    """The attention rows, one line each: ms, TFLOP/s and FlashAttention-2's time over cuDNN's."""
+    head = (f"prompt attention ({rows[0]['preset']}: H, Hkv, D = {tuple(rows[0]['heads'])}; pieces of "
+            f"{rows[0]['piece']} tokens; cudnn after a prefix = [prefix, no mask] + [piece, causal] merged)")
+    return "\n".join([head, *(attention_line(r) for r in rows)])
 
 
 # -- end to end: time to first token ---------------------------------------------------------------

@@ -78,8 +78,10 @@ class GatedRMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x, gate):
-        h = self.weight * rms_normalize(x, self.eps)
-        return (h * F.silu(gate.float())).to(x.dtype)
+        h = self.weight * rms_normalize(x, self.eps)  # in x's dtype, as transformers rounds it
+        # the fp32 product rounded to x's dtype as it is stored into h: what .to(x.dtype) of it gives,
+        # without writing and reading the fp32 product
+        return h.mul_(F.silu(gate.float()))
 
 
 def project(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, one_row: bool) -> torch.Tensor:
@@ -283,16 +285,23 @@ def rotary_cos_sin(positions, rotary_dim: int, theta: float, dtype):
     return torch.cat([c, c], dim=-1).to(dtype), torch.cat([-s, s], dim=-1).to(dtype)
 
 
-def apply_rotary(x, cos, sin):
+def apply_rotary(x, cos, sin, in_place: bool = False):
     """Rotate the first rotary_dim channels of x (B, T, H, D); the rest pass through (partial rotary).
 
     x * cos + rotate_half(x) * sin with rotate_half(x) = [-x2, x1]: the sign sits in `sin`
-    (rotary_cos_sin), which is bit for bit the same product, one negation fewer per call."""
+    (rotary_cos_sin), which is bit for bit the same product, one negation fewer per call.
+    in_place: the rotated channels are written into x (a tensor the caller owns), which is returned:
+    under partial rotary the channels that pass through are then not copied."""
     r = cos.shape[-1]
     rot, half = x[..., :r], r // 2
     swapped = torch.cat([rot[..., half:], rot[..., :half]], dim=-1)
-    rot = rot * cos[:, :, None] + swapped * sin[:, :, None]
-    return rot if r == x.shape[-1] else torch.cat([rot, x[..., r:]], dim=-1)
+    turned = rot * cos[:, :, None] + swapped * sin[:, :, None]
+    if r == x.shape[-1]:
+        return turned
+    if in_place:
+        x[..., :r].copy_(turned)
+        return x
+    return torch.cat([turned, x[..., r:]], dim=-1)
 
 
 def cache_layout(layer_types) -> list[tuple[str, int] | None]:

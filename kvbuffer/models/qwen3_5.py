@@ -195,7 +195,7 @@ class GatedAttention(nn.Module):
         k = self.k_norm(k.view(B, T, -1, d))
         v = v.view(B, T, -1, d)
         cos, sin = rope if rope is not None else self.rope(c, batch.positions, x.dtype)
-        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        q, k = apply_rotary(q, cos, sin, in_place=True), apply_rotary(k, cos, sin, in_place=True)  # the norms' own
         o = mixing.attention(q, k, v, batch, caches, self.attn_index, d ** -0.5)
         o = o * torch.sigmoid(gate)  # per head: the strided gate is read in place, not copied first
         return self.o_proj(o.reshape(B, T, -1))

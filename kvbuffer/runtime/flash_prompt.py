@@ -1,5 +1,5 @@
-"""A prompt's attention on CUDA through FlashAttention-2 (the build torch ships): causal, grouped-query,
-over each row's cached prefix plus its new tokens, with no score tensor.
+"""A prompt's attention on CUDA through torch's fused attention (cuDNN's, or the FlashAttention-2 build torch
+ships): causal, grouped-query, over each row's cached prefix plus its new tokens, with no score tensor.
 
 Layout as kvbuffer.reference.prefill_attention, per row: q (B, T, H, D) the new tokens, already written
 into the cache (k_cache, v_cache (slots, positions, Hkv, D)) at cached[b] .. cached[b] + T - 1. Row b's
@@ -9,13 +9,19 @@ zeros. `slots` and `cached` are host lists: the caller runs eagerly (a CUDA grap
 
 When every row is a fresh prompt (cached 0, none padding), the new keys and values are the whole context
 and the rows run as one batched call; otherwise each row reads its cache slot in place (a strided view,
-nothing copied).
+nothing copied), one row's output returned as computed. The backend: cuDNN's fused attention where it
+takes the dtype and head shape (kvbuffer.runtime.cudnn_prompt: chosen once per device, dtype and head
+shape; torch.backends.cuda.enable_cudnn_sdp(False) before the first prompt turns it off), FlashAttention-2
+otherwise and for the calls cuDNN does not take (a single key).
 """
 
 from __future__ import annotations
 
 import torch
 
+from . import cudnn_prompt
+
+BACKENDS = ("cudnn", "flash")
 MAX_HEAD_DIM = 256  # FlashAttention-2's limit
 
 
@@ -27,18 +33,42 @@ def fits(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
             and torch.cuda.get_device_capability(q.device)[0] >= 8)
 
 
+def backend_for(q: torch.Tensor, k_cache: torch.Tensor) -> str:
+    """"cudnn" where torch's cuDNN attention takes q's dtype and head shape on its device, else "flash"."""
+    return "cudnn" if cudnn_prompt.available(q, k_cache) else "flash"
+
+
 def flash_prompt_attention(q, k, v, k_cache, v_cache, slots: list[int], cached: list[int],
-                           scale: float) -> torch.Tensor:
-    """o (B, T, H, D) in q's dtype; k, v (B, T, Hkv, D) are the new tokens (also in the cache)."""
-    T = q.shape[1]
+                           scale: float, backend: str | None = None) -> torch.Tensor:
+    """o (B, T, H, D) in q's dtype; k, v (B, T, Hkv, D) are the new tokens (also in the cache).
+    backend: "cudnn" or "flash" (None: backend_for's choice)."""
+    if backend is None:
+        backend = backend_for(q, k_cache)
+    elif backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS} or None, got {backend!r}")
+    B, T = q.shape[:2]
     if all(s >= 0 for s in slots) and not any(cached):
+        if backend == "cudnn" and cudnn_prompt.takes(T, 0):
+            return cudnn_prompt.cudnn_causal(q.contiguous(), k, v, scale)
         return _flash(q, k, v, scale)
-    out = torch.zeros_like(q)
+    real = all(s >= 0 for s in slots)
+    if B == 1 and real:
+        return _row(q, k_cache, v_cache, slots[0], cached[0], scale, backend)
+    out = torch.empty_like(q, memory_format=torch.contiguous_format) if real else torch.zeros_like(q)
     for b, (slot, start) in enumerate(zip(slots, cached)):
         if slot >= 0:
-            L = start + T
-            out[b:b + 1] = _flash(q[b:b + 1], k_cache[slot:slot + 1, :L], v_cache[slot:slot + 1, :L], scale)
+            _row(q[b:b + 1], k_cache, v_cache, slot, start, scale, backend, out[b:b + 1])
     return out
+
+
+def _row(q, k_cache, v_cache, slot: int, start: int, scale: float, backend: str, out=None) -> torch.Tensor:
+    """One row's T new tokens over its slot's first start + T positions (read in place), into `out` if given."""
+    T = q.shape[1]
+    keys, vals = k_cache[slot:slot + 1, :start + T], v_cache[slot:slot + 1, :start + T]
+    if backend == "cudnn" and cudnn_prompt.takes(T, start):
+        return cudnn_prompt.split_attention(q, keys, vals, start, scale, out=out)
+    o = _flash(q, keys, vals, scale)
+    return o if out is None else out.copy_(o)
 
 
 def _flash(q, k, v, scale: float) -> torch.Tensor:

@@ -122,9 +122,10 @@ def attention(q, k, v, batch: ForwardBatch, caches: ModelCaches, layer: int, sca
 
 def _prompt_attention(q, k, v, kc, vc, batch: ForwardBatch, scaling: float):
     """A prompt's attention, run eagerly: the new keys and values written at cached .. cached+T-1, then
-    FlashAttention-2 where it fits (kvbuffer.runtime.flash_prompt: CUDA, half precision), else query and
-    key tiles with an online softmax (kvbuffer.reference.prefill_attention). Memory stays linear in the
-    context either way: no (T x context) score tensor."""
+    torch's fused attention where it fits (kvbuffer.runtime.flash_prompt: CUDA, half precision; cuDNN's
+    where torch's gate takes the heads, else FlashAttention-2), else query and key tiles with an online
+    softmax (kvbuffer.reference.prefill_attention). Memory stays linear in the context either way: no
+    (T x context) score tensor."""
     B, T, H, D = q.shape
     real = batch.slots >= 0
     rows = batch.slots.clamp(min=0).long()[:, None].expand(B, T)

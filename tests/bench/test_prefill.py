@@ -293,3 +293,38 @@ def test_a_variant_that_does_not_build_is_dropped_alone():
     dropped = {}
     kept = prefill._built_variants({"kvbuffer[a=1]": good, "kvbuffer[b=2]": bad}, dropped)
     assert list(kept) == ["kvbuffer[a=1]"] and dropped["kvbuffer[b=2]"].startswith("did not build: BV=48")
+
+
+def test_attention_cases_cover_the_prompt_in_pieces():
+    cases = prefill.attention_cases(5000, piece=2048)
+    assert cases == {"fresh": [(0, 5000)], "last_piece": [(4096, 904)],
+                     "pieces": [(0, 2048), (2048, 2048), (4096, 904)]}
+    assert prefill.attention_cases(4096, piece=2048)["last_piece"] == [(2048, 2048)]
+
+
+def test_attention_flops_count_the_visible_pairs():
+    H, D = 3, 8
+    assert prefill.attention_flops((H, 1, D), [(0, 4)]) == 4 * H * D * 10  # 1 + 2 + 3 + 4 pairs
+    assert prefill.attention_flops((H, 1, D), [(5, 2), (0, 1)]) == 4 * H * D * (10 + 3 + 1)
+    assert prefill.attention_heads("qwen3.5-9b") == (16, 4, 256)
+
+
+def test_attention_gate_on_the_cpu_with_math_stand_ins(monkeypatch):
+    """The gate's wiring (inputs, reference, per-backend calls) with each backend's calls as fp32 math."""
+    from kvbuffer.runtime import cudnn_prompt, flash_prompt
+    from tests.kernels.test_prompt_attention_split import bottom_right, math_part
+
+    def as_float(fn):
+        def run(q, k, v, *rest):
+            out = fn(q.double(), k.double(), v.double(), *rest)
+            return tuple(o.to(q.dtype) if o.dtype == torch.float64 and o.dim() == 4 else o for o in out) \
+                if isinstance(out, tuple) else out.to(q.dtype)
+        return run
+    monkeypatch.setattr(flash_prompt, "_flash", as_float(bottom_right))
+    monkeypatch.setattr(cudnn_prompt, "cudnn_part", as_float(math_part))
+    monkeypatch.setattr(cudnn_prompt, "cudnn_causal", as_float(lambda q, k, v, s: math_part(q, k, v, s, True)[0]))
+    monkeypatch.setattr(prefill, "attention_backends", lambda heads, device="cuda": ("flash", "cudnn"))
+    errors = prefill.attention_gate((4, 2, 16), device="cpu", cases={"fresh": (33, 0), "piece": (20, 17),
+                                                                     "one_token": (1, 9)})
+    assert set(errors) == {f"{b}/{c}" for b in ("flash", "cudnn") for c in ("fresh", "piece", "one_token")}
+    assert max(errors.values()) < 1e-2, errors

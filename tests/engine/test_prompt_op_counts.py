@@ -3,8 +3,9 @@ kernel Backend's code path (tests/support/op_counts.py): upper bounds per layer 
 adds launches or a read-back to the prompt path shows here.
 
 The tiny 9B-shaped (qwen3_5) and Nano-shaped (nemotron_h) models in bf16, as served on CUDA, with the
-short conv on its op, the prompt's attention on the FlashAttention stand-in and the RMS norms counted as
-CUDA fuses them. A piece that ends on a flush
+short conv on its op, the prompt's attention on each backend's stand-ins (cuDNN, as on Hopper: one call
+fresh, two and their merge after a cached prefix; FlashAttention-2) and the RMS norms counted as CUDA
+fuses them. A piece that ends on a flush
 point (fill 0, whole chunks: what every piece but a prompt's last is) and a last piece (after a buffered
 fill, a rest shorter than C left as verify chunks), one row and three. Bounds are per layer: the linear
 layers' Backend.prefill ("prompt path"), each linear mixer in all, each attention mixer, the forward.
@@ -18,22 +19,31 @@ import torch
 from tests.support.op_counts import OpCounter, count_prompt_piece, mixer_scopes
 from tests.support.tiny_models import tiny_model
 
-# (kind, piece) -> (prompt path, linear mixer, attention mixer, forward): ops at most
+# (kind, piece) -> (prompt path, linear mixer, attention mixer, forward): ops at most, per prompt backend
 BOUNDS = {
-    ("qwen3_5", "whole chunks"): (19, 31, 33, 217),
-    ("qwen3_5", "last piece"): (37, 48, 41, 285),
-    ("nemotron_h", "whole chunks"): (6, 19, 13, 77),
-    ("nemotron_h", "last piece"): (22, 33, 19, 120),
+    "cudnn": {
+        ("qwen3_5", "whole chunks"): (19, 30, 31, 212),
+        ("qwen3_5", "last piece"): (37, 47, 52, 293),
+        ("nemotron_h", "whole chunks"): (6, 19, 12, 77),
+        ("nemotron_h", "last piece"): (22, 33, 30, 129),
+    },
+    "flash": {
+        ("qwen3_5", "whole chunks"): (19, 30, 32, 213),
+        ("qwen3_5", "last piece"): (37, 47, 40, 281),
+        ("nemotron_h", "whole chunks"): (6, 19, 12, 77),
+        ("nemotron_h", "last piece"): (22, 33, 18, 117),
+    },
 }
 PIECES = {"whole chunks": (256, 0), "last piece": (100, 5)}  # tokens, fill (C = 16)
 ATTENTION_READBACKS = 0  # the prompt attention slices its rows from ForwardBatch.host_slots / host_cached
 
 
+@pytest.mark.parametrize("backend", list(BOUNDS))
 @pytest.mark.parametrize("rows", [1, 3])
-@pytest.mark.parametrize("kind,piece", list(BOUNDS), ids=lambda v: str(v).replace(" ", "-"))
-def test_prompt_piece_ops_and_syncs_stay_within_bounds(kind, piece, rows):
+@pytest.mark.parametrize("kind,piece", list(BOUNDS["cudnn"]), ids=lambda v: str(v).replace(" ", "-"))
+def test_prompt_piece_ops_and_syncs_stay_within_bounds(kind, piece, rows, backend):
     tokens, fill = PIECES[piece]
-    counter = count_prompt_piece(kind, tokens, fill, rows=rows, dtype=torch.bfloat16)
+    counter = count_prompt_piece(kind, tokens, fill, rows=rows, dtype=torch.bfloat16, prompt_backend=backend)
     layers = {k: len(v) for k, v in mixer_scopes(tiny_model(kind)).items()}
     per_layer = {
         "prompt path": counter.ops["linear_attention.prefill"] / layers["linear_attention"],
@@ -41,7 +51,7 @@ def test_prompt_piece_ops_and_syncs_stay_within_bounds(kind, piece, rows):
         "attention mixer": counter.ops["full_attention"] / layers["full_attention"],
         "forward": counter.total(),
     }
-    for (name, got), bound in zip(per_layer.items(), BOUNDS[kind, piece]):
+    for (name, got), bound in zip(per_layer.items(), BOUNDS[backend][kind, piece]):
         assert got <= bound, f"{name}: {got} ops, bound {bound} ({counter.calls})"
     assert counter.total("syncs", "linear_attention") == 0, dict(counter.syncs)
     assert counter.total("syncs", "rest") == 0, dict(counter.syncs)
@@ -93,3 +103,13 @@ def test_prompt_batches_carry_their_rows_on_the_host():
     for _, host_slots, host_cached, slots, cached in prompts:
         assert (host_slots, host_cached) == (slots, cached)
     assert all(s[1] is None for s in seen if s[0] == "decode")
+
+
+def test_counter_records_each_ops_operands_when_asked():
+    x = torch.randn(4, 6).bfloat16()
+    counter = OpCounter(operands=True)
+    with counter:
+        (x[:, :3] * 2).float()
+    assert counter.signatures["rest"] == {"mul(bf16[4, 3]s) -> bf16[4, 3]c": 1,
+                                          "_to_copy(bf16[4, 3]c) -> f32[4, 3]c": 1}
+    assert not OpCounter().signatures

@@ -1,5 +1,6 @@
-"""A prompt's attention on FlashAttention-2 (kvbuffer.runtime.flash_prompt) against the tiled fp64 reference
-(kvbuffer.reference.prefill_attention), on a CUDA GPU.
+"""A prompt's attention on FlashAttention-2 (kvbuffer.runtime.flash_prompt, backend "flash") against the tiled
+fp64 reference (kvbuffer.reference.prefill_attention), on a CUDA GPU; every backend:
+tests/gpu/test_prompt_attention_gpu.py.
 
 Grouped heads as the models have them (Qwen3.5: 16 query heads over 4 KV heads, head dim 256; Nemotron-3:
 32 over 2, dim 128), fresh prompts and prompts after a cached prefix of awkward lengths, a padding row,
@@ -51,7 +52,7 @@ def test_matches_the_fp64_reference(shape, case):
             kc[s, c:c + T], vc[s, c:c + T] = k[b], v[b]
     scale = D ** -0.5
     assert flash_prompt.fits(q, kc)
-    out = flash_prompt.flash_prompt_attention(q, k, v, kc, vc, slots, starts, scale)
+    out = flash_prompt.flash_prompt_attention(q, k, v, kc, vc, slots, starts, scale, backend="flash")
     dev = lambda xs: torch.tensor(xs, device="cuda")  # noqa: E731
     ref = prefill_attention(q.double().reshape(B * T, H, D), kc.double(), vc.double(), dev([0] + [T] * B).cumsum(0),
                             dev(slots), dev(starts), scale).reshape(B, T, H, D)

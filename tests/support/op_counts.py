@@ -60,12 +60,30 @@ def _sync_kind(func, args, kwargs) -> str | None:
     return None
 
 
+def describe_operands(name: str, args, out) -> str:
+    """One op's signature for reading a forward: name(operand, ...) -> result, each tensor as its dtype,
+    shape and "c" (contiguous) or "s" (strided)."""
+    def one(t):
+        if isinstance(t, torch.Tensor):
+            dt = str(t.dtype).replace("torch.", "").replace("bfloat16", "bf16").replace("float32", "f32")
+            return f"{dt}{list(t.shape)}{'c' if t.is_contiguous() else 's'}"
+        if isinstance(t, (list, tuple)) and any(isinstance(x, torch.Tensor) for x in t):
+            return "[" + ", ".join(one(x) for x in t) + "]"
+        return None
+    ins = [d for d in (one(a) for a in args) if d is not None]
+    outs = one(out if not isinstance(out, (tuple, list)) else [o for o in out if isinstance(o, torch.Tensor)])
+    return f"{name}({', '.join(ins)}) -> {outs}"
+
+
 class OpCounter(TorchDispatchMode):
     """ops[scope], views[scope]: dispatch counts; syncs[scope]: Counter of the sync kinds; calls[scope]:
-    Counter of op names (to read what a scope spends its ops on)."""
+    Counter of op names (to read what a scope spends its ops on); with `operands`, signatures[scope]: Counter
+    of each op's describe_operands line."""
 
-    def __init__(self):
+    def __init__(self, operands: bool = False):
         super().__init__()
+        self.operands = operands
+        self.signatures: dict[str, Counter] = defaultdict(Counter)
         self.ops: Counter = Counter()
         self.views: Counter = Counter()
         self.syncs: dict[str, Counter] = defaultdict(Counter)
@@ -100,6 +118,8 @@ class OpCounter(TorchDispatchMode):
         else:
             self.ops[self.scope] += 1
             self.calls[self.scope][str(func.overloadpacket.__name__)] += 1
+            if self.operands:
+                self.signatures[self.scope][describe_operands(str(func.overloadpacket.__name__), args, out)] += 1
         return out
 
     def _patched(self, name: str):
@@ -184,6 +204,27 @@ def flash_stand_in(counter: OpCounter):
     return flash
 
 
+def cudnn_stand_ins(counter: OpCounter) -> dict:
+    """CPU stand-ins for kvbuffer.runtime.cudnn_prompt's two cuDNN calls (one launch each on CUDA): plain
+    torch, unseen by `counter`, which counts one "cudnn_attention" op per call instead."""
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    def part(q, k, v, scale: float, causal: bool):
+        counter.ops[counter.scope] += 1
+        counter.calls[counter.scope]["cudnn_attention"] += 1
+        with _disable_current_modes():
+            G = q.shape[2] // k.shape[2]
+            qt, kt, vt = q.transpose(1, 2), k.repeat_interleave(G, 2).transpose(1, 2), v.repeat_interleave(G, 2)
+            scores = (qt.float() @ kt.float().transpose(-1, -2)) * scale
+            if causal:  # top-left, as cuDNN's
+                T, S = scores.shape[-2:]
+                scores = scores.masked_fill(torch.arange(S)[None, :] > torch.arange(T)[:, None], float("-inf"))
+            lse = scores.logsumexp(-1)
+            o = (torch.exp(scores - lse[..., None]) @ vt.float().transpose(1, 2)).transpose(1, 2)
+            return o.to(q.dtype).contiguous(), lse
+    return {"cudnn_part": part, "cudnn_causal": lambda q, k, v, scale: part(q, k, v, scale, True)[0]}
+
+
 def fused_norm_stand_in(counter: OpCounter, rms_normalize):
     """kvbuffer.models.layers.rms_normalize as CUDA runs it (one F.rms_norm launch, and a cast where the
     weight's dtype is not x's), counted so in `counter`; the CPU formula computes the values unseen."""
@@ -199,14 +240,16 @@ def fused_norm_stand_in(counter: OpCounter, rms_normalize):
 
 
 def count_prompt_piece(kind: str, tokens: int, fill: int = 0, rows: int = 1, chunk_size: int = 16,
-                       dtype=torch.float32, cuda_like: bool = True, config: dict | None = None) -> OpCounter:
+                       dtype=torch.float32, cuda_like: bool = True, config: dict | None = None,
+                       operands: bool = False, prompt_backend: str = "cudnn") -> OpCounter:
     """One prompt piece's forward (`tokens` tokens of each of `rows` requests, each at buffer fill
     `fill`) of the tiny `kind` model on the CPU through the kernel Backend, every kernel taken as
     loaded (so the short conv runs as its op, as on CUDA) and, with `cuda_like`, the prompt's attention
-    on the FlashAttention path (flash_stand_in) and the RMS norms fused (fused_norm_stand_in), as on
-    CUDA: the counter of that forward, with each
+    on `prompt_backend`'s path ("cudnn", as on Hopper: cudnn_stand_ins, FlashAttention-2 for the calls
+    cuDNN does not take; "flash": flash_stand_in alone) and the RMS norms fused (fused_norm_stand_in), as
+    on CUDA: the counter of that forward, with each
     mixer in its kind's scope and the linear layers' Backend.prefill in "linear_attention.prefill".
-    `config`: tiny_model's overrides (e.g. a published model's layer list)."""
+    `config`: tiny_model's overrides (e.g. a published model's layer list); `operands`: OpCounter's."""
     from unittest import mock
 
     from kvbuffer import LLM
@@ -215,7 +258,7 @@ def count_prompt_piece(kind: str, tokens: int, fill: int = 0, rows: int = 1, chu
     from kvbuffer.engine.sampling import SamplingParams
     from kvbuffer.kernels import lookup
     from kvbuffer.models import layers, nemotron_h
-    from kvbuffer.runtime import flash_prompt
+    from kvbuffer.runtime import cudnn_prompt, flash_prompt
     from kvbuffer.runtime.backend import KernelBackend
     from tests.support.tiny_models import tiny_model
 
@@ -231,7 +274,7 @@ def count_prompt_piece(kind: str, tokens: int, fill: int = 0, rows: int = 1, chu
         req = Request(i, prompt, SamplingParams(max_new_tokens=1))
         runner.admit(req)
         reqs.append(req)
-    counter = OpCounter()
+    counter = OpCounter(operands)
     for kind_name, modules in mixer_scopes(model).items():
         for module in modules:
             counter.hook(module, kind_name)
@@ -246,6 +289,9 @@ def count_prompt_piece(kind: str, tokens: int, fill: int = 0, rows: int = 1, chu
         if cuda_like:
             stack.enter_context(mock.patch.object(flash_prompt, "fits", lambda q, k_cache: True))
             stack.enter_context(mock.patch.object(flash_prompt, "_flash", flash_stand_in(counter)))
+            stack.enter_context(mock.patch.object(flash_prompt, "backend_for", lambda q, k_cache: prompt_backend))
+            for name, stand_in in cudnn_stand_ins(counter).items():
+                stack.enter_context(mock.patch.object(cudnn_prompt, name, stand_in))
             norm = fused_norm_stand_in(counter, layers.rms_normalize)
             for module in (layers, nemotron_h):
                 stack.enter_context(mock.patch.object(module, "rms_normalize", norm))
