@@ -17,7 +17,7 @@ import torch
 from ..errors import RequestError
 from ..models.layers import one_row_experts
 from ..runtime.backend import kernel_dtype, resolve_backend
-from .choices import check_cache_memory, plan_caches, use_graphs, use_unbuffered_rows
+from .choices import check_cache_memory, complete_fast_path, plan_caches, use_graphs, use_unbuffered_rows
 from .compiled import use_compile
 from .config import EngineConfig, check_model
 from .core import EngineCore
@@ -71,6 +71,7 @@ class LLM:
         self.dtype = next(model.parameters()).dtype
         spec = plan_caches(config, model, self.dtype)
         self.chunk_size = spec.chunk_size
+        self.fast_path_missing = complete_fast_path(config, self.device, model, spec, self.dtype, self.checkpoint_dir)
         self.backend, self.kernels_reason = resolve_backend(config.kernels, self.device, spec, self.dtype, self.mode)
         self.kernels = self.backend.kernels
         self.gemv = use_one_row_kernel(model, config.gemv, self.kernels)
