@@ -127,7 +127,9 @@ def _engine_options(f):
 def _engine_run(what, preset, fp8, modes, config, out, **options):
     from kvbuffer import presets
     from kvbuffer.bench import e2e
+    from kvbuffer.engine.compiled import keep_inductor_cache
 
+    keep_inductor_cache()
     chosen = tuple(m.strip() for m in modes.split(",") if m.strip())
     try:
         e2e.check_modes(chosen, prompt_len=options["prompt_len"], chunk_size=config.chunk_size)

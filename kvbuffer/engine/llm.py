@@ -76,7 +76,9 @@ class LLM:
         self.kernels = self.backend.kernels
         self.gemv = use_one_row_kernel(model, config.gemv, self.kernels)
         self.cuda_graphs = use_graphs(config.cuda_graphs, self.device, kernels=self.kernels, spec=spec)
-        self.compiled = use_compile(config.compile, self.device, self.cuda_graphs)
+        self.compiled = use_compile(config.compile, self.device, self.cuda_graphs,
+                                    None if config.cuda_graphs is False else
+                                    f"CUDA graphs need the compiled kernels ({self.kernels_reason})")
         self.overlap = use_overlap(config.overlap, self.device)
         self.unbuffered_rows = use_unbuffered_rows(
             config.unbuffered_rows, spec, self.dtype, kernels=self.kernels,

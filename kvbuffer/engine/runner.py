@@ -169,20 +169,22 @@ class ModelRunner:
             kw["last_logits"] = True
         return fn(ids, batch, self.caches, **kw)
 
-    def _replayed(self, graphs: StepGraphs | None, columns, context_len: int, *extra, feed=None):
-        """The forward's outputs from its CUDA graph, or None: no graphs, or a capture that failed
-        (it leaves the caches untouched; that forward runs eagerly from then on, logged once)."""
+    def _replayed(self, graphs: StepGraphs | None, columns, context_len: int, *extra, feed=None, now=False):
+        """The forward's outputs from its CUDA graph (or its bucket's uncaptured forward until the
+        bucket is worth a capture: graphs.worth_capturing; now: capture it at once), or None: no
+        graphs, or a capture that failed (it leaves the caches untouched; that forward runs eagerly
+        from then on, logged once)."""
         if graphs is None or not graphs.enabled:
             return None
         try:
-            return graphs.run(columns, context_len, *extra, feed=feed)
+            return graphs.run(columns, context_len, *extra, feed=feed, now=now)
         except RuntimeError as e:
             cause = e.__context__ or e  # the error inside the capture, not capture_end's follow-up
             if self.compiled is not None:  # the warm-up and the capture saw padding rows only: retry uncompiled
                 log.warning("kvbuffer: the compiled forward failed during a CUDA graph capture, running the "
                             "forwards uncompiled from now on: %s", _first_line(cause))
                 self.compiled = None
-                return self._replayed(graphs, columns, context_len, *extra, feed=feed)
+                return self._replayed(graphs, columns, context_len, *extra, feed=feed, now=now)
             log.warning("kvbuffer: CUDA graph capture of a %d-token forward failed, running it eagerly from now "
                         "on: %s", graphs.inputs.tokens, _first_line(cause))
             graphs.enabled = False
@@ -274,10 +276,10 @@ class ModelRunner:
             self._advance(r, 1, buffered=not unbuffered)
         return logits
 
-    def _decode_rows(self, columns, context_len: int, unbuffered: bool, feed=None) -> torch.Tensor:
-        """The decode forward of `columns`, replayed from its graph where there is one."""
+    def _decode_rows(self, columns, context_len: int, unbuffered: bool, feed=None, now=False) -> torch.Tensor:
+        """The decode forward of `columns`, replayed from its graph where there is one (now: captured at once)."""
         mode = ("recurrent",) if unbuffered else ()
-        logits = self._replayed(self.graphs, columns, context_len, *mode, feed=feed)
+        logits = self._replayed(self.graphs, columns, context_len, *mode, feed=feed, now=now)
         if logits is None:
             logits = self._decode_forward(self.inputs.upload(columns, len(columns[0]), feed), context_len, *mode)
         return logits
@@ -293,7 +295,7 @@ class ModelRunner:
         for n in rows:
             columns = [[pad] * n for pad in self.inputs.padding]
             for context_len in context_lens:
-                self._decode_rows(columns, context_len, n <= self.unbuffered_rows)
+                self._decode_rows(columns, context_len, n <= self.unbuffered_rows, now=True)
 
     @torch.inference_mode()
     def hold(self, picks: torch.Tensor) -> PendingTokens:
