@@ -193,10 +193,13 @@ def complete_fast_path(config, device: torch.device, model, spec: CacheSpec, dty
         return []
     step = decode_step_key(spec, dtype) if spec.num_linear_layers and kernels_supported(spec) is None else None
     widest = next((p.key for p in planned if p.group == "attention"), None)
+    def named(why: str | None) -> str | None:  # a build's line names the checkpoint where there is one
+        return why.replace("<model>", str(checkpoint)) if why and checkpoint is not None else why
+
     builders = {
         "linear": lambda keys: autobuild.ensure_kernels(step, DTYPE_NAMES.get(dtype, step.in_dtype)),
-        "conv": autobuild.ensure_conv_kernels,
-        "attention": lambda keys: autobuild.ensure_attention_kernels(widest),
+        "conv": lambda keys: named(autobuild.ensure_conv_kernels(keys)),
+        "attention": lambda keys: named(autobuild.ensure_attention_kernels(widest)),
     }
     return autobuild.complete(planned, builders, autobuild.loads,
                               lambda key: autobuild.local_command(key, checkpoint))

@@ -249,8 +249,9 @@ def complete(planned: list[Planned], builders: Mapping[str, Callable[[list[Kerne
              loads: Callable[[KernelKey], bool], command: Callable[[KernelKey], str]) -> list[Planned]:
     """Build what `planned` lacks, group by group in order (`builders[group](missing keys)` returns
     None once built, else one line saying why not), then log one WARNING per group whose kernels
-    still do not load: the kernels, what runs instead, why, and `command(key)` (the `kvbuffer tune`
-    run that builds them). Returns the kernels still missing."""
+    still do not load: the kernels, what runs instead, and the builder's line where it names the
+    command (in backquotes), else `command(key)` (the `kvbuffer tune` run that builds them) and
+    the builder's reason. Returns the kernels still missing."""
     unknown = sorted({p.group for p in planned} - set(builders))
     if unknown:
         raise ValueError(f"planned kernels name groups without a builder: {unknown}")
@@ -264,8 +265,9 @@ def complete(planned: list[Planned], builders: Mapping[str, Callable[[list[Kerne
     for group in dict.fromkeys(p.group for p in still):
         part = [p for p in still if p.group == group]
         names = ", ".join(dict.fromkeys(kernel_name(p.key) for p in part))
-        reason = f" ({why[group]})" if why.get(group) else ""
-        log.warning("kvbuffer: no compiled %s kernel%s%s: %s, slower; `%s` builds %s", names,
-                    "s" if len(part) > 1 else "", reason, part[0].instead, command(part[0].key),
-                    "them" if len(part) > 1 else "it")
+        reason = why.get(group)
+        tail = reason if reason and "`" in reason else \
+            f"`{command(part[0].key)}` builds {'them' if len(part) > 1 else 'it'}" + (f" ({reason})" if reason else "")
+        log.warning("kvbuffer: no compiled %s kernel%s: %s, slower; %s", names, "s" if len(part) > 1 else "",
+                    part[0].instead, tail)
     return still

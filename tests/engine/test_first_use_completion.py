@@ -161,6 +161,23 @@ def test_complete_builds_each_group_once_then_warns_once_per_group(caplog):
     lines = [r.getMessage() for r in caplog.records]
     assert len(lines) == 2
     assert "name_k2 kernel:" in lines[0] and "a runs slowly" in lines[0] and "`tune k2` builds it" in lines[0]
-    assert "name_k3, name_k4 kernels (no TileLang here)" in lines[1] and "`tune k3` builds them" in lines[1]
+    assert "name_k3, name_k4 kernels: b runs slowly" in lines[1]
+    assert lines[1].endswith("`tune k3` builds them (no TileLang here)")
     with pytest.raises(ValueError, match="groups without a builder: \\['b'\\]"):
         complete(planned, {"a": build_a}, lambda k: True, str)
+
+
+def test_a_build_that_cannot_run_gives_its_own_line_with_the_checkpoint(qwen, h200, monkeypatch, caplog):
+    """Without TileLang the conv's build says why and which command builds it, naming the checkpoint."""
+    model, spec = qwen
+    planned = fast_path_kernels(model, spec, torch.bfloat16, "kvbuffer")
+    FakeCache(monkeypatch, planned, built=[p.key for p in planned if p.group != "conv"])
+    monkeypatch.setattr(autobuild, "ensure_conv_kernels", lambda keys: autobuild._local_build(keys[0], "short conv kernels")[1])
+    monkeypatch.setattr(autobuild, "build_problem", lambda: "TileLang, which builds them, is not installed")
+    with caplog.at_level(logging.WARNING, logger="kvbuffer"):
+        still = complete_fast_path(EngineConfig(), CUDA, model, spec, torch.bfloat16, checkpoint="/ckpt/qwen")
+    assert [kernel_name(p.key) for p in still] == ["conv1d_step", "conv1d_prefill"]
+    (line,) = [r.getMessage() for r in caplog.records]
+    assert line.startswith("kvbuffer: no compiled conv1d_step, conv1d_prefill kernels: the short conv runs on the "
+                           "reference ops, slower; no compiled short conv kernels on h200; TileLang")
+    assert line.endswith("then `kvbuffer tune --gpu h200 --model /ckpt/qwen` builds them")
