@@ -173,6 +173,11 @@ def _rows(out, n: int):
     return tuple(o[:n] for o in out) if isinstance(out, tuple) else out[:n]
 
 
+class CaptureFailed(RuntimeError):
+    """A forward's CUDA-graph capture (or its warm-up, on padding rows) failed: nothing a row reads was
+    written, so the forward may run again another way. Its cause is the capture's own error."""
+
+
 def worth_capturing(uses: int, capture_after: int = CAPTURE_AFTER) -> bool:
     """Whether a bucket run uncaptured `uses` times is captured now: once it has been used
     capture_after times (CAPTURE_AFTER: a capture costs about two forwards, repaid only by a bucket
@@ -188,8 +193,9 @@ class StepGraphs:
 
     capture=False runs the same padded, bucketed forward eagerly: what a replay computes, checkable
     on a machine without CUDA. With capture, a bucket's first `capture_after` forwards run so too,
-    and its next one is captured (worth_capturing). `enabled` turns False when a capture fails (the
-    caller then runs eagerly).
+    and its next one is captured (worth_capturing); capture_after=0 captures at first use. A failed
+    capture raises CaptureFailed, and `enabled` is turned False by the caller, which then runs eagerly;
+    an uncaptured forward's own errors are raised as they are (it may have written rows).
     """
 
     def __init__(self, forward, inputs: StepInputs, max_len: int, capture: bool = True, pool=None,
@@ -214,7 +220,10 @@ class StepGraphs:
             self.uses[key] = self.uses.get(key, 0) + 1
             return _rows(self.forward(view, window, *extra), n)
         if key not in self.graphs:
-            self.graphs[key] = self._capture(view, window, extra)
+            try:
+                self.graphs[key] = self._capture(view, window, extra)
+            except RuntimeError as e:
+                raise CaptureFailed(str(e)) from e
         graph, out = self.graphs[key]
         graph.replay()
         return _rows(out, n)

@@ -17,7 +17,8 @@ from ..runtime.batch import ForwardBatch
 from ..runtime.caches import CacheSpec, ModelCaches
 from .compiled import COMPILED_PHASES, compile_forward
 from .commit import PADDING_DRAFT, commit_rows, flush_rows, greedy_accepts
-from .graphs import PREFILL_GRAPH_TOKENS, PendingTokens, StepGraphs, StepInputs, row_bucket, split_view, step_columns
+from .graphs import (CAPTURE_AFTER, PREFILL_GRAPH_TOKENS, CaptureFailed, PendingTokens, StepGraphs, StepInputs,
+                     row_bucket, split_view, step_columns)
 from .request import Request
 
 log = logging.getLogger("kvbuffer")
@@ -27,10 +28,12 @@ class ModelRunner:
     """backend: what every forward's layers call (kvbuffer.runtime.backend), passed along on each
     ForwardBatch; the runner's own flushes and conv accepts go through it too. cuda_graphs: capture
     the decode, verify and short prefill forwards (CUDA with the compiled kernels, or no linear
-    layers: the reference ops read the device back, which a capture forbids); a forward whose
-    capture fails runs eagerly from then on, logged once. compile: run the decode and verify forwards
-    compiled (kvbuffer.engine.compiled), graphed or not; a compile that fails during a capture
-    (padding rows only: nothing written) falls back to the uncompiled forward, logged once.
+    layers: the reference ops read the device back, which a capture forbids), each bucket on its
+    third use (graphs.worth_capturing; warm_up captures at once); a forward whose capture fails runs
+    eagerly from then on, logged once. compile: run the decode and verify forwards compiled
+    (kvbuffer.engine.compiled), graphed or not; graphed, each bucket is captured at first use, so a
+    compile that fails does so during a capture (padding rows only: nothing written) and falls back
+    to the uncompiled forward, logged once.
 
     unbuffered_rows (kvbuffer mode): a decode step of at most this many rows folds its rows'
     buffers into their states and steps the recurrence in place, as the recurrent scheme does
@@ -57,7 +60,9 @@ class ModelRunner:
         self._multi: dict[tuple[str, int], tuple[StepInputs, StepGraphs | None]] = {}  # (phase, T) -> inputs, graphs
 
     def _graphs(self, forward, inputs: StepInputs) -> StepGraphs:
-        return StepGraphs(forward, inputs, self.spec.max_len, capture=self._capture, pool=self._pool)
+        """A compiled forward is captured at first use: its first run on real rows could fail halfway."""
+        return StepGraphs(forward, inputs, self.spec.max_len, capture=self._capture, pool=self._pool,
+                          capture_after=0 if self.compiled is not None else CAPTURE_AFTER)
 
     def _inputs_for(self, phase: str, tokens: int) -> tuple[StepInputs, StepGraphs | None]:
         """The staging buffer and graphs of `phase` forwards with `tokens` tokens per row (made on first use)."""
@@ -178,8 +183,9 @@ class ModelRunner:
             return None
         try:
             return graphs.run(columns, context_len, *extra, feed=feed, now=now)
-        except RuntimeError as e:
-            cause = e.__context__ or e  # the error inside the capture, not capture_end's follow-up
+        except CaptureFailed as e:
+            failed = e.__cause__ or e
+            cause = failed.__context__ or failed  # the error inside the capture, not capture_end's follow-up
             if self.compiled is not None:  # the warm-up and the capture saw padding rows only: retry uncompiled
                 log.warning("kvbuffer: the compiled forward failed during a CUDA graph capture, running the "
                             "forwards uncompiled from now on: %s", _first_line(cause))

@@ -15,7 +15,7 @@ from kvbuffer.artifacts import MARKER, MARKER_TEXT
 from kvbuffer.engine import compiled, graphs
 from kvbuffer.engine.compiled import CompiledForward, keep_inductor_cache, use_compile, worth_compiling
 from kvbuffer.engine.config import EngineConfig
-from kvbuffer.engine.graphs import CAPTURE_AFTER, StepGraphs, StepInputs, worth_capturing
+from kvbuffer.engine.graphs import CAPTURE_AFTER, CaptureFailed, StepGraphs, StepInputs, worth_capturing
 
 
 def test_config_defaults_are_the_fast_path():
@@ -98,6 +98,37 @@ def test_a_one_off_bucket_is_never_captured_and_a_warm_up_captures_at_once(monke
     assert captured == [(2, 256, ())]
 
 
+def test_an_uncaptured_forward_raises_its_own_error_and_a_failed_capture_is_said_so(monkeypatch):
+    """An error of a bucket's uncaptured forward (it may have written rows) is not taken for a failed
+    capture, which the runner would answer by running the forward again."""
+    def forward(view, window, *extra):
+        raise RuntimeError("CUDA out of memory")
+
+    g = StepGraphs(forward, StepInputs(8, torch.device("cpu")), 1024, capture=True, pool=object())
+    with pytest.raises(RuntimeError, match="out of memory") as info:
+        g.run(_columns(2), 10)
+    assert not isinstance(info.value, CaptureFailed)
+
+    def capture(self, view, window, extra):
+        raise RuntimeError("operation not permitted when stream is capturing")
+
+    monkeypatch.setattr(StepGraphs, "_capture", capture)
+    with pytest.raises(CaptureFailed, match="not permitted") as info:
+        g.run(_columns(2), 10, now=True)
+    assert "not permitted" in str(info.value.__cause__)
+
+
+def test_a_compiled_runner_captures_each_bucket_at_first_use():
+    """Its first run is then the capture's warm-up, on padding rows: a compile failing there wrote nothing."""
+    llm = kvbuffer.LLM(kvbuffer.demo_checkpoint(), device="cpu", max_batch=2, max_len=64)
+    runner = llm.runner
+    runner.use_graphs(True, capture=False)
+    assert runner.graphs.capture_after == CAPTURE_AFTER
+    runner.compiled = CompiledForward(runner.model, stream=io.StringIO())
+    runner.use_graphs(True, capture=False)
+    assert runner.graphs.capture_after == 0 and runner._inputs_for("verify", 3)[1].capture_after == 0
+
+
 def test_the_runner_warm_up_captures_at_once(monkeypatch):
     llm = kvbuffer.LLM(kvbuffer.demo_checkpoint(), device="cpu", max_batch=4, max_len=64)
     llm.runner.use_graphs(True, capture=False)
@@ -165,11 +196,14 @@ def _runner_with_failing_graphs(monkeypatch):
     runner.compiled = CompiledForward(runner.model, stream=io.StringIO())  # stands in for a compiled forward
     cause = RuntimeError("no compiled conv1d_step kernel for conv1d(D=256)\nmore detail")
 
-    def fail(*a, **k):
+    def fail(*a, **k):  # as StepGraphs.run raises it: capture_end's error, raised while handling the cause
         try:
-            raise cause
-        except RuntimeError:
-            raise RuntimeError("capture_end failed") from None
+            try:
+                raise cause
+            except RuntimeError:
+                raise RuntimeError("capture_end failed")
+        except RuntimeError as end:
+            raise CaptureFailed(str(end)) from end
 
     monkeypatch.setattr(runner.graphs, "run", fail)
     return llm, runner
