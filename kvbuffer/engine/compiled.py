@@ -26,7 +26,7 @@ INDUCTOR_DIR = "torchinductor"  # Inductor's caches, inside kvbuffer's cache fol
 # decode steps a run must expect before compiling them repays: a compile takes tens of seconds for a large
 # model (less from Inductor's cache) and saves a few milliseconds a step (docs/results.md)
 COMPILE_MIN_STEPS = 4096
-REPORT_SECONDS = 2.0  # a later call that takes this long compiled again (a new shape): said on one line
+REPORT_SECONDS = 2.0  # a later compilation (a new shape) that takes this long is said on one line
 
 
 def use_compile(option, device: torch.device, cuda_graphs: bool, why_no_graphs: str | None = None) -> bool:
@@ -67,26 +67,28 @@ def compile_forward(model: torch.nn.Module, caches, stream=None) -> "CompiledFor
 class CompiledForward:
     """A compiled forward that says on one stderr line when it compiles: its first call (where
     Dynamo traces and Inductor compiles or loads from its cache) as `compiling ... done in N s`, and
-    any later call that took REPORT_SECONDS or more (a recompilation for a new shape)."""
+    a later call that compiled a new graph (Dynamo's count of them grew) for REPORT_SECONDS or more."""
 
     def __init__(self, fn, stream=None):
         self.fn, self.stream, self.calls = fn, stream, 0
 
     def __call__(self, *args, **kwargs):
+        from torch._dynamo.utils import counters
+
         stream = self.stream or sys.stderr
         first = self.calls == 0
         self.calls += 1
         if first:
             stream.write(f"kvbuffer: compiling the decode step (torch.compile; Inductor's cache: {inductor_cache()})...")
             stream.flush()
-        t0 = time.perf_counter()
+        graphs, t0 = counters["stats"]["unique_graphs"], time.perf_counter()
         try:
             return self.fn(*args, **kwargs)
         finally:
             seconds = time.perf_counter() - t0
             if first:
                 stream.write(f" done in {seconds:.1f}s\n")
-            elif seconds >= REPORT_SECONDS:
+            elif counters["stats"]["unique_graphs"] > graphs and seconds >= REPORT_SECONDS:
                 stream.write(f"kvbuffer: compiled the decode step again for a new shape in {seconds:.1f}s\n")
 
 

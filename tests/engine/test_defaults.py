@@ -155,6 +155,8 @@ def test_generate_compiles_only_runs_that_repay_it():
 
 
 def test_a_compile_is_one_line_and_a_recompile_another(monkeypatch):
+    from torch._dynamo.utils import counters
+
     out = io.StringIO()
     fwd = CompiledForward(lambda x: x + 1, stream=out)
     assert fwd(1) == 2 and fwd(2) == 3
@@ -162,8 +164,16 @@ def test_a_compile_is_one_line_and_a_recompile_another(monkeypatch):
     assert len(lines) == 1 and lines[0].startswith("kvbuffer: compiling the decode step (torch.compile")
     assert " done in " in lines[0]
     monkeypatch.setattr(compiled, "REPORT_SECONDS", 0.0)
-    fwd(3)
-    assert out.getvalue().splitlines()[1].startswith("kvbuffer: compiled the decode step again")
+    fwd(3)  # no new graph: a slow call is no compile
+    assert len(out.getvalue().splitlines()) == 1
+
+    def recompiles(x):
+        counters["stats"]["unique_graphs"] += 1
+        return x
+
+    fwd.fn = recompiles
+    fwd(4)
+    assert out.getvalue().splitlines()[1].startswith("kvbuffer: compiled the decode step again for a new shape")
 
 
 def test_a_failing_first_call_still_ends_its_line():
