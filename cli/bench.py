@@ -116,7 +116,8 @@ def _engine_options(f):
                           "chunk-size - 1), so each step flushes 1/chunk-size of the rows, as a server does."),
         click.option("--new-tokens", default=32, show_default=True, type=click.IntRange(min=2),
                      help="Tokens generated per request."),
-        engine_options("chunk_size", "kernels", "cuda_graphs", "compile", chunk_size=DEFAULT_CHUNK_SIZE),
+        # the benchmarks compile only when asked (--compile auto | true): each engine they time compiles anew
+        engine_options("chunk_size", "kernels", "cuda_graphs", "compile", chunk_size=DEFAULT_CHUNK_SIZE, compile=False),
         _out_option,
     ]
     for option in reversed(options):
@@ -225,7 +226,7 @@ def transformers_bench(args):
 @click.option("--device", default="cuda", show_default=True, help="e2e: cuda, cuda:N or cpu (kernels need CUDA).")
 @click.option("--repeats", default=3, show_default=True, type=click.IntRange(min=1),
               help="e2e: timed calls per length after one warm-up; the median is reported.")
-@engine_options("chunk_size", "kernels", "cuda_graphs", "compile", "max_prefill_tokens")
+@engine_options("chunk_size", "kernels", "cuda_graphs", "compile", "max_prefill_tokens", compile=False)
 @_out_option
 def prefill(what, prompt_lens, families, batches, launches, replays, preset, fp8, device, repeats, config, out):
     """Prefill: the chunked prompt kernels against FLA and mamba_ssm (CUDA graphs, packed prompts), or the time to

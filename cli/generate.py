@@ -67,7 +67,10 @@ def _seed(ctx, param, value):
 @engine_options("mode", "chunk_size", "speculative", "max_len", "device", "dtype", "cuda_graphs", "compile")
 def generate(model, prompts, prompts_file, max_new_tokens, temperature, top_k, top_p, seed, presence_penalty,
              frequency_penalty, repetition_penalty, config):
-    """Generate text. Streams the output when there is a single prompt."""
+    """Generate text. Streams the output when there is a single prompt.
+
+    --compile auto (the default) compiles the decode step only for a run long enough to repay it: at
+    least 4096 decode steps (--max-new-tokens times the rounds of up to 64 prompts)."""
     from kvbuffer import LLM
     from kvbuffer.detokenize import IncrementalDetokenizer
     from kvbuffer.engine.compiled import keep_inductor_cache

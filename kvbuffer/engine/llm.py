@@ -41,8 +41,10 @@ class LLM:
     model instance. config: an EngineConfig (its fields' help says what each does); keyword arguments
     replace its fields (`LLM(path, chunk_size=8)`). tokenizer: overrides the checkpoint's.
     What the "auto" options resolved to: `backend` (`kernels`, `kernels_reason`), `gemv`, `cuda_graphs`,
-    `compiled`, `overlap`, `unbuffered_rows`, `chunk_size`. The caches' sizes are planned before any
-    is allocated: a ValueError names the sizes that do not fit in the device's free memory.
+    `compiled`, `overlap`, `unbuffered_rows`, `chunk_size`; `fast_path_missing`: the fast path's kernels
+    that neither loaded nor built on first use (each build's one WARNING line names them and the command
+    that builds them). The caches' sizes are planned before any is allocated: a ValueError names the
+    sizes that do not fit in the device's free memory.
 
     Thread-safe: generate(), add_request(), step() and abort() hold one lock, so calls from several
     threads run one after another (generate() still needs an engine with no request in flight).

@@ -152,6 +152,8 @@ def test_generate_compiles_only_runs_that_repay_it():
     assert _short_runs_uncompiled(auto, compiled.COMPILE_MIN_STEPS).compile == "auto"
     for chosen in (True, False):  # the user's own choice stands
         assert _short_runs_uncompiled(EngineConfig(compile=chosen), 1).compile is chosen
+    from kvbuffer.cli.generate import generate
+    assert f"least {compiled.COMPILE_MIN_STEPS} decode steps" in " ".join(generate.help.split())
 
 
 def test_a_compile_is_one_line_and_a_recompile_another(monkeypatch):
