@@ -40,7 +40,7 @@ def use_compile(option, device: torch.device, cuda_graphs: bool, why_no_graphs: 
         return option
     if device.type == "cuda" and not cuda_graphs:  # the user's own choice (no reason given) is no news
         log.log(logging.WARNING if why_no_graphs else logging.INFO, "kvbuffer: decode steps run uncompiled: %s",
-                why_no_graphs or "cuda_graphs=False")
+                why_no_graphs or "CUDA graphs or the kernels are off")
     return device.type == "cuda" and cuda_graphs
 
 

@@ -78,8 +78,8 @@ class LLM:
         self.kernels = self.backend.kernels
         self.gemv = use_one_row_kernel(model, config.gemv, self.kernels)
         self.cuda_graphs = use_graphs(config.cuda_graphs, self.device, kernels=self.kernels, spec=spec)
-        self.compiled = use_compile(config.compile, self.device, self.cuda_graphs,
-                                    None if config.cuda_graphs is False else
+        chosen_off = config.cuda_graphs is False or config.kernels is False  # the user's own choice: no warning
+        self.compiled = use_compile(config.compile, self.device, self.cuda_graphs, None if chosen_off else
                                     f"CUDA graphs need the compiled kernels ({self.kernels_reason})")
         self.overlap = use_overlap(config.overlap, self.device)
         self.unbuffered_rows = use_unbuffered_rows(
