@@ -116,7 +116,8 @@ def _engine_options(f):
                           "chunk-size - 1), so each step flushes 1/chunk-size of the rows, as a server does."),
         click.option("--new-tokens", default=32, show_default=True, type=click.IntRange(min=2),
                      help="Tokens generated per request."),
-        engine_options("chunk_size", "kernels", "cuda_graphs", "compile", chunk_size=DEFAULT_CHUNK_SIZE),
+        # the benchmarks compile only when asked (--compile auto | true): each engine they time compiles anew
+        engine_options("chunk_size", "kernels", "cuda_graphs", "compile", chunk_size=DEFAULT_CHUNK_SIZE, compile=False),
         _out_option,
     ]
     for option in reversed(options):
@@ -127,7 +128,9 @@ def _engine_options(f):
 def _engine_run(what, preset, fp8, modes, config, out, **options):
     from kvbuffer import presets
     from kvbuffer.bench import e2e
+    from kvbuffer.engine.compiled import keep_inductor_cache
 
+    keep_inductor_cache()
     chosen = tuple(m.strip() for m in modes.split(",") if m.strip())
     try:
         e2e.check_modes(chosen, prompt_len=options["prompt_len"], chunk_size=config.chunk_size)
@@ -223,7 +226,7 @@ def transformers_bench(args):
 @click.option("--device", default="cuda", show_default=True, help="e2e: cuda, cuda:N or cpu (kernels need CUDA).")
 @click.option("--repeats", default=3, show_default=True, type=click.IntRange(min=1),
               help="e2e: timed calls per length after one warm-up; the median is reported.")
-@engine_options("chunk_size", "kernels", "cuda_graphs", "compile", "max_prefill_tokens")
+@engine_options("chunk_size", "kernels", "cuda_graphs", "compile", "max_prefill_tokens", compile=False)
 @_out_option
 def prefill(what, prompt_lens, families, batches, launches, replays, preset, fp8, device, repeats, config, out):
     """Prefill: the chunked prompt kernels against FLA and mamba_ssm (CUDA graphs, packed prompts), or the time to

@@ -67,15 +67,22 @@ def _seed(ctx, param, value):
 @engine_options("mode", "chunk_size", "speculative", "max_len", "device", "dtype", "cuda_graphs", "compile")
 def generate(model, prompts, prompts_file, max_new_tokens, temperature, top_k, top_p, seed, presence_penalty,
              frequency_penalty, repetition_penalty, config):
-    """Generate text. Streams the output when there is a single prompt."""
+    """Generate text. Streams the output when there is a single prompt.
+
+    --compile auto (the default) compiles the decode step only for a run long enough to repay it: at
+    least 4096 decode steps (--max-new-tokens times the rounds of up to 64 prompts)."""
     from kvbuffer import LLM
     from kvbuffer.detokenize import IncrementalDetokenizer
+    from kvbuffer.engine.compiled import keep_inductor_cache
 
     texts = list(prompts) + (_read_prompts(prompts_file) if prompts_file else [])
     if not texts:
         texts = ["The "]
     path = resolve_model(model)
-    llm = LLM(str(path), config, max_batch=max(1, min(len(texts), 64)))
+    batch = max(1, min(len(texts), 64))
+    config = _short_runs_uncompiled(config, max_new_tokens * -(-len(texts) // batch))
+    keep_inductor_cache()
+    llm = LLM(str(path), config, max_batch=batch)
     if llm.tokenizer is None:
         raise click.UsageError(f"{path} has no tokenizer files, so text prompts cannot be encoded")
     if llm.compiled:
@@ -125,13 +132,22 @@ def generate(model, prompts, prompts_file, max_new_tokens, temperature, top_k, t
                    f"`{_tune_command(llm, path, speculative and speculative.num_draft_tokens)}`", err=True)
 
 
+def _short_runs_uncompiled(config, steps: int):
+    """--compile auto (the default) compiles only a run of enough decode steps to repay it
+    (kvbuffer.engine.compiled.worth_compiling); --compile true and false are kept as given."""
+    import dataclasses
+
+    from kvbuffer.engine.compiled import worth_compiling
+
+    if config.compile != "auto" or worth_compiling(steps):
+        return config
+    return dataclasses.replace(config, compile=False)
+
+
 def _compile(llm) -> None:
-    """Compile the decode forward now (LLM.warm_up), saying so on stderr: it takes from seconds on the demo
-    model to minutes on a large one, and the first step would otherwise wait for it silently."""
-    click.echo("compiling the decode forward (takes a minute on a large model)...", err=True, nl=False)
-    t0 = time.perf_counter()
+    """Compile the decode forward now (LLM.warm_up: the compile says so on one stderr line), so that
+    the output's first tokens do not wait for it."""
     llm.warm_up()
-    click.echo(f" done in {time.perf_counter() - t0:.1f}s", err=True)
 
 
 class _quiet_item_graph_breaks(logging.Filter):

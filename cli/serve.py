@@ -52,6 +52,7 @@ def serve(model, preset, host, port, served_model_name, chat_template, config, m
     except ImportError as e:
         raise click.ClickException(f"kvbuffer serve needs the serve extra: pip install 'kvbuffer[serve]' ({e})")
     from kvbuffer import LLM
+    from kvbuffer.engine.compiled import keep_inductor_cache
 
     if preset is not None and model is not None:
         raise click.UsageError("give --model or --preset, not both")
@@ -68,10 +69,9 @@ def serve(model, preset, host, port, served_model_name, chat_template, config, m
         source, name = _random_model(preset, config.device, config.dtype), served_model_name or preset
     else:
         source, name = str(model), served_model_name or model.name
+    keep_inductor_cache()
     llm = LLM(source, config)
-    if llm.compiled:  # compile now, not in the middle of the first requests (LLM.warm_up)
-        click.echo("kvbuffer serve: compiling the decode step before serving (minutes for a large model)",
-                   err=True)
+    if llm.compiled:  # compile now, not in the middle of the first requests (LLM.warm_up: one stderr line)
         llm.warm_up()
     metrics = ServerMetrics()
     app = build_app(AsyncEngine(llm, max_waiting=max_waiting, metrics=metrics), name, metrics, template,

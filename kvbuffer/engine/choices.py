@@ -5,9 +5,15 @@ from __future__ import annotations
 
 import logging
 
+import torch
+
 from ..defaults import DEFAULT_CHUNK_SIZE
+from ..kernels import autobuild, launch, lookup, specs
+from ..kernels.autobuild import Planned
+from ..kernels.keys import ATTENTION_HEAD_DIMS, DTYPE_NAMES
 from ..plan import check_fits, geometry_of, request_spec
-from ..runtime.backend import missing_kernel, unbuffered_kernels
+from ..runtime.backend import (decode_step_key, kernels_supported, missing_kernel, needed_kernels, prefill_kernel,
+                               unbuffered_kernels)
 from ..runtime.caches import CacheSpec
 
 log = logging.getLogger(__name__)
@@ -121,3 +127,79 @@ def check_cache_memory(config, spec: CacheSpec, model, dtype, buffer_dtype, devi
             (config.max_len + 2 * speculative.fed + 2) * c.num_key_value_heads * c.head_dim * dtype.itemsize
         named["mtp_kv"] = named["kv_keys"]
     check_fits(parts, free_memory(device), named, str(device))
+
+
+KERNEL_DTYPES = (torch.bfloat16, torch.float16, torch.float32)  # what the conv and attention kernels take
+
+
+def fast_path_kernels(model, spec: CacheSpec, dtype: torch.dtype, mode: str) -> list[Planned]:
+    """Every kernel an engine of these caches looks up on its fast path, each with the first-use build
+    that makes it: the linear layers' (decode, prompt chunks, verify, flush; in kvbuffer mode the
+    unbuffered step's and the chunked prefill's), the short conv's (step, prompt, and with drafts
+    the verify and accept) and decode attention's (decode and, with drafts, verify; each with its
+    combine). The projections' one-row kernels are planned by kvbuffer.engine.one_row."""
+    out = []
+    if spec.num_linear_layers and kernels_supported(spec) is None:
+        out += [Planned(k, "linear", "the linear layers run on the reference ops") for k in needed_kernels(spec, dtype, mode)]
+        if mode == "kvbuffer":
+            out += [Planned(k, "linear", "decode steps of few rows stay buffered") for k in unbuffered_kernels(spec, dtype)]
+            prefill = prefill_kernel(spec, dtype)
+            if prefill is not None:
+                out.append(Planned(prefill, "linear", "prompts run as verify chunks"))
+        out += [Planned(k, "conv", "the short conv runs on the reference ops") for k in _conv_keys(model, spec, dtype)]
+    out += [Planned(k, "attention", "attention runs on the torch path") for k in _attention_keys(model, spec, dtype)]
+    first = {}
+    for p in out:  # each key once, as first planned
+        first.setdefault(p.key, p)
+    return list(first.values())
+
+
+def _conv_keys(model, spec: CacheSpec, dtype: torch.dtype) -> list:
+    conv = next((m.conv1d for m in model.modules() if isinstance(getattr(m, "conv1d", None), torch.nn.Conv1d)), None)
+    if conv is None or dtype not in KERNEL_DTYPES or conv.weight.dtype not in KERNEL_DTYPES:
+        return []
+    meta = dict(device="meta", dtype=dtype)
+    D, W, drafts = spec.conv_dim, spec.conv_width, spec.max_drafts
+    pool = torch.empty(1, D, W - 1 + drafts, **meta)
+    weight, bias = conv.weight[:, 0].to("meta"), None if conv.bias is None else conv.bias.to("meta")
+    fed = [("advance", 1), ("advance", 2)] + ([("verify", drafts)] if drafts > 1 else [])
+    keys = [launch.conv_update_key(m, torch.empty(1, T, D, **meta), pool, weight, bias, True) for m, T in fed]
+    keys = [k for k in keys if specs.tune_template(k) is not None]  # a shape tune builds no kernel for stays torch's
+    if drafts > 1:
+        keys.append(launch.conv_accept_key(pool, W))
+    return keys
+
+
+def _attention_keys(model, spec: CacheSpec, dtype: torch.dtype) -> list:
+    """Decode attention's kernels: the widest forward's (its build covers the decode step too) and the decode step's."""
+    heads = getattr(model.config, "num_attention_heads", 0)
+    if not (spec.num_attention_layers and heads and dtype in KERNEL_DTYPES and spec.head_dim in ATTENTION_HEAD_DIMS
+            and heads % spec.num_kv_heads == 0):
+        return []
+    cache = torch.empty(1, 1, spec.num_kv_heads, spec.head_dim, device="meta", dtype=dtype)
+    return [launch.attention_key(s, torch.empty(1, T, heads, spec.head_dim, device="meta", dtype=dtype), cache)
+            for T in dict.fromkeys((spec.max_drafts, 1)) for s in (specs.ATTENTION_DECODE, specs.ATTENTION_COMBINE)]
+
+
+def complete_fast_path(config, device: torch.device, model, spec: CacheSpec, dtype: torch.dtype,
+                       checkpoint=None) -> list[Planned]:
+    """On CUDA with the kernels wanted (and JIT off): build every missing kernel of fast_path_kernels
+    once (kvbuffer.kernels.autobuild.complete; a partial cache is completed), and say in one WARNING
+    line per build what is still missing and which command builds it. Returns what is still missing."""
+    if device.type != "cuda" or config.kernels is False or lookup.jit_allowed():
+        return []
+    planned = fast_path_kernels(model, spec, dtype, config.mode)
+    if not planned:
+        return []
+    step = decode_step_key(spec, dtype) if spec.num_linear_layers and kernels_supported(spec) is None else None
+    widest = next((p.key for p in planned if p.group == "attention"), None)
+    def named(why: str | None) -> str | None:  # a build's line names the checkpoint where there is one
+        return why.replace("<model>", str(checkpoint)) if why and checkpoint is not None else why
+
+    builders = {
+        "linear": lambda keys: autobuild.ensure_kernels(step, DTYPE_NAMES.get(dtype, step.in_dtype)),
+        "conv": lambda keys: named(autobuild.ensure_conv_kernels(keys)),
+        "attention": lambda keys: named(autobuild.ensure_attention_kernels(widest)),
+    }
+    return autobuild.complete(planned, builders, autobuild.loads,
+                              lambda key: autobuild.local_command(key, checkpoint))

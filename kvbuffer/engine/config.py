@@ -152,8 +152,9 @@ class EngineConfig:
         "auto", "Replay decode steps as CUDA graphs: auto (on CUDA with the compiled kernels; also the flag "
                 "alone), true or false.", check_switch, cli="--cuda-graphs", kind="switch", bare="auto")
     compile: bool | str = _option(
-        False, "Run the decode and verify forwards under torch.compile (a faster step, minutes more start-up for a "
-               "large model): true (also the flag alone), false or auto (on CUDA with CUDA graphs).",
+        "auto", "Run the decode and verify forwards under torch.compile (a faster step; its first use compiles, "
+                "from seconds to a minute for a large model, said on one line): auto (on CUDA with CUDA graphs), "
+                "true (also the flag alone) or false.",
         check_switch, cli="--compile", kind="switch", bare=True)
     overlap: bool | str = _option(
         "auto", "Queue each decode step before reading the last one's tokens back: true, false or auto (on CUDA).",

@@ -27,6 +27,9 @@ ROW_FIELDS = ("positions", "slots", "state_slots", "lengths", "cached")  # one i
 _ROW_PADDING = (0, -1, -1, 0, 0)  # a padding row: slot -1, reads nothing, writes nothing a row reads
 FIELDS = ("ids",) + ROW_FIELDS  # the decode step's columns (one token per row)
 CONTEXT_BUCKET = 256  # attention windows are captured in multiples of this many positions
+# a forward is captured on its third use at the same bucket: a capture costs about two forwards (the
+# warm-up and the capture), which only a shape seen again repays (a one-off prompt chunk never is)
+CAPTURE_AFTER = 2
 PREFILL_GRAPH_TOKENS = 256  # prefill chunks of more tokens run eagerly: their launches are not what they wait on
 
 
@@ -170,6 +173,18 @@ def _rows(out, n: int):
     return tuple(o[:n] for o in out) if isinstance(out, tuple) else out[:n]
 
 
+class CaptureFailed(RuntimeError):
+    """A forward's CUDA-graph capture (or its warm-up, on padding rows) failed: nothing a row reads was
+    written, so the forward may run again another way. Its cause is the capture's own error."""
+
+
+def worth_capturing(uses: int, capture_after: int = CAPTURE_AFTER) -> bool:
+    """Whether a bucket run uncaptured `uses` times is captured now: once it has been used
+    capture_after times (CAPTURE_AFTER: a capture costs about two forwards, repaid only by a bucket
+    that comes back), so that a short run captures only the steps it repeats."""
+    return uses >= capture_after
+
+
 class StepGraphs:
     """Captured forwards keyed by (rows bucket, context bucket, *extra) for one token count;
     `forward(view, context_len, *extra)` must be the eager forward on StepInputs' device view,
@@ -177,25 +192,38 @@ class StepGraphs:
     the forward depends on beyond the inputs (a prefill's buffer fill, whether hidden states are wanted).
 
     capture=False runs the same padded, bucketed forward eagerly: what a replay computes, checkable
-    on a machine without CUDA. `enabled` turns False when a capture fails (the caller then runs eagerly).
+    on a machine without CUDA. With capture, a bucket's first `capture_after` forwards run so too,
+    and its next one is captured (worth_capturing); capture_after=0 captures at first use. A failed
+    capture raises CaptureFailed, and `enabled` is turned False by the caller, which then runs eagerly;
+    an uncaptured forward's own errors are raised as they are (it may have written rows).
     """
 
-    def __init__(self, forward, inputs: StepInputs, max_len: int, capture: bool = True, pool=None):
+    def __init__(self, forward, inputs: StepInputs, max_len: int, capture: bool = True, pool=None,
+                 capture_after: int = CAPTURE_AFTER):
         self.forward, self.inputs, self.max_len, self.capture = forward, inputs, max_len, capture
         self.graphs: dict[tuple, tuple[torch.cuda.CUDAGraph, object]] = {}
         self.pool = pool if pool is not None or not capture else torch.cuda.graph_pool_handle()
         self.enabled = True
+        self.capture_after = capture_after
+        self.uses: dict[tuple, int] = {}  # bucket key -> forwards run uncaptured so far
 
-    def run(self, columns: list[list[int]], context_len: int, *extra, feed: list[int] | None = None):
-        """feed: StepInputs.upload's (a decode row's token from the last greedy pick)."""
+    def run(self, columns: list[list[int]], context_len: int, *extra, feed: list[int] | None = None,
+            now: bool = False):
+        """feed: StepInputs.upload's (a decode row's token from the last greedy pick). now: capture
+        this bucket at once if it is not yet (a warm-up)."""
         n = len(columns[0])
         rows, window = row_bucket(n, self.inputs.max_rows), context_bucket(context_len, self.max_len)
         view = self.inputs.upload(columns, rows, feed)
-        if not self.capture:
-            return _rows(self.forward(view, window, *extra), n)
         key = (rows, window, *extra)
+        if key not in self.graphs and not (self.capture and (now or worth_capturing(self.uses.get(key, 0),
+                                                                                     self.capture_after))):
+            self.uses[key] = self.uses.get(key, 0) + 1
+            return _rows(self.forward(view, window, *extra), n)
         if key not in self.graphs:
-            self.graphs[key] = self._capture(view, window, extra)
+            try:
+                self.graphs[key] = self._capture(view, window, extra)
+            except RuntimeError as e:
+                raise CaptureFailed(str(e)) from e
         graph, out = self.graphs[key]
         graph.replay()
         return _rows(out, n)

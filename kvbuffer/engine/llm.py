@@ -17,7 +17,7 @@ import torch
 from ..errors import RequestError
 from ..models.layers import one_row_experts
 from ..runtime.backend import kernel_dtype, resolve_backend
-from .choices import check_cache_memory, plan_caches, use_graphs, use_unbuffered_rows
+from .choices import check_cache_memory, complete_fast_path, plan_caches, use_graphs, use_unbuffered_rows
 from .compiled import use_compile
 from .config import EngineConfig, check_model
 from .core import EngineCore
@@ -41,8 +41,10 @@ class LLM:
     model instance. config: an EngineConfig (its fields' help says what each does); keyword arguments
     replace its fields (`LLM(path, chunk_size=8)`). tokenizer: overrides the checkpoint's.
     What the "auto" options resolved to: `backend` (`kernels`, `kernels_reason`), `gemv`, `cuda_graphs`,
-    `compiled`, `overlap`, `unbuffered_rows`, `chunk_size`. The caches' sizes are planned before any
-    is allocated: a ValueError names the sizes that do not fit in the device's free memory.
+    `compiled`, `overlap`, `unbuffered_rows`, `chunk_size`; `fast_path_missing`: the fast path's kernels
+    that neither loaded nor built on first use (each build's one WARNING line names them and the command
+    that builds them). The caches' sizes are planned before any is allocated: a ValueError names the
+    sizes that do not fit in the device's free memory.
 
     Thread-safe: generate(), add_request(), step() and abort() hold one lock, so calls from several
     threads run one after another (generate() still needs an engine with no request in flight).
@@ -71,11 +73,14 @@ class LLM:
         self.dtype = next(model.parameters()).dtype
         spec = plan_caches(config, model, self.dtype)
         self.chunk_size = spec.chunk_size
+        self.fast_path_missing = complete_fast_path(config, self.device, model, spec, self.dtype, self.checkpoint_dir)
         self.backend, self.kernels_reason = resolve_backend(config.kernels, self.device, spec, self.dtype, self.mode)
         self.kernels = self.backend.kernels
         self.gemv = use_one_row_kernel(model, config.gemv, self.kernels)
         self.cuda_graphs = use_graphs(config.cuda_graphs, self.device, kernels=self.kernels, spec=spec)
-        self.compiled = use_compile(config.compile, self.device, self.cuda_graphs)
+        chosen_off = config.cuda_graphs is False or config.kernels is False  # the user's own choice: no warning
+        self.compiled = use_compile(config.compile, self.device, self.cuda_graphs, None if chosen_off else
+                                    f"CUDA graphs need the compiled kernels ({self.kernels_reason})")
         self.overlap = use_overlap(config.overlap, self.device)
         self.unbuffered_rows = use_unbuffered_rows(
             config.unbuffered_rows, spec, self.dtype, kernels=self.kernels,

@@ -17,7 +17,8 @@ from ..runtime.batch import ForwardBatch
 from ..runtime.caches import CacheSpec, ModelCaches
 from .compiled import COMPILED_PHASES, compile_forward
 from .commit import PADDING_DRAFT, commit_rows, flush_rows, greedy_accepts
-from .graphs import PREFILL_GRAPH_TOKENS, PendingTokens, StepGraphs, StepInputs, row_bucket, split_view, step_columns
+from .graphs import (CAPTURE_AFTER, PREFILL_GRAPH_TOKENS, CaptureFailed, PendingTokens, StepGraphs, StepInputs,
+                     row_bucket, split_view, step_columns)
 from .request import Request
 
 log = logging.getLogger("kvbuffer")
@@ -27,10 +28,12 @@ class ModelRunner:
     """backend: what every forward's layers call (kvbuffer.runtime.backend), passed along on each
     ForwardBatch; the runner's own flushes and conv accepts go through it too. cuda_graphs: capture
     the decode, verify and short prefill forwards (CUDA with the compiled kernels, or no linear
-    layers: the reference ops read the device back, which a capture forbids); a forward whose
-    capture fails runs eagerly from then on, logged once. compile: run the decode and verify forwards
-    compiled (kvbuffer.engine.compiled), graphed or not; a compile that fails during a capture
-    (padding rows only: nothing written) falls back to the uncompiled forward, logged once.
+    layers: the reference ops read the device back, which a capture forbids), each bucket on its
+    third use (graphs.worth_capturing; warm_up captures at once); a forward whose capture fails runs
+    eagerly from then on, logged once. compile: run the decode and verify forwards compiled
+    (kvbuffer.engine.compiled), graphed or not; graphed, each bucket is captured at first use, so a
+    compile that fails does so during a capture (padding rows only: nothing written) and falls back
+    to the uncompiled forward, logged once.
 
     unbuffered_rows (kvbuffer mode): a decode step of at most this many rows folds its rows'
     buffers into their states and steps the recurrence in place, as the recurrent scheme does
@@ -57,7 +60,9 @@ class ModelRunner:
         self._multi: dict[tuple[str, int], tuple[StepInputs, StepGraphs | None]] = {}  # (phase, T) -> inputs, graphs
 
     def _graphs(self, forward, inputs: StepInputs) -> StepGraphs:
-        return StepGraphs(forward, inputs, self.spec.max_len, capture=self._capture, pool=self._pool)
+        """A compiled forward is captured at first use: its first run on real rows could fail halfway."""
+        return StepGraphs(forward, inputs, self.spec.max_len, capture=self._capture, pool=self._pool,
+                          capture_after=0 if self.compiled is not None else CAPTURE_AFTER)
 
     def _inputs_for(self, phase: str, tokens: int) -> tuple[StepInputs, StepGraphs | None]:
         """The staging buffer and graphs of `phase` forwards with `tokens` tokens per row (made on first use)."""
@@ -169,20 +174,23 @@ class ModelRunner:
             kw["last_logits"] = True
         return fn(ids, batch, self.caches, **kw)
 
-    def _replayed(self, graphs: StepGraphs | None, columns, context_len: int, *extra, feed=None):
-        """The forward's outputs from its CUDA graph, or None: no graphs, or a capture that failed
-        (it leaves the caches untouched; that forward runs eagerly from then on, logged once)."""
+    def _replayed(self, graphs: StepGraphs | None, columns, context_len: int, *extra, feed=None, now=False):
+        """The forward's outputs from its CUDA graph (or its bucket's uncaptured forward until the
+        bucket is worth a capture: graphs.worth_capturing; now: capture it at once), or None: no
+        graphs, or a capture that failed (it leaves the caches untouched; that forward runs eagerly
+        from then on, logged once)."""
         if graphs is None or not graphs.enabled:
             return None
         try:
-            return graphs.run(columns, context_len, *extra, feed=feed)
-        except RuntimeError as e:
-            cause = e.__context__ or e  # the error inside the capture, not capture_end's follow-up
+            return graphs.run(columns, context_len, *extra, feed=feed, now=now)
+        except CaptureFailed as e:
+            failed = e.__cause__ or e
+            cause = failed.__context__ or failed  # the error inside the capture, not capture_end's follow-up
             if self.compiled is not None:  # the warm-up and the capture saw padding rows only: retry uncompiled
                 log.warning("kvbuffer: the compiled forward failed during a CUDA graph capture, running the "
                             "forwards uncompiled from now on: %s", _first_line(cause))
                 self.compiled = None
-                return self._replayed(graphs, columns, context_len, *extra, feed=feed)
+                return self._replayed(graphs, columns, context_len, *extra, feed=feed, now=now)
             log.warning("kvbuffer: CUDA graph capture of a %d-token forward failed, running it eagerly from now "
                         "on: %s", graphs.inputs.tokens, _first_line(cause))
             graphs.enabled = False
@@ -274,10 +282,10 @@ class ModelRunner:
             self._advance(r, 1, buffered=not unbuffered)
         return logits
 
-    def _decode_rows(self, columns, context_len: int, unbuffered: bool, feed=None) -> torch.Tensor:
-        """The decode forward of `columns`, replayed from its graph where there is one."""
+    def _decode_rows(self, columns, context_len: int, unbuffered: bool, feed=None, now=False) -> torch.Tensor:
+        """The decode forward of `columns`, replayed from its graph where there is one (now: captured at once)."""
         mode = ("recurrent",) if unbuffered else ()
-        logits = self._replayed(self.graphs, columns, context_len, *mode, feed=feed)
+        logits = self._replayed(self.graphs, columns, context_len, *mode, feed=feed, now=now)
         if logits is None:
             logits = self._decode_forward(self.inputs.upload(columns, len(columns[0]), feed), context_len, *mode)
         return logits
@@ -293,7 +301,7 @@ class ModelRunner:
         for n in rows:
             columns = [[pad] * n for pad in self.inputs.padding]
             for context_len in context_lens:
-                self._decode_rows(columns, context_len, n <= self.unbuffered_rows)
+                self._decode_rows(columns, context_len, n <= self.unbuffered_rows, now=True)
 
     @torch.inference_mode()
     def hold(self, picks: torch.Tensor) -> PendingTokens:

@@ -7,19 +7,29 @@ kvbuffer.autotune.tuner.build_untuned), with one line and a progress bar; otherw
 naming the command that builds them. Decode attention's kernels (`ensure_attention_kernels`) and the
 projections' (`ensure_gemv_kernels`) are built the same way on first use. KVBUFFER_BUILD_KERNELS=0
 turns the build off. `nvcc_problem` is also the hint `kvbuffer tune` and `kvbuffer env` give.
+
+`complete` is the engine's one pass over every kernel its fast path will look up (`Planned`): it
+builds each group with a missing kernel (the builds reuse what an interrupted build left, so a
+partial cache is completed), then says in one WARNING line per group what is still missing, what
+runs instead and which command builds it.
 """
 
 from __future__ import annotations
 
 import importlib.metadata
 import importlib.util
+import logging
 import os
 import shutil
 import sys
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 
 from . import specs
 from .keys import KernelKey
+
+log = logging.getLogger("kvbuffer")
 
 SWITCH = "KVBUFFER_BUILD_KERNELS"
 INSTALL = 'pip install "kvbuffer[gpu]"'
@@ -109,7 +119,8 @@ def ensure_attention_kernels(key: KernelKey, stream=None) -> str | None:
 def ensure_gemv_kernels(keys: list[KernelKey], stream=None) -> str | None:
     """Build the projection kernels of `keys` (kvbuffer.kernels.launch.gemv_key, gemv_experts_key and
     grouped_experts_key) for the local GPU, untuned, one tuning record per weight shape; None once
-    built, else one line saying why not and what to run."""
+    built, else one line saying why not and what to run. Those that still do not load are one
+    WARNING line (complete): their projections keep torch's GEMM."""
     if not keys:
         return None
     where, why = _local_build(keys[0], "projection kernels")
@@ -120,6 +131,49 @@ def ensure_gemv_kernels(keys: list[KernelKey], stream=None) -> str | None:
         requests = [(tuner.TuneRequest(gpu, shape, (1,), (1,)), shape["family"])
                     for shape in (specs.record_shapes(key)[0] for key in keys)]
         _build_untuned(requests, "projection kernels", gpu, command, stream)
+    planned = [Planned(key, "projections", "their projections run on torch's GEMM") for key in keys]
+    complete(planned, {"projections": lambda missing: why}, loads, local_command)
+    return why
+
+
+def loads(key: KernelKey) -> bool:
+    """Whether `key`'s kernel loads from the artifact cache (or JIT-compiles here)."""
+    from ..errors import ArtifactError
+    from . import lookup
+
+    try:
+        lookup.kernel_for(key, 1)
+    except ArtifactError:
+        return False
+    return True
+
+
+def local_command(key: KernelKey, model: str | None = None) -> str:
+    """tune_command for this machine's GPU (`<gpu>` where none is found) and `model` (else `<model>`)."""
+    from ..gpus import detect_local_gpu
+
+    gpu = detect_local_gpu()
+    command = tune_command(key, gpu.name if gpu is not None else "<gpu>")
+    return command.replace("<model>", str(model)) if model is not None else command
+
+
+def ensure_conv_kernels(keys: list[KernelKey], stream=None) -> str | None:
+    """Build the short conv shapes of `keys` (kvbuffer.kernels.launch.conv_update_key and conv_accept_key)
+    for the local GPU, untuned: the step, the any-length prompt and, where the pool spans drafts, the
+    verify and accept; None once built, else one line saying why not and what to run."""
+    if not keys:
+        return None
+    where, why = _local_build(keys[0], "short conv kernels")
+    if why is None:
+        from ..autotune import tuner
+
+        gpu, command = where
+        shaped = [k for k in keys if k.op != "accept"] or keys  # the accept reads no weights: any record has it
+        shapes = {str(sorted(s.items())): (s, specs.layouts(key)[0][1]) for key in shaped
+                  for s in specs.record_shapes(key)[:1]}
+        requests = [(tuner.TuneRequest(gpu, s, (1,), tuner.BATCH_BUCKETS, (0, drafts) if drafts else (0,)), "conv1d")
+                    for s, drafts in shapes.values()]
+        _build_untuned(requests, "short conv kernels", gpu, command, stream)
     return why
 
 
@@ -170,3 +224,50 @@ def _build_untuned(requests, what: str, gpu, command: str, stream=None) -> None:
     with KernelProgress(total, stream) as bar:
         for req, tpls in found:
             tuner.build_untuned(cache, req, tpls, progress=bar.done, on_start=bar.start)
+
+
+# ----------------------------------------------------------------------------------------------
+# the engine's one pass over its fast path
+
+
+@dataclass(frozen=True)
+class Planned:
+    """A kernel the engine's fast path looks up: `group` names the first-use build that makes it
+    (a key of `complete`'s builders), `instead` what runs without it ("the short conv runs on torch")."""
+
+    key: KernelKey
+    group: str
+    instead: str
+
+
+def kernel_name(key: KernelKey) -> str:
+    """How a warning names a kernel: the template `kvbuffer tune` builds it from ('conv1d_step'), else its spec's name."""
+    return specs.tune_template(key) or specs.spec_for(key).name
+
+
+def complete(planned: list[Planned], builders: Mapping[str, Callable[[list[KernelKey]], str | None]],
+             loads: Callable[[KernelKey], bool], command: Callable[[KernelKey], str]) -> list[Planned]:
+    """Build what `planned` lacks, group by group in order (`builders[group](missing keys)` returns
+    None once built, else one line saying why not), then log one WARNING per group whose kernels
+    still do not load: the kernels, what runs instead, and the builder's line where it names the
+    command (in backquotes), else `command(key)` (the `kvbuffer tune` run that builds them) and
+    the builder's reason. Returns the kernels still missing."""
+    unknown = sorted({p.group for p in planned} - set(builders))
+    if unknown:
+        raise ValueError(f"planned kernels name groups without a builder: {unknown}")
+    missing = [p for p in planned if not loads(p.key)]
+    why = {}
+    for group in builders:
+        keys = [p.key for p in missing if p.group == group and not loads(p.key)]
+        if keys:
+            why[group] = builders[group](keys)
+    still = [p for p in missing if not loads(p.key)]
+    for group in dict.fromkeys(p.group for p in still):
+        part = [p for p in still if p.group == group]
+        names = ", ".join(dict.fromkeys(kernel_name(p.key) for p in part))
+        reason = why.get(group)
+        tail = reason if reason and "`" in reason else \
+            f"`{command(part[0].key)}` builds {'them' if len(part) > 1 else 'it'}" + (f" ({reason})" if reason else "")
+        log.warning("kvbuffer: no compiled %s kernel%s: %s, slower; %s", names, "s" if len(part) > 1 else "",
+                    part[0].instead, tail)
+    return still

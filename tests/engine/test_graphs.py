@@ -95,7 +95,7 @@ def test_compiled_decode_equals_eager(kind):
 def test_compile_option_is_checked(ckpts):
     with pytest.raises(ValueError, match="compile must be True, False or 'auto'"):
         LLM(str(ckpts["qwen3_5_text"]), device="cpu", compile="yes")
-    assert LLM(str(ckpts["qwen3_5_text"]), device="cpu").compiled is False  # the default is False
+    assert LLM(str(ckpts["qwen3_5_text"]), device="cpu").compiled is False  # "auto": on CUDA with CUDA graphs only
 
 
 @pytest.mark.parametrize("unbuffered_rows", [0, 1])
