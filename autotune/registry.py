@@ -1,20 +1,28 @@
 """Every tuner template `kvbuffer tune` knows, by record family ("gdn", "mamba2", "conv1d", "attention",
 "gemv", "experts", "grouped", "fp8_gemv", "fp8_quant"); each is built from its kernel's KernelSpec
-(kvbuffer.autotune.template)."""
+(kvbuffer.autotune.template), the registered kernel families' from the tuner variants their modules
+define (kvbuffer.kernels.specs.tuner_variants)."""
 
 from __future__ import annotations
 
 import importlib.util
 
+from kvbuffer.kernels import specs
+
 from .attention_templates import attention_templates
-from .conv_templates import conv_templates
 from .fp8_quant_templates import fp8_quant_templates
 from .gemv_templates import gemv_templates
 from .linear_templates import gdn_templates, mamba2_templates
-from .template import TEMPLATE_IMPORTS, Template, capacity, source_digest
+from .template import TEMPLATE_IMPORTS, Template, capacity, from_spec, source_digest
 
-__all__ = ["TEMPLATE_IMPORTS", "Template", "capacity", "gdn_templates", "mamba2_templates", "source_digest",
-           "templates"]
+__all__ = ["TEMPLATE_IMPORTS", "Template", "capacity", "family_templates", "gdn_templates", "mamba2_templates",
+           "source_digest", "templates"]
+
+
+def family_templates(package: str = specs.TILES) -> list[Template]:
+    """The registered families' templates whose kernel templates `package` holds."""
+    return [from_spec(v.spec, v.name, v.family, v.key, v.make_inputs, v.reference, **v.options)
+            for v in specs.tuner_variants(package) if importlib.util.find_spec(f"{package}.{v.spec.module}")]
 
 
 def templates(family: str | None = None) -> list[Template]:
@@ -22,5 +30,5 @@ def templates(family: str | None = None) -> list[Template]:
     found = gdn_templates()
     if importlib.util.find_spec("kvbuffer.tiles.mamba2") is not None:
         found += mamba2_templates()
-    found += conv_templates() + attention_templates() + gemv_templates() + fp8_quant_templates()
+    found += family_templates() + attention_templates() + gemv_templates() + fp8_quant_templates()
     return [t for t in found if family in (None, t.family)]

@@ -16,7 +16,7 @@ Importing this package registers the custom ops and never imports TileLang: comp
 (`build_*`, a JIT lookup) imports it through kvbuffer.tiles on demand.
 """
 
-from . import fp8_ops, torch_ops
+from . import fp8_ops, specs, torch_ops
 from .attention import attention_decode, attention_reference, build_attention_combine, build_attention_decode
 from .compiled import CompiledOp
 from .conv import build_conv1d_accept, build_conv1d_update, conv1d_accept, conv1d_update
@@ -54,7 +54,8 @@ from .mamba2 import (
 )
 from .prefill import build_gdn_chunk_prefill, build_mamba2_chunk_prefill, chunk_prefill
 
-OPS = torch_ops.OPS
+# every torch.ops.kvbuffer.* op the registered families define
+OPS = tuple(dict.fromkeys(op for spec in specs.SPECS.values() for op in spec.custom_ops))
 
 __all__ = [
     "OPS", "PREFILL_CHUNKS", "AttnDims", "CompiledOp", "ConvDims", "GDNDims", "GemvDims", "KernelKey", "Mamba2Dims",

@@ -20,29 +20,21 @@ import torch
 from ..errors import ArtifactError, DTypeError
 from . import attention as attn
 from . import autobuild
-from . import conv, gdn, mamba2, prefill
+from . import gdn, mamba2, prefill
+from .conv import CONV_ACCEPT, CONV_UPDATE
+from .conv import accept_key as conv_accept_key
+from .conv import launch_accept as conv1d_accept
+from .conv import launch_update as conv1d_update
+from .conv import update_key as conv_update_key
 from . import gemv as projections
 from . import specs
-from .keys import FP8_DTYPE, AttnDims, ConvDims, GemvDims, KernelKey, check_conv_mode, dtype_name, linear_dims
+from .calls import EngineOp, capturing, engine_rows, on_torch_stream, token_axis  # noqa: F401  (re-exported)
+from .keys import FP8_DTYPE, AttnDims, GemvDims, KernelKey, dtype_name, linear_dims
 from .lookup import kernel_for
 from .specs import KernelSpec
 
 
-def capturing() -> bool:
-    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
-
-
-def _on_torch_stream(fn, *args, **kwargs):
-    """Launch on torch's current stream (the capture stream during CUDA graph capture)."""
-    import tvm_ffi
-
-    with tvm_ffi.use_torch_stream():
-        return fn(*args, **kwargs)
-
-
-def _token_axis(t):
-    """(B, ...) -> (B, 1, ...): the kernels take a token axis (a free view)."""
-    return None if t is None else t.unsqueeze(1)
+_on_torch_stream, _token_axis = on_torch_stream, token_axis
 
 
 def _linear_key(spec: KernelSpec, key_t, val_t, buf_k=None, T=1, C=0, z=None) -> KernelKey:
@@ -56,20 +48,6 @@ def _linear_key(spec: KernelSpec, key_t, val_t, buf_k=None, T=1, C=0, z=None) ->
 def _flush_key(spec: KernelSpec, state, buf_k) -> KernelKey:
     dims = linear_dims(spec.family, buf_k.shape[2], state.shape[1], state.shape[2], state.shape[3])
     return KernelKey(spec.family, spec.op, dims, "", dtype_name(buf_k), cap=buf_k.shape[1])
-
-
-def conv_update_key(mode: str, x, conv_state, weight, bias, silu: bool) -> KernelKey:
-    """The kernel a conv1d_update call needs: advance with T > 1 is the any-length kernel (T = 0)."""
-    T = 0 if mode == "advance" and x.shape[1] > 1 else x.shape[1]
-    spec = specs.CONV_ADVANCE if mode == "advance" else specs.CONV_VERIFY
-    return KernelKey(spec.family, spec.op, ConvDims(conv_state.shape[1], weight.shape[1], conv_state.shape[2]),
-                     dtype_name(x), w_dtype=dtype_name(weight), T=T, has_bias=bias is not None, silu=bool(silu))
-
-
-def conv_accept_key(conv_state, width: int) -> KernelKey:
-    spec = specs.CONV_ACCEPT
-    return KernelKey(spec.family, spec.op, ConvDims(conv_state.shape[1], int(width), conv_state.shape[2]),
-                     dtype_name(conv_state), T=0)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -200,7 +178,7 @@ def mamba2_chunk_prefill(x, dt, A_log, dt_bias, B, C, D, cu_seqlens, state, stat
 
 
 # ----------------------------------------------------------------------------------------------
-# the flush (one kernel shape for both families) and the short conv
+# the flush (one kernel shape for both families)
 
 
 
@@ -222,22 +200,6 @@ mamba2_flush = functools.partial(_flush, specs.MAMBA2_FLUSH, mamba2.mamba2_flush
 def flush(family: str, *args, checked=True) -> None:
     """gdn_flush or mamba2_flush by family name (kept for callers that hold a family's name)."""
     {"gdn": gdn_flush, "mamba2": mamba2_flush}[family](*args, checked=checked)
-
-
-def conv1d_update(x, conv_state, slots, weight, bias=None, mode="advance", silu=True, *, checked=True):
-    check_conv_mode(mode)
-    if x.dtype != conv_state.dtype:  # before the lookup: no kernel is compiled for a call that cannot run
-        raise DTypeError(f"x ({x.dtype}) and conv_state ({conv_state.dtype}) must share one dtype on CUDA")
-    op = kernel_for(conv_update_key(mode, x, conv_state, weight, bias, silu), x.shape[0])
-    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-    _on_torch_stream(conv.conv1d_update, op, x, conv_state, slots, weight, bias, out,
-                     checked=checked and not capturing())
-    return out
-
-
-def conv1d_accept(conv_state, slots, accepted, width, *, checked=True) -> None:
-    op = kernel_for(conv_accept_key(conv_state, width), slots.shape[0])
-    _on_torch_stream(conv.conv1d_accept, op, conv_state, slots, accepted, checked=checked and not capturing())
 
 
 # ----------------------------------------------------------------------------------------------
@@ -338,31 +300,17 @@ def grouped_experts(x, weight, ends, *, checked=True):
     return _on_torch_stream(projections.grouped_experts, op, x, weight, ends, checked=checked and not capturing())
 
 
-CUDA_LAUNCHES = {
+CUDA_LAUNCHES = specs.CUDA_LAUNCHES  # op name -> the CUDA implementation of torch.ops.kvbuffer.<name>
+CUDA_LAUNCHES.update({
     "gdn_recurrent_step": gdn_recurrent_step, "gdn_buffered_step": gdn_buffered_step, "gdn_verify": gdn_verify,
     "gdn_flush": gdn_flush, "gdn_recurrent_drafts": gdn_recurrent_drafts,
     "mamba2_recurrent_step": mamba2_recurrent_step, "mamba2_buffered_step": mamba2_buffered_step,
     "mamba2_verify": mamba2_verify, "mamba2_flush": mamba2_flush,
     "mamba2_recurrent_drafts": mamba2_recurrent_drafts,
     "gdn_chunk_prefill": gdn_chunk_prefill, "mamba2_chunk_prefill": mamba2_chunk_prefill,
-    "conv1d_update": conv1d_update, "conv1d_accept": conv1d_accept, "attention_decode": attention_decode,
+    "attention_decode": attention_decode,
     "gemv": gemv, "gemv_experts": gemv_experts, "grouped_experts": grouped_experts, "fp8_gemv": fp8_gemv,
-}  # op name -> the CUDA implementation of torch.ops.kvbuffer.<name>
-
-
-@dataclass(frozen=True)
-class EngineOp:
-    """A custom op as the engine calls it on rows whose slots and fills it built and checked itself: on
-    CUDA the direct launch (it skips the checks that read the device back); elsewhere, or under
-    torch.compile, the op itself (its CPU implementation is the reference; compiled, a graph node)."""
-
-    launch: Callable = field(repr=False)  # the CUDA launch (takes checked=False)
-    op: Callable = field(repr=False)      # () -> torch.ops.kvbuffer.<the op>
-
-    def __call__(self, *args):
-        if args[0].is_cuda and not torch.compiler.is_compiling():
-            return self.launch(*args, checked=False)
-        return self.op()(*args)
+})  # the families not in modules of their own yet
 
 
 @dataclass(frozen=True)
@@ -391,18 +339,8 @@ MAMBA2_OPS = LinearOps(
     EngineOp(mamba2_recurrent_drafts, lambda: torch.ops.kvbuffer.mamba2_recurrent_drafts),
     EngineOp(mamba2_flush, lambda: torch.ops.kvbuffer.mamba2_flush),
     EngineOp(mamba2_chunk_prefill, lambda: torch.ops.kvbuffer.mamba2_chunk_prefill))
-CONV_UPDATE = EngineOp(conv1d_update, lambda: torch.ops.kvbuffer.conv1d_update)
-CONV_ACCEPT = EngineOp(conv1d_accept, lambda: torch.ops.kvbuffer.conv1d_accept)
 ATTENTION_DECODE = EngineOp(attention_decode, lambda: torch.ops.kvbuffer.attention_decode)
 GEMV = EngineOp(gemv, lambda: torch.ops.kvbuffer.gemv)
 FP8_GEMV = EngineOp(fp8_gemv, lambda: torch.ops.kvbuffer.fp8_gemv)  # (x, q, scale, block_n, block_k)
 GEMV_EXPERTS = EngineOp(gemv_experts, lambda: torch.ops.kvbuffer.gemv_experts)
 GROUPED_EXPERTS = EngineOp(grouped_experts, lambda: torch.ops.kvbuffer.grouped_experts)
-
-
-def engine_rows(name: str, *args):
-    """torch.ops.kvbuffer.<name>(*args) as EngineOp runs it (for callers that hold the op's name; the
-    engine's own layers hold the EngineOp)."""
-    if args[0].is_cuda and not torch.compiler.is_compiling():
-        return CUDA_LAUNCHES[name](*args, checked=False)
-    return getattr(torch.ops.kvbuffer, name)(*args)

@@ -1,10 +1,12 @@
-"""One `KernelSpec` per compiled kernel: everything the JIT, the first-use build and `kvbuffer tune` need.
+"""One `KernelSpec` per compiled kernel, and the registry of kernel families that own them.
 
 A spec owns its key fields (family, op), its TileLang template (a function of kvbuffer.tiles, imported
 on first use: the runtime never imports TileLang), the template's keywords for a KernelKey, the
 untuned and tunable configurations, the parameters its launcher validates, its arguments by name,
-its reference and the torch custom ops that launch it. `spec_for(key)` finds it; every build goes
-through `KernelSpec.build` / `KernelSpec.prim`.
+its reference and the torch custom ops that launch it. A kernel family is one module of
+kvbuffer.kernels that defines its specs, custom ops, launches and tuner inputs and ends with
+`register(Family(...))`; `spec_for(key)` finds a spec, every build goes through `KernelSpec.build` /
+`KernelSpec.prim`.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from ..reference import fp8 as ref_fp8
 from ..reference import gdn as ref_gdn
 from ..reference import mamba2 as ref_mamba2
 from .compiled import CompiledOp
-from ..tuning import make_conv_shape
+from . import keys
 from .keys import ATTENTION_MAX_TOKENS, PREFILL_CHUNKS, KernelKey, attention_shape, projection_shape
 
 TILES = "kvbuffer.tiles"
@@ -83,6 +85,85 @@ class KernelSpec:
         return CompiledOp(fn, self.kind, self.launch_params(key, tunables))
 
 
+@dataclass(frozen=True)
+class TunerVariant:
+    """One tuned variant of a spec as `kvbuffer tune` builds it (kvbuffer.autotune.template.from_spec makes
+    the Template): its name, tuning-record family, the key a (shape, chunk size, drafts) names, its inputs
+    and expected outputs by argument name, and from_spec's other fields (uses_chunk, layouts, ...)."""
+
+    spec: KernelSpec
+    name: str
+    family: str
+    key: Callable[..., KernelKey] = field(repr=False)
+    make_inputs: Callable[..., dict] = field(repr=False)
+    reference: Callable[..., dict] = field(repr=False)
+    options: dict = field(default_factory=dict, repr=False)
+
+
+@dataclass(frozen=True)
+class Family:
+    """A kernel family as its module registers it: the KernelKey family name, its dims type and op names
+    (what KernelKey accepts), its specs, the custom ops it defines ({op name: its CUDA launch, which takes
+    checked=}) and its tuner variants (`package`: the kvbuffer.tiles copy they build from)."""
+
+    name: str
+    dims: type
+    ops: tuple[str, ...]
+    specs: tuple[KernelSpec, ...]
+    launches: dict = field(default_factory=dict, repr=False)
+    tuner: Callable[[str], list] = field(default=lambda package: [], repr=False)
+
+
+FAMILIES: list[Family] = []                   # in registration order (kvbuffer.kernels imports them)
+SPECS: dict[tuple[str, str], KernelSpec] = {}  # (family, op) -> its spec
+CUDA_LAUNCHES: dict[str, Callable] = {}         # custom op name -> the CUDA implementation of torch.ops.kvbuffer.<name>
+
+
+def register(family: Family) -> Family:
+    """Add a family's specs, key dims and op names and custom ops' launches to the registry, once.
+
+    KernelKey validates a key's dims and op against the tables of kvbuffer.kernels.keys; a new family's
+    entries are added to them here (keys.py's text is part of every artifact key, so it is not edited
+    for a family), an existing family's must match them."""
+    if any(f.name == family.name and f.ops == family.ops for f in FAMILIES):
+        raise ValueError(f"kernel family {family.name!r} ({family.ops}) is registered already")
+    dims, ops = keys._DIMS.setdefault(family.name, family.dims), keys._OPS.get(family.name, ())
+    if dims is not family.dims:
+        raise TypeError(f"family {family.name!r} has dims {dims.__name__}, not {family.dims.__name__}")
+    keys._OPS[family.name] = ops + tuple(op for op in family.ops if op not in ops)
+    for spec in family.specs:
+        if spec.family != family.name or spec.op not in family.ops or (spec.family, spec.op) in SPECS:
+            raise ValueError(f"spec {spec.name} ({spec.family}, {spec.op}) does not belong to family "
+                             f"{family.name!r} or is registered already")
+        SPECS[(spec.family, spec.op)] = spec
+    CUDA_LAUNCHES.update(family.launches)
+    FAMILIES.append(family)
+    return family
+
+
+def tuner_variants(package: str = TILES) -> list[TunerVariant]:
+    """Every registered family's tuner variants, built from `package`'s templates."""
+    return [v for f in FAMILIES for v in f.tuner(package)]
+
+
+def configs_of(module: str, name: str) -> Callable[[], list]:
+    """A template module's config function (kvbuffer.tiles.<module>.<name>), imported when called."""
+    return lambda: getattr(importlib.import_module(f"{TILES}.{module}"), name)()
+
+
+def module_default(module: str, name: str = "DEFAULT") -> Callable[[KernelKey], dict]:
+    """A template module's untuned tunables (kvbuffer.tiles.<module>.<name>), read when called."""
+    return lambda k: dict(getattr(importlib.import_module(f"{TILES}.{module}"), name))
+
+
+def model_command(layouts: Callable[[KernelKey], list]) -> Callable[[KernelKey], str]:
+    """The tune command of the kernels whose shapes come from the model (conv, attention, projections)."""
+    def command(key: KernelKey) -> str:
+        drafts = layouts(key)[0][1]
+        return MODEL_TUNE + (f" --draft-tokens {drafts}" if drafts > 0 else "")
+    return command
+
+
 # ----------------------------------------------------------------------------------------------
 # the linear families (GDN, Mamba-2): one template each per op, keys in the generic Hk, Hv, K, V
 
@@ -126,10 +207,6 @@ def _drafts_defaults(key: KernelKey) -> dict:
         raise ValueError(f"no thread count in (128, 64, 32) lays out {key.T} tokens x K = {f['K']} for the "
                          "recurrent verify's front (K a multiple of 32 always fits)")
     return {"BV": min(32, f["V"]), "threads": threads}
-
-
-def _configs(module: str, name: str) -> Callable[[], list]:
-    return lambda: getattr(importlib.import_module(f"{TILES}.{module}"), name)()
 
 
 GDN_FRONT = ("q", "k", "v", "a", "b", "A_log", "dt_bias")
@@ -182,36 +259,28 @@ def _linear_shapes(key: KernelKey) -> list:
     return [{"family": key.family, **key.dims.record_fields(), "dtype": key.dtype}]  # tuning.make_shape's form
 
 
-def _model_command(layouts: Callable[[KernelKey], list]) -> Callable[[KernelKey], str]:
-    """The conv's, attention's and the projections' tune command: their shapes come from the model."""
-    def command(key: KernelKey) -> str:
-        drafts = layouts(key)[0][1]
-        return MODEL_TUNE + (f" --draft-tokens {drafts}" if drafts > 0 else "")
-    return command
-
-
 def _linear_specs(family: str, front: tuple, out: str, reference) -> list[KernelSpec]:
     common = dict(module=family, family=family, params=_linear_params, layouts=_linear_layouts,
                   tune_template=_linear_template, record_shapes=_linear_shapes, tune_command=_linear_command)
     return [
         KernelSpec(f"{family}_recurrent", op="recurrent", kind="recurrent",
                    template_args=lambda k: dict(_head_args(k), in_dtype=k.in_dtype, **_with_z(k)),
-                   defaults=_value_tile, configs=_configs(family, "get_recurrent_configs"),
+                   defaults=_value_tile, configs=configs_of(family, "get_recurrent_configs"),
                    args=front + STATE + (out,), reference=reference.recurrent_step,
                    custom_ops=(f"{family}_recurrent_step",), **common),
         KernelSpec(f"{family}_buffered", op="buffered", kind="buffered",
                    template_args=lambda k: dict(_head_args(k), cap=k.cap, T_new=k.T, flush_at=k.C,
                                                 in_dtype=k.in_dtype, buf_dtype=k.buf_dtype, **_with_z(k)),
-                   defaults=_buffered_defaults, configs=_configs(family, "get_buffered_configs"),
+                   defaults=_buffered_defaults, configs=configs_of(family, "get_buffered_configs"),
                    args=front + STATE + BUFFER + (out,), reference=reference.verify,
                    custom_ops=(f"{family}_buffered_step", f"{family}_verify"), **common),
         KernelSpec(f"{family}_flush", op="flush", kind="flush",
                    template_args=lambda k: dict(_head_args(k), cap=k.cap, buf_dtype=k.buf_dtype),
-                   defaults=_value_tile, configs=_configs(family, "get_flush_configs"),
+                   defaults=_value_tile, configs=configs_of(family, "get_flush_configs"),
                    args=STATE + BUFFER, reference=ref_core.flush, custom_ops=(f"{family}_flush",), **common),
         KernelSpec(f"{family}_recurrent_drafts", op="recurrent_drafts", kind="recurrent_drafts",
                    template_args=lambda k: dict(_head_args(k), T_new=k.T, in_dtype=k.in_dtype, **_with_z(k)),
-                   defaults=_drafts_defaults, configs=_configs(family, "get_recurrent_configs"),
+                   defaults=_drafts_defaults, configs=configs_of(family, "get_recurrent_configs"),
                    args=front + STATE + DRAFTS + (out,), reference=reference.recurrent_drafts,
                    custom_ops=(f"{family}_recurrent_drafts",), **common),
     ]
@@ -306,70 +375,7 @@ MAMBA2_CHUNK_PREFILL = _prefill_spec("mamba2", ("x", "dt", "A_log", "dt_bias", "
 
 
 # ----------------------------------------------------------------------------------------------
-# the short conv, decode attention, the projections
-
-
-def _conv_update_args(k: KernelKey) -> dict:
-    d = k.dims
-    return dict(D=d.D, W=d.W, span=d.span, T_len=k.T, mode=k.op, dtype=k.in_dtype, w_dtype=k.w_dtype or k.in_dtype,
-                has_bias=k.has_bias, silu=k.silu)
-
-
-def _conv_accept_args(k: KernelKey) -> dict:
-    d = k.dims
-    return dict(D=d.D, W=d.W, span=d.span, dtype=k.in_dtype)
-
-
-def _conv_threads() -> list[dict]:
-    return [{"threads": t} for t in (128, 256, 64)]
-
-
-def _conv_layouts(key: KernelKey) -> list:
-    """The drafts the pool's span makes room for; every C."""
-    return [(None, key.dims.span - key.dims.W)]
-
-
-def _conv_template(key: KernelKey) -> str | None:
-    """With SiLU: the step, the any-length prompt, the verify of all drafts + 1 and the accept."""
-    drafts = key.dims.span - key.dims.W
-    if drafts < 0 or not key.silu:
-        return None
-    if key.op == "accept":
-        return "conv1d_accept" if drafts >= 1 else None
-    if key.op == "verify":
-        return "conv1d_verify" if drafts >= 1 and key.T == drafts + 1 else None
-    return {1: "conv1d_step", 0: "conv1d_prefill"}.get(key.T)
-
-
-def _conv_shapes(key: KernelKey) -> list:
-    """The accept reads no weights, so it is found in a record of any weight dtype and bias."""
-    D, W = key.dims.D, key.dims.W
-    if key.op != "accept":
-        return [make_conv_shape(D, W, key.in_dtype, key.w_dtype, key.has_bias)]
-    w_dtypes = dict.fromkeys((key.in_dtype, "bfloat16", "float16", "float32"))
-    return [make_conv_shape(D, W, key.in_dtype, w, bias) for bias in (False, True) for w in w_dtypes]
-
-
-CONV_RECORDS = dict(layouts=_conv_layouts, tune_template=_conv_template, record_shapes=_conv_shapes,
-                    tune_command=_model_command(_conv_layouts))
-
-
-def _conv_update(op: str, reference) -> KernelSpec:
-    return KernelSpec("conv1d_update", "conv1d", "conv1d", op, f"conv_{op}", template_args=_conv_update_args,
-                      defaults=lambda k: {"threads": 128}, configs=_conv_threads,
-                      params=lambda k: dict(_conv_update_args(k), T=k.T),
-                      args=("x", "conv_state", "slots", "weight", "bias", "out"), reference=reference,
-                      custom_ops=("conv1d_update",), **CONV_RECORDS)
-
-
-CONV_SPECS = [
-    _conv_update("advance", ref_conv.step_rows),
-    _conv_update("verify", ref_conv.verify_rows),
-    KernelSpec("conv1d_accept", "conv1d", "conv1d", "accept", "conv_accept", template_args=_conv_accept_args,
-               defaults=lambda k: {"threads": 128}, configs=_conv_threads, params=_conv_accept_args,
-               args=("conv_state", "slots", "accepted"), reference=ref_conv.accept_rows,
-               custom_ops=("conv1d_accept",), **CONV_RECORDS),
-]
+# decode attention, the projections
 
 
 def _decode_args(k: KernelKey) -> dict:
@@ -397,13 +403,13 @@ def _attention_shapes(key: KernelKey) -> list:
 
 
 ATTENTION_RECORDS = dict(layouts=_attention_layouts, tune_template=_attention_template,
-                         record_shapes=_attention_shapes, tune_command=_model_command(_attention_layouts))
+                         record_shapes=_attention_shapes, tune_command=model_command(_attention_layouts))
 
 # their reference is kvbuffer.kernels.attention.attention_reference (the CPU op's), which builds on this module
 ATTENTION_SPECS = [
     KernelSpec("attention_decode", "attention", "attention", "decode", "attention_decode",
                template_args=_decode_args, defaults=lambda k: {"threads": 128, "unroll": 4},
-               configs=_configs("attention", "get_configs"), params=lambda k: dict(_decode_args(k), T=k.T),
+               configs=configs_of("attention", "get_configs"), params=lambda k: dict(_decode_args(k), T=k.T),
                args=("q", "k_cache", "v_cache", "slots", "cached", "part", "stats", "out", "scale"),
                custom_ops=("attention_decode",), **ATTENTION_RECORDS),
     KernelSpec("attention_combine", "attention", "attention", "combine", "attention_combine",
@@ -411,10 +417,6 @@ ATTENTION_SPECS = [
                configs=lambda: [{"threads": t} for t in (128, 256)], params=lambda k: dict(_combine_args(k), T=k.T),
                args=("part", "stats", "slots", "out"), custom_ops=("attention_decode",), **ATTENTION_RECORDS),
 ]
-
-
-def _module_default(module: str, name: str = "DEFAULT") -> Callable[[KernelKey], dict]:
-    return lambda k: dict(getattr(importlib.import_module(f"{TILES}.{module}"), name))
 
 
 def _projection_args(k: KernelKey) -> dict:
@@ -450,7 +452,7 @@ def _projection_records(name: str) -> dict:
     return dict(tune_template=lambda k: name if k.T == 1 else None,
                 record_shapes=lambda k: [projection_shape(k.op, k.dims.N, k.dims.K, k.in_dtype,
                                                           k.dims.block if k.dims.bn else None)],
-                tune_command=_model_command(lambda k: [(None, 0)]))
+                tune_command=model_command(lambda k: [(None, 0)]))
 
 
 def _quant_args(k: KernelKey) -> dict:
@@ -458,23 +460,23 @@ def _quant_args(k: KernelKey) -> dict:
 
 
 GEMV_SPECS = [
-    KernelSpec("gemv", "gemv", "gemv", "gemv", "gemv", template_args=_rows_args, defaults=_module_default("gemv"),
-               configs=_configs("gemv", "get_configs"), params=_rows_args, args=("x", "weight", "out"),
+    KernelSpec("gemv", "gemv", "gemv", "gemv", "gemv", template_args=_rows_args, defaults=module_default("gemv"),
+               configs=configs_of("gemv", "get_configs"), params=_rows_args, args=("x", "weight", "out"),
                reference=_linear, custom_ops=("gemv",), **_projection_records("gemv")),
     KernelSpec("gemv_experts", "gemv", "gemv", "experts", "gemv_experts", template_args=_projection_args,
-               defaults=_module_default("gemv"), configs=_configs("gemv", "get_configs"), params=_projection_args,
+               defaults=module_default("gemv"), configs=configs_of("gemv", "get_configs"), params=_projection_args,
                args=("x", "weight", "expert", "out"), reference=_experts, custom_ops=("gemv_experts",),
                **_projection_records("gemv_experts")),
     KernelSpec("grouped_experts", "grouped", "gemv", "grouped", "grouped_experts", template_args=_projection_args,
-               defaults=_module_default("grouped"), configs=_configs("grouped", "get_configs"),
+               defaults=module_default("grouped"), configs=configs_of("grouped", "get_configs"),
                params=_projection_args, args=("x", "weight", "ends", "out"), reference=ref_experts.grouped_matmul,
                custom_ops=("grouped_experts",), **_projection_records("grouped_experts")),
     KernelSpec("fp8_gemv", "gemv", "gemv", "fp8_gemv", "fp8_gemv", template_args=_fp8_args,
-               defaults=_module_default("gemv", "FP8_DEFAULT"), configs=_configs("gemv", "get_fp8_configs"),
+               defaults=module_default("gemv", "FP8_DEFAULT"), configs=configs_of("gemv", "get_fp8_configs"),
                params=_fp8_args, args=("x", "q", "scale", "out"), reference=_fp8_linear, custom_ops=("fp8_gemv",),
                **_projection_records("fp8_gemv")),
     KernelSpec("fp8_quant_act", "fp8_quant", "gemv", "fp8_quant", "fp8_quant_act", template_args=_quant_args,
-               defaults=_module_default("fp8_quant"), configs=_configs("fp8_quant", "get_configs"),
+               defaults=module_default("fp8_quant"), configs=configs_of("fp8_quant", "get_configs"),
                params=_quant_args, args=("x", "q", "scale"), reference=ref_fp8.quantize_activations_padded,
                custom_ops=("fp8_quant_act",), **_projection_records("fp8_quant_act")),
 ]
@@ -483,12 +485,14 @@ GDN_SPECS = _linear_specs("gdn", GDN_FRONT, "o", ref_gdn)
 MAMBA2_SPECS = _linear_specs("mamba2", MAMBA2_FRONT, "y", ref_mamba2)
 GDN_RECURRENT, GDN_BUFFERED, GDN_FLUSH, GDN_RECURRENT_DRAFTS = GDN_SPECS
 MAMBA2_RECURRENT, MAMBA2_BUFFERED, MAMBA2_FLUSH, MAMBA2_RECURRENT_DRAFTS = MAMBA2_SPECS
-CONV_ADVANCE, CONV_VERIFY, CONV_ACCEPT = CONV_SPECS
 ATTENTION_DECODE, ATTENTION_COMBINE = ATTENTION_SPECS
 GEMV, GEMV_EXPERTS, GROUPED_EXPERTS, FP8_GEMV, FP8_QUANT_ACT = GEMV_SPECS
 PREFILL_SPECS = [GDN_CHUNK_PREFILL, MAMBA2_CHUNK_PREFILL]
-SPECS = {(s.family, s.op): s for s in GDN_SPECS + MAMBA2_SPECS + PREFILL_SPECS + CONV_SPECS + ATTENTION_SPECS
-         + GEMV_SPECS}
+for _name, _dims, _ops, _specs in (("gdn", keys.GDNDims, keys.LINEAR_OPS, GDN_SPECS + [GDN_CHUNK_PREFILL]),
+                                   ("mamba2", keys.Mamba2Dims, keys.LINEAR_OPS, MAMBA2_SPECS + [MAMBA2_CHUNK_PREFILL]),
+                                   ("attention", keys.AttnDims, keys.ATTENTION_OPS, ATTENTION_SPECS),
+                                   ("gemv", keys.GemvDims, keys.GEMV_OPS, GEMV_SPECS)):
+    register(Family(_name, _dims, _ops, tuple(_specs)))
 
 
 def spec_for(key: KernelKey) -> KernelSpec:
@@ -514,3 +518,13 @@ def record_shapes(key: KernelKey) -> list[dict]:
 def tune_command(key: KernelKey) -> str:
     """The `kvbuffer tune` command that builds `key` (`<gpu>` left for the caller)."""
     return spec_for(key).tune_command(key)
+
+
+# the specs of the families that moved to their own modules, by their names here before
+_MOVED = {"CONV_ADVANCE": ("conv1d", "advance"), "CONV_VERIFY": ("conv1d", "verify"), "CONV_ACCEPT": ("conv1d", "accept")}
+
+
+def __getattr__(name: str) -> KernelSpec:
+    if name in _MOVED:
+        return SPECS[_MOVED[name]]
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -228,8 +228,6 @@ def _meta_checks(name: str, args: dict) -> None:
         return _grouped_experts_checks(args["x"], args["weight"], args["ends"])
     if name == "attention_decode":
         return attention_batch_checks(args["q"], args["k_cache"], args["v_cache"], args["slots"], args["cached"])
-    if name.startswith("conv1d"):
-        return _conv_meta_checks(name, args)
     if name == "gdn_chunk_prefill":
         return prefill.check_shapes(*(args[n] for n in ("q", "k", "v", "g", "beta", "cu_seqlens", "state",
                                                       "state_slots")), delta_rule=True)
@@ -260,21 +258,6 @@ def _meta_checks(name: str, args: dict) -> None:
             check_tensor(rows, args[rows], (batch.shape[0],), INDEX_DTYPES)
 
 
-def _conv_meta_checks(name: str, args: dict) -> None:
-    conv_state, slots = args["conv_state"], args["slots"]
-    if name == "conv1d_accept":
-        ref_conv.check_accept_shapes(conv_state, slots, args["accepted"], args["width"])
-        return
-    if args["kind"] not in CONV_UPDATE_KINDS:  # (check_conv_mode names the launchers' `mode`)
-        raise ValueError(f"kind must be one of {tuple(CONV_UPDATE_KINDS)} (the conv mode), got {args['kind']!r}")
-    x = args["x"]
-    _, W, span = ref_conv.check_shapes(x, conv_state, args["weight"], args["bias"], with_time=True)
-    check_tensor("slots", slots, (x.shape[0],), INDEX_DTYPES)
-    if args["kind"] == "verify" and W - 1 + x.shape[1] > span:
-        raise BufferOverflowError(f"{x.shape[1]} drafts do not fit the conv state's {span - (W - 1)} pending "
-                                  "positions")
-
-
 def _fake(name: str, output: str | None):
     """The fake of op `name`: the metadata checks, then an empty tensor shaped like `output`."""
     def fake(*args, **kwargs):
@@ -288,33 +271,6 @@ def _fake(name: str, output: str | None):
             return bound["x"].new_empty(bound["x"].shape[0], bound["weight"].shape[1])
         return None if output is None else torch.empty_like(bound[output])
     return fake
-
-
-@torch.library.custom_op("kvbuffer::conv1d_update", mutates_args=("conv_state",), device_types="cpu")
-def conv1d_update(x: torch.Tensor, conv_state: torch.Tensor, slots: torch.Tensor, weight: torch.Tensor,
-                  bias: Optional[torch.Tensor] = None, kind: str = "advance", silu: bool = True) -> torch.Tensor:
-    """reference.conv verify_rows / step_rows / prefill_rows (with the reference's checks): x (B, T, D) -> (B, T, D).
-
-    kind: "advance" or "verify" (the mode; torch's auto-functionalization reserves the name `mode`).
-    """
-    _conv_meta_checks("conv1d_update", dict(x=x, conv_state=conv_state, slots=slots, weight=weight, bias=bias,
-                                            kind=kind))
-    check_slots("slots", slots, x.shape[0], conv_state.shape[0], conv_state.device)
-    check_unique("slots", slots)
-    act = "silu" if silu else None
-    if kind == "verify":
-        out = ref_conv.verify_rows(x, conv_state, slots, weight, bias, act)
-    elif x.shape[1] == 1:
-        out = ref_conv.step_rows(x[:, 0], conv_state, slots, weight, bias, act)[:, None]
-    else:
-        out = ref_conv.prefill_rows(x, conv_state, slots, weight, bias, act)
-    return out.contiguous()  # the fake's layout
-
-
-@torch.library.custom_op("kvbuffer::conv1d_accept", mutates_args=("conv_state",), device_types="cpu")
-def conv1d_accept(conv_state: torch.Tensor, slots: torch.Tensor, accepted: torch.Tensor, width: int) -> None:
-    """reference.conv.conv_accept: each real row keeps its first accepted[b] pending drafts."""
-    ref_conv.conv_accept(conv_state, slots, accepted, width)
 
 
 @torch.library.custom_op("kvbuffer::attention_decode", mutates_args=(), device_types="cpu")
@@ -379,12 +335,11 @@ _BY_NAME = {
     "mamba2_recurrent_step": mamba2_recurrent_step, "mamba2_buffered_step": mamba2_buffered_step,
     "mamba2_verify": mamba2_verify, "mamba2_flush": mamba2_flush, "mamba2_recurrent_drafts": mamba2_recurrent_drafts,
     "gdn_chunk_prefill": gdn_chunk_prefill, "mamba2_chunk_prefill": mamba2_chunk_prefill,
-    "conv1d_update": conv1d_update, "conv1d_accept": conv1d_accept, "attention_decode": attention_decode,
+    "attention_decode": attention_decode,
     "gemv": gemv, "gemv_experts": gemv_experts, "grouped_experts": grouped_experts,
 }
-OPS = tuple(_BY_NAME)
-_OUTPUTS = {name: ("x" if name.startswith("mamba2") else "v") for name in OPS}
-_OUTPUTS.update(gdn_flush=None, mamba2_flush=None, conv1d_update="x", conv1d_accept=None, attention_decode="q",
+_OUTPUTS = {name: ("x" if name.startswith("mamba2") else "v") for name in _BY_NAME}
+_OUTPUTS.update(gdn_flush=None, mamba2_flush=None, attention_decode="q",
                 gemv=None, gemv_experts=None, grouped_experts=None)
 _PARAMS = {name: tuple(inspect.signature(op._init_fn).parameters.values()) for name, op in _BY_NAME.items()}
 
