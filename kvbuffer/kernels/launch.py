@@ -18,9 +18,10 @@ from typing import Callable
 import torch
 
 from ..errors import ArtifactError, DTypeError
-from . import attention as attn
-from . import autobuild
 from . import gdn, mamba2, prefill
+from .attention import ATTENTION_DECODE, attention_key
+from .attention import kernel as _attention_kernel
+from .attention import launch_decode as attention_decode
 from .conv import CONV_ACCEPT, CONV_UPDATE
 from .conv import accept_key as conv_accept_key
 from .conv import launch_accept as conv1d_accept
@@ -203,46 +204,6 @@ def flush(family: str, *args, checked=True) -> None:
 
 
 # ----------------------------------------------------------------------------------------------
-# decode attention over the KV cache
-
-
-def attention_key(spec: KernelSpec, q, k_cache) -> KernelKey:
-    """The kernel an attention_decode call needs of `spec` (ATTENTION_DECODE, the pass over the cache, or
-    ATTENTION_COMBINE)."""
-    B, T, H, D = q.shape
-    return KernelKey(spec.family, spec.op, AttnDims(H, k_cache.shape[2], D), dtype_name(q), dtype_name(k_cache), T=T)
-
-
-@functools.lru_cache(maxsize=None)
-def _sm_count(device: int) -> int:
-    return torch.cuda.get_device_properties(device).multi_processor_count
-
-
-def attention_decode(q, k_cache, v_cache, slots, cached, scale, context_len=0, *, checked=True):
-    """Attention of q's T new tokens over each row's cache, read in place; context_len (0: the cache's
-    max_len) bounds the rows' positions on the host and sets the split count."""
-    B = q.shape[0]
-    op = _attention_kernel(attention_key(specs.ATTENTION_DECODE, q, k_cache), B)
-    device = q.device.index if q.device.index is not None else torch.cuda.current_device()
-    splits = attn.splits_for(attn.decode_blocks(op, B), context_len or k_cache.shape[1], _sm_count(device))
-    combine = _attention_kernel(attention_key(specs.ATTENTION_COMBINE, q, k_cache), B) if splits > 1 else None
-    return _on_torch_stream(attn.attention_decode, op, combine, q, k_cache, v_cache, slots, cached, scale,
-                            splits=splits, checked=checked and not capturing())
-
-
-def _attention_kernel(key: KernelKey, batch: int):
-    """kernel_for, building the attention kernels of `key`'s token count once into the artifact cache
-    when they are missing (autobuild.ensure_attention_kernels), outside a CUDA-graph capture: a compiled
-    forward skips the Backend's eager check, and its warm-up must not fail on an unbuilt verify."""
-    try:
-        return kernel_for(key, batch)
-    except ArtifactError:
-        if capturing() or autobuild.ensure_attention_kernels(key) is not None:
-            raise
-        return kernel_for(key, batch)
-
-
-# ----------------------------------------------------------------------------------------------
 # a projection at one token
 
 
@@ -308,7 +269,6 @@ CUDA_LAUNCHES.update({
     "mamba2_verify": mamba2_verify, "mamba2_flush": mamba2_flush,
     "mamba2_recurrent_drafts": mamba2_recurrent_drafts,
     "gdn_chunk_prefill": gdn_chunk_prefill, "mamba2_chunk_prefill": mamba2_chunk_prefill,
-    "attention_decode": attention_decode,
     "gemv": gemv, "gemv_experts": gemv_experts, "grouped_experts": grouped_experts, "fp8_gemv": fp8_gemv,
 })  # the families not in modules of their own yet
 
@@ -339,7 +299,6 @@ MAMBA2_OPS = LinearOps(
     EngineOp(mamba2_recurrent_drafts, lambda: torch.ops.kvbuffer.mamba2_recurrent_drafts),
     EngineOp(mamba2_flush, lambda: torch.ops.kvbuffer.mamba2_flush),
     EngineOp(mamba2_chunk_prefill, lambda: torch.ops.kvbuffer.mamba2_chunk_prefill))
-ATTENTION_DECODE = EngineOp(attention_decode, lambda: torch.ops.kvbuffer.attention_decode)
 GEMV = EngineOp(gemv, lambda: torch.ops.kvbuffer.gemv)
 FP8_GEMV = EngineOp(fp8_gemv, lambda: torch.ops.kvbuffer.fp8_gemv)  # (x, q, scale, block_n, block_k)
 GEMV_EXPERTS = EngineOp(gemv_experts, lambda: torch.ops.kvbuffer.gemv_experts)

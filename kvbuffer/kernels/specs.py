@@ -375,48 +375,7 @@ MAMBA2_CHUNK_PREFILL = _prefill_spec("mamba2", ("x", "dt", "A_log", "dt_bias", "
 
 
 # ----------------------------------------------------------------------------------------------
-# decode attention, the projections
-
-
-def _decode_args(k: KernelKey) -> dict:
-    d = k.dims
-    return dict(H=d.H, Hkv=d.Hkv, D=d.D, T_len=k.T, dtype=k.in_dtype, kv_dtype=k.buf_dtype)
-
-
-def _combine_args(k: KernelKey) -> dict:
-    return dict(H=k.dims.H, D=k.dims.D, T_len=k.T, dtype=k.in_dtype)
-
-
-def _attention_layouts(key: KernelKey) -> list:
-    return [(None, key.T - 1)]
-
-
-def _attention_template(key: KernelKey) -> str | None:
-    """The decode step (T = 1) and the verify of T - 1 drafts + 1, each with its combine."""
-    if not 1 <= key.T <= ATTENTION_MAX_TOKENS:
-        return None
-    return f"attention_{key.op}" + ("_verify" if key.T > 1 else "")
-
-
-def _attention_shapes(key: KernelKey) -> list:
-    return [attention_shape(key.dims.H, key.dims.Hkv, key.dims.D, key.in_dtype, key.buf_dtype)]
-
-
-ATTENTION_RECORDS = dict(layouts=_attention_layouts, tune_template=_attention_template,
-                         record_shapes=_attention_shapes, tune_command=model_command(_attention_layouts))
-
-# their reference is kvbuffer.kernels.attention.attention_reference (the CPU op's), which builds on this module
-ATTENTION_SPECS = [
-    KernelSpec("attention_decode", "attention", "attention", "decode", "attention_decode",
-               template_args=_decode_args, defaults=lambda k: {"threads": 128, "unroll": 4},
-               configs=configs_of("attention", "get_configs"), params=lambda k: dict(_decode_args(k), T=k.T),
-               args=("q", "k_cache", "v_cache", "slots", "cached", "part", "stats", "out", "scale"),
-               custom_ops=("attention_decode",), **ATTENTION_RECORDS),
-    KernelSpec("attention_combine", "attention", "attention", "combine", "attention_combine",
-               template_args=_combine_args, defaults=lambda k: {"threads": 128},
-               configs=lambda: [{"threads": t} for t in (128, 256)], params=lambda k: dict(_combine_args(k), T=k.T),
-               args=("part", "stats", "slots", "out"), custom_ops=("attention_decode",), **ATTENTION_RECORDS),
-]
+# the projections
 
 
 def _projection_args(k: KernelKey) -> dict:
@@ -485,12 +444,10 @@ GDN_SPECS = _linear_specs("gdn", GDN_FRONT, "o", ref_gdn)
 MAMBA2_SPECS = _linear_specs("mamba2", MAMBA2_FRONT, "y", ref_mamba2)
 GDN_RECURRENT, GDN_BUFFERED, GDN_FLUSH, GDN_RECURRENT_DRAFTS = GDN_SPECS
 MAMBA2_RECURRENT, MAMBA2_BUFFERED, MAMBA2_FLUSH, MAMBA2_RECURRENT_DRAFTS = MAMBA2_SPECS
-ATTENTION_DECODE, ATTENTION_COMBINE = ATTENTION_SPECS
 GEMV, GEMV_EXPERTS, GROUPED_EXPERTS, FP8_GEMV, FP8_QUANT_ACT = GEMV_SPECS
 PREFILL_SPECS = [GDN_CHUNK_PREFILL, MAMBA2_CHUNK_PREFILL]
 for _name, _dims, _ops, _specs in (("gdn", keys.GDNDims, keys.LINEAR_OPS, GDN_SPECS + [GDN_CHUNK_PREFILL]),
                                    ("mamba2", keys.Mamba2Dims, keys.LINEAR_OPS, MAMBA2_SPECS + [MAMBA2_CHUNK_PREFILL]),
-                                   ("attention", keys.AttnDims, keys.ATTENTION_OPS, ATTENTION_SPECS),
                                    ("gemv", keys.GemvDims, keys.GEMV_OPS, GEMV_SPECS)):
     register(Family(_name, _dims, _ops, tuple(_specs)))
 
@@ -521,7 +478,8 @@ def tune_command(key: KernelKey) -> str:
 
 
 # the specs of the families that moved to their own modules, by their names here before
-_MOVED = {"CONV_ADVANCE": ("conv1d", "advance"), "CONV_VERIFY": ("conv1d", "verify"), "CONV_ACCEPT": ("conv1d", "accept")}
+_MOVED = {"CONV_ADVANCE": ("conv1d", "advance"), "CONV_VERIFY": ("conv1d", "verify"), "CONV_ACCEPT": ("conv1d", "accept"),
+          "ATTENTION_DECODE": ("attention", "decode"), "ATTENTION_COMBINE": ("attention", "combine")}
 
 
 def __getattr__(name: str) -> KernelSpec:

@@ -66,7 +66,6 @@ from ..reference import experts as ref_experts
 from ..reference import gdn as ref_gdn
 from ..reference import mamba2 as ref_mamba2
 from . import launch, prefill
-from .attention import attention_batch_checks, attention_reference, check_cached_range
 from .keys import CONV_UPDATE_KINDS
 
 
@@ -226,8 +225,6 @@ def _meta_checks(name: str, args: dict) -> None:
         return _gemv_experts_checks(args["x"], args["weight"], args["expert"])
     if name == "grouped_experts":
         return _grouped_experts_checks(args["x"], args["weight"], args["ends"])
-    if name == "attention_decode":
-        return attention_batch_checks(args["q"], args["k_cache"], args["v_cache"], args["slots"], args["cached"])
     if name == "gdn_chunk_prefill":
         return prefill.check_shapes(*(args[n] for n in ("q", "k", "v", "g", "beta", "cu_seqlens", "state",
                                                       "state_slots")), delta_rule=True)
@@ -271,17 +268,6 @@ def _fake(name: str, output: str | None):
             return bound["x"].new_empty(bound["x"].shape[0], bound["weight"].shape[1])
         return None if output is None else torch.empty_like(bound[output])
     return fake
-
-
-@torch.library.custom_op("kvbuffer::attention_decode", mutates_args=(), device_types="cpu")
-def attention_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor,
-                     cached: torch.Tensor, scale: float, context_len: int = 0) -> torch.Tensor:
-    """kernels.attention.attention_reference: q (B, T, H, D) over each row's cache positions
-    0 .. cached[b] + t -> (B, T, H, D); slot -1 rows give zeros."""
-    _meta_checks("attention_decode", dict(q=q, k_cache=k_cache, v_cache=v_cache, slots=slots, cached=cached))
-    check_slots("slots", slots, q.shape[0], k_cache.shape[0], k_cache.device)
-    check_cached_range(slots, cached, q.shape[1], k_cache.shape[1])
-    return attention_reference(q, k_cache, v_cache, slots, cached, scale).contiguous()
 
 
 @torch.library.custom_op("kvbuffer::gemv", mutates_args=(), device_types="cpu")
@@ -335,11 +321,10 @@ _BY_NAME = {
     "mamba2_recurrent_step": mamba2_recurrent_step, "mamba2_buffered_step": mamba2_buffered_step,
     "mamba2_verify": mamba2_verify, "mamba2_flush": mamba2_flush, "mamba2_recurrent_drafts": mamba2_recurrent_drafts,
     "gdn_chunk_prefill": gdn_chunk_prefill, "mamba2_chunk_prefill": mamba2_chunk_prefill,
-    "attention_decode": attention_decode,
     "gemv": gemv, "gemv_experts": gemv_experts, "grouped_experts": grouped_experts,
 }
 _OUTPUTS = {name: ("x" if name.startswith("mamba2") else "v") for name in _BY_NAME}
-_OUTPUTS.update(gdn_flush=None, mamba2_flush=None, attention_decode="q",
+_OUTPUTS.update(gdn_flush=None, mamba2_flush=None,
                 gemv=None, gemv_experts=None, grouped_experts=None)
 _PARAMS = {name: tuple(inspect.signature(op._init_fn).parameters.values()) for name, op in _BY_NAME.items()}
 
