@@ -9,8 +9,6 @@ import importlib.util
 
 from kvbuffer.kernels import specs
 
-from .fp8_quant_templates import fp8_quant_templates
-from .gemv_templates import gemv_templates
 from .linear_templates import gdn_templates, mamba2_templates
 from .template import TEMPLATE_IMPORTS, Template, capacity, from_spec, source_digest
 
@@ -29,5 +27,5 @@ def templates(family: str | None = None) -> list[Template]:
     found = gdn_templates()
     if importlib.util.find_spec("kvbuffer.tiles.mamba2") is not None:
         found += mamba2_templates()
-    found += family_templates() + gemv_templates() + fp8_quant_templates()
+    found += family_templates()
     return [t for t in found if family in (None, t.family)]

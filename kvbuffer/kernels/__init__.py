@@ -16,7 +16,8 @@ Importing this package registers the custom ops and never imports TileLang: comp
 (`build_*`, a JIT lookup) imports it through kvbuffer.tiles on demand.
 """
 
-from . import fp8_ops, specs, torch_ops
+from . import conv, attention, gemv, fp8_ops  # noqa: I001  (the kernel families, registered in this order)
+from . import specs, torch_ops
 from .attention import attention_decode, attention_reference, build_attention_combine, build_attention_decode
 from .compiled import CompiledOp
 from .conv import build_conv1d_accept, build_conv1d_update, conv1d_accept, conv1d_update
@@ -30,16 +31,8 @@ from .gdn import (
     gdn_recurrent_step,
     gdn_verify,
 )
-from .gemv import (
-    build_fp8_gemv,
-    build_gemv,
-    build_gemv_experts,
-    build_grouped_experts,
-    fp8_gemv,
-    gemv,
-    gemv_experts,
-    grouped_experts,
-)
+from .fp8_ops import build_fp8_gemv, fp8_gemv
+from .gemv import build_gemv, build_gemv_experts, build_grouped_experts, gemv, gemv_experts, grouped_experts
 from .keys import PREFILL_CHUNKS, AttnDims, ConvDims, GDNDims, GemvDims, KernelKey, Mamba2Dims
 from .lookup import allow_jit, clear_kernels, jit_allowed, kernel_for
 from .mamba2 import (

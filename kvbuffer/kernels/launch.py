@@ -27,10 +27,19 @@ from .conv import accept_key as conv_accept_key
 from .conv import launch_accept as conv1d_accept
 from .conv import launch_update as conv1d_update
 from .conv import update_key as conv_update_key
-from . import gemv as projections
+from .fp8_ops import FP8_GEMV_OP as FP8_GEMV
+from .fp8_ops import fp8_gemv_key
+from .fp8_ops import launch_fp8_gemv as fp8_gemv
+from .gemv import GEMV_EXPERTS_OP as GEMV_EXPERTS
+from .gemv import GEMV_OP as GEMV
+from .gemv import GROUPED_EXPERTS_OP as GROUPED_EXPERTS
+from .gemv import gemv_experts_key, gemv_key, grouped_experts_key
+from .gemv import launch_gemv as gemv
+from .gemv import launch_gemv_experts as gemv_experts
+from .gemv import launch_grouped_experts as grouped_experts
 from . import specs
 from .calls import EngineOp, capturing, engine_rows, on_torch_stream, token_axis  # noqa: F401  (re-exported)
-from .keys import FP8_DTYPE, AttnDims, GemvDims, KernelKey, dtype_name, linear_dims
+from .keys import KernelKey, dtype_name, linear_dims
 from .lookup import kernel_for
 from .specs import KernelSpec
 
@@ -203,64 +212,6 @@ def flush(family: str, *args, checked=True) -> None:
     {"gdn": gdn_flush, "mamba2": mamba2_flush}[family](*args, checked=checked)
 
 
-# ----------------------------------------------------------------------------------------------
-# a projection at one token
-
-
-def gemv_key(weight, rows: int = 1) -> KernelKey:
-    """The kernel a gemv call of `rows` rows needs: the weight's shape and dtype."""
-    spec = specs.GEMV
-    return KernelKey(spec.family, spec.op, GemvDims(weight.shape[0], weight.shape[1]), dtype_name(weight), T=rows)
-
-
-def gemv(x, weight, *, checked=True):
-    """x (rows, K) . weight (N, K)^T on the one-row projection kernel (the tensors' checks always run:
-    they read no device memory)."""
-    op = kernel_for(gemv_key(weight, x.shape[0]))
-    return _on_torch_stream(projections.gemv, op, x, weight)
-
-
-def fp8_gemv_key(q, block_n: int, block_k: int, dtype: str, rows: int = 1) -> KernelKey:
-    """The kernel an fp8_gemv call of `rows` rows of x in `dtype` (a name) needs: the FP8 weight's shape
-    and scale block."""
-    spec = specs.FP8_GEMV
-    return KernelKey(spec.family, spec.op, GemvDims(q.shape[0], q.shape[1], int(block_n), int(block_k)), dtype,
-                     w_dtype=FP8_DTYPE, T=rows)
-
-
-def fp8_gemv(x, q, scale, block_n, block_k, *, checked=True):
-    """x (rows, K) . (q * scale)^T for an FP8 weight q scaled per (block_n, block_k) blocks on the FP8
-    one-row kernel (the tensors' checks always run: they read no device memory)."""
-    op = kernel_for(fp8_gemv_key(q, block_n, block_k, dtype_name(x), x.shape[0]))
-    return _on_torch_stream(projections.fp8_gemv, op, x, q, scale)
-
-
-def gemv_experts_key(weight) -> KernelKey:
-    """The kernel a gemv_experts call needs: one expert's weight shape (N, K) and the dtype."""
-    spec = specs.GEMV_EXPERTS
-    return KernelKey(spec.family, spec.op, GemvDims(weight.shape[1], weight.shape[2]), dtype_name(weight))
-
-
-def gemv_experts(x, weight, expert, *, checked=True):
-    """Each row of x through each of its experts' weights (expert (S, J) ids) on the one-row kernel;
-    `checked` reads the ids back to check their range (never inside a CUDA-graph capture)."""
-    op = kernel_for(gemv_experts_key(weight))
-    return _on_torch_stream(projections.gemv_experts, op, x, weight, expert, checked=checked and not capturing())
-
-
-def grouped_experts_key(weight) -> KernelKey:
-    """The kernel a grouped_experts call needs: one expert's weight shape (N, K) and the dtype."""
-    spec = specs.GROUPED_EXPERTS
-    return KernelKey(spec.family, spec.op, GemvDims(weight.shape[1], weight.shape[2]), dtype_name(weight))
-
-
-def grouped_experts(x, weight, ends, *, checked=True):
-    """Rows of x sorted by expert (expert e's end at ends[e]) through their experts' weights on the
-    grouped experts kernel; `checked` reads the ends back to check them (never inside a capture)."""
-    op = kernel_for(grouped_experts_key(weight))
-    return _on_torch_stream(projections.grouped_experts, op, x, weight, ends, checked=checked and not capturing())
-
-
 CUDA_LAUNCHES = specs.CUDA_LAUNCHES  # op name -> the CUDA implementation of torch.ops.kvbuffer.<name>
 CUDA_LAUNCHES.update({
     "gdn_recurrent_step": gdn_recurrent_step, "gdn_buffered_step": gdn_buffered_step, "gdn_verify": gdn_verify,
@@ -269,7 +220,6 @@ CUDA_LAUNCHES.update({
     "mamba2_verify": mamba2_verify, "mamba2_flush": mamba2_flush,
     "mamba2_recurrent_drafts": mamba2_recurrent_drafts,
     "gdn_chunk_prefill": gdn_chunk_prefill, "mamba2_chunk_prefill": mamba2_chunk_prefill,
-    "gemv": gemv, "gemv_experts": gemv_experts, "grouped_experts": grouped_experts, "fp8_gemv": fp8_gemv,
 })  # the families not in modules of their own yet
 
 
@@ -299,7 +249,3 @@ MAMBA2_OPS = LinearOps(
     EngineOp(mamba2_recurrent_drafts, lambda: torch.ops.kvbuffer.mamba2_recurrent_drafts),
     EngineOp(mamba2_flush, lambda: torch.ops.kvbuffer.mamba2_flush),
     EngineOp(mamba2_chunk_prefill, lambda: torch.ops.kvbuffer.mamba2_chunk_prefill))
-GEMV = EngineOp(gemv, lambda: torch.ops.kvbuffer.gemv)
-FP8_GEMV = EngineOp(fp8_gemv, lambda: torch.ops.kvbuffer.fp8_gemv)  # (x, q, scale, block_n, block_k)
-GEMV_EXPERTS = EngineOp(gemv_experts, lambda: torch.ops.kvbuffer.gemv_experts)
-GROUPED_EXPERTS = EngineOp(grouped_experts, lambda: torch.ops.kvbuffer.grouped_experts)

@@ -374,81 +374,13 @@ MAMBA2_CHUNK_PREFILL = _prefill_spec("mamba2", ("x", "dt", "A_log", "dt_bias", "
                                                 "state_slots", "y"))  # its front and D skip inside
 
 
-# ----------------------------------------------------------------------------------------------
-# the projections
-
-
-def _projection_args(k: KernelKey) -> dict:
-    return dict(N=k.dims.N, K=k.dims.K, dtype=k.in_dtype)
-
-
-def _rows_args(k: KernelKey) -> dict:
-    return dict(_projection_args(k), rows=k.T)
-
-
-def _linear(x, weight):
-    """The one-row kernel's math: F.linear without a bias."""
-    return x @ weight.T
-
-
-def _experts(x, weight, expert):
-    """Each row through each of its experts' weights: (S, J, N)."""
-    return (weight[expert] @ x[:, None, :, None])[..., 0]
-
-
-def _fp8_args(k: KernelKey) -> dict:
-    return dict(_rows_args(k), bn=k.dims.bn, bk=k.dims.bk)
-
-
-def _fp8_linear(x, q, scale, bn: int, bk: int):
-    """The FP8 one-row kernel's math: x . (q * scale)^T in fp32, in x's dtype."""
-    return ref_fp8.linear(x, q, scale, (bn, bk))
-
-
-def _projection_records(name: str) -> dict:
-    """A projection fits every layout; tune builds it for one row, stored under its op's record family
-    (with an FP8 weight's scale block)."""
-    return dict(tune_template=lambda k: name if k.T == 1 else None,
-                record_shapes=lambda k: [projection_shape(k.op, k.dims.N, k.dims.K, k.in_dtype,
-                                                          k.dims.block if k.dims.bn else None)],
-                tune_command=model_command(lambda k: [(None, 0)]))
-
-
-def _quant_args(k: KernelKey) -> dict:
-    return dict(K=k.dims.K, dtype=k.in_dtype)
-
-
-GEMV_SPECS = [
-    KernelSpec("gemv", "gemv", "gemv", "gemv", "gemv", template_args=_rows_args, defaults=module_default("gemv"),
-               configs=configs_of("gemv", "get_configs"), params=_rows_args, args=("x", "weight", "out"),
-               reference=_linear, custom_ops=("gemv",), **_projection_records("gemv")),
-    KernelSpec("gemv_experts", "gemv", "gemv", "experts", "gemv_experts", template_args=_projection_args,
-               defaults=module_default("gemv"), configs=configs_of("gemv", "get_configs"), params=_projection_args,
-               args=("x", "weight", "expert", "out"), reference=_experts, custom_ops=("gemv_experts",),
-               **_projection_records("gemv_experts")),
-    KernelSpec("grouped_experts", "grouped", "gemv", "grouped", "grouped_experts", template_args=_projection_args,
-               defaults=module_default("grouped"), configs=configs_of("grouped", "get_configs"),
-               params=_projection_args, args=("x", "weight", "ends", "out"), reference=ref_experts.grouped_matmul,
-               custom_ops=("grouped_experts",), **_projection_records("grouped_experts")),
-    KernelSpec("fp8_gemv", "gemv", "gemv", "fp8_gemv", "fp8_gemv", template_args=_fp8_args,
-               defaults=module_default("gemv", "FP8_DEFAULT"), configs=configs_of("gemv", "get_fp8_configs"),
-               params=_fp8_args, args=("x", "q", "scale", "out"), reference=_fp8_linear, custom_ops=("fp8_gemv",),
-               **_projection_records("fp8_gemv")),
-    KernelSpec("fp8_quant_act", "fp8_quant", "gemv", "fp8_quant", "fp8_quant_act", template_args=_quant_args,
-               defaults=module_default("fp8_quant"), configs=configs_of("fp8_quant", "get_configs"),
-               params=_quant_args, args=("x", "q", "scale"), reference=ref_fp8.quantize_activations_padded,
-               custom_ops=("fp8_quant_act",), **_projection_records("fp8_quant_act")),
-]
-
 GDN_SPECS = _linear_specs("gdn", GDN_FRONT, "o", ref_gdn)
 MAMBA2_SPECS = _linear_specs("mamba2", MAMBA2_FRONT, "y", ref_mamba2)
 GDN_RECURRENT, GDN_BUFFERED, GDN_FLUSH, GDN_RECURRENT_DRAFTS = GDN_SPECS
 MAMBA2_RECURRENT, MAMBA2_BUFFERED, MAMBA2_FLUSH, MAMBA2_RECURRENT_DRAFTS = MAMBA2_SPECS
-GEMV, GEMV_EXPERTS, GROUPED_EXPERTS, FP8_GEMV, FP8_QUANT_ACT = GEMV_SPECS
 PREFILL_SPECS = [GDN_CHUNK_PREFILL, MAMBA2_CHUNK_PREFILL]
 for _name, _dims, _ops, _specs in (("gdn", keys.GDNDims, keys.LINEAR_OPS, GDN_SPECS + [GDN_CHUNK_PREFILL]),
-                                   ("mamba2", keys.Mamba2Dims, keys.LINEAR_OPS, MAMBA2_SPECS + [MAMBA2_CHUNK_PREFILL]),
-                                   ("gemv", keys.GemvDims, keys.GEMV_OPS, GEMV_SPECS)):
+                                   ("mamba2", keys.Mamba2Dims, keys.LINEAR_OPS, MAMBA2_SPECS + [MAMBA2_CHUNK_PREFILL])):
     register(Family(_name, _dims, _ops, tuple(_specs)))
 
 
@@ -479,7 +411,9 @@ def tune_command(key: KernelKey) -> str:
 
 # the specs of the families that moved to their own modules, by their names here before
 _MOVED = {"CONV_ADVANCE": ("conv1d", "advance"), "CONV_VERIFY": ("conv1d", "verify"), "CONV_ACCEPT": ("conv1d", "accept"),
-          "ATTENTION_DECODE": ("attention", "decode"), "ATTENTION_COMBINE": ("attention", "combine")}
+          "ATTENTION_DECODE": ("attention", "decode"), "ATTENTION_COMBINE": ("attention", "combine"),
+          "GEMV": ("gemv", "gemv"), "GEMV_EXPERTS": ("gemv", "experts"), "GROUPED_EXPERTS": ("gemv", "grouped"),
+          "FP8_GEMV": ("gemv", "fp8_gemv"), "FP8_QUANT_ACT": ("gemv", "fp8_quant")}
 
 
 def __getattr__(name: str) -> KernelSpec:

@@ -219,12 +219,6 @@ def _meta_checks(name: str, args: dict) -> None:
     empty memory for it would be a silently wrong result.
     """
     check_same_device(args)
-    if name == "gemv":
-        return _gemv_checks(args["x"], args["weight"])
-    if name == "gemv_experts":
-        return _gemv_experts_checks(args["x"], args["weight"], args["expert"])
-    if name == "grouped_experts":
-        return _grouped_experts_checks(args["x"], args["weight"], args["ends"])
     if name == "gdn_chunk_prefill":
         return prefill.check_shapes(*(args[n] for n in ("q", "k", "v", "g", "beta", "cu_seqlens", "state",
                                                       "state_slots")), delta_rule=True)
@@ -260,56 +254,8 @@ def _fake(name: str, output: str | None):
     def fake(*args, **kwargs):
         bound = _bind(name, args, kwargs)
         _meta_checks(name, bound)
-        if name == "gemv":
-            return bound["x"].new_empty(bound["x"].shape[0], bound["weight"].shape[0])
-        if name == "gemv_experts":
-            return bound["x"].new_empty(*bound["expert"].shape, bound["weight"].shape[1])
-        if name == "grouped_experts":
-            return bound["x"].new_empty(bound["x"].shape[0], bound["weight"].shape[1])
         return None if output is None else torch.empty_like(bound[output])
     return fake
-
-
-@torch.library.custom_op("kvbuffer::gemv", mutates_args=(), device_types="cpu")
-def gemv(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """torch.nn.functional.linear(x, weight): x (rows, K), weight (N, K) of one dtype -> (rows, N)."""
-    _meta_checks("gemv", dict(x=x, weight=weight))
-    return torch.nn.functional.linear(x, weight)
-
-
-def _gemv_checks(x: torch.Tensor, weight: torch.Tensor) -> None:
-    check_tensor("x", x, (None, None))
-    check_tensor("weight", weight, (None, x.shape[1]), (x.dtype,))
-
-
-@torch.library.custom_op("kvbuffer::gemv_experts", mutates_args=(), device_types="cpu")
-def gemv_experts(x: torch.Tensor, weight: torch.Tensor, expert: torch.Tensor) -> torch.Tensor:
-    """x (S, K), weight (E, N, K) of x's dtype, expert (S, J) int64 ids in [0, E) -> (S, J, N), row s
-    through each of its experts: out[s, j] = linear(x[s], weight[expert[s, j]])."""
-    _meta_checks("gemv_experts", dict(x=x, weight=weight, expert=expert))
-    check_expert_ids(expert, weight.shape[0])
-    return torch.einsum("sk,sjnk->sjn", x, weight[expert]).contiguous()
-
-
-def _gemv_experts_checks(x: torch.Tensor, weight: torch.Tensor, expert: torch.Tensor) -> None:
-    check_tensor("x", x, (None, None))
-    check_tensor("weight", weight, (None, None, x.shape[1]), (x.dtype,))
-    check_tensor("expert", expert, (x.shape[0], None), (torch.int64,))
-
-
-@torch.library.custom_op("kvbuffer::grouped_experts", mutates_args=(), device_types="cpu")
-def grouped_experts(x: torch.Tensor, weight: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
-    """x (M, K) sorted by expert, weight (E, N, K) of x's dtype, ends (E,) int32 (expert e's rows end at
-    ends[e], ends[-1] = M) -> (M, N): each row through its expert's weight."""
-    _meta_checks("grouped_experts", dict(x=x, weight=weight, ends=ends))
-    check_expert_ends(ends, x.shape[0])
-    return ref_experts.grouped_matmul(x, weight, ends).contiguous()
-
-
-def _grouped_experts_checks(x: torch.Tensor, weight: torch.Tensor, ends: torch.Tensor) -> None:
-    check_tensor("x", x, (None, None))
-    check_tensor("weight", weight, (None, None, x.shape[1]), (x.dtype,))
-    check_tensor("ends", ends, (weight.shape[0],), (torch.int32,))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -321,11 +267,9 @@ _BY_NAME = {
     "mamba2_recurrent_step": mamba2_recurrent_step, "mamba2_buffered_step": mamba2_buffered_step,
     "mamba2_verify": mamba2_verify, "mamba2_flush": mamba2_flush, "mamba2_recurrent_drafts": mamba2_recurrent_drafts,
     "gdn_chunk_prefill": gdn_chunk_prefill, "mamba2_chunk_prefill": mamba2_chunk_prefill,
-    "gemv": gemv, "gemv_experts": gemv_experts, "grouped_experts": grouped_experts,
 }
 _OUTPUTS = {name: ("x" if name.startswith("mamba2") else "v") for name in _BY_NAME}
-_OUTPUTS.update(gdn_flush=None, mamba2_flush=None,
-                gemv=None, gemv_experts=None, grouped_experts=None)
+_OUTPUTS.update(gdn_flush=None, mamba2_flush=None)
 _PARAMS = {name: tuple(inspect.signature(op._init_fn).parameters.values()) for name, op in _BY_NAME.items()}
 
 

@@ -212,7 +212,7 @@ def test_launcher_refuses_before_the_launch(monkeypatch, name):
     and nothing launched."""
     import importlib
 
-    monkeypatch.setattr(importlib.import_module("kvbuffer.kernels.gemv"), "check_on_cuda", lambda name, dev: None)
+    monkeypatch.setattr(importlib.import_module("kvbuffer.kernels.fp8_ops"), "check_on_cuda", lambda name, dev: None)
     x, q, scale = _fp8_case(40, 160, 1, (128, 128), 3)
     call, error, message = REFUSALS[name]
     launched = []
