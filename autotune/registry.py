@@ -9,7 +9,6 @@ import importlib.util
 
 from kvbuffer.kernels import specs
 
-from .linear_templates import gdn_templates, mamba2_templates
 from .template import TEMPLATE_IMPORTS, Template, capacity, from_spec, source_digest
 
 __all__ = ["TEMPLATE_IMPORTS", "Template", "capacity", "family_templates", "gdn_templates", "mamba2_templates",
@@ -24,8 +23,14 @@ def family_templates(package: str = specs.TILES) -> list[Template]:
 
 def templates(family: str | None = None) -> list[Template]:
     """Every registered template (optionally of one record family)."""
-    found = gdn_templates()
-    if importlib.util.find_spec("kvbuffer.tiles.mamba2") is not None:
-        found += mamba2_templates()
-    found += family_templates()
-    return [t for t in found if family in (None, t.family)]
+    return [t for t in family_templates() if family in (None, t.family)]
+
+
+def gdn_templates(package: str = specs.TILES) -> list[Template]:
+    """Gated DeltaNet's templates, from `package`'s kernel templates (another revision's, for an A/B run)."""
+    return [t for t in family_templates(package) if t.family == "gdn"]
+
+
+def mamba2_templates(package: str = specs.TILES) -> list[Template]:
+    """Mamba-2's templates, from `package`'s kernel templates."""
+    return [t for t in family_templates(package) if t.family == "mamba2"]

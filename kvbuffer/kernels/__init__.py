@@ -16,7 +16,7 @@ Importing this package registers the custom ops and never imports TileLang: comp
 (`build_*`, a JIT lookup) imports it through kvbuffer.tiles on demand.
 """
 
-from . import conv, attention, gemv, fp8_ops  # noqa: I001  (the kernel families, registered in this order)
+from . import gdn, mamba2, conv, attention, gemv, fp8_ops  # noqa: I001  (the kernel families, registered in this order)
 from . import specs, torch_ops
 from .attention import attention_decode, attention_reference, build_attention_combine, build_attention_decode
 from .compiled import CompiledOp
