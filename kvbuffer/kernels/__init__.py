@@ -1,19 +1,22 @@
-"""kvbuffer's kernel layer: keys, specs, lookup, validated launchers and the `torch.ops.kvbuffer.*` custom ops.
+"""kvbuffer's kernel layer: one module per kernel family, each defining its specs, compile (`build_*`),
+validated launch, CUDA launch, engine ops, `torch.ops.kvbuffer.*` custom ops and tuner inputs, and
+registering them (kvbuffer.kernels.specs.register).
 
-    keys.py       KernelKey (family, op, the family's own dims), PREFILL_CHUNKS
-    specs.py      one KernelSpec per kernel: template, defaults, configs, launch parameters, arguments,
-                  reference, custom ops, where tune stores it; every build goes through it
-    lookup.py     artifact-else-JIT lookup with one in-process cache (allow_jit, kernel_for, clear_kernels)
-    compiled.py   CompiledOp and the checks every launcher shares
-    gdn.py, mamba2.py, conv.py, attention.py, gemv.py   compile (`build_*`) and validated launch per family
-    prefill.py    the chunked prefill of packed prompts (both linear families): compile, launch, reference
-    launch.py     a custom op's CUDA call: lookup + launch (checked, or direct for engine-built rows)
-    torch_ops.py  the torch.library registrations (CPU reference, CUDA launch, fakes)
-    fp8_ops.py    the same for the FP8 one-row projection (torch.ops.kvbuffer.fp8_gemv) and the block-FP8
-                  GEMM's activation quantizer (torch.ops.kvbuffer.fp8_quant_act)
+    gdn.py, mamba2.py  the linear families (what they share: linear.py; their chunked prefill: prefill.py)
+    conv.py            the short conv with draft rollback
+    attention.py       decode attention over the KV cache
+    gemv.py, fp8_ops.py  the projections: one-row, experts and grouped experts; FP8 one-row and the
+                       block-FP8 activation quantizer
+    keys.py            KernelKey (family, op, the family's own dims), PREFILL_CHUNKS
+    specs.py           KernelSpec, the family registry, spec_for
+    lookup.py          artifact-else-JIT lookup with one in-process cache (allow_jit, kernel_for, clear_kernels)
+    compiled.py, calls.py  CompiledOp and the launchers' checks; the launch on torch's stream, EngineOp, and
+                       the registration of a custom op's fake and CUDA implementations
+    launch.py, torch_ops.py  the launches and engine ops by the names the engine uses; the ops' contract
 
-Importing this package registers the custom ops and never imports TileLang: compiling
-(`build_*`, a JIT lookup) imports it through kvbuffer.tiles on demand.
+Importing this package registers the families and their custom ops and never imports TileLang:
+compiling (`build_*`, a JIT lookup) imports it through kvbuffer.tiles on demand. A new family is one
+more module here and its name in the line below.
 """
 
 from . import gdn, mamba2, conv, attention, gemv, fp8_ops  # noqa: I001  (the kernel families, registered in this order)

@@ -1,4 +1,11 @@
-"""Gated DeltaNet ops on compiled TileLang kernels: compile (`build_*`) and validated launch.
+"""The Gated DeltaNet family: its specs (kvbuffer.kernels.linear's, and the chunked prefill's), compile
+(`build_*`), validated launch, CUDA launches, engine ops (GDN_OPS), custom ops and tuner inputs.
+
+    torch.ops.kvbuffer.gdn_recurrent_step(q, k, v, a, b, A_log, dt_bias, state, state_slots) -> o
+    torch.ops.kvbuffer.gdn_buffered_step(<as recurrent_step>, buf_k, buf_v, buf_g, buffer_slots, lengths, flush_at) -> o
+    torch.ops.kvbuffer.gdn_verify(<as gdn_buffered_step, inputs (B, T, ...)>, flush_at=0) -> o (B, T, Hv, V)
+    torch.ops.kvbuffer.gdn_flush(state, state_slots, buf_k, buf_v, buf_g, buffer_slots, lengths)
+    torch.ops.kvbuffer.gdn_recurrent_drafts(<as recurrent_step>, draft_states, draft_rows) -> o (B, T, Hv, V)
 
 A launcher checks every tensor (shape, dtype, device, contiguity, slot ranges, capacity) with
 kvbuffer.checks before the kernel runs, so a bad call raises a typed error and writes nothing.
@@ -8,24 +15,20 @@ the kernels take raw q, k (post-conv), v, a, b and A_log, dt_bias (see kvbuffer.
 
 from __future__ import annotations
 
-import functools
-from typing import Optional
-
 import torch
 
 from ..checks import check_capacity, check_tensor
+from ..errors import ShapeError, SlotError
 from ..reference import core as ref_core
 from ..reference import gdn as ref_gdn
-from ..errors import ShapeError, SlotError
+from . import prefill
+from .calls import EngineOp, capturing, implement, on_torch_stream, token_axis
 from .compiled import (ACT_DTYPES, CompiledOp, check_buffer, check_contiguous, check_draft_states,
                        check_fill_rules, check_on_cuda, check_state, expect_kind, out_tensor, prefill_chunks)
-from .keys import GDNDims, KernelKey
-from .calls import EngineOp, capturing, implement, on_torch_stream, token_axis
-from .keys import LINEAR_OPS
-from .linear import (BUFFER_MUTATIONS, GDN_FRONT, LinearOps, launch_flush, linear_key, linear_specs, linear_variants,
-                     meta_checks)
+from .keys import LINEAR_OPS, GDNDims, KernelKey
+from .linear import (BUFFER_MUTATIONS, GDN_FRONT, LinearOps, launch_flush, linear_key, linear_specs,
+                     linear_variants, meta_checks)
 from .lookup import kernel_for
-from . import prefill
 from .prefill import GDN_CHUNK_PREFILL, GDN_CHUNK_PREFILL_OP
 from .specs import Family, register, spec_for
 

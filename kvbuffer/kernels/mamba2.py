@@ -1,4 +1,9 @@
-"""Mamba-2 (Nemotron-3) ops on compiled TileLang kernels: compile (`build_mamba2_*`) and validated launch.
+"""The Mamba-2 (Nemotron-3) family: its specs (kvbuffer.kernels.linear's, and the chunked prefill's),
+compile (`build_mamba2_*`), validated launch, CUDA launches, engine ops (MAMBA2_OPS), custom ops and
+tuner inputs.
+
+    torch.ops.kvbuffer.mamba2_recurrent_step(x, dt, A_log, dt_bias, B, C, D, state, state_slots, z=None) -> y
+    torch.ops.kvbuffer.mamba2_buffered_step / mamba2_verify / mamba2_flush / mamba2_recurrent_drafts  (as GDN's)
 
 The kernels are the decay-only members of the generic family (tiles/linear_decode.py) with the
 Mamba-2 front fused: raw x, dt, B, C (and z) in, y = o + D * x (* silu(z)) out, exactly
@@ -8,24 +13,22 @@ states (slots, H, N, P) fp32. Launchers share the GDN ops' validation (kvbuffer.
 
 from __future__ import annotations
 
-import functools
 from typing import Optional
 
 import torch
 
 from ..checks import check_tensor
+from ..errors import ShapeError
 from ..reference import core as ref_core
 from ..reference import mamba2 as ref_mamba2
-from ..errors import ShapeError
+from . import prefill
+from .calls import EngineOp, capturing, implement, on_torch_stream, token_axis
 from .compiled import (ACT_DTYPES, CompiledOp, check_buffer, check_contiguous, check_draft_states,
                        check_fill_rules, check_on_cuda, check_state, expect_kind, out_tensor, prefill_chunks)
-from .keys import KernelKey, Mamba2Dims
-from .calls import EngineOp, capturing, implement, on_torch_stream, token_axis
-from .keys import LINEAR_OPS
-from .linear import (BUFFER_MUTATIONS, MAMBA2_FRONT, LinearOps, launch_flush, linear_key, linear_specs, linear_variants,
-                     meta_checks)
+from .keys import LINEAR_OPS, Mamba2Dims, KernelKey
+from .linear import (BUFFER_MUTATIONS, MAMBA2_FRONT, LinearOps, launch_flush, linear_key, linear_specs,
+                     linear_variants, meta_checks)
 from .lookup import kernel_for
-from . import prefill
 from .prefill import MAMBA2_CHUNK_PREFILL, MAMBA2_CHUNK_PREFILL_OP
 from .specs import Family, register, spec_for
 

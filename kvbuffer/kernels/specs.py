@@ -16,15 +16,9 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from ..gpus import local_target
-from ..reference import conv as ref_conv
-from ..reference import core as ref_core
-from ..reference import experts as ref_experts
-from ..reference import fp8 as ref_fp8
-from ..reference import gdn as ref_gdn
-from ..reference import mamba2 as ref_mamba2
-from .compiled import CompiledOp
 from . import keys
-from .keys import ATTENTION_MAX_TOKENS, PREFILL_CHUNKS, KernelKey, attention_shape, projection_shape
+from .compiled import CompiledOp
+from .keys import KernelKey
 
 TILES = "kvbuffer.tiles"
 MODEL_TUNE = "kvbuffer tune --gpu <gpu> --model <model>"
