@@ -12,9 +12,10 @@ a bias, one shape per distinct weight matrix (family 'gemv', see config_gemv_sha
 one-row kernel in a forward of one token; its routed experts, one shape per distinct expert weight,
 on the experts kernel in forwards of a few tokens (family 'experts') and on the grouped experts
 kernel in larger ones (family 'grouped'). In an FP8 checkpoint (its quantization, or `fp8` for a
-preset) each projection shape also gets the FP8 one-row kernel's (family 'fp8_gemv', with the weight's
-scale block), and in a block-FP8 one each K of the projections that run block-scaled FP8 GEMMs gets the
-activation quantizer's (family 'fp8_quant').
+preset) the shapes are the FP8 model's, as the engine holds it: its FP8 projections get the FP8
+one-row kernel's (family 'fp8_gemv', with the weight's scale block), the ones it keeps unquantized the
+bf16 kernel's, and in a block-FP8 one each K of the projections that run block-scaled FP8 GEMMs gets
+the activation quantizer's (family 'fp8_quant').
 """
 
 from __future__ import annotations
@@ -187,25 +188,67 @@ def fp8_weight_block(cfg: dict, fmt: str, K: int) -> tuple[int, int]:
     return tuple(_quantization(cfg).get("weight_block_size") or (128, 128))
 
 
-def config_gemv_shapes(cfg: dict, dtype: str | None = None, fp8: str | None = None) -> list[dict]:
-    """The one-token projection shapes of the model a transformers-style config declares: one per
-    distinct weight shape the one-row kernel takes (family "gemv"), and one per distinct expert weight
-    of its routed experts for each of the two experts kernels (families "experts" and "grouped"); none
-    for a model in another dtype than bf16, fp16. With an FP8 format (`fp8`, else the one the config
-    declares) each weight shape the FP8 one-row kernel takes also gets its shape (family "fp8_gemv"):
-    the modules a checkpoint keeps unquantized run the bf16 kernel, so both are built."""
+def config_gemv_shapes(cfg: dict, dtype: str | None = None, fp8: str | None = None, model=None) -> list[dict]:
+    """The one-token projection shapes of the model a transformers-style config declares, as the engine
+    looks their kernels up (kvbuffer.engine.one_row): one per distinct weight shape of its bias-free
+    Linear / PackedLinear modules the one-row kernel takes (family "gemv"), one per distinct FP8Linear
+    weight the FP8 one-row kernel takes (family "fp8_gemv", with its scale block), the activation
+    quantizer's (family "fp8_quant", fp8_quant_shapes), and one per distinct expert weight of its routed
+    experts for each of the two experts kernels (families "experts" and "grouped"); none for a model in
+    another dtype than bf16, fp16. With an FP8 format (`fp8`, else the one the config declares) the model
+    is the one that format's release loads (fp8_meta_model: a block-FP8 Qwen3.5's in_proj is an FP8 group
+    of q, k, v, z and a bf16 Linear of b, a); `model`: that model, built already (a checkpoint's)."""
+    from kvbuffer.models.layers import one_row_experts, one_row_linears
+    from kvbuffer.models.quant.linear import FP8Linear
+
     dtype = config_dtype(cfg, dtype)
-    fmt = fp8 or config_fp8_format(cfg)
-    shapes = list(config_projection_counts(cfg))
-    out = [projection_shape("gemv", N, K, dtype) for N, K in shapes if gemv_fits(K, dtype)]
-    if fmt is not None:
-        blocks = [(N, K, fp8_weight_block(cfg, fmt, K)) for N, K in shapes]
-        out += [projection_shape("fp8_gemv", N, K, dtype, b) for N, K, b in blocks if fp8_gemv_fits(K, b, dtype)]
-        out += fp8_quant_shapes(blocks, dtype)
-    experts = sorted(config_expert_shapes(cfg))
+    if model is None:
+        fmt = fp8 or config_fp8_format(cfg)
+        model = meta_model(cfg) if fmt is None else fp8_meta_model(cfg, fmt)
+    plain = dict.fromkeys(tuple(m.weight.shape) for m in one_row_linears(model))
+    out = [projection_shape("gemv", N, K, dtype) for N, K in plain if gemv_fits(K, dtype)]
+    fp8_mods = [m for m in model.modules() if isinstance(m, FP8Linear)]
+    blocks = list(dict.fromkeys((m.out_features, m.in_features, tuple(m.block)) for m in fp8_mods))
+    one_row = dict.fromkeys((m.out_features, m.in_features, tuple(m.block)) for m in fp8_mods if m.bias is None)
+    out += [projection_shape("fp8_gemv", N, K, dtype, b) for N, K, b in one_row if fp8_gemv_fits(K, b, dtype)]
+    out += fp8_quant_shapes(blocks, dtype)
+    experts = sorted({tuple(w.shape[1:]) for m in one_row_experts(model) for w in m.expert_weights()})
     for family, fits in (("experts", gemv_fits), ("grouped", grouped_fits)):
         out += [projection_shape(family, N, K, dtype) for N, K in experts if fits(K, dtype)]
     return out
+
+
+def fp8_meta_model(cfg: dict, fmt: str):
+    """The model a config declares, on the meta device, with its projections in FP8 format `fmt` as that
+    format's releases quantize them (kvbuffer.models.quant.write: the scale block the config names, else
+    128 x 128) and as the loader installs them."""
+    from kvbuffer.models.quant.write import quantize_model
+
+    block = fp8_weight_block(cfg, fmt, 0) if fmt == FP8_BLOCK else (128, 128)
+    return quantize_model(meta_model(cfg), fmt, tuple(block))
+
+
+def checkpoint_meta_model(path: Path, cfg: dict):
+    """The model a checkpoint directory loads as (its FP8 modules where its tensors are FP8), on the meta
+    device: the loader run on the safetensors headers' shapes and dtypes, no weight read."""
+    import torch
+    from safetensors import safe_open
+
+    from kvbuffer.models.loader import load_weights
+    from kvbuffer.models.quant.config import read_quant_config
+
+    dtypes = {"F8_E4M3": torch.float8_e4m3fn, "BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32}
+    tensors = {}
+    for f in sorted(path.glob("*.safetensors")):
+        with safe_open(str(f), framework="pt") as st:
+            for name in st.keys():
+                piece = st.get_slice(name)
+                if piece.get_dtype() not in dtypes:
+                    raise ValueError(f"{f}: tensor {name} is {piece.get_dtype()}; checkpoints hold {tuple(dtypes)}")
+                tensors[name] = torch.empty(piece.get_shape(), dtype=dtypes[piece.get_dtype()], device="meta")
+    model = meta_model(cfg)
+    load_weights(model, tensors, read_quant_config(cfg, path))
+    return model
 
 
 def fp8_quant_shapes(blocks: list[tuple[int, int, tuple[int, int]]], dtype: str) -> list[dict]:
@@ -226,9 +269,13 @@ def preset_gemv_shapes(name: str, dtype: str = DEFAULT_DTYPE, fp8: bool = False)
 
 def checkpoint_gemv_shapes(path: str | Path, dtype: str | None = None) -> list[dict]:
     """The projection shapes of a checkpoint, FP8 ones when its config.json or hf_quant_config.json
-    declares an FP8 format."""
+    declares an FP8 format: of a directory with its weights, as it loads (checkpoint_meta_model: FP8
+    where its tensors are, the modules it keeps unquantized in bf16); of a config alone, as the format's
+    releases quantize (fp8_meta_model)."""
     path = Path(path)
     cfg = json.loads((path / "config.json" if path.is_dir() else path).read_text())
     quant = path / HF_QUANT_CONFIG if path.is_dir() else path.parent / HF_QUANT_CONFIG
     fmt = config_fp8_format(cfg, json.loads(quant.read_text()) if quant.is_file() else None)
+    if fmt is not None and path.is_dir() and any(path.glob("*.safetensors")):
+        return config_gemv_shapes(cfg, dtype, model=checkpoint_meta_model(path, cfg))
     return config_gemv_shapes(cfg, dtype, fmt)

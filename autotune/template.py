@@ -26,6 +26,7 @@ from typing import Any, Callable, Mapping
 
 from kvbuffer.kernels.compiled import CompiledOp
 from kvbuffer.kernels.keys import KernelKey
+from kvbuffer.kernels.linear import capacity  # noqa: F401  (re-exported: the tuner's layouts)
 from kvbuffer.kernels.specs import TILES, KernelSpec
 
 # runtime modules the templates use (their sources are part of every artifact key)
@@ -129,11 +130,6 @@ def from_spec(spec: KernelSpec, name: str, family: str, key: Callable[[Mapping, 
         fields.setdefault("parts", lambda shape: spec.parts(key(shape, fields.get("min_chunk", 1), 0)))
     return Template(name, family, build, configs or spec.configs, defaults, make_inputs, reference, spec.args,
                     source_digest(), trace=trace, **fields)
-
-
-def capacity(chunk_size: int, drafts: int = 0) -> int:
-    """Buffer entries per slot in the engine's layout: C to fold, T drafts past them, one more token."""
-    return chunk_size + drafts + 1
 
 
 def source_digest(package: str = TILES, imports: tuple[str, ...] = TEMPLATE_IMPORTS) -> str:

@@ -1,22 +1,26 @@
-"""kvbuffer's kernel layer: keys, specs, lookup, validated launchers and the `torch.ops.kvbuffer.*` custom ops.
+"""kvbuffer's kernel layer: one module per kernel family, each defining its specs, compile (`build_*`),
+validated launch, CUDA launch, engine ops, `torch.ops.kvbuffer.*` custom ops and tuner inputs, and
+registering them (kvbuffer.kernels.specs.register).
 
-    keys.py       KernelKey (family, op, the family's own dims), PREFILL_CHUNKS
-    specs.py      one KernelSpec per kernel: template, defaults, configs, launch parameters, arguments,
-                  reference, custom ops, where tune stores it; every build goes through it
-    lookup.py     artifact-else-JIT lookup with one in-process cache (allow_jit, kernel_for, clear_kernels)
-    compiled.py   CompiledOp and the checks every launcher shares
-    gdn.py, mamba2.py, conv.py, attention.py, gemv.py   compile (`build_*`) and validated launch per family
-    prefill.py    the chunked prefill of packed prompts (both linear families): compile, launch, reference
-    launch.py     a custom op's CUDA call: lookup + launch (checked, or direct for engine-built rows)
-    torch_ops.py  the torch.library registrations (CPU reference, CUDA launch, fakes)
-    fp8_ops.py    the same for the FP8 one-row projection (torch.ops.kvbuffer.fp8_gemv) and the block-FP8
-                  GEMM's activation quantizer (torch.ops.kvbuffer.fp8_quant_act)
+    gdn.py, mamba2.py  the linear families (what they share: linear.py; their chunked prefill: prefill.py)
+    conv.py            the short conv with draft rollback
+    attention.py       decode attention over the KV cache
+    gemv.py, fp8_ops.py  the projections: one-row, experts and grouped experts; FP8 one-row and the
+                       block-FP8 activation quantizer
+    keys.py            KernelKey (family, op, the family's own dims), PREFILL_CHUNKS
+    specs.py           KernelSpec, the family registry, spec_for
+    lookup.py          artifact-else-JIT lookup with one in-process cache (allow_jit, kernel_for, clear_kernels)
+    compiled.py, calls.py  CompiledOp and the launchers' checks; the launch on torch's stream, EngineOp, and
+                       the registration of a custom op's fake and CUDA implementations
+    launch.py, torch_ops.py  the launches and engine ops by the names the engine uses; the ops' contract
 
-Importing this package registers the custom ops and never imports TileLang: compiling
-(`build_*`, a JIT lookup) imports it through kvbuffer.tiles on demand.
+Importing this package registers the families and their custom ops and never imports TileLang:
+compiling (`build_*`, a JIT lookup) imports it through kvbuffer.tiles on demand. A new family is one
+more module here and its name in the line below.
 """
 
-from . import fp8_ops, torch_ops
+from . import gdn, mamba2, conv, attention, gemv, fp8_ops  # noqa: I001  (the kernel families, registered in this order)
+from . import specs, torch_ops
 from .attention import attention_decode, attention_reference, build_attention_combine, build_attention_decode
 from .compiled import CompiledOp
 from .conv import build_conv1d_accept, build_conv1d_update, conv1d_accept, conv1d_update
@@ -30,16 +34,8 @@ from .gdn import (
     gdn_recurrent_step,
     gdn_verify,
 )
-from .gemv import (
-    build_fp8_gemv,
-    build_gemv,
-    build_gemv_experts,
-    build_grouped_experts,
-    fp8_gemv,
-    gemv,
-    gemv_experts,
-    grouped_experts,
-)
+from .fp8_ops import build_fp8_gemv, fp8_gemv
+from .gemv import build_gemv, build_gemv_experts, build_grouped_experts, gemv, gemv_experts, grouped_experts
 from .keys import PREFILL_CHUNKS, AttnDims, ConvDims, GDNDims, GemvDims, KernelKey, Mamba2Dims
 from .lookup import allow_jit, clear_kernels, jit_allowed, kernel_for
 from .mamba2 import (
@@ -54,7 +50,8 @@ from .mamba2 import (
 )
 from .prefill import build_gdn_chunk_prefill, build_mamba2_chunk_prefill, chunk_prefill
 
-OPS = torch_ops.OPS
+# every torch.ops.kvbuffer.* op the registered families define
+OPS = tuple(dict.fromkeys(op for spec in specs.SPECS.values() for op in spec.custom_ops))
 
 __all__ = [
     "OPS", "PREFILL_CHUNKS", "AttnDims", "CompiledOp", "ConvDims", "GDNDims", "GemvDims", "KernelKey", "Mamba2Dims",

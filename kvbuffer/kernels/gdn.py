@@ -1,4 +1,11 @@
-"""Gated DeltaNet ops on compiled TileLang kernels: compile (`build_*`) and validated launch.
+"""The Gated DeltaNet family: its specs (kvbuffer.kernels.linear's, and the chunked prefill's), compile
+(`build_*`), validated launch, CUDA launches, engine ops (GDN_OPS), custom ops and tuner inputs.
+
+    torch.ops.kvbuffer.gdn_recurrent_step(q, k, v, a, b, A_log, dt_bias, state, state_slots) -> o
+    torch.ops.kvbuffer.gdn_buffered_step(<as recurrent_step>, buf_k, buf_v, buf_g, buffer_slots, lengths, flush_at) -> o
+    torch.ops.kvbuffer.gdn_verify(<as gdn_buffered_step, inputs (B, T, ...)>, flush_at=0) -> o (B, T, Hv, V)
+    torch.ops.kvbuffer.gdn_flush(state, state_slots, buf_k, buf_v, buf_g, buffer_slots, lengths)
+    torch.ops.kvbuffer.gdn_recurrent_drafts(<as recurrent_step>, draft_states, draft_rows) -> o (B, T, Hv, V)
 
 A launcher checks every tensor (shape, dtype, device, contiguity, slot ranges, capacity) with
 kvbuffer.checks before the kernel runs, so a bad call raises a typed error and writes nothing.
@@ -12,10 +19,22 @@ import torch
 
 from ..checks import check_capacity, check_tensor
 from ..errors import ShapeError, SlotError
+from ..reference import core as ref_core
+from ..reference import gdn as ref_gdn
+from . import prefill
+from .calls import EngineOp, capturing, implement, on_torch_stream, token_axis
 from .compiled import (ACT_DTYPES, CompiledOp, check_buffer, check_contiguous, check_draft_states,
                        check_fill_rules, check_on_cuda, check_state, expect_kind, out_tensor, prefill_chunks)
-from .keys import GDNDims, KernelKey
-from .specs import spec_for
+from .keys import LINEAR_OPS, GDNDims, KernelKey
+from .linear import (BUFFER_MUTATIONS, GDN_FRONT, LinearOps, launch_flush, linear_key, linear_specs,
+                     linear_variants, meta_checks)
+from .lookup import kernel_for
+from .prefill import GDN_CHUNK_PREFILL, GDN_CHUNK_PREFILL_OP
+from .specs import Family, register, spec_for
+
+
+SPECS = linear_specs("gdn", GDN_FRONT, "o", ref_gdn)
+RECURRENT, BUFFERED, FLUSH, RECURRENT_DRAFTS = SPECS
 
 
 def _key(op: str, Hk, Hv, K, V, tunables: dict, dtypes=("in_dtype", "buf_dtype"), **fields) -> KernelKey:
@@ -184,3 +203,134 @@ def gdn_prefill(ops: dict, q, k, v, a, b, A_log, dt_bias, state, state_slot: int
         length = (n + take) % ops[take]["flush_at"]
     o = torch.cat(outs, 0) if outs else v.new_zeros((0,) + tuple(v.shape[1:]))
     return o, length
+
+
+# ----------------------------------------------------------------------------------------------
+# the CUDA launches: the kernel looked up for the arguments' shapes, then run on torch's stream; checked=False
+# (engine-built rows) or a CUDA-graph capture launches directly, skipping the checks that read the device back
+
+
+def launch_recurrent_step(q, k, v, a, b, A_log, dt_bias, state, state_slots, *, checked=True):
+    op = kernel_for(linear_key(RECURRENT, k, v), q.shape[0])
+    if checked and not capturing():
+        return on_torch_stream(gdn_recurrent_step, op, q, k, v, a, b, A_log, dt_bias, state, state_slots)
+    o = torch.empty_like(v)
+    u = token_axis
+    on_torch_stream(op.fn, u(q), u(k), u(v), u(a), u(b), A_log, dt_bias, state, state_slots, u(o))
+    return o
+
+
+def launch_buffered_step(q, k, v, a, b, A_log, dt_bias, state, state_slots, buf_k, buf_v, buf_g, buffer_slots,
+                      lengths, flush_at, *, checked=True):
+    op = kernel_for(linear_key(BUFFERED, k, v, buf_k, 1, flush_at), q.shape[0])
+    pools = (state, state_slots, buf_k, buf_v, buf_g, buffer_slots, lengths)
+    if checked and not capturing():
+        return on_torch_stream(gdn_buffered_step, op, q, k, v, a, b, A_log, dt_bias, *pools)
+    u = token_axis
+    o = torch.empty_like(v)
+    on_torch_stream(op.fn, u(q), u(k), u(v), u(a), u(b), A_log, dt_bias, *pools, u(o))
+    return o
+
+
+def launch_verify(q, k, v, a, b, A_log, dt_bias, state, state_slots, buf_k, buf_v, buf_g, buffer_slots, lengths,
+               flush_at=0, *, checked=True):
+    op = kernel_for(linear_key(BUFFERED, k, v, buf_k, q.shape[1], flush_at), q.shape[0])
+    args = (q, k, v, a, b, A_log, dt_bias, state, state_slots, buf_k, buf_v, buf_g, buffer_slots, lengths)
+    if checked and not capturing():
+        return on_torch_stream(gdn_verify, op, *args)
+    o = torch.empty_like(v)
+    on_torch_stream(op.fn, *args, o)
+    return o
+
+
+def launch_recurrent_drafts(q, k, v, a, b, A_log, dt_bias, state, state_slots, draft_states, draft_rows, *, checked=True):
+    op = kernel_for(linear_key(RECURRENT_DRAFTS, k, v, T=q.shape[1]), q.shape[0])
+    args = (q, k, v, a, b, A_log, dt_bias, state, state_slots, draft_states, draft_rows)
+    if checked and not capturing():
+        return on_torch_stream(gdn_recurrent_drafts, op, *args)
+    o = torch.empty_like(v)
+    on_torch_stream(op.fn, *args, o)
+    return o
+
+
+def launch_flush_op(state, state_slots, buf_k, buf_v, buf_g, buffer_slots, lengths, *, checked=True) -> None:
+    """Fold each row's lengths[b] buffer entries into its state."""
+    launch_flush(FLUSH, gdn_flush, state, state_slots, buf_k, buf_v, buf_g, buffer_slots, lengths, checked=checked)
+
+
+# ----------------------------------------------------------------------------------------------
+# the custom ops (CPU: the reference, with its checks; CUDA: the launches above) and the engine's calls
+
+
+@torch.library.custom_op("kvbuffer::gdn_recurrent_step", mutates_args=("state",), device_types="cpu")
+def recurrent_step_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
+                       A_log: torch.Tensor, dt_bias: torch.Tensor, state: torch.Tensor,
+                       state_slots: torch.Tensor) -> torch.Tensor:
+    """reference.gdn.recurrent_step: q, k (B, Hk, K), v (B, Hv, V), a, b (B, Hv) -> o (B, Hv, V)."""
+    return ref_gdn.recurrent_step(q, k, v, a, b, A_log, dt_bias, state, state_slots)
+
+
+def _gdn_buffered_cpu(q, k, v, a, b, A_log, dt_bias, state, state_slots, buf_k, buf_v, buf_g, buffer_slots,
+                      lengths, flush_at):
+    """reference verify of T tokens, folding the buffers that reach flush_at (the kernels' semantics)."""
+    return ref_gdn.verify(q, k, v, a, b, A_log, dt_bias, state, state_slots, buf_k, buf_v, buf_g, buffer_slots,
+                          lengths, flush_at)
+
+
+_BUFFER_MUTATIONS = ("state", "buf_k", "buf_v", "buf_g")
+
+
+@torch.library.custom_op("kvbuffer::gdn_buffered_step", mutates_args=BUFFER_MUTATIONS, device_types="cpu")
+def buffered_step_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
+                      A_log: torch.Tensor, dt_bias: torch.Tensor, state: torch.Tensor, state_slots: torch.Tensor,
+                      buf_k: torch.Tensor, buf_v: torch.Tensor, buf_g: torch.Tensor, buffer_slots: torch.Tensor,
+                      lengths: torch.Tensor, flush_at: int) -> torch.Tensor:
+    """reference.gdn.buffered_step(flush_at): q, k (B, Hk, K), v (B, Hv, V), a, b (B, Hv) -> o (B, Hv, V)."""
+    u = lambda t: None if t is None else t.unsqueeze(1)  # noqa: E731  (None: the reference names it)
+    return _gdn_buffered_cpu(u(q), u(k), u(v), u(a), u(b), A_log, dt_bias, state, state_slots, buf_k, buf_v, buf_g,
+                             buffer_slots, lengths, flush_at)[:, 0]
+
+
+@torch.library.custom_op("kvbuffer::gdn_verify", mutates_args=BUFFER_MUTATIONS, device_types="cpu")
+def verify_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
+               A_log: torch.Tensor, dt_bias: torch.Tensor, state: torch.Tensor, state_slots: torch.Tensor,
+               buf_k: torch.Tensor, buf_v: torch.Tensor, buf_g: torch.Tensor, buffer_slots: torch.Tensor,
+               lengths: torch.Tensor, flush_at: int = 0) -> torch.Tensor:
+    """reference.gdn.verify of T tokens (inputs (B, T, ...)) -> o (B, T, Hv, V); flush_at > 0: a prefill chunk."""
+    return _gdn_buffered_cpu(q, k, v, a, b, A_log, dt_bias, state, state_slots, buf_k, buf_v, buf_g,
+                             buffer_slots, lengths, flush_at)
+
+
+@torch.library.custom_op("kvbuffer::gdn_flush", mutates_args=("state",), device_types="cpu")
+def flush_op(state: torch.Tensor, state_slots: torch.Tensor, buf_k: torch.Tensor, buf_v: torch.Tensor,
+              buf_g: torch.Tensor, buffer_slots: torch.Tensor, lengths: torch.Tensor) -> None:
+    """reference.core.flush: fold each row's lengths[b] entries into its state."""
+    ref_core.flush(state, state_slots, buf_k, buf_v, buf_g, buffer_slots, lengths)
+
+
+@torch.library.custom_op("kvbuffer::gdn_recurrent_drafts", mutates_args=("draft_states",), device_types="cpu")
+def recurrent_drafts_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
+                         A_log: torch.Tensor, dt_bias: torch.Tensor, state: torch.Tensor, state_slots: torch.Tensor,
+                         draft_states: torch.Tensor, draft_rows: torch.Tensor) -> torch.Tensor:
+    """reference.gdn.recurrent_drafts: T tokens per row (inputs (B, T, ...)) -> o (B, T, Hv, V)."""
+    return ref_gdn.recurrent_drafts(q, k, v, a, b, A_log, dt_bias, state, state_slots, draft_states, draft_rows)
+
+
+implement(recurrent_step_op, lambda a: meta_checks("gdn_recurrent_step", a), lambda a: torch.empty_like(a["v"]), launch_recurrent_step)
+implement(buffered_step_op, lambda a: meta_checks("gdn_buffered_step", a), lambda a: torch.empty_like(a["v"]), launch_buffered_step)
+implement(verify_op, lambda a: meta_checks("gdn_verify", a), lambda a: torch.empty_like(a["v"]), launch_verify)
+implement(flush_op, lambda a: meta_checks("gdn_flush", a), lambda a: None, launch_flush_op)
+implement(recurrent_drafts_op, lambda a: meta_checks("gdn_recurrent_drafts", a), lambda a: torch.empty_like(a["v"]), launch_recurrent_drafts)
+GDN_OPS = LinearOps(
+    EngineOp(launch_recurrent_step, lambda: torch.ops.kvbuffer.gdn_recurrent_step),
+    EngineOp(launch_buffered_step, lambda: torch.ops.kvbuffer.gdn_buffered_step),
+    EngineOp(launch_verify, lambda: torch.ops.kvbuffer.gdn_verify),
+    EngineOp(launch_recurrent_drafts, lambda: torch.ops.kvbuffer.gdn_recurrent_drafts),
+    EngineOp(launch_flush_op, lambda: torch.ops.kvbuffer.gdn_flush),
+    GDN_CHUNK_PREFILL_OP)
+LAUNCHES = {"gdn_recurrent_step": launch_recurrent_step, "gdn_buffered_step": launch_buffered_step,
+            "gdn_verify": launch_verify, "gdn_recurrent_drafts": launch_recurrent_drafts, "gdn_flush": launch_flush_op,
+            "gdn_chunk_prefill": prefill.launch_gdn}
+FAMILY = register(Family("gdn", GDNDims, LINEAR_OPS, (*SPECS, GDN_CHUNK_PREFILL), LAUNCHES,
+                         lambda package: linear_variants("gdn", {s.op: s for s in SPECS}, package)
+                         + [prefill.variant("gdn", package)]))

@@ -1,4 +1,9 @@
-"""Mamba-2 (Nemotron-3) ops on compiled TileLang kernels: compile (`build_mamba2_*`) and validated launch.
+"""The Mamba-2 (Nemotron-3) family: its specs (kvbuffer.kernels.linear's, and the chunked prefill's),
+compile (`build_mamba2_*`), validated launch, CUDA launches, engine ops (MAMBA2_OPS), custom ops and
+tuner inputs.
+
+    torch.ops.kvbuffer.mamba2_recurrent_step(x, dt, A_log, dt_bias, B, C, D, state, state_slots, z=None) -> y
+    torch.ops.kvbuffer.mamba2_buffered_step / mamba2_verify / mamba2_flush / mamba2_recurrent_drafts  (as GDN's)
 
 The kernels are the decay-only members of the generic family (tiles/linear_decode.py) with the
 Mamba-2 front fused: raw x, dt, B, C (and z) in, y = o + D * x (* silu(z)) out, exactly
@@ -8,14 +13,28 @@ states (slots, H, N, P) fp32. Launchers share the GDN ops' validation (kvbuffer.
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 
 from ..checks import check_tensor
 from ..errors import ShapeError
+from ..reference import core as ref_core
+from ..reference import mamba2 as ref_mamba2
+from . import prefill
+from .calls import EngineOp, capturing, implement, on_torch_stream, token_axis
 from .compiled import (ACT_DTYPES, CompiledOp, check_buffer, check_contiguous, check_draft_states,
                        check_fill_rules, check_on_cuda, check_state, expect_kind, out_tensor, prefill_chunks)
-from .keys import KernelKey, Mamba2Dims
-from .specs import spec_for
+from .keys import LINEAR_OPS, Mamba2Dims, KernelKey
+from .linear import (BUFFER_MUTATIONS, MAMBA2_FRONT, LinearOps, launch_flush, linear_key, linear_specs,
+                     linear_variants, meta_checks)
+from .lookup import kernel_for
+from .prefill import MAMBA2_CHUNK_PREFILL, MAMBA2_CHUNK_PREFILL_OP
+from .specs import Family, register, spec_for
+
+
+SPECS = linear_specs("mamba2", MAMBA2_FRONT, "y", ref_mamba2)
+RECURRENT, BUFFERED, FLUSH, RECURRENT_DRAFTS = SPECS
 
 
 def _key(op: str, G, H, N, P, tunables: dict, dtypes=("in_dtype", "buf_dtype"), **fields) -> KernelKey:
@@ -186,3 +205,137 @@ def mamba2_prefill(ops: dict, x, dt, A_log, dt_bias, Bm, Cm, D, state, state_slo
         length = (n + take) % ops[take]["flush_at"]
     y = torch.cat(outs, 0) if outs else x.new_zeros((0,) + tuple(x.shape[1:]))
     return y, length
+
+
+# ----------------------------------------------------------------------------------------------
+# the CUDA launches: the kernel looked up for the arguments' shapes, then run on torch's stream; checked=False
+# (engine-built rows) or a CUDA-graph capture launches directly, skipping the checks that read the device back
+
+
+def launch_recurrent_step(x, dt, A_log, dt_bias, B, C, D, state, state_slots, z=None, *, checked=True):
+    op = kernel_for(linear_key(RECURRENT, B, x, z=z), x.shape[0])
+    if checked and not capturing():
+        return on_torch_stream(mamba2_recurrent_step, op, x, dt, A_log, dt_bias, B, C, D, state,
+                                state_slots, z)
+    u = token_axis
+    y = torch.empty_like(x)
+    on_torch_stream(op.fn, u(x), u(dt), A_log, dt_bias, u(B), u(C), D, u(x if z is None else z), state,
+                     state_slots, u(y))
+    return y
+
+
+def launch_recurrent_drafts(x, dt, A_log, dt_bias, B, C, D, state, state_slots, draft_states, draft_rows, z=None, *,
+                            checked=True):
+    op = kernel_for(linear_key(RECURRENT_DRAFTS, B, x, T=x.shape[1], z=z), x.shape[0])
+    if checked and not capturing():
+        return on_torch_stream(mamba2_recurrent_drafts, op, x, dt, A_log, dt_bias, B, C, D, state,
+                                state_slots, draft_states, draft_rows, z)
+    y = torch.empty_like(x)
+    on_torch_stream(op.fn, x, dt, A_log, dt_bias, B, C, D, x if z is None else z, state, state_slots, draft_states,
+                     draft_rows, y)
+    return y
+
+
+def launch_buffered_step(x, dt, A_log, dt_bias, B, C, D, state, state_slots, buf_k, buf_v, buf_g, buffer_slots,
+                         lengths, flush_at, z=None, *, checked=True):
+    op = kernel_for(linear_key(BUFFERED, B, x, buf_k, 1, flush_at, z), x.shape[0])
+    pools = (state, state_slots, buf_k, buf_v, buf_g, buffer_slots, lengths)
+    if checked and not capturing():
+        return on_torch_stream(mamba2_buffered_step, op, x, dt, A_log, dt_bias, B, C, D, *pools, z)
+    u = token_axis
+    y = torch.empty_like(x)
+    on_torch_stream(op.fn, u(x), u(dt), A_log, dt_bias, u(B), u(C), D, u(x if z is None else z), *pools, u(y))
+    return y
+
+
+def launch_verify(x, dt, A_log, dt_bias, B, C, D, state, state_slots, buf_k, buf_v, buf_g, buffer_slots, lengths,
+                  flush_at=0, z=None, *, checked=True):
+    op = kernel_for(linear_key(BUFFERED, B, x, buf_k, x.shape[1], flush_at, z), x.shape[0])
+    pools = (state, state_slots, buf_k, buf_v, buf_g, buffer_slots, lengths)
+    if checked and not capturing():
+        return on_torch_stream(mamba2_verify, op, x, dt, A_log, dt_bias, B, C, D, *pools, z)
+    y = torch.empty_like(x)
+    on_torch_stream(op.fn, x, dt, A_log, dt_bias, B, C, D, x if z is None else z, *pools, y)
+    return y
+
+
+def launch_flush_op(state, state_slots, buf_k, buf_v, buf_g, buffer_slots, lengths, *, checked=True) -> None:
+    """Fold each row's lengths[b] buffer entries into its state."""
+    launch_flush(FLUSH, mamba2_flush, state, state_slots, buf_k, buf_v, buf_g, buffer_slots, lengths, checked=checked)
+
+
+# ----------------------------------------------------------------------------------------------
+# the custom ops (CPU: the reference, with its checks; CUDA: the launches above) and the engine's calls
+
+
+@torch.library.custom_op("kvbuffer::mamba2_recurrent_step", mutates_args=("state",), device_types="cpu")
+def recurrent_step_op(x: torch.Tensor, dt: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor,
+                          B: torch.Tensor, C: torch.Tensor, D: torch.Tensor, state: torch.Tensor,
+                          state_slots: torch.Tensor, z: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """reference.mamba2.recurrent_step: x (Bt, H, P), dt (Bt, H), B, C (Bt, G, N) -> y (Bt, H, P)."""
+    return ref_mamba2.recurrent_step(x, dt, A_log, dt_bias, B, C, D, state, state_slots, z)
+
+
+@torch.library.custom_op("kvbuffer::mamba2_recurrent_drafts", mutates_args=("draft_states",), device_types="cpu")
+def recurrent_drafts_op(x: torch.Tensor, dt: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor,
+                            B: torch.Tensor, C: torch.Tensor, D: torch.Tensor, state: torch.Tensor,
+                            state_slots: torch.Tensor, draft_states: torch.Tensor, draft_rows: torch.Tensor,
+                            z: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """reference.mamba2.recurrent_drafts: T tokens per row (inputs (Bt, T, ...)) -> y (Bt, T, H, P)."""
+    return ref_mamba2.recurrent_drafts(x, dt, A_log, dt_bias, B, C, D, state, state_slots, draft_states, draft_rows,
+                                       z)
+
+
+def _m2_buffered_cpu(x, dt, A_log, dt_bias, B, C, D, state, state_slots, buf_k, buf_v, buf_g, buffer_slots,
+                     lengths, flush_at, z):
+    return ref_mamba2.verify(x, dt, A_log, dt_bias, B, C, D, state, state_slots, buf_k, buf_v, buf_g, buffer_slots,
+                             lengths, z, flush_at)
+
+
+@torch.library.custom_op("kvbuffer::mamba2_buffered_step", mutates_args=BUFFER_MUTATIONS, device_types="cpu")
+def buffered_step_op(x: torch.Tensor, dt: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor,
+                         B: torch.Tensor, C: torch.Tensor, D: torch.Tensor, state: torch.Tensor,
+                         state_slots: torch.Tensor, buf_k: torch.Tensor, buf_v: torch.Tensor, buf_g: torch.Tensor,
+                         buffer_slots: torch.Tensor, lengths: torch.Tensor, flush_at: int,
+                         z: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """reference.mamba2.buffered_step(flush_at): x (Bt, H, P) ... -> y (Bt, H, P)."""
+    u = lambda t: None if t is None else t.unsqueeze(1)  # noqa: E731
+    return _m2_buffered_cpu(u(x), u(dt), A_log, dt_bias, u(B), u(C), D, state, state_slots, buf_k, buf_v, buf_g,
+                            buffer_slots, lengths, flush_at, u(z))[:, 0]
+
+
+@torch.library.custom_op("kvbuffer::mamba2_verify", mutates_args=BUFFER_MUTATIONS, device_types="cpu")
+def verify_op(x: torch.Tensor, dt: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor,
+                  B: torch.Tensor, C: torch.Tensor, D: torch.Tensor, state: torch.Tensor, state_slots: torch.Tensor,
+                  buf_k: torch.Tensor, buf_v: torch.Tensor, buf_g: torch.Tensor, buffer_slots: torch.Tensor,
+                  lengths: torch.Tensor, flush_at: int = 0, z: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """reference.mamba2.verify of T tokens (inputs (Bt, T, ...)) -> y (Bt, T, H, P); flush_at > 0: a prefill chunk."""
+    return _m2_buffered_cpu(x, dt, A_log, dt_bias, B, C, D, state, state_slots, buf_k, buf_v, buf_g, buffer_slots,
+                            lengths, flush_at, z)
+
+
+@torch.library.custom_op("kvbuffer::mamba2_flush", mutates_args=("state",), device_types="cpu")
+def flush_op(state: torch.Tensor, state_slots: torch.Tensor, buf_k: torch.Tensor, buf_v: torch.Tensor,
+                 buf_g: torch.Tensor, buffer_slots: torch.Tensor, lengths: torch.Tensor) -> None:
+    """reference.mamba2.flush (the same fold as GDN's)."""
+    ref_core.flush(state, state_slots, buf_k, buf_v, buf_g, buffer_slots, lengths)
+
+
+implement(recurrent_step_op, lambda a: meta_checks("mamba2_recurrent_step", a), lambda a: torch.empty_like(a["x"]), launch_recurrent_step)
+implement(buffered_step_op, lambda a: meta_checks("mamba2_buffered_step", a), lambda a: torch.empty_like(a["x"]), launch_buffered_step)
+implement(verify_op, lambda a: meta_checks("mamba2_verify", a), lambda a: torch.empty_like(a["x"]), launch_verify)
+implement(flush_op, lambda a: meta_checks("mamba2_flush", a), lambda a: None, launch_flush_op)
+implement(recurrent_drafts_op, lambda a: meta_checks("mamba2_recurrent_drafts", a), lambda a: torch.empty_like(a["x"]), launch_recurrent_drafts)
+MAMBA2_OPS = LinearOps(
+    EngineOp(launch_recurrent_step, lambda: torch.ops.kvbuffer.mamba2_recurrent_step),
+    EngineOp(launch_buffered_step, lambda: torch.ops.kvbuffer.mamba2_buffered_step),
+    EngineOp(launch_verify, lambda: torch.ops.kvbuffer.mamba2_verify),
+    EngineOp(launch_recurrent_drafts, lambda: torch.ops.kvbuffer.mamba2_recurrent_drafts),
+    EngineOp(launch_flush_op, lambda: torch.ops.kvbuffer.mamba2_flush),
+    MAMBA2_CHUNK_PREFILL_OP)
+LAUNCHES = {"mamba2_recurrent_step": launch_recurrent_step, "mamba2_buffered_step": launch_buffered_step,
+            "mamba2_verify": launch_verify, "mamba2_recurrent_drafts": launch_recurrent_drafts, "mamba2_flush": launch_flush_op,
+            "mamba2_chunk_prefill": prefill.launch_mamba2}
+FAMILY = register(Family("mamba2", Mamba2Dims, LINEAR_OPS, (*SPECS, MAMBA2_CHUNK_PREFILL), LAUNCHES,
+                         lambda package: linear_variants("mamba2", {s.op: s for s in SPECS}, package)
+                         + [prefill.variant("mamba2", package)]))

@@ -1,4 +1,6 @@
-"""The chunked prefill of packed prompts (tiles/gdn_prefill.py): compile, validated launch, and its reference.
+"""The chunked prefill of packed prompts (tiles/gdn_prefill.py), for both linear families (each registers
+its own with its other kernels: kvbuffer.kernels.gdn, .mamba2): its specs, compile, validated launch,
+reference, CUDA launches, engine ops, custom ops and tuner inputs.
 
 One op per linear family: the plain recurrence of kvbuffer.reference.core over each sequence of a packed
 batch. Sequence i (tokens cu_seqlens[i] .. cu_seqlens[i+1] - 1) starts from state[state_slots[i]] (zero for
@@ -18,25 +20,132 @@ On CUDA: q, k, v (x, B, C) bf16, g, beta (dt) and the parameters fp32, cu_seqlen
 state fp32, four launches (three decay-only) of the templates of a CompiledOp of kind "chunk_prefill" whose
 `fn` maps part names to compiled functions. `chunk_prefill_reference` / `mamba2_chunk_prefill_reference` are
 the same contracts in torch for any float dtype.
+
+    torch.ops.kvbuffer.gdn_chunk_prefill(q, k, v, g, beta, cu_seqlens, state, state_slots) -> o (N, Hv, V)
+    torch.ops.kvbuffer.mamba2_chunk_prefill(x, dt, A_log, dt_bias, B, C, D, cu_seqlens, state, state_slots,
+                                            dt_min=0.0, dt_max=None) -> y (N, H, P)
+
+mutate `state`. The tuner builds each once per shape for every chunk size (C plays no part) and stores it as
+one artifact per launch; its inputs are a packed prefill of about PREFILL_TOKENS tokens spread over the
+batch's sequences (awkward lengths), each from a state slot of its own, checked against the references in
+fp64: outputs and final states.
 """
 
 from __future__ import annotations
 
-import torch
-
+import importlib
 import math
+from typing import Callable, Mapping, Optional
+
+import torch
+import torch.nn.functional as F
 
 from ..checks import FLOAT_DTYPES, INDEX_DTYPES, check_slots, check_tensor, check_unique
 from ..errors import ShapeError
 from ..reference import chunked
 from ..reference.gating import mamba2_front
+from .calls import EngineOp, capturing, implement, on_torch_stream
 from .compiled import CompiledOp, check_contiguous, check_on_cuda, expect_kind
 from .keys import KernelKey, linear_dims
-from .specs import spec_for
+from .linear import linear_shapes
+from .lookup import kernel_for
+from .specs import TILES, KernelSpec, TunerVariant
 
 CHUNK = 64  # tiles.gdn_prefill.BT (that module imports TileLang's front end lazily, this one never)
 CHUNK_FIELDS = 3  # tiles.gdn_prefill.CHUNK_FIELDS: a chunk table row (first token, tokens, sequence)
 HEAD_DIMS = (32, 64, 128)  # K and V the templates take (16: 4 warps cannot split a 16 x 16 tile; 256 untested)
+
+
+# ----------------------------------------------------------------------------------------------
+# the specs: four launches, three decay-only (Mamba-2's, from the layer's raw x, dt and parameters)
+
+
+PREFILL_TUNABLES = ("states_BV", "states_stages", "output_BV", "threads", "prep_solve")
+_PREFILL_DEFAULTS = {"states_stages": 0, "threads": 128, "prep_solve": "substitution"}  # where a config names none
+
+
+def prefill_tunables(key: KernelKey, given: dict | None = None) -> dict:
+    """The chunked prefill's tunables for `key`: its defaults (the templates' first config over
+    _PREFILL_DEFAULTS) with `given` over them, each value tile capped at the head's V and halved until it divides V.
+    Unknown names are a TypeError."""
+    unknown = set(given or {}) - set(PREFILL_TUNABLES)
+    if unknown:
+        raise TypeError(f"unknown chunked prefill tunables {sorted(unknown)}; they are {PREFILL_TUNABLES}")
+    t = dict(given or {})
+    if set(PREFILL_TUNABLES) - set(t):  # an artifact's are complete: the run time imports no template here
+        t = {**_PREFILL_DEFAULTS, **importlib.import_module(f"{TILES}.gdn_prefill").configs()[0], **t}
+    V = key.dims.record_fields()["V"]
+    return dict(t, states_BV=_dividing_tile(t["states_BV"], V), output_BV=_dividing_tile(t["output_BV"], V))
+
+
+def _dividing_tile(BV: int, V: int) -> int:
+    """BV, halved until it divides V (V a multiple of 16, so 16 always does)."""
+    BV = min(BV, V)
+    while V % BV and BV > 16:
+        BV //= 2
+    return BV
+
+
+def _prefill_configs(family: str) -> Callable[[], list]:
+    """The templates' configs, each complete (so a tuned artifact's tunables are); the decay-only form has
+    no pipelined state pass and no prep (so no prep solve)."""
+    def configs() -> list:
+        found = [{**_PREFILL_DEFAULTS, **c} for c in importlib.import_module(f"{TILES}.gdn_prefill").configs()]
+        return [c for c in found if family == "gdn" or (not c["states_stages"]
+                                                         and c["prep_solve"] == _PREFILL_DEFAULTS["prep_solve"])]
+    return configs
+
+
+def _prefill_parts(key: KernelKey) -> tuple:
+    return ("chunks", "prep", "states", "output") if key.family == "gdn" else ("chunks", "states", "output")
+
+
+def _prefill_templates(tiles, key: KernelKey, t: dict) -> dict:
+    """The launches of one chunked prefill: the chunk table, GDN's prep, the state pass, the output."""
+    dims = key.dims.record_fields()
+    delta_rule = key.family == "gdn"
+    prims = {"chunks": tiles.gdn_prefill_chunks(threads=t["threads"])}
+    if delta_rule:
+        prims["prep"] = tiles.gdn_prefill_prep(**dims, threads=t["threads"], solve=t["prep_solve"])
+    prims["states"] = tiles.gdn_prefill_states(**dims, BV=t["states_BV"], threads=t["threads"],
+                                               stages=t["states_stages"], delta_rule=delta_rule)
+    prims["output"] = tiles.gdn_prefill_output(**dims, BV=t["output_BV"], threads=t["threads"], delta_rule=delta_rule)
+    return prims
+
+
+def _prefill_args(key: KernelKey) -> dict:
+    return dict(key.dims.record_fields(), delta_rule=key.family == "gdn")
+
+
+def _prefill_shapes(key: KernelKey) -> list:
+    """Its kernels run bf16 whatever the model's activations, so a bf16 or an fp16 record can hold them."""
+    return [dict(linear_shapes(key)[0], dtype=dtype) for dtype in ("bfloat16", "float16")]
+
+
+def _prefill_command(key: KernelKey) -> str:
+    heads = ",".join(str(n) for n in key.dims.record_fields().values())
+    return f"kvbuffer tune --gpu <gpu> --heads {heads}" + (f" --family {key.family}" if key.family != "gdn" else "")
+
+
+def _spec(family: str, args: tuple) -> KernelSpec:
+    """Its reference is the CPU op's (chunk_prefill_reference); `kvbuffer tune` stores it as one artifact
+    per launch, one layout for every chunk size."""
+    return KernelSpec(f"{family}_chunk_prefill", "gdn_prefill", family, "chunk_prefill", "chunk_prefill",
+                      template_args=_prefill_args, defaults=prefill_tunables, configs=_prefill_configs(family),
+                      params=_prefill_args, args=args, custom_ops=(f"{family}_chunk_prefill",),
+                      tune_template=lambda k: f"{k.family}_chunk_prefill", record_shapes=_prefill_shapes,
+                      tune_command=_prefill_command, complete_tunables=prefill_tunables, parts=_prefill_parts,
+                      part_templates=_prefill_templates)
+
+
+GDN_CHUNK_PREFILL = _spec("gdn", ("q", "k", "v", "g", "beta", "cu_seqlens", "state", "state_slots", "o"))
+MAMBA2_CHUNK_PREFILL = _spec("mamba2", ("x", "dt", "A_log", "dt_bias", "B", "C", "D", "cu_seqlens", "state",
+                                                "state_slots", "y"))  # its front and D skip inside
+SPECS = {"gdn": GDN_CHUNK_PREFILL, "mamba2": MAMBA2_CHUNK_PREFILL}
+
+
+# ----------------------------------------------------------------------------------------------
+# compile, validated launch, the references
 
 
 def fits(K: int, V: int) -> bool:
@@ -50,9 +159,9 @@ def build_gdn_chunk_prefill(Hk: int, Hv: int, K: int = 128, V: int = 128, *, del
     with delta_rule=False, the decay-only form (Mamba-2's key with G = Hk, H = Hv, N = K, P = V).
     Tunables (the spec's defaults for those not given; value tiles capped at V): states_BV, states_stages,
     output_BV, threads."""
-    key = KernelKey("gdn" if delta_rule else "mamba2", "chunk_prefill",
-                    linear_dims("gdn" if delta_rule else "mamba2", Hk, Hv, K, V), "bfloat16")
-    return spec_for(key).build(key, tunables)
+    family = "gdn" if delta_rule else "mamba2"
+    key = KernelKey(family, "chunk_prefill", linear_dims(family, Hk, Hv, K, V), "bfloat16")
+    return SPECS[family].build(key, tunables)
 
 
 def build_mamba2_chunk_prefill(G: int, H: int, N: int = 128, P: int = 64, **tunables) -> CompiledOp:
@@ -285,3 +394,121 @@ def mamba2_chunk_prefill_reference(x, dt, A_log, dt_bias, B, C, D, cu_seqlens, s
     value, g = value * real[:, None, None], g * real[:, None]
     o = chunk_prefill_reference(C, B, value, g, None, cu_seqlens, state, state_slots)
     return (o + D.to(state.dtype)[:, None] * x.to(state.dtype) * real[:, None, None]).to(x.dtype)
+
+
+# ----------------------------------------------------------------------------------------------
+# the CUDA launches, the custom ops (CPU: the references) and the engine's calls
+
+
+def chunk_prefill_key(family: str, key_t, val_t) -> KernelKey:
+    """The chunked prefill kernel for packed key-side (k / B: (N, Hk, K)) and value-side ((N, Hv, V)) tensors."""
+    spec = SPECS[family]
+    dims = linear_dims(family, key_t.shape[-2], val_t.shape[-2], key_t.shape[-1], val_t.shape[-1])
+    return KernelKey(spec.family, spec.op, dims, "bfloat16")
+
+
+def launch_gdn(q, k, v, g, beta, cu_seqlens, state, state_slots, *, checked=True):
+    op = kernel_for(chunk_prefill_key("gdn", k, v), cu_seqlens.shape[0] - 1)
+    return on_torch_stream(chunk_prefill, op, q, k, v, g, beta, cu_seqlens, state, state_slots,
+                           check_values=checked and not capturing())
+
+
+def launch_mamba2(x, dt, A_log, dt_bias, B, C, D, cu_seqlens, state, state_slots, dt_min: float = 0.0,
+                  dt_max: float | None = None, *, checked=True):
+    """Mamba-2's takes the layer's raw x and dt: its front and D skip run inside the kernels."""
+    op = kernel_for(chunk_prefill_key("mamba2", B, x), cu_seqlens.shape[0] - 1)
+    return on_torch_stream(mamba2_chunk_prefill, op, x, dt, A_log, dt_bias, B, C, D, cu_seqlens, state,
+                           state_slots, dt_min, dt_max, check_values=checked and not capturing())
+
+
+@torch.library.custom_op("kvbuffer::gdn_chunk_prefill", mutates_args=("state",), device_types="cpu")
+def gdn_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+           cu_seqlens: torch.Tensor, state: torch.Tensor, state_slots: torch.Tensor) -> torch.Tensor:
+    """chunk_prefill_reference, delta rule: q, k (N, Hk, K) normalised (q scaled), v (N, Hv, V),
+    g, beta (N, Hv) -> o (N, Hv, V); each sequence's final state written to its slot (none for -1)."""
+    return chunk_prefill_reference(q, k, v, g, beta, cu_seqlens, state, state_slots)
+
+
+@torch.library.custom_op("kvbuffer::mamba2_chunk_prefill", mutates_args=("state",), device_types="cpu")
+def mamba2_op(x: torch.Tensor, dt: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor,
+              B: torch.Tensor, C: torch.Tensor, D: torch.Tensor, cu_seqlens: torch.Tensor,
+              state: torch.Tensor, state_slots: torch.Tensor, dt_min: float = 0.0,
+              dt_max: Optional[float] = None) -> torch.Tensor:
+    """mamba2_chunk_prefill_reference: raw x (N, H, P), dt (N, H), B, C (N, G, N_state), A_log, dt_bias,
+    D (H,) -> y (N, H, P) with the D skip, before the gate; final states written as gdn_chunk_prefill's."""
+    return mamba2_chunk_prefill_reference(x, dt, A_log, dt_bias, B, C, D, cu_seqlens, state, state_slots,
+                                          dt_min, dt_max)
+
+
+_GDN_ARGS = ("q", "k", "v", "g", "beta", "cu_seqlens", "state", "state_slots")
+implement(gdn_op, lambda a: check_shapes(*(a[n] for n in _GDN_ARGS), delta_rule=True),
+          lambda a: torch.empty_like(a["v"]), launch_gdn)
+implement(mamba2_op, lambda a: check_mamba2_shapes(**a), lambda a: torch.empty_like(a["x"]), launch_mamba2)
+GDN_CHUNK_PREFILL_OP = EngineOp(launch_gdn, lambda: torch.ops.kvbuffer.gdn_chunk_prefill)
+MAMBA2_CHUNK_PREFILL_OP = EngineOp(launch_mamba2, lambda: torch.ops.kvbuffer.mamba2_chunk_prefill)
+
+
+# ----------------------------------------------------------------------------------------------
+# the tuner's inputs and expected outputs, by argument name
+
+
+PREFILL_TOKENS = 4096  # tokens of the tuned prefill, shared out among the batch's sequences
+TOKENS = {"gdn": ("q", "k", "v", "g", "beta"), "mamba2": ("x", "dt", "A_log", "dt_bias", "B", "C", "D")}
+OUTPUT = {"gdn": "o", "mamba2": "y"}
+
+
+def _tuned_key(shape: Mapping, chunk_size: int, drafts: int) -> KernelKey:
+    dims = linear_dims(shape["family"], shape["Hk"], shape["Hv"], shape["K"], shape["V"])
+    return KernelKey(shape["family"], "chunk_prefill", dims, "bfloat16")
+
+
+def _lengths(batch: int) -> list[int]:
+    """About PREFILL_TOKENS // batch tokens a sequence, give or take one (at least one)."""
+    per = max(2, PREFILL_TOKENS // max(batch, 1))
+    return [per - 1 + i % 3 for i in range(batch)]
+
+
+def _tuned_inputs(shape, batch, chunk_size, device, gen) -> dict:
+    Hk, Hv, K, V = (shape[k] for k in ("Hk", "Hv", "K", "V"))
+    lengths = _lengths(batch)
+    N = sum(lengths)
+    r = lambda *s: torch.randn(*s, generator=gen, device=device)  # noqa: E731
+    q = (F.normalize(r(N, Hk, K), dim=-1) * K ** -0.5).bfloat16()
+    k = F.normalize(r(N, Hk, K), dim=-1).bfloat16()
+    g = -F.softplus(r(N, Hv)) * torch.logspace(-2.5, 0.5, Hv, device=device)  # slow to fast decay
+    cu = torch.tensor([0] + torch.tensor(lengths).cumsum(0).tolist(), dtype=torch.int32, device=device)
+    state = 0.1 * r(batch, Hv, K, V)
+    slots = torch.randperm(batch, generator=gen, device=gen.device).to(device=device, dtype=torch.int32)
+    out = torch.empty(N, Hv, V, device=device).bfloat16()
+    pools = dict(cu_seqlens=cu, state=state, state_slots=slots)
+    if shape["family"] == "gdn":
+        return dict(q=q, k=k, v=r(N, Hv, V).bfloat16(), g=g, beta=torch.sigmoid(r(N, Hv)), o=out, **pools)
+    A_log = torch.linspace(-2.0, 1.0, Hv, device=device)  # slow to fast decay, as g above
+    return dict(x=(0.3 * r(N, Hv, V)).bfloat16(), dt=r(N, Hv) - 1.0, A_log=A_log, dt_bias=0.5 * r(Hv), B=k, C=q,
+                D=r(Hv), y=out, **pools)
+
+
+def _tuned_reference(shape, chunk_size, args: Mapping) -> dict:
+    family = shape["family"]
+    tokens = [args[n].double() for n in TOKENS[family]]
+    fn = chunk_prefill_reference if family == "gdn" else mamba2_chunk_prefill_reference
+    state = args["state"].double()
+    o = fn(*tokens, args["cu_seqlens"], state, args["state_slots"])
+    return {OUTPUT[family]: o, "state": state}
+
+
+def _tuned_launch(family: str):
+    def launch(op, args: list) -> None:
+        named = dict(zip(SPECS[family].args, args))
+        fn = chunk_prefill if family == "gdn" else mamba2_chunk_prefill
+        rows = [named[n] for n in ("cu_seqlens", "state", "state_slots")]
+        fn(op, *(named[n] for n in TOKENS[family]), *rows, out=named[OUTPUT[family]], check_values=False)
+    return launch
+
+
+def variant(family: str, package: str) -> TunerVariant:
+    """The chunked prefill of `family` ("gdn" or "mamba2") as the tuner builds it, from `package`'s templates."""
+    of = lambda fn: lambda shape, *a, **kw: fn({**shape, "family": family}, *a, **kw)  # noqa: E731
+    return TunerVariant(SPECS[family], f"{family}_chunk_prefill", family, of(_tuned_key), of(_tuned_inputs),
+                        of(_tuned_reference), dict(package=package, uses_chunk=False, launch=_tuned_launch(family),
+                                                   takes=lambda shape: fits(shape["K"], shape["V"])))

@@ -186,7 +186,7 @@ def test_templates_are_registered_for_tune_and_autobuild():
 
 def test_split_partials_merge_to_the_reference():
     """The tuner's expected partials (what the decode pass writes per split) merge to the reference."""
-    from kvbuffer.autotune.attention_templates import _combine_reference, split_partials
+    from kvbuffer.kernels.attention import _combine_reference, split_partials
 
     a = _args(slots=torch.tensor([4, 1, 0], dtype=torch.int32))
     q = a["q"].double()
@@ -201,7 +201,7 @@ def test_split_partials_merge_to_the_reference():
 def test_tuner_check_plumbing_with_a_kernel_that_writes_the_expected_values(batch, monkeypatch):
     """The tune templates' inputs (a float scale among the tensors), reference and the tuner's check
     fit together: a stand-in kernel writing what the reference expects passes (error: the outputs' rounding)."""
-    from kvbuffer.autotune import attention_templates as at
+    from kvbuffer.kernels import attention as at
     from kvbuffer.autotune import tuner
     from kvbuffer.autotune.registry import templates
 
@@ -306,14 +306,14 @@ def test_missing_attention_kernels_are_built_once_outside_a_capture(monkeypatch,
             return None
         return "no compiled attention kernels; build them with `kvbuffer tune ...`"
 
-    monkeypatch.setattr(launch, "kernel_for", kernel_for)
-    monkeypatch.setattr(launch, "capturing", lambda: capture)
-    monkeypatch.setattr(launch.autobuild, "ensure_attention_kernels", ensure)
+    monkeypatch.setattr(attn, "kernel_for", kernel_for)
+    monkeypatch.setattr(attn, "capturing", lambda: capture)
+    monkeypatch.setattr(attn.autobuild, "ensure_attention_kernels", ensure)
     if capture or not built:
         with pytest.raises(ArtifactError, match="no compiled kernel"):
-            launch._attention_kernel(key, 1)
+            attn.kernel(key, 1)
     else:
-        assert launch._attention_kernel(key, 1) == "op"
+        assert attn.kernel(key, 1) == "op"
     assert asked == ([] if capture else [key])
 
 

@@ -212,7 +212,7 @@ def test_launcher_refuses_before_the_launch(monkeypatch, name):
     and nothing launched."""
     import importlib
 
-    monkeypatch.setattr(importlib.import_module("kvbuffer.kernels.gemv"), "check_on_cuda", lambda name, dev: None)
+    monkeypatch.setattr(importlib.import_module("kvbuffer.kernels.fp8_ops"), "check_on_cuda", lambda name, dev: None)
     x, q, scale = _fp8_case(40, 160, 1, (128, 128), 3)
     call, error, message = REFUSALS[name]
     launched = []
@@ -265,8 +265,12 @@ def test_tune_shapes_of_fp8_models():
     plain = models.preset_gemv_shapes("qwen3.5-9b")
     qwen = models.preset_gemv_shapes("qwen3.5-9b", fp8=True)
     fp8 = [s for s in qwen if s["family"] == "fp8_gemv"]
-    assert qwen[:len(plain)] == plain and {(s["N"], s["K"]) for s in fp8} == {(s["N"], s["K"]) for s in plain}
     assert all((s["bn"], s["bk"]) == (128, 128) for s in fp8)
+    # in_proj: q, k, v and z in FP8 (12288 rows), b and a kept in bf16 (64 rows), as the engine holds them;
+    # the LM head stays bf16
+    kept = {(12352, 4096), (248320, 4096)}
+    assert {(s["N"], s["K"]) for s in fp8} == {(s["N"], s["K"]) for s in plain} - kept | {(12288, 4096)}
+    assert [(s["N"], s["K"]) for s in qwen if s["family"] == "gemv"] == [(64, 4096), (248320, 4096)]
     nemotron = [s for s in models.preset_gemv_shapes("nemotron-3-nano", fp8=True) if s["family"] == "fp8_gemv"]
     assert nemotron and all((s["bn"], s["bk"]) == (1, s["K"]) for s in nemotron)
     cfg = models.presets.get("qwen3.5-9b").hf_config()
@@ -275,3 +279,33 @@ def test_tune_shapes_of_fp8_models():
     assert models.config_fp8_format(cfg) is None
     assert models.config_fp8_format(cfg, {"quantization": {"quant_algo": "FP8"}}) == models.FP8_ROW
     assert models.config_fp8_format({**cfg, "quantization_config": {"quant_method": "gptq"}}) is None
+
+
+def test_tune_plans_the_projection_kernels_the_engine_looks_up(tmp_path):
+    """`kvbuffer tune` on a block-FP8 checkpoint plans exactly the projection kernels the engine asks for
+    (the keys computed as kvbuffer.engine.one_row does, without CUDA): the FP8 group of in_proj's q, k,
+    v, z, the bf16 Linear of its b, a, never the bf16 model's packed in_proj."""
+    from kvbuffer.autotune import models
+    from kvbuffer.kernels.keys import dtype_name, gemv_fits
+    from kvbuffer.models.layers import one_row_linears
+    from kvbuffer.models.loader import load_checkpoint
+    from kvbuffer.models.quant.config import BLOCK
+    from kvbuffer.models.quant.linear import FP8Linear
+    from kvbuffer.models.quant.write import write_checkpoint
+    from tests.support.tiny_models import CONFIGS, tiny_model
+
+    cfg = dict(CONFIGS["qwen3_5"], torch_dtype="bfloat16")
+    path = write_checkpoint(tiny_model("qwen3_5").to(torch.bfloat16), cfg, tmp_path / "ckpt", BLOCK, block=(16, 16))
+    model = load_checkpoint(path, dtype=torch.bfloat16)
+    engine = {launch.gemv_key(m.weight) for m in one_row_linears(model)
+              if gemv_fits(m.weight.shape[-1], dtype_name(m.weight))}
+    engine |= {launch.fp8_gemv_key(m.weight, *m.block, "bfloat16") for m in model.modules()
+               if isinstance(m, FP8Linear) and m.bias is None and fp8_gemv_fits(m.in_features, m.block, "bfloat16")}
+    shapes = models.checkpoint_gemv_shapes(path)
+    planned = {KernelKey("gemv", "gemv", GemvDims(s["N"], s["K"]), s["dtype"]) for s in shapes if s["family"] == "gemv"}
+    planned |= {KernelKey("gemv", "fp8_gemv", GemvDims(s["N"], s["K"], s["bn"], s["bk"]), s["dtype"], w_dtype=FP8_DTYPE)
+                for s in shapes if s["family"] == "fp8_gemv"}
+    assert planned == engine
+    qkvz = 2 * 2 * 32 + 2 * 4 * 32  # q, k, v and z rows
+    assert GemvDims(qkvz, 64, 16, 16) in {k.dims for k in planned} and GemvDims(8, 64) in {k.dims for k in planned}
+    assert not {k for k in planned if k.dims.N == qkvz + 8}  # the bf16 model's whole in_proj

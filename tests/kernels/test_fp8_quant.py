@@ -315,7 +315,7 @@ def test_without_a_kernel_the_cuda_op_runs_the_reference_and_says_why_once(monke
     """No artifact, no JIT, and the first-use build refused: the torch ops, one log line per shape; a
     kernel that loads is launched instead."""
     from kvbuffer.errors import ArtifactError
-    from kvbuffer.kernels import autobuild, fp8_ops, launch, lookup
+    from kvbuffer.kernels import autobuild, fp8_ops, lookup
 
     def missing(key, batch=1):
         raise ArtifactError("no compiled fp8_quant_act kernel")
@@ -338,7 +338,7 @@ def test_without_a_kernel_the_cuda_op_runs_the_reference_and_says_why_once(monke
     monkeypatch.setattr(fp8_ops, "_NO_KERNEL", set())
     monkeypatch.setattr(lookup, "kernel_for", lambda key, batch=1: _op(launched=launched))
     monkeypatch.setattr(fp8_ops, "check_on_cuda", lambda name, dev: None)
-    monkeypatch.setattr(launch, "_on_torch_stream", lambda fn, *a: fn(*a))
+    monkeypatch.setattr(fp8_ops, "on_torch_stream", lambda fn, *a: fn(*a))
     q, scale = fp8_ops._quant_cuda(x)
     assert len(launched) == 1 and launched[0][0] is x and q.shape == (8, 256) and scale.shape == (2, 8)
 

@@ -66,7 +66,7 @@ def test_bad_shapes_are_refused():
 # ----------------------------------------------------------------------------------------------
 # the kernel specs (kvbuffer.kernels.specs: GDN_CHUNK_PREFILL, MAMBA2_CHUNK_PREFILL)
 
-from kvbuffer.kernels import build_gdn_chunk_prefill, build_mamba2_chunk_prefill, lookup, specs  # noqa: E402
+from kvbuffer.kernels import build_gdn_chunk_prefill, build_mamba2_chunk_prefill, lookup, prefill, specs  # noqa: E402
 from kvbuffer.kernels.keys import GDNDims, KernelKey, Mamba2Dims  # noqa: E402
 
 DECAY_ONLY_PARTS = ["chunks", "states", "output"]
@@ -105,7 +105,7 @@ def test_build_functions_compile_their_spec(monkeypatch):
     monkeypatch.setattr(specs, "local_target", lambda: {"kind": "cuda", "arch": "sm_90a"})
     for op, (key, _) in ((build_gdn_chunk_prefill(16, 32, states_BV=64), SPEC_SHAPES["gdn_qwen35_9b"]),
                          (build_mamba2_chunk_prefill(8, 64, 128, 64), SPEC_SHAPES["mamba2_nano"])):
-        tunables = specs.prefill_tunables(key, {"states_BV": op.params["states_BV"]})
+        tunables = prefill.prefill_tunables(key, {"states_BV": op.params["states_BV"]})
         want = specs.spec_for(key).prim(key, tunables)
         assert {p: f.script() for p, f in op.fn.items()} == {p: f.script() for p, f in want.items()}
         assert op.params == specs.spec_for(key).launch_params(key, tunables)
@@ -115,13 +115,13 @@ def test_prefill_tunables():
     """Defaults are the templates' first config; value tiles fit the head's V; unknown names are refused."""
     gdn, nano = SPEC_SHAPES["gdn_qwen35_9b"][0], SPEC_SHAPES["mamba2_nano"][0]
     first = gdn_prefill.configs()[0]
-    assert specs.prefill_tunables(gdn) == dict(first, states_stages=0, threads=128, prep_solve="substitution")
-    assert specs.prefill_tunables(nano)["output_BV"] == 64
+    assert prefill.prefill_tunables(gdn) == dict(first, states_stages=0, threads=128, prep_solve="substitution")
+    assert prefill.prefill_tunables(nano)["output_BV"] == 64
     odd = KernelKey("mamba2", "chunk_prefill", Mamba2Dims(2, 4, 64, 48), "bfloat16")
-    assert specs.prefill_tunables(odd) == dict(first, states_stages=0, threads=128, prep_solve="substitution",
+    assert prefill.prefill_tunables(odd) == dict(first, states_stages=0, threads=128, prep_solve="substitution",
                                                states_BV=16, output_BV=48)
     with pytest.raises(TypeError, match="BV"):
-        specs.prefill_tunables(gdn, {"BV": 32})
+        prefill.prefill_tunables(gdn, {"BV": 32})
     assert all(not c.get("states_stages") for c in specs.MAMBA2_CHUNK_PREFILL.configs())
     assert {c["prep_solve"] for c in specs.MAMBA2_CHUNK_PREFILL.configs()} == {"substitution"}  # no prep
     assert {c["prep_solve"] for c in specs.GDN_CHUNK_PREFILL.configs()} == {"substitution", "blockwise"}
@@ -160,4 +160,4 @@ def test_tune_stores_one_artifact_per_launch_and_the_lookup_joins_them(family, t
 def test_every_config_is_complete():
     """A tuned artifact records its config's tunables: each names every one, so loading one needs no defaults."""
     for spec in (specs.GDN_CHUNK_PREFILL, specs.MAMBA2_CHUNK_PREFILL):
-        assert all(set(c) == set(specs.PREFILL_TUNABLES) for c in spec.configs())
+        assert all(set(c) == set(prefill.PREFILL_TUNABLES) for c in spec.configs())

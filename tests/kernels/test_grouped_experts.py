@@ -130,9 +130,10 @@ def test_a_moe_model_declares_grouped_shapes():
 def test_tuner_times_an_uneven_load_and_checks_it_in_fp64():
     """The grouped template's timed inputs give experts different row counts (some past a row block of 32,
     where the configs differ), and its fp64 reference is the op's product on them."""
-    from kvbuffer.autotune.gemv_templates import grouped_counts, gemv_templates
+    from kvbuffer.autotune.registry import templates
+    from kvbuffer.kernels.gemv import grouped_counts
 
-    (template,) = [t for t in gemv_templates() if t.name == "grouped_experts"]
+    (template,) = [t for t in templates("grouped") if t.name == "grouped_experts"]
     shape = {"family": "grouped", "N": 40, "K": 64, "dtype": "float32"}
     args = template.make_inputs(shape, 1, 16, "cpu", torch.Generator().manual_seed(0))
     counts = grouped_counts()
