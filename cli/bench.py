@@ -214,7 +214,7 @@ def transformers_bench(args):
 @click.option("--prompt-lens", help="Tokens per prompt, comma-separated [default: 4096,32768 (kernels, 512 to "
                                     "131072), 512,4096,16384 (e2e)].")
 @click.option("--families", default="gdn,mamba2", show_default=True, help="kernels: gdn (Qwen3.5-9B heads), "
-                                                                          "mamba2 (Nemotron-3-Nano heads).")
+              "mamba2 (Nemotron-3-Nano heads), attention (the 9B's prompt attention: FlashAttention-2 against cuDNN).")
 @click.option("--batches", default="1,8", show_default=True, help="kernels: prompts packed into one launch.")
 @click.option("--launches", default=4, show_default=True, type=click.IntRange(min=1),
               help="kernels: launches captured in one CUDA graph (each a whole prefill).")

@@ -28,7 +28,7 @@ def _chunk_free(family: str) -> bool:
 def _projection(family: str) -> bool:
     """The projection kernels' families (kvbuffer.kernels.keys.GEMV_FAMILIES): none depends on C, and
     each is timed at one size alone (what a one-token or few-token forward runs; the grouped experts
-    kernel at one routed load, kvbuffer.autotune.gemv_templates.grouped_counts)."""
+    kernel at one routed load, kvbuffer.kernels.gemv.grouped_counts)."""
     from ..kernels.keys import GEMV_FAMILIES
 
     return family in GEMV_FAMILIES
@@ -340,8 +340,8 @@ def traffic_bytes(kernel: str, shape: dict, C: int, B: int) -> float | None:
     None for kernels this model does not cover (verify, prefill chunks, the conv).
 
     One-row projection: its weight, once; the experts kernel: the weights of the experts it is timed
-    with (kvbuffer.autotune.gemv_templates.EXPERTS_TIMED), once; the grouped experts kernel: its
-    experts' weights once, its rows read and written once (gemv_templates.grouped_counts); the FP8
+    with (kvbuffer.kernels.gemv.EXPERTS_TIMED), once; the grouped experts kernel: its
+    experts' weights once, its rows read and written once (kvbuffer.kernels.gemv.grouped_counts); the FP8
     one-row kernel: its 1-byte weight and fp32 scales, once; the activation quantizer: its timed rows'
     2-byte x read, 1-byte q and one fp32 scale per 128 written.
     Recurrent step: read + write every state. Buffered step: read every state, write it in the 1/C
@@ -352,15 +352,15 @@ def traffic_bytes(kernel: str, shape: dict, C: int, B: int) -> float | None:
     if shape["family"] == "fp8_gemv":
         return shape["N"] * shape["K"] + 4.0 * -(-shape["N"] // shape["bn"]) * -(-shape["K"] // shape["bk"])
     if shape["family"] == "fp8_quant":
-        from kvbuffer.autotune.fp8_quant_templates import TIMED_ROWS
+        from kvbuffer.kernels.fp8_ops import TIMED_ROWS
 
         return TIMED_ROWS * shape["K"] * (2 + 1 + 4 / 128)
     if shape["family"] == "experts":
-        from kvbuffer.autotune.gemv_templates import EXPERTS_TIMED
+        from kvbuffer.kernels.gemv import EXPERTS_TIMED
 
         return 2.0 * shape["N"] * shape["K"] * EXPERTS_TIMED
     if shape["family"] == "grouped":
-        from kvbuffer.autotune.gemv_templates import grouped_counts
+        from kvbuffer.kernels.gemv import grouped_counts
 
         counts = grouped_counts()
         return 2.0 * (len(counts) * shape["N"] * shape["K"] + sum(counts) * (shape["N"] + shape["K"]))

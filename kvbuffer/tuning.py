@@ -45,7 +45,7 @@ def local_tuning(shape: Mapping) -> tuple[dict, str]:
 
 
 def make_conv_shape(D: int, W: int, dtype: str, w_dtype: str, bias: bool) -> dict:
-    """A tuning record's shape for the short conv's kernels (kvbuffer.autotune.conv_templates)."""
+    """A tuning record's shape for the short conv's kernels (kvbuffer.kernels.conv)."""
     return {"family": "conv1d", "D": int(D), "W": int(W), "dtype": dtype, "w_dtype": w_dtype, "bias": bool(bias)}
 
 

@@ -1,6 +1,6 @@
 """`kvbuffer tune`'s bandwidth column: the fewest DRAM bytes each projection kernel's timed call moves."""
 
-from kvbuffer.autotune.fp8_quant_templates import TIMED_ROWS
+from kvbuffer.kernels.fp8_ops import TIMED_ROWS
 from kvbuffer.cli.tune import traffic_bytes
 from kvbuffer.kernels.keys import projection_shape
 

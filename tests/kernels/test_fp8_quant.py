@@ -388,7 +388,7 @@ def test_tuner_jit_and_build_trace_the_same_function(monkeypatch):
     stubbed), and the template's inputs are the spec's arguments with reference outputs."""
     import kvbuffer.tiles as tiles
     from kvbuffer.autotune import tuner
-    from kvbuffer.autotune.fp8_quant_templates import TIMED_ROWS
+    from kvbuffer.kernels.fp8_ops import TIMED_ROWS
     from kvbuffer.autotune.registry import templates
     from kvbuffer.kernels import fp8_ops, lookup, specs
     from kvbuffer.kernels.keys import projection_shape
