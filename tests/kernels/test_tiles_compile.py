@@ -133,6 +133,26 @@ def test_every_family_builds_for_every_arch(case, arch):
     assert "__global__" in kernel.get_kernel_source()
 
 
+@pytest.mark.parametrize(("case", "arch"), [("gdn_buffered_verify2_fused_flush", PRIMARY_ARCH),
+                                            ("mamba2_buffered_simt", PRIMARY_ARCH), ("mamba2_buffered_reduce", "sm_80")])
+def test_emulated_source_is_what_nvcc_builds(case, arch):
+    """The emulator tests lower their templates to CUDA source without nvcc (tests/support/simt_emulator.py
+    `cuda_source`): the source is the one `compile_template` builds, for templates with their own pass configs
+    (the SIMT ones) and tensor-core ones (sm_80's mma, which the chunked prefill's emulated launches use).
+    The builds are test_every_family_builds_for_every_arch's, from the run's cache."""
+    import importlib
+
+    from kvbuffer.tiles import compile_template
+
+    from tests.support.simt_emulator import cuda_source
+
+    template, params = FAMILY_KERNELS[case]
+    module, _, name = template.rpartition(".")
+    prim = getattr(importlib.import_module(f"kvbuffer.tiles.{module or 'gdn'}"), name)(**params)
+    target = {"kind": "cuda", "arch": arch}
+    assert cuda_source(prim, target) == compile_template(prim, target).get_kernel_source()
+
+
 def test_import_kvbuffer_does_not_import_tilelang():
     import subprocess
     import sys
