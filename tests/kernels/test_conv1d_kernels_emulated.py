@@ -1,4 +1,4 @@
-"""The conv1d templates (tiles/conv1d.py), compiled for sm_90a by TileLang, run on the CPU through
+"""The conv1d templates (tiles/conv1d.py), lowered for sm_90a by TileLang, run on the CPU through
 tests/support/simt_emulator.py against kvbuffer.reference.conv: outputs (NaN-poisoned before the launch),
 the written pool positions, padding rows (zero output, nothing written) and untouched slots bit-exact.
 The GPU tests (tests/gpu/test_conv1d_kernels.py) cover the real device.

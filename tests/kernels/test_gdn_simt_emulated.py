@@ -1,4 +1,4 @@
-"""The thread-level GDN buffered template (tiles/gdn.py `gdn_buffered`), compiled for sm_90a by TileLang,
+"""The thread-level GDN buffered template (tiles/gdn.py `gdn_buffered`), lowered for sm_90a by TileLang,
 run on the CPU through tests/support/simt_emulator.py against the fp64 reference: outputs, written entries,
 untouched buffer positions (NaN-poisoned beyond lengths) and the fused-flush state. The GPU tests
 (tests/gpu/test_gdn_kernels.py) cover the real device; this catches indexing and barrier bugs on CPU.

@@ -1,4 +1,4 @@
-"""The one-row projection on the CPU: the template (tiles/gemv.py) compiled for sm_90a and run through
+"""The one-row projection on the CPU: the template (tiles/gemv.py) lowered for sm_90a and run through
 tests/support/simt_emulator.py against the product in fp64 (outputs NaN-poisoned; awkward N and K);
 its parameter checks; the kernel key; the custom op (CPU: F.linear) and its fake; the models' routing
 (`project`, `one_row_linears`) and the engine switch off CUDA. The GPU tests are tests/gpu/test_gemv.py.

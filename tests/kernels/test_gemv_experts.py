@@ -1,4 +1,4 @@
-"""The one-token experts kernel on the CPU: the template (tiles/gemv.py `gemv_experts`) compiled for
+"""The one-token experts kernel on the CPU: the template (tiles/gemv.py `gemv_experts`) lowered for
 sm_90a and run through tests/support/simt_emulator.py against the products in fp64 (outputs
 NaN-poisoned; Nemotron's ragged K, several rows and experts per row, an id outside the experts); the
 kernel key; the custom op (CPU: the reference) and its fake; route_to_experts' one-token path against

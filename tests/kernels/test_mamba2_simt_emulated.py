@@ -1,5 +1,5 @@
 """The thread-level Mamba-2 buffered template (tiles/mamba2_simt.py, `mamba2_buffered(variant="simt")`),
-compiled for sm_90a by TileLang, run on the CPU through tests/support/simt_emulator.py against the fp64 reference
+lowered for sm_90a by TileLang, run on the CPU through tests/support/simt_emulator.py against the fp64 reference
 (kvbuffer.reference.mamba2): outputs (padding rows exactly zero), written entries, untouched buffer
 positions (NaN-poisoned beyond lengths) and pool slots bit-exact, the fused-flush state. Rows of one launch
 hold different fills (0, 1, C-1 flushing, C, cap-T), so one compile covers several. The GPU tests

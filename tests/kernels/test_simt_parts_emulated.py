@@ -1,4 +1,4 @@
-"""tiles/simt_parts.py's `exp_of_f64` compiled by TileLang for sm_90a and run on the CPU through
+"""tiles/simt_parts.py's `exp_of_f64` lowered by TileLang for sm_90a and run on the CPU through
 tests/support/simt_emulator.py: exp of an fp64 log-decay difference, in fp32, without fp64 transcendentals."""
 
 import importlib.util
