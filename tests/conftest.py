@@ -29,6 +29,7 @@ CACHE_VARIABLES = {"TILELANG_CACHE_DIR": "tilelang", "TORCHINDUCTOR_CACHE_DIR": 
                    "TRITON_CACHE_DIR": "triton", EMULATOR_DIR_VARIABLE: "simt_emulator"}
 SAVED = pytest.StashKey[tuple]()
 SAVED_COMPILE = pytest.StashKey[object]()
+SCHEDULE_CHUNK = 2  # tests a worker of `-n N` takes at a time (the least pytest-xdist's load scheduling sends)
 COMPILE_LOCKS = "compile_locks"  # the run's cache folder for the builds' lock files
 
 
@@ -45,7 +46,8 @@ def pytest_collection_modifyitems(config, items):
             config.hook.pytest_deselected(items=slow)
             items[:] = [item for item in items if "slow" not in item.keywords]
     # the long tests first (a stable sort keeps each group's own order): workers take tests in this
-    # order, so the run ends on short ones instead of one worker finishing a long compile alone
+    # order, a few at a time (pytest_configure), so the run ends on short ones instead of one worker
+    # finishing a long compile alone
     items.sort(key=lambda item: "slow" not in item.keywords)
     if torch.cuda.is_available():
         return
@@ -60,6 +62,10 @@ def pytest_configure(config):
     """Before anything is collected, point the temporary directory (this process's and its subprocesses')
     into the session's temporary folder, and the compile caches into the run's (an xdist worker's
     temporary folder sits in its controller's); pytest_unconfigure restores them."""
+    if config.pluginmanager.hasplugin("xdist") and config.getoption("maxschedchunk", None) is None:
+        # pytest-xdist's load scheduling hands each worker a quarter of the tests at once by default: the
+        # slow tests, all first, would queue behind one another on one worker while the other runs out
+        config.option.maxschedchunk = SCHEDULE_CHUNK
     factory = config._tmp_path_factory
     root = factory.mktemp("session", numbered=False)
     run = factory.getbasetemp().parent if os.environ.get("PYTEST_XDIST_WORKER") else factory.getbasetemp()
