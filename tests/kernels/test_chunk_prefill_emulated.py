@@ -32,7 +32,7 @@ from kvbuffer.kernels import prefill, specs  # noqa: E402
 from kvbuffer.kernels.compiled import CompiledOp  # noqa: E402
 from kvbuffer.kernels.keys import GDNDims, KernelKey, Mamba2Dims  # noqa: E402
 
-from tests.support.simt_emulator import Emulated  # noqa: E402
+from tests.support.simt_emulator import emulated  # noqa: E402
 
 HEADS = (1, 2, 32, 32)  # Hk, Hv, K, V (Mamba-2: G, H, N, P)
 THREADS = 128
@@ -46,8 +46,7 @@ class _Part:
     (the dynamic sizes read from the tensors), the grid from `grid(named arguments)`."""
 
     def __init__(self, prim, grid):
-        src = _compile(prim)
-        self.emulated = Emulated(src)
+        self.emulated = emulated(prim, get_gpu("a100").target)
         self.names = [prim.buffer_map[p].name if p in prim.buffer_map else p.name for p in prim.params]
         self.sizes = {}  # dynamic size name -> (argument, axis, the constant added to it there)
         for p in prim.params:
@@ -62,12 +61,6 @@ class _Part:
         named = dict(zip(self.names, args))
         named.update({size: named[arg].shape[axis] - offset for size, (arg, axis, offset) in self.sizes.items()})
         self.emulated(self.grid(named), THREADS, **named)
-
-
-def _compile(prim) -> str:
-    from kvbuffer.tiles import compile_template
-
-    return compile_template(prim, get_gpu("a100").target).get_kernel_source()
 
 
 @functools.cache

@@ -1,4 +1,4 @@
-"""The conv1d templates (tiles/conv1d.py), compiled for sm_90a by TileLang, run on the CPU through
+"""The conv1d templates (tiles/conv1d.py), lowered for sm_90a by TileLang, run on the CPU through
 tests/support/simt_emulator.py against kvbuffer.reference.conv: outputs (NaN-poisoned before the launch),
 the written pool positions, padding rows (zero output, nothing written) and untouched slots bit-exact.
 The GPU tests (tests/gpu/test_conv1d_kernels.py) cover the real device.
@@ -23,24 +23,19 @@ from kvbuffer.reference import conv as ref  # noqa: E402
 from kvbuffer.tiles.conv1d import PREFILL_TOKENS  # noqa: E402
 from kvbuffer.gpus import get_gpu  # noqa: E402  (the generated CUDA these tests read is Hopper's)
 
-from tests.support.simt_emulator import Emulated  # noqa: E402
+from tests.support.simt_emulator import Emulated, emulated  # noqa: E402
 from tests.support.gdn_cases import bits_equal as _bits  # noqa: E402  (shared with the GPU tests)
 
 D, W, DRAFTS, THREADS = 37, 4, 8, 32
 SPAN = W - 1 + DRAFTS
 DT = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 BLOCKS = -(-D // THREADS)
-_EMU: dict = {}
 
 
 def _emulated(template: str, **params) -> Emulated:
-    from kvbuffer.tiles import compile_template, conv1d
+    from kvbuffer.tiles import conv1d
 
-    key = (template, tuple(sorted(params.items())))
-    if key not in _EMU:
-        src = compile_template(getattr(conv1d, template)(**params), get_gpu("h200").target).get_kernel_source()
-        _EMU[key] = Emulated(src)
-    return _EMU[key]
+    return emulated(getattr(conv1d, template)(**params), get_gpu("h200").target)
 
 
 def _pool(g, B, dtype, pad_row):

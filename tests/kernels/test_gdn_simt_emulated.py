@@ -1,4 +1,4 @@
-"""The thread-level GDN buffered template (tiles/gdn.py `gdn_buffered`), compiled for sm_90a by TileLang,
+"""The thread-level GDN buffered template (tiles/gdn.py `gdn_buffered`), lowered for sm_90a by TileLang,
 run on the CPU through tests/support/simt_emulator.py against the fp64 reference: outputs, written entries,
 untouched buffer positions (NaN-poisoned beyond lengths) and the fused-flush state. The GPU tests
 (tests/gpu/test_gdn_kernels.py) cover the real device; this catches indexing and barrier bugs on CPU.
@@ -21,7 +21,7 @@ from kvbuffer.reference import core as ref  # noqa: E402
 from kvbuffer.gpus import get_gpu  # noqa: E402  (the generated CUDA these tests read is Hopper's)
 from kvbuffer.reference.gating import gdn_front  # noqa: E402
 
-from tests.support.simt_emulator import Emulated  # noqa: E402
+from tests.support.simt_emulator import emulated  # noqa: E402
 from tests.support.gdn_cases import FP32_CASE, fp32_accuracy_case  # noqa: E402
 from tests.support.gdn_cases import bits_equal as _bits, rel_err as _rel  # noqa: E402  (shared with the GPU tests)
 
@@ -66,14 +66,13 @@ EXTREME_CASES = {
 
 @pytest.mark.parametrize("case", list(CASES) + list(EXTREME_CASES))
 def test_simt_template_emulated(case):
-    from kvbuffer.tiles import compile_template
     from kvbuffer.tiles.gdn import gdn_buffered
 
     base, extremes = EXTREME_CASES.get(case, (case, {}))
     params, fill, B, null_row, pad_row = CASES[base]
     Hk, Hv, T, C, cap = params["Hk"], params["Hv"], params["T_new"], params["flush_at"], params["cap"]
     K, V = params.get("K", 128), params.get("V", 128)
-    emu = Emulated(compile_template(gdn_buffered(**params), get_gpu("h200").target).get_kernel_source())
+    emu = emulated(gdn_buffered(**params), get_gpu("h200").target)
 
     g = torch.Generator().manual_seed(len(case))
     r = lambda *s: torch.randn(*s, generator=g)  # noqa: E731
@@ -133,11 +132,10 @@ def test_s0_products_keep_fp32_accuracy(tensor_cores, in_dtype):
     against fp64 is the S0 products' own: the tensor-core split (3xTF32) must match fp32 FMAs, where
     one TF32 product leaves ~7e-5. With fp32 activations too, the output shows it as well.
     (tests/gpu/test_gdn_kernels.py runs the same case on the device.)"""
-    from kvbuffer.tiles import compile_template
     from kvbuffer.tiles.gdn import gdn_buffered
 
     params = dict(FP32_CASE, tensor_cores=tensor_cores, in_dtype=in_dtype, buf_dtype="float32")
-    emu = Emulated(compile_template(gdn_buffered(**params), get_gpu("h200").target).get_kernel_source())
+    emu = emulated(gdn_buffered(**params), get_gpu("h200").target)
     args, want, deltas = fp32_accuracy_case(in_dtype)
     B, fill = args["q"].shape[0], int(args["lengths"][0])
     emu((FP32_CASE["V"] // FP32_CASE["BV"], FP32_CASE["Hv"], B), FP32_CASE["threads"], **args, batch=B,

@@ -1,4 +1,4 @@
-"""The one-row projection on the CPU: the template (tiles/gemv.py) compiled for sm_90a and run through
+"""The one-row projection on the CPU: the template (tiles/gemv.py) lowered for sm_90a and run through
 tests/support/simt_emulator.py against the product in fp64 (outputs NaN-poisoned; awkward N and K);
 its parameter checks; the kernel key; the custom op (CPU: F.linear) and its fake; the models' routing
 (`project`, `one_row_linears`) and the engine switch off CUDA. The GPU tests are tests/gpu/test_gemv.py.
@@ -29,12 +29,12 @@ _BUILD = importlib.util.find_spec("tilelang") is not None and bool(
 ])
 def test_template_matches_fp64_emulated(N, K, rows, tunables):
     from kvbuffer.gpus import get_gpu
-    from kvbuffer.tiles import compile_template, gemv
+    from kvbuffer.tiles import gemv
 
-    from tests.support.simt_emulator import Emulated
+    from tests.support.simt_emulator import emulated
 
     t = dict(gemv.DEFAULT, **tunables)
-    emu = Emulated(compile_template(gemv.gemv(N, K, rows, **t), get_gpu("h200").target).get_kernel_source())
+    emu = emulated(gemv.gemv(N, K, rows, **t), get_gpu("h200").target)
     gen = torch.Generator().manual_seed(N + K)
     x = torch.randn(rows, K, generator=gen).to(torch.bfloat16)
     w = (torch.randn(N, K, generator=gen) * K ** -0.5).to(torch.bfloat16)

@@ -1,4 +1,4 @@
-"""The one-token experts kernel on the CPU: the template (tiles/gemv.py `gemv_experts`) compiled for
+"""The one-token experts kernel on the CPU: the template (tiles/gemv.py `gemv_experts`) lowered for
 sm_90a and run through tests/support/simt_emulator.py against the products in fp64 (outputs
 NaN-poisoned; Nemotron's ragged K, several rows and experts per row, an id outside the experts); the
 kernel key; the custom op (CPU: the reference) and its fake; route_to_experts' one-token path against
@@ -39,12 +39,12 @@ def _loop(x, w, ids):
 ])
 def test_template_matches_fp64_emulated(S, J, E, N, K, tunables):
     from kvbuffer.gpus import get_gpu
-    from kvbuffer.tiles import compile_template, gemv
+    from kvbuffer.tiles import gemv
 
-    from tests.support.simt_emulator import Emulated
+    from tests.support.simt_emulator import emulated
 
     t = dict(gemv.DEFAULT, **tunables)
-    emu = Emulated(compile_template(gemv.gemv_experts(N, K, **t), get_gpu("h200").target).get_kernel_source())
+    emu = emulated(gemv.gemv_experts(N, K, **t), get_gpu("h200").target)
     gen = torch.Generator().manual_seed(N + K + J)
     x = torch.randn(S, K, generator=gen).to(torch.bfloat16)
     w = (torch.randn(E, N, K, generator=gen) * K ** -0.5).to(torch.bfloat16)

@@ -1,5 +1,5 @@
 """The thread-level Mamba-2 buffered template (tiles/mamba2_simt.py, `mamba2_buffered(variant="simt")`),
-compiled for sm_90a by TileLang, run on the CPU through tests/support/simt_emulator.py against the fp64 reference
+lowered for sm_90a by TileLang, run on the CPU through tests/support/simt_emulator.py against the fp64 reference
 (kvbuffer.reference.mamba2): outputs (padding rows exactly zero), written entries, untouched buffer
 positions (NaN-poisoned beyond lengths) and pool slots bit-exact, the fused-flush state. Rows of one launch
 hold different fills (0, 1, C-1 flushing, C, cap-T), so one compile covers several. The GPU tests
@@ -22,7 +22,7 @@ if importlib.util.find_spec("tilelang") is None or not _NVCC or not shutil.which
 from kvbuffer.reference import mamba2 as ref  # noqa: E402
 from kvbuffer.gpus import get_gpu  # noqa: E402  (the generated CUDA these tests read is Hopper's)
 
-from tests.support.simt_emulator import Emulated  # noqa: E402
+from tests.support.simt_emulator import emulated  # noqa: E402
 from tests.support.gdn_cases import bits_equal as _bits, rel_err as _rel  # noqa: E402  (shared with the GPU tests)
 
 # name: (kernel params, per-row fills, rows with no state (-1), padding rows (buffer slot -1)); every case names
@@ -74,7 +74,6 @@ EXTREME_CASES = {
 
 @pytest.mark.parametrize("case", list(CASES) + list(EXTREME_CASES))
 def test_mamba2_simt_template_emulated(case):
-    from kvbuffer.tiles import compile_template
     from kvbuffer.tiles.mamba2 import mamba2_buffered
 
     base, extreme_heads = EXTREME_CASES.get(case, (case, {}))
@@ -82,7 +81,7 @@ def test_mamba2_simt_template_emulated(case):
     G, H, N, P = params["G"], params["H"], params["N"], params["P"]
     T, C, cap, has_z = params["T_new"], params["flush_at"], params["cap"], params.get("has_z", False)
     act = getattr(torch, params.get("in_dtype", "bfloat16"))
-    emu = Emulated(compile_template(mamba2_buffered(**params, variant="simt"), get_gpu("h200").target).get_kernel_source())
+    emu = emulated(mamba2_buffered(**params, variant="simt"), get_gpu("h200").target)
 
     B = len(fills)
     g = torch.Generator().manual_seed(len(case))

@@ -1,4 +1,4 @@
-"""tiles/simt_parts.py's `exp_of_f64` compiled by TileLang for sm_90a and run on the CPU through
+"""tiles/simt_parts.py's `exp_of_f64` lowered by TileLang for sm_90a and run on the CPU through
 tests/support/simt_emulator.py: exp of an fp64 log-decay difference, in fp32, without fp64 transcendentals."""
 
 import importlib.util
@@ -15,7 +15,7 @@ if importlib.util.find_spec("tilelang") is None or not shutil.which("nvcc") or n
 
 from kvbuffer.gpus import get_gpu  # noqa: E402
 
-from tests.support.simt_emulator import Emulated  # noqa: E402
+from tests.support.simt_emulator import emulated  # noqa: E402
 
 N = 64
 
@@ -37,9 +37,7 @@ def _exp_kernel():
 def test_exp_of_f64_is_fp32_accurate_for_any_log_decay():
     """A few fp32 ulp over [-100, 0] (where an fp32-rounded difference would lose |d| 2^-24), exactly 1 at
     0, and 0 for differences that underflow, including -inf (no inf - inf)."""
-    from kvbuffer.tiles import compile_template
-
-    emu = Emulated(compile_template(_exp_kernel(), get_gpu("h200").target).get_kernel_source())
+    emu = emulated(_exp_kernel(), get_gpu("h200").target)
     g = torch.Generator().manual_seed(0)
     d = torch.cat([torch.tensor([0.0, -1e-12, -0.5, -1.0, -88.0, -104.0, -745.0, -1e308, -math.inf],
                                 dtype=torch.float64),

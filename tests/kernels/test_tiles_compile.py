@@ -133,6 +133,26 @@ def test_every_family_builds_for_every_arch(case, arch):
     assert "__global__" in kernel.get_kernel_source()
 
 
+@pytest.mark.parametrize("case", ["gdn_buffered_verify2_fused_flush", "mamba2_buffered_simt"])
+def test_emulated_source_is_what_nvcc_builds(case):
+    """The emulator tests lower their templates to CUDA source without nvcc (tests/support/simt_emulator.py
+    `cuda_source`): the source is the one `compile_template` builds, here for the SIMT templates (with their own
+    pass configs), whose source is the same in every process. (A tensor-core template's shared-memory plan may
+    differ between processes, so its source is not compared.) The builds are test_every_family_builds_for_every_arch's,
+    from the run's cache."""
+    import importlib
+
+    from kvbuffer.tiles import compile_template
+
+    from tests.support.simt_emulator import cuda_source
+
+    template, params = FAMILY_KERNELS[case]
+    module, _, name = template.rpartition(".")
+    prim = getattr(importlib.import_module(f"kvbuffer.tiles.{module or 'gdn'}"), name)(**params)
+    target = {"kind": "cuda", "arch": PRIMARY_ARCH}
+    assert cuda_source(prim, target) == compile_template(prim, target).get_kernel_source()
+
+
 def test_import_kvbuffer_does_not_import_tilelang():
     import subprocess
     import sys

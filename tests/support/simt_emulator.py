@@ -20,6 +20,7 @@ from __future__ import annotations
 import ctypes
 import fcntl
 import hashlib
+import json
 import os
 import re
 import subprocess
@@ -268,6 +269,49 @@ def _build(code: str, so: str) -> None:
     if r.returncode:
         raise RuntimeError(f"emulator build failed:\n{r.stderr[-3000:]}")
     os.replace(partial, so)
+
+
+def cuda_source(prim, target: dict, workdir: str | None = None) -> str:
+    """The CUDA source TileLang generates for the template `prim` on `target` (a TileLang target dict such as
+    `get_gpu("h200").target`): what `kvbuffer.tiles.compile_template` hands nvcc, lowered the same way
+    (tests/kernels/test_tiles_compile.py checks that the two agree) but without running nvcc, which the
+    emulator does not need. Kept in `workdir` (as `Emulated`'s builds) by the template's script, the target
+    and TileLang's version: one process lowers it while the others wait, then read it."""
+    import tilelang
+
+    key = json.dumps([prim.script(show_meta=True), target, tilelang.__version__], sort_keys=True)
+    workdir = workdir or os.environ.get(EMULATOR_DIR_VARIABLE) or tempfile.gettempdir()
+    path = os.path.join(workdir, f"kvb_src_{hashlib.sha256(key.encode()).hexdigest()[:24]}.cu")
+    with open(path[:-3] + ".lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not os.path.exists(path):
+            partial = path + f".{os.getpid()}.partial"
+            with open(partial, "w") as f:
+                f.write(_lower(prim, target))
+            os.replace(partial, path)
+    with open(path) as f:
+        return f.read()
+
+
+def _lower(prim, target: dict) -> str:
+    """TileLang's lowering as `tilelang.compile` runs it (the template's own pass configs over the defaults, the
+    execution backend's context), up to the generated source."""
+    import tvm
+    from tilelang.backend.module import create_backend_context
+    from tilelang.engine.lower import lower_with_context
+    from tilelang.transform.pass_config import normalize_pass_configs
+
+    attrs = prim.attrs or {}
+    configs = normalize_pass_configs(dict(attrs["tilelang_pass_configs"]) if "tilelang_pass_configs" in attrs else None)
+    context = create_backend_context(target, None, "auto")
+    with tvm.transform.PassContext(opt_level=3, config=configs), context.target:
+        artifact = lower_with_context(prim, context, enable_host_codegen=False, enable_device_compile=False)
+    return str(artifact.kernel_source)
+
+
+def emulated(prim, target: dict) -> "Emulated":
+    """The emulator build of the template `prim`'s CUDA source for `target`."""
+    return Emulated(cuda_source(prim, target))
 
 
 class Emulated:
