@@ -64,14 +64,14 @@ def _fp64(x, q, scale, block):
 ], ids=["block-ragged", "block-partial", "per-row", "rows8", "block64x32", "block3x32"])
 def test_template_matches_fp64_emulated(monkeypatch, N, K, rows, block, tunables):
     from kvbuffer.gpus import get_gpu
-    from kvbuffer.tiles import compile_template, gemv
+    from kvbuffer.tiles import gemv
 
     from tests.support import simt_emulator
 
     monkeypatch.setattr(simt_emulator, "PRELUDE", simt_emulator.PRELUDE + FP8_PRELUDE)
     t = dict(gemv.FP8_DEFAULT, **tunables)
     prim = gemv.fp8_gemv(N, K, rows, bn=block[0], bk=block[1], **t)
-    emu = simt_emulator.Emulated(compile_template(prim, get_gpu("h200").target).get_kernel_source())
+    emu = simt_emulator.emulated(prim, get_gpu("h200").target)
     x, q, scale = _fp8_case(N, K, rows, block, N + K + rows)
     y = torch.full((rows, N), float("nan")).to(torch.bfloat16)
     per_block = t["threads"] // 32 * t["per_warp"]

@@ -75,7 +75,7 @@ def _case(M, K, seed, dtype=torch.bfloat16, kind="normal"):
 
 def _emulate(monkeypatch, x, tunables):
     from kvbuffer.gpus import get_gpu
-    from kvbuffer.tiles import compile_template, fp8_quant
+    from kvbuffer.tiles import fp8_quant
 
     from tests.support import simt_emulator
 
@@ -83,7 +83,7 @@ def _emulate(monkeypatch, x, tunables):
     M, K = x.shape
     t = dict(fp8_quant.DEFAULT, **tunables)
     prim = fp8_quant.fp8_quant_act(K, dtype=str(x.dtype).removeprefix("torch."), **t)
-    emu = simt_emulator.Emulated(compile_template(prim, get_gpu("h200").target).get_kernel_source())
+    emu = simt_emulator.emulated(prim, get_gpu("h200").target)
     Mp = ref_fp8.padded_rows(M)
     q = torch.full((Mp, K), 0x7F, dtype=torch.uint8).view(ref_fp8.FP8)  # poisoned: NaN bytes
     scale = torch.full((K // 128, Mp), float("nan"))
