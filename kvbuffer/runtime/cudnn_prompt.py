@@ -25,10 +25,15 @@ log = logging.getLogger(__name__)
 Part = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, float, bool], tuple]
 
 
+# the probe's largest error, relative to the largest |o|, against the reference (a few bf16 roundings)
+PROBE_TOLERANCE = 3e-2
+
+
 def available(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
     """Whether torch's cuDNN attention takes q's dtype, heads and head dim on q's device: its own gate, then
-    one small call of each kind (causal, unmasked), asked once per device, dtype and head shape; the choice
-    is logged (a refused probe as a warning)."""
+    a small prompt of each form (fresh, and after cached positions) checked against
+    kvbuffer.reference.prefill_attention; asked once per device, dtype and head shape. The choice is
+    logged (a refused or differing probe as a warning, and FlashAttention-2 runs instead)."""
     if not q.is_cuda:
         return False
     return _available(q.device, q.dtype, q.shape[2], k_cache.shape[2], q.shape[3])
@@ -43,15 +48,37 @@ def _available(device: torch.device, dtype: torch.dtype, H: int, Hkv: int, D: in
     ok = bool(can_use_cudnn_attention(SDPAParams(probe_q, probe_kv, probe_kv, None, 0.0, True, True)))
     if ok:
         try:  # the gate speaks for SDPA's own call; this module calls cuDNN's op directly, grouped heads as they are
-            q, kv = (torch.zeros(1, 3, h, D, device=device, dtype=dtype) for h in (H, Hkv))
-            cudnn_part(q, kv, kv, 1.0, True), cudnn_part(q, kv, kv, 1.0, False)
+            error = _probe_error(device, dtype, H, Hkv, D)
         except RuntimeError as e:
             log.warning("prompt attention: cuDNN refused a probe call on %s (%s); FlashAttention-2 instead",
                         device, str(e).splitlines()[0][:200])
             return False
+        if not error <= PROBE_TOLERANCE:
+            log.warning("prompt attention: cuDNN's result differs from the reference on %s (relative error %.2e); "
+                        "FlashAttention-2 instead", device, error)
+            return False
     log.info("prompt attention on %s, %s, %d/%d heads, head dim %d: %s", device, dtype, H, Hkv, D,
              "cuDNN" if ok else "FlashAttention-2 (torch's gate refuses cuDNN)")
     return ok
+
+
+def _probe_error(device, dtype, H: int, Hkv: int, D: int, T: int = 5, cached: int = 7) -> float:
+    """The largest error, relative to the largest |o|, of a fresh prompt of T tokens (one causal call) and of
+    T tokens after `cached` positions (split_attention) against the reference, on random inputs."""
+    from ..reference.prefill_attention import prefill_attention
+
+    g = torch.Generator(device=device).manual_seed(0)
+    q = torch.randn(1, T, H, D, generator=g, device=device).to(dtype)
+    k, v = (torch.randn(1, cached + T, Hkv, D, generator=g, device=device).to(dtype) for _ in range(2))
+    scale = D ** -0.5
+    worst = 0.0
+    for start, got in ((0, cudnn_causal(q, k[:, :T], v[:, :T], scale)), (cached, split_attention(q, k, v, cached, scale))):
+        index = torch.tensor([0, T], device=device)
+        want = prefill_attention(q[0].float(), k[:, :start + T].float(), v[:, :start + T].float(), index,
+                                 torch.zeros(1, dtype=torch.long, device=device),
+                                 torch.tensor([start], device=device), scale)
+        worst = max(worst, float((got[0].float() - want).abs().max() / want.abs().max()))
+    return worst
 
 
 def takes(T: int, cached: int) -> bool:

@@ -8,6 +8,7 @@ split and the merge are checked exactly; the GPU test (tests/gpu/test_prompt_att
 
 from __future__ import annotations
 
+import math
 import zlib
 
 import pytest
@@ -155,3 +156,16 @@ def test_on_the_cpu_the_choice_is_flash_and_a_bad_backend_is_refused():
     assert flash_prompt.backend_for(q, kc) == "flash"
     with pytest.raises(ValueError, match="backend must be one of"):
         flash_prompt.flash_prompt_attention(q, q[:, :, :2], q[:, :, :2], kc, kc, [0], [0], 1.0, backend="sdpa")
+
+
+def test_the_cudnn_probe_checks_its_numbers(monkeypatch, cpu_backends):
+    """The probe that decides cuDNN's use compares both prompt forms with the reference: right math passes,
+    a log-sum-exp in the wrong base (the merge's weights off) fails it."""
+    assert cudnn_prompt._probe_error(torch.device("cpu"), torch.float32, 4, 2, 16) < 1e-5
+
+    def log2_part(q, k, v, scale, causal):
+        o, lse = math_part(q, k, v, scale, causal)
+        return o, lse / math.log(2)
+
+    monkeypatch.setattr(cudnn_prompt, "cudnn_part", log2_part)
+    assert cudnn_prompt._probe_error(torch.device("cpu"), torch.float32, 4, 2, 16) > cudnn_prompt.PROBE_TOLERANCE
