@@ -76,7 +76,7 @@ class LLM:
         self.fast_path_missing = complete_fast_path(config, self.device, model, spec, self.dtype, self.checkpoint_dir)
         self.backend, self.kernels_reason = resolve_backend(config.kernels, self.device, spec, self.dtype, self.mode)
         self.kernels = self.backend.kernels
-        self.gemv = use_one_row_kernel(model, config.gemv, self.kernels)
+        self.gemv = use_one_row_kernel(model, config.gemv, self.kernels, self.checkpoint_dir)
         self.cuda_graphs = use_graphs(config.cuda_graphs, self.device, kernels=self.kernels, spec=spec)
         chosen_off = config.cuda_graphs is False or config.kernels is False  # the user's own choice: no warning
         self.compiled = use_compile(config.compile, self.device, self.cuda_graphs, None if chosen_off else

@@ -31,11 +31,12 @@ EXPERT_TOKENS = 8
 GROUPED_TOKENS = 512
 
 
-def use_one_row_kernel(model: torch.nn.Module, option, kernels: bool) -> str:
+def use_one_row_kernel(model: torch.nn.Module, option, kernels: bool, checkpoint=None) -> str:
     """LLM(gemv=...): set each projection's `one_row`; returns one line saying what runs where.
 
-    "auto" and True: on CUDA with the compiled kernels, where each projection's kernel loads (True
-    raises if one cannot); False: torch's GEMM everywhere."""
+    "auto" and True: on CUDA with the compiled kernels, where each projection's kernel loads or builds
+    (True raises if one cannot; the build's warning names `checkpoint`, the model's directory, where
+    given); False: torch's GEMM everywhere."""
     if option not in OPTIONS:
         raise ValueError(f"gemv must be True, False or 'auto', got {option!r}")
     mods = one_row_linears(model)
@@ -62,10 +63,8 @@ def use_one_row_kernel(model: torch.nn.Module, option, kernels: bool) -> str:
                if all(_fits(w, grouped_fits) for w in m.expert_weights())}
     missing = _missing({key for ks in (*keys.values(), *grouped.values()) for key in ks})
     if missing and not lookup.jit_allowed():
-        unbuilt = autobuild.ensure_gemv_kernels(sorted(missing, key=str))
+        autobuild.ensure_gemv_kernels(sorted(missing, key=str), checkpoint=checkpoint)
         missing = _missing(missing)
-        if unbuilt:
-            log.info("kvbuffer: projections and experts on torch's kernels where not built (%s)", unbuilt)
     if missing and option is True:
         raise ValueError(f"gemv=True, but {len(missing)} projection kernel(s) neither load nor build here")
     for m, ks in keys.items():

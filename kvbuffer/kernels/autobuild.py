@@ -116,11 +116,12 @@ def ensure_attention_kernels(key: KernelKey, stream=None) -> str | None:
     return why
 
 
-def ensure_gemv_kernels(keys: list[KernelKey], stream=None) -> str | None:
+def ensure_gemv_kernels(keys: list[KernelKey], stream=None, checkpoint=None) -> str | None:
     """Build the projection kernels of `keys` (kvbuffer.kernels.launch.gemv_key, gemv_experts_key and
     grouped_experts_key) for the local GPU, untuned, one tuning record per weight shape; None once
     built, else one line saying why not and what to run. Those that still do not load are one
-    WARNING line (complete): their projections keep torch's GEMM."""
+    WARNING line (complete): their projections keep torch's GEMM; its command names `checkpoint`
+    (a checkpoint directory) where given."""
     if not keys:
         return None
     where, why = _local_build(keys[0], "projection kernels")
@@ -132,7 +133,9 @@ def ensure_gemv_kernels(keys: list[KernelKey], stream=None) -> str | None:
                     for shape in (specs.record_shapes(key)[0] for key in keys)]
         _build_untuned(requests, "projection kernels", gpu, command, stream)
     planned = [Planned(key, "projections", "their projections run on torch's GEMM") for key in keys]
-    complete(planned, {"projections": lambda missing: why}, loads, local_command)
+    if why is not None and checkpoint is not None:
+        why = why.replace("<model>", str(checkpoint))
+    complete(planned, {"projections": lambda missing: why}, loads, lambda key: local_command(key, checkpoint))
     return why
 
 
