@@ -4,7 +4,8 @@ form after a cached prefix, FlashAttention-2) against the tiled fp64 reference
 
 Grouped heads as the models have them (Qwen3.5: 16 query heads over 4 KV heads, head dim 256; Nemotron-3:
 32 over 2, dim 128), fresh prompts and pieces after cached prefixes of awkward lengths, padding rows, one
-token after one cached position. cuDNN's own parts are checked too: its log-sum-exp is the natural log's.
+token after one cached position. cuDNN's own parts are checked too: its log-sum-exp is the natural log's;
+and where FlashAttention-2 applies at all (`flash_prompt.fits`).
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ CASES = {  # (T, cached per row; None = padding row)
     "fresh_long": (4099, [0]),
     "piece_after_prefix": (2048, [6144]),
     "odd_piece_after_odd_prefix": (129, [1001]),
+    "odd_piece_after_even_prefix": (129, [1000]),
     "mixed_rows": (64, [0, 63, None, 2049]),
     "after_one_position": (65, [1, 2]),
     "one_token_after": (1, [5000, 1]),
@@ -60,6 +62,8 @@ def test_every_backend_matches_the_fp64_reference(shape, case, backend):
     q, k, v, kc, vc, slots, starts, scale = _problem(shape, case)
     if backend == "cudnn" and not cudnn_prompt.available(q, kc):
         pytest.skip("torch's gate refuses cuDNN attention for this dtype and head shape on this GPU")
+    if backend == "flash":
+        assert flash_prompt.fits(q, kc)
     B, T, H, D = q.shape
     out = flash_prompt.flash_prompt_attention(q, k, v, kc, vc, slots, starts, scale, backend=backend)
     dev = lambda xs: torch.tensor(xs, device="cuda")  # noqa: E731
@@ -102,3 +106,13 @@ def test_hopper_chooses_cudnn_at_the_models_head_shapes():
         q = torch.empty(1, 4, H, D, device="cuda", dtype=torch.bfloat16)
         kc = torch.empty(1, 8, Hkv, D, device="cuda", dtype=torch.bfloat16)
         assert flash_prompt.backend_for(q, kc) == "cudnn", (H, Hkv, D, torch.backends.cudnn.version())
+
+
+def test_flash_fits_only_half_precision_on_cuda():
+    q = torch.zeros(1, 2, 4, 64, device="cuda", dtype=torch.bfloat16)
+    kc = torch.zeros(1, 8, 2, 64, device="cuda", dtype=torch.bfloat16)
+    assert flash_prompt.fits(q, kc)
+    assert not flash_prompt.fits(q.float(), kc.float())
+    assert not flash_prompt.fits(q, kc.half())
+    assert not flash_prompt.fits(q.cpu(), kc.cpu())
+    assert not flash_prompt.fits(torch.zeros(1, 2, 3, 64, device="cuda", dtype=torch.bfloat16), kc)
