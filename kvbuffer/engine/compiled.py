@@ -3,7 +3,8 @@ graph nodes, so the glue between the GEMMs and the state kernels is fused.
 
 The compiled forward runs inside kvbuffer's own CUDA graphs (StepGraphs), so Inductor's are off.
 Dynamo keeps its compilations per model class; torch._dynamo.reset() between engines starts afresh.
-Prefill stays uncompiled: its chunk plan depends on each buffer fill, which would compile anew.
+A prompt's forward stays eager (its chunk plan depends on each buffer fill, which would compile anew);
+its elementwise stretches run as compiled regions instead (kvbuffer.models.fused).
 A compilation is said on one stderr line (CompiledForward); kvbuffer's commands keep Inductor's
 caches in kvbuffer's cache folder (keep_inductor_cache), so a later run compiles from them.
 """

@@ -33,7 +33,8 @@ class ModelRunner:
     eagerly from then on, logged once. compile: run the decode and verify forwards compiled
     (kvbuffer.engine.compiled), graphed or not; graphed, each bucket is captured at first use, so a
     compile that fails does so during a capture (padding rows only: nothing written) and falls back
-    to the uncompiled forward, logged once.
+    to the uncompiled forward, logged once; on CUDA an eager prompt's elementwise stretches run as
+    compiled regions too (ForwardBatch.fuse).
 
     unbuffered_rows (kvbuffer mode): a decode step of at most this many rows folds its rows'
     buffers into their states and steps the recurrence in place, as the recurrent scheme does
@@ -48,6 +49,7 @@ class ModelRunner:
         self.has_linear = spec.num_linear_layers > 0
         self.unbuffered_rows = unbuffered_rows if mode == "kvbuffer" and self.has_linear else 0
         self.compiled = compile_forward(model, self.caches) if compile else None
+        self.fuse_prompts = bool(compile) and torch.device(device).type == "cuda"  # ForwardBatch.fuse
         self.inputs = StepInputs(spec.max_requests, torch.device(device))
         self.use_graphs(cuda_graphs)
 
@@ -172,6 +174,8 @@ class ModelRunner:
         fn = self.compiled if self.compiled is not None and batch.phase in COMPILED_PHASES else self.model
         if batch.phase == "prefill":
             kw["last_logits"] = True
+            # an eager prompt only: a region's first call compiles, and Inductor may time kernels then
+            batch.fuse = self.fuse_prompts and not (ids.is_cuda and torch.cuda.is_current_stream_capturing())
         return fn(ids, batch, self.caches, **kw)
 
     def _replayed(self, graphs: StepGraphs | None, columns, context_len: int, *extra, feed=None, now=False):

@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..kernels import launch
+from . import fused
 from ..reference.experts import grouped_matmul
 
 
@@ -64,9 +65,13 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.zeros(dim) if zero_centered else torch.ones(dim))
 
     def forward(self, x):
-        if self.zero_centered:  # 1 + w in fp32, as transformers computes it (bf16 would round it)
-            return rms_normalize(x, self.eps, derived(self, "_scale", self.weight, lambda w: 1.0 + w.float()))
+        if self.zero_centered:
+            return rms_normalize(x, self.eps, self.scale())
         return self.weight * rms_normalize(x, self.eps)
+
+    def scale(self) -> torch.Tensor:
+        """A zero-centred norm's scale: 1 + w in fp32, as transformers computes it (bf16 would round it)."""
+        return derived(self, "_scale", self.weight, lambda w: 1.0 + w.float())
 
 
 class GatedRMSNorm(nn.Module):
@@ -145,8 +150,11 @@ class GatedMLP(nn.Module):
         self.down_proj = Linear(intermediate, hidden, bias=False)
         self.act = act
 
-    def forward(self, x):
+    def forward(self, x, fuse: bool = False):
+        """fuse: SiLU and the product as one compiled region (kvbuffer.models.fused; ForwardBatch.fuse)."""
         gate, up = self.gate_up_proj(x)
+        if fuse and self.act is F.silu:
+            return self.down_proj(fused.silu_mul(gate, up))
         return self.down_proj(self.act(gate) * up)
 
 

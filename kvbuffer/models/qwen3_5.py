@@ -13,6 +13,7 @@ from torch import nn
 
 from ..pools import LinearLayerShape
 from ..runtime import mixing
+from . import fused
 from .config_fields import ConfigFields
 from .layers import (GatedMLP, GatedRMSNorm, Linear, PackedLinear, RMSNorm, SoftmaxTopKMoE, apply_rotary, cache_layout, fp32,
                      rotary_cos_sin)
@@ -164,7 +165,10 @@ class GatedDeltaNetMixer(nn.Module):
         q, k, v = torch.split(qkv, [Hk * Kd, Hk * Kd, Hv * Vd], dim=-1)
         o = mixing.gated_delta_mix(q.reshape(B, T, Hk, Kd), k.reshape(B, T, Hk, Kd), v.reshape(B, T, Hv, Vd),
                                    a, b, fp32(self, "A_log"), fp32(self, "dt_bias"), batch, caches, self.linear_index)
-        o = self.norm(o.to(x.dtype), z)
+        if batch.fuse:
+            o = fused.gated_norm(o, z, self.norm.weight, self.norm.eps, x.dtype)
+        else:
+            o = self.norm(o.to(x.dtype), z)
         return self.out_proj(o.reshape(B, T, Hv * Vd))
 
 
@@ -191,13 +195,17 @@ class GatedAttention(nn.Module):
         d = c.head_dim
         q, k, v = self.qkv_proj(x)
         q, gate = torch.chunk(q.view(B, T, -1, 2 * d), 2, dim=-1)
-        q = self.q_norm(q)
-        k = self.k_norm(k.view(B, T, -1, d))
-        v = v.view(B, T, -1, d)
+        k, v = k.view(B, T, -1, d), v.view(B, T, -1, d)
         cos, sin = rope if rope is not None else self.rope(c, batch.positions, x.dtype)
-        q, k = apply_rotary(q, cos, sin, in_place=True), apply_rotary(k, cos, sin, in_place=True)  # the norms' own
+        if batch.fuse:
+            q = fused.norm_rope(q, self.q_norm.scale(), self.q_norm.eps, cos, sin)
+            k = fused.norm_rope(k, self.k_norm.scale(), self.k_norm.eps, cos, sin)
+        else:  # rotated in place: the norms' own outputs
+            q = apply_rotary(self.q_norm(q), cos, sin, in_place=True)
+            k = apply_rotary(self.k_norm(k), cos, sin, in_place=True)
         o = mixing.attention(q, k, v, batch, caches, self.attn_index, d ** -0.5)
-        o = o * torch.sigmoid(gate)  # per head: the strided gate is read in place, not copied first
+        # per head: the strided gate is read in place, not copied first
+        o = fused.sigmoid_mul(o, gate) if batch.fuse else o * torch.sigmoid(gate)
         return self.o_proj(o.reshape(B, T, -1))
 
 
@@ -219,11 +227,23 @@ class DecoderLayer(nn.Module):
 
     def forward(self, x, batch, caches, rope=None):
         """rope: the forward's (cos, sin) for an attention layer (computed here if not given)."""
-        if hasattr(self, "linear_attn"):
-            x = x + self.linear_attn(self.input_layernorm(x), batch, caches)
-        else:
-            x = x + self.self_attn(self.input_layernorm(x), batch, caches, rope)
+        if batch.fuse:
+            return self._fused_forward(x, batch, caches, rope)
+        x = x + self._mix(self.input_layernorm(x), batch, caches, rope)
         return x + self.mlp(self.post_attention_layernorm(x))
+
+    def _mix(self, h, batch, caches, rope):
+        if hasattr(self, "linear_attn"):
+            return self.linear_attn(h, batch, caches)
+        return self.self_attn(h, batch, caches, rope)
+
+    def _fused_forward(self, x, batch, caches, rope):
+        """forward with each norm (and the residual add before the second) one compiled region, and the
+        dense MLP's SiLU and product another (kvbuffer.models.fused)."""
+        norm1, norm2 = self.input_layernorm, self.post_attention_layernorm
+        y = self._mix(fused.rms_norm(x, norm1.scale(), norm1.eps), batch, caches, rope)
+        x, h = fused.add_rms_norm(x, y, norm2.scale(), norm2.eps)
+        return x + (self.mlp(h, fuse=True) if isinstance(self.mlp, GatedMLP) else self.mlp(h))
 
 
 class Backbone(nn.Module):
@@ -263,7 +283,8 @@ class Qwen35ForCausalLM(nn.Module):
             if "full_attention" in self.config.layer_types else None
         for layer in self.model.layers:
             x = layer(x, batch, caches, rope)
-        h = self.model.norm(x)
+        # a prompt's forward without return_hidden normalises only the last tokens (a norm is per token)
+        h = self.model.norm(x[:, -1:] if last_logits and not return_hidden else x)
         logits = self.lm_head(h[:, -1:] if last_logits else h)
         return (logits, h) if return_hidden else logits
 

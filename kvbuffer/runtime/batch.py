@@ -36,6 +36,8 @@ class ForwardBatch:
               (a sync). CUDA graphs fix it to a bucket.
     host_slots, host_cached: a prompt's slots and cached as the host built them (None: not given, as in
               a CUDA graph), so its attention can slice each row's cache without reading them back.
+    fuse:     the layers run their elementwise stretches as Inductor regions (kvbuffer.models.fused): set
+              by the engine for an eager prompt on CUDA with compile on.
     """
 
     phase: str
@@ -51,6 +53,7 @@ class ForwardBatch:
     host_slots: list[int] | None = None
     host_cached: list[int] | None = None
     backend: Backend = REFERENCE  # what the mixers call (kvbuffer.runtime.backend), resolved once by the LLM
+    fuse: bool = False
 
     def __post_init__(self):
         if self.phase not in PHASES:

@@ -37,3 +37,68 @@ def test_rotary_in_place_gives_the_same_bits_and_the_same_tensor(rotary_dim, dty
     assert torch.equal(got, want)
     if rotary_dim < 64:
         assert got is mine
+
+
+# the prompt's fused regions (kvbuffer.models.fused), compiled here on the CPU, against the layers' eager code:
+# the same math, so within a few roundings of bf16 (8 significant bits): a region may keep in fp32 an
+# intermediate the eager code rounds, and the gated norm rounds twice
+BF16_TOL = 2 ** -5
+
+
+def _close(got, want, dtype):
+    tol = BF16_TOL if dtype == torch.bfloat16 else 1e-5
+    assert got.dtype == want.dtype and got.shape == want.shape
+    torch.testing.assert_close(got.float(), want.float(), rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
+def test_fused_regions_match_the_eager_layers(dtype):
+    from kvbuffer.models import fused
+    from kvbuffer.models.layers import RMSNorm
+
+    gen = torch.Generator().manual_seed(2)
+    norm = RMSNorm(48, 1e-6, zero_centered=True).to(dtype)
+    gated = GatedRMSNorm(32, 1e-6).to(dtype)
+    with torch.no_grad():
+        norm.weight.add_(0.3 * torch.randn(48, generator=gen).to(dtype))
+        gated.weight.add_(0.3 * torch.randn(32, generator=gen).to(dtype))
+    for T in (1, 7, 33):  # one compilation serves every token count (the token dim is dynamic)
+        x = torch.randn(2, T, 48, generator=gen).to(dtype)
+        y = torch.randn(2, T, 48, generator=gen).to(dtype)
+        _close(fused.rms_norm(x, norm.scale(), norm.eps), norm(x), dtype)
+        s, h = fused.add_rms_norm(x, y, norm.scale(), norm.eps)
+        assert torch.equal(s, x + y)
+        _close(h, norm(x + y), dtype)
+        packed = torch.randn(2, T, 2 * 40, generator=gen).to(dtype)
+        gate, up = packed.split(40, dim=-1)  # strided views, as the packed GEMM's split gives
+        _close(fused.silu_mul(gate, up), F.silu(gate) * up, dtype)
+        o = torch.randn(2, T, 3, 32, generator=gen)  # the recurrence's fp32 output
+        z = torch.randn(2, T, 3 * 32 + 8, generator=gen).to(dtype)[..., 8:].view(2, T, 3, 32)
+        _close(fused.gated_norm(o, z, gated.weight, gated.eps, dtype), gated(o.to(dtype), z), dtype)
+        heads = torch.randn(2, T, 3, 2 * 48, generator=gen).to(dtype)[..., :48]  # q beside its gate, as split
+        for r in (16, 48):  # partial and whole rotary
+            cos, sin = rotary_cos_sin(torch.arange(2 * T).view(2, T) + 5, r, 10000.0, dtype)
+            _close(fused.norm_rope(heads, norm.scale(), norm.eps, cos, sin),
+                   apply_rotary(norm(heads), cos, sin), dtype)
+        o, gate = heads.contiguous(), torch.randn(2, T, 3, 2 * 48, generator=gen).to(dtype)[..., 48:]
+        _close(fused.sigmoid_mul(o, gate), o * torch.sigmoid(gate), dtype)
+
+
+def test_a_prompt_with_fused_regions_gives_the_eager_tokens(monkeypatch):
+    """A whole engine with ForwardBatch.fuse forced on (the engine sets it on CUDA only): the prompt's
+    logits within rounding of the eager forward's, the same greedy tokens, every region compiled."""
+    from kvbuffer import LLM
+    from kvbuffer.models import fused
+    from tests.support.tiny_models import tiny_model
+
+    prompts = [[(7 * i + 3) % 97 for i in range(n)] for n in (5, 40)]
+    plain = LLM(tiny_model("qwen3_5", seed=3), device="cpu", max_len=64)
+    want = plain.generate(prompts, max_new_tokens=6, return_logits=True)
+    fused_llm = LLM(tiny_model("qwen3_5", seed=3), device="cpu", max_len=64)
+    monkeypatch.setattr(fused_llm.runner, "fuse_prompts", True)
+    got = fused_llm.generate(prompts, max_new_tokens=6, return_logits=True)
+    for g, w in zip(got, want):
+        assert g.token_ids == w.token_ids
+        torch.testing.assert_close(torch.stack(g.logits), torch.stack(w.logits), rtol=1e-4, atol=1e-4)
+    assert all(fused._COMPILED.get(fn) for fn in (fused._rms_norm, fused._add_rms_norm, fused._silu_mul,
+                                                  fused._gated_norm, fused._norm_rope, fused._sigmoid_mul))

@@ -1,0 +1,124 @@
+"""A prompt's elementwise work between its GEMMs and kernels, each stretch as one Inductor region.
+
+A prompt's forward runs eagerly (its chunk plan depends on each buffer's fill; kvbuffer.engine.compiled
+compiles only the decode and verify forwards), so the work between its GEMMs and kernels is a chain of
+torch launches, each writing its intermediate to memory: the decoder norms in fp32 with a cast on
+each side, the residual adds, the MLP's SiLU and product, the gated norm. At thousands of tokens
+these chains cost a fifth of a prompt's time. Each function here is one such stretch compiled by
+torch.compile (Inductor: one or two fused kernels, the token count dynamic, so one compilation serves
+every prompt length) where `fuse` is set (ForwardBatch.fuse: an eager prompt on CUDA with the
+engine's compile on), else the eager layers' own code: the same math, rounded the same way except
+that a fused region may keep an intermediate in fp32 where the eager code rounds it to bf16.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+import torch.nn.functional as F
+
+log = logging.getLogger("kvbuffer")
+_COMPILED: dict = {}  # function -> its torch.compile'd form (made at first use), or None: it failed to compile
+
+
+def _region(fn, *args):
+    """fn(*args) compiled, the leading (token) dim of every tensor argument dynamic. A region that fails
+    to compile (no Triton, say) runs eagerly from then on, said once: the functions have no side effects,
+    so running one again is safe."""
+    compiled = _COMPILED.get(fn, False)
+    if compiled is False:
+        compiled = _COMPILED[fn] = torch.compile(fn, fullgraph=True, dynamic=False)
+    if compiled is None:
+        return fn(*args)
+    for a in args:
+        if isinstance(a, torch.Tensor) and a.dim() > 1:
+            torch._dynamo.maybe_mark_dynamic(a, 0)
+    try:
+        return compiled(*args)
+    except Exception as e:  # noqa: BLE001  (any compile failure: the eager function is the same math)
+        _COMPILED[fn] = None
+        log.warning("kvbuffer: a prompt's fused %s failed to compile, running it eagerly from now on: %s",
+                    fn.__name__.strip("_"), str(e).splitlines()[0] if str(e) else type(e).__name__)
+        return fn(*args)
+
+
+def _rms_norm(x, scale, eps: float):
+    """x / rms(x) * scale in fp32, rounded to x's dtype (Qwen3.5's decoder norms, scale = 1 + w)."""
+    h = x.float()
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return (h * scale).to(x.dtype)
+
+
+def _add_rms_norm(x, y, scale, eps: float):
+    """(s, norm(s)) with s = x + y rounded to x's dtype: a residual add and the next norm in one pass."""
+    s = x + y
+    return s, _rms_norm(s, scale, eps)
+
+
+def _silu_mul(gate, up):
+    return F.silu(gate) * up
+
+
+def _gated_norm(o, z, weight, eps: float, dtype: torch.dtype):
+    """norm(o) * w rounded to `dtype`, times silu(z) in fp32, rounded again (GatedRMSNorm's rounding)."""
+    h = o.to(dtype).float()
+    h = (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)).to(dtype)
+    h = (weight * h).float()
+    return (h * F.silu(z.float())).to(dtype)
+
+
+def _norm_rope(x, scale, eps: float, cos, sin):
+    """Per head (x (N, H, D)): the zero-centred RMSNorm, then rotary embedding of the first r channels
+    (cos, sin (N, r) in apply_rotary's form: rotate_half's sign in sin)."""
+    h = _rms_norm(x, scale, eps)
+    r = cos.shape[-1]
+    rot = h[..., :r]
+    swapped = torch.cat([rot[..., r // 2:], rot[..., :r // 2]], dim=-1)
+    turned = (rot * cos[:, None] + swapped * sin[:, None]).to(x.dtype)
+    return torch.cat([turned, h[..., r:]], dim=-1) if r < x.shape[-1] else turned
+
+
+def _sigmoid_mul(o, gate):
+    return o * torch.sigmoid(gate)
+
+
+def _tokens(t: torch.Tensor) -> torch.Tensor:
+    """t (..., D) as (N, D): one dynamic dim for the region, whatever the batch and token dims."""
+    return t.reshape(-1, t.shape[-1])
+
+
+def rms_norm(x, scale, eps: float):
+    """x (..., H) -> RMSNorm(x) * scale (fp32 scale: 1 + w), in x's dtype."""
+    return _region(_rms_norm, _tokens(x), scale, eps).view(x.shape)
+
+
+def add_rms_norm(x, y, scale, eps: float):
+    """(x + y, RMSNorm(x + y) * scale), both in x's dtype and shape."""
+    s, h = _region(_add_rms_norm, _tokens(x), _tokens(y), scale, eps)
+    return s.view(x.shape), h.view(x.shape)
+
+
+def silu_mul(gate, up):
+    """silu(gate) * up (same shapes; strided views of one packed GEMM output are read in place)."""
+    return _region(_silu_mul, _tokens(gate), _tokens(up)).view(gate.shape)
+
+
+def norm_rope(x, scale, eps: float, cos, sin):
+    """Attention's q or k (B, T, H, D, may be a strided view): per-head zero-centred RMSNorm then rotary
+    embedding (cos, sin (B, T, r) from rotary_cos_sin), in x's dtype."""
+    B, T, H, D = x.shape
+    flat = lambda t: t.reshape(B * T, t.shape[-1])  # noqa: E731
+    return _region(_norm_rope, x.reshape(B * T, H, D), scale, eps, flat(cos), flat(sin)).view(x.shape)
+
+
+def sigmoid_mul(o, gate):
+    """o * sigmoid(gate), o and gate (B, T, H, D) (the gate may be a strided view)."""
+    B, T, H, D = o.shape
+    return _region(_sigmoid_mul, o.reshape(B * T, H, D), gate.reshape(B * T, H, D)).view(o.shape)
+
+
+def gated_norm(o, z, weight, eps: float, dtype: torch.dtype):
+    """GatedRMSNorm(o.to(dtype), z), per head: o, z (B, T, Hv, V) (z may be a strided view), weight (V,)."""
+    B, T, Hv, V = z.shape
+    return _region(_gated_norm, o.reshape(B * T, Hv, V), z.reshape(B * T, Hv, V), weight, eps, dtype).view(z.shape)
