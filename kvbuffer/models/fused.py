@@ -2,8 +2,9 @@
 
 A prompt's forward runs eagerly (its chunk plan depends on each buffer's fill; kvbuffer.engine.compiled
 compiles only the decode and verify forwards), so the work between its GEMMs and kernels is a chain of
-torch launches, each writing its intermediate to memory: the decoder norms in fp32 with a cast on
-each side, the residual adds, the MLP's SiLU and product, the gated norm. At thousands of tokens
+torch launches, each writing its intermediate to memory: Qwen3.5's decoder norms in fp32 with a cast
+on each side, the residual adds, the MLP's SiLU and product, attention's q/k norms and rotary
+embedding, the gated norms (Nemotron-H's too). At thousands of tokens
 these chains cost a fifth of a prompt's time. Each function here is one such stretch compiled by
 torch.compile (Inductor: one or two fused kernels, the token count dynamic, so one compilation serves
 every prompt length) where `fuse` is set (ForwardBatch.fuse: an eager prompt on CUDA with the
@@ -83,6 +84,15 @@ def _sigmoid_mul(o, gate):
     return o * torch.sigmoid(gate)
 
 
+def _grouped_gated_norm(y, gate, weight, eps: float):
+    """Nemotron-H's gated norm (y (N, G, S), gate (N, G * S)): y * silu(gate) in fp32, RMS-normalised per
+    group of S channels, rounded to y's dtype, times the weight."""
+    N, G, S = y.shape
+    h = F.silu(gate.float()).view(N, G, S) * y
+    h = (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)).to(y.dtype)
+    return weight * h.reshape(N, G * S)
+
+
 def _tokens(t: torch.Tensor) -> torch.Tensor:
     """t (..., D) as (N, D): one dynamic dim for the region, whatever the batch and token dims."""
     return t.reshape(-1, t.shape[-1])
@@ -122,3 +132,11 @@ def gated_norm(o, z, weight, eps: float, dtype: torch.dtype):
     """GatedRMSNorm(o.to(dtype), z), per head: o, z (B, T, Hv, V) (z may be a strided view), weight (V,)."""
     B, T, Hv, V = z.shape
     return _region(_gated_norm, o.reshape(B * T, Hv, V), z.reshape(B * T, Hv, V), weight, eps, dtype).view(z.shape)
+
+
+def grouped_gated_norm(y, gate, weight, eps: float):
+    """Nemotron-H's GroupedGatedRMSNorm: y (B, T, G, S), gate (B, T, G * S) (may be a strided view),
+    weight (G * S,) -> (B, T, G * S)."""
+    B, T, G, S = y.shape
+    return _region(_grouped_gated_norm, y.reshape(B * T, G, S), gate.reshape(B * T, G * S), weight,
+                   eps).view(B, T, G * S)

@@ -22,6 +22,7 @@ from torch import nn
 from ..errors import CheckpointError
 from ..pools import LinearLayerShape
 from ..runtime import mixing
+from . import fused
 from .config_fields import ConfigFields
 from .layers import Linear, PackedLinear, RoutedExperts, cache_layout, fp32, rms_normalize, route_to_experts
 
@@ -241,7 +242,11 @@ class Mamba2Mixer(nn.Module):
                               B.reshape(Bt, T, G, N), C.reshape(Bt, T, G, N),
                               fp32(self, "A_log"), fp32(self, "dt_bias"), fp32(self, "D"), batch, caches,
                               self.linear_index)
-        y = self.norm(y.reshape(Bt, T, I), gate)
+        if batch.fuse:
+            n = self.norm
+            y = fused.grouped_gated_norm(y.reshape(Bt, T, -1, n.group_size), gate, n.weight, n.eps)
+        else:
+            y = self.norm(y.reshape(Bt, T, I), gate)
         return self.out_proj(y.to(h.dtype))
 
 
@@ -428,7 +433,8 @@ class NemotronHForCausalLM(nn.Module):
         x = self.model.embeddings(input_ids)
         for layer in self.model.layers:
             x = layer(x, batch, caches)
-        h = self.model.norm_f(x)
+        # a prompt's forward without return_hidden normalises only the last tokens (a norm is per token)
+        h = self.model.norm_f(x[:, -1:] if last_logits and not return_hidden else x)
         logits = self.lm_head(h[:, -1:] if last_logits else h)
         return (logits, h) if return_hidden else logits
 
