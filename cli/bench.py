@@ -226,7 +226,9 @@ def transformers_bench(args):
 @click.option("--device", default="cuda", show_default=True, help="e2e: cuda, cuda:N or cpu (kernels need CUDA).")
 @click.option("--repeats", default=3, show_default=True, type=click.IntRange(min=1),
               help="e2e: timed calls per length after one warm-up; the median is reported.")
-@engine_options("chunk_size", "kernels", "cuda_graphs", "compile", "max_prefill_tokens", compile=False)
+# e2e times what an engine's defaults give a prompt: compile "auto" (a prompt's compiled regions; no decode step
+# is timed, so nothing else compiles)
+@engine_options("chunk_size", "kernels", "cuda_graphs", "compile", "max_prefill_tokens")
 @_out_option
 def prefill(what, prompt_lens, families, batches, launches, replays, preset, fp8, device, repeats, config, out):
     """Prefill: the chunked prompt kernels against FLA and mamba_ssm (CUDA graphs, packed prompts), or the time to

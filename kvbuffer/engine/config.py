@@ -153,8 +153,8 @@ class EngineConfig:
                 "alone), true or false.", check_switch, cli="--cuda-graphs", kind="switch", bare="auto")
     compile: bool | str = _option(
         "auto", "Run the decode and verify forwards under torch.compile (a faster step; its first use compiles, "
-                "from seconds to a minute for a large model, said on one line): auto (on CUDA with CUDA graphs), "
-                "true (also the flag alone) or false.",
+                "from seconds to a minute for a large model, said on one line), and on CUDA a prompt's elementwise "
+                "work as compiled regions: auto (on CUDA with CUDA graphs), true (also the flag alone) or false.",
         check_switch, cli="--compile", kind="switch", bare=True)
     overlap: bool | str = _option(
         "auto", "Queue each decode step before reading the last one's tokens back: true, false or auto (on CUDA).",

@@ -107,8 +107,8 @@ def split_attention(q, k, v, cached: int, scale: float, part: Part | None = None
     the cached part unmasked and the new part causal, merged; one new token in one unmasked call.
     part: one attention call (default cudnn_part); out: where to write o (B, T, H, D), else a new tensor."""
     part = part or cudnn_part
-    if q.shape[1] == 1:
-        o = part(q, k, v, scale, False)[0]
+    if q.shape[1] == 1 or not cached:  # one new token sees every key; with nothing cached, one causal call
+        o = part(q, k, v, scale, not cached)[0]
         return o if out is None else out.copy_(o)
     o_a, lse_a = part(q, k[:, :cached], v[:, :cached], scale, False)
     o_b, lse_b = part(q, k[:, cached:], v[:, cached:], scale, True)

@@ -64,7 +64,7 @@ def _reference(q, kc, vc, slots, starts, scale):
                              scale).reshape(B, T, H, D)
 
 
-SPLITS = {"one_token_after_one": (1, 1), "one_token_after_many": (1, 77), "two_after_two": (2, 2),
+SPLITS = {"piece_after_nothing": (9, 0), "one_token_after_one": (1, 1), "one_token_after_many": (1, 77), "two_after_two": (2, 2),
           "odd_after_odd": (63, 130), "piece_after_short": (65, 3), "longer_piece_than_prefix": (100, 9)}
 
 
@@ -76,11 +76,15 @@ def test_split_matches_the_reference(case, groups):
     q, k, v, kc, vc, slots, starts = _case(T, [cached], H, Hkv, D, zlib.crc32(case.encode()))
     scale = D ** -0.5
     ref = _reference(q, kc, vc, slots, starts, scale)
-    out = cudnn_prompt.split_attention(q, kc[1:2, :cached + T], vc[1:2, :cached + T], cached, scale, part=math_part)
+    def part(q, k, v, scale, causal):
+        assert k.shape[1] >= 1, "a call over no keys (cuDNN gives no output)"
+        return math_part(q, k, v, scale, causal)
+
+    out = cudnn_prompt.split_attention(q, kc[1:2, :cached + T], vc[1:2, :cached + T], cached, scale, part=part)
     torch.testing.assert_close(out, ref, rtol=0, atol=TOL)
     into = torch.full_like(q, float("nan"))
     assert cudnn_prompt.split_attention(q, kc[1:2, :cached + T], vc[1:2, :cached + T], cached, scale,
-                                        part=math_part, out=into) is into
+                                        part=part, out=into) is into
     torch.testing.assert_close(into, ref, rtol=0, atol=TOL)
 
 
@@ -115,6 +119,7 @@ def cpu_backends(monkeypatch):
 
     def part(q, k, v, scale, causal):
         calls["cudnn"] += 1
+        assert k.shape[1] >= 2, "cuDNN gives no output over fewer than two keys (takes)"
         return math_part(q, k, v, scale, causal)
 
     def flash(q, k, v, scale):
