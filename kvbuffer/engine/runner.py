@@ -33,8 +33,8 @@ class ModelRunner:
     eagerly from then on, logged once. compile: run the decode and verify forwards compiled
     (kvbuffer.engine.compiled), graphed or not; graphed, each bucket is captured at first use, so a
     compile that fails does so during a capture (padding rows only: nothing written) and falls back
-    to the uncompiled forward, logged once; on CUDA an eager prompt's elementwise stretches run as
-    compiled regions too (ForwardBatch.fuse).
+    to the uncompiled forward, logged once; on CUDA a prompt chunk too long to graph runs its elementwise
+    stretches as compiled regions (ForwardBatch.fuse).
 
     unbuffered_rows (kvbuffer mode): a decode step of at most this many rows folds its rows'
     buffers into their states and steps the recurrence in place, as the recurrent scheme does
@@ -137,16 +137,17 @@ class ModelRunner:
         return True
 
     def _view_batch(self, phase: str, tokens: int, view: torch.Tensor, context_len: int, fill: int = 0,
-                    mode: str | None = None, host_rows: tuple[list[int], list[int]] | None = None):
+                    mode: str | None = None, host_rows: tuple[list[int], list[int]] | None = None, fuse: bool = False):
         """(ids (B, T), the ForwardBatch) over StepInputs' device view (step_columns' order); host_rows:
-        the rows' slots and cached as uploaded (an eager prompt's, for ForwardBatch.host_slots / host_cached)."""
+        the rows' slots and cached as uploaded (an eager prompt's, for ForwardBatch.host_slots / host_cached);
+        fuse: ForwardBatch.fuse."""
         ids, positions, slots, state_slots, lengths, cached = split_view(view, tokens)
         i32 = torch.int32
         host_slots, host_cached = host_rows if host_rows is not None else (None, None)
         batch = ForwardBatch(phase=phase, mode=mode or self.mode, backend=self.backend, positions=positions,
                              slots=slots.to(i32), state_slots=state_slots.to(i32), lengths=lengths.to(i32),
                              cached=cached.to(i32), flush_at=self.spec.chunk_size, context_len=context_len,
-                             host_slots=host_slots, host_cached=host_cached)
+                             host_slots=host_slots, host_cached=host_cached, fuse=fuse)
         batch.common_fill = fill
         return ids, batch
 
@@ -155,12 +156,12 @@ class ModelRunner:
         return self._forward(*self._view_batch("decode", 1, view, context_len, mode=mode))[:, 0]
 
     def _view_forward(self, phase: str, tokens: int, view, context_len: int, fill: int = 0, want_hidden=False,
-                      commit=False, host_rows=None):
+                      commit=False, host_rows=None, fuse=False):
         """A verify or prefill forward over StepInputs' device view: logits (B, T, vocab) [, hidden].
         A verify's padding drafts (PADDING_DRAFT) are fed as token 0. commit (greedy verify): the
         target's picks (B, T) and the drafts kept (B,) [, hidden] instead of the logits, the kept
-        tokens committed (kvbuffer.engine.commit). host_rows: see _view_batch."""
-        ids, batch = self._view_batch(phase, tokens, view, context_len, fill, host_rows=host_rows)
+        tokens committed (kvbuffer.engine.commit). host_rows, fuse: see _view_batch."""
+        ids, batch = self._view_batch(phase, tokens, view, context_len, fill, host_rows=host_rows, fuse=fuse)
         out = self._forward(ids.clamp(min=0) if phase == "verify" else ids, batch, **self._hidden(want_hidden))
         if not commit:
             return out
@@ -174,8 +175,6 @@ class ModelRunner:
         fn = self.compiled if self.compiled is not None and batch.phase in COMPILED_PHASES else self.model
         if batch.phase == "prefill":
             kw["last_logits"] = True
-            # an eager prompt only: a region's first call compiles, and Inductor may time kernels then
-            batch.fuse = self.fuse_prompts and not (ids.is_cuda and torch.cuda.is_current_stream_capturing())
         return fn(ids, batch, self.caches, **kw)
 
     def _replayed(self, graphs: StepGraphs | None, columns, context_len: int, *extra, feed=None, now=False):
@@ -245,15 +244,17 @@ class ModelRunner:
         columns = self._columns(rows, [r.pending[:T] for r in rows])
         context_len = max(r.cached for r in rows) + T
         inputs, graphs = self._inputs_for("prefill", T)
-        if row_bucket(len(rows), inputs.max_rows) * T > PREFILL_GRAPH_TOKENS:
+        long_chunk = row_bucket(len(rows), inputs.max_rows) * T > PREFILL_GRAPH_TOKENS
+        if long_chunk:
             graphs = None  # a long chunk waits on its GEMMs, not on its launches
         out = self._replayed(graphs, columns, context_len, fill, want_hidden)
         if out is not None:  # graph outputs live until the next replay; the caller keeps these longer
             out = tuple(o.clone() for o in out) if want_hidden else out[:, -1:].clone()
         else:
             host_rows = ([r.slot for r in rows], [r.cached for r in rows])  # the prompt's attention slices rows by them
+            # a long chunk (never graphed) fuses its elementwise work; a short one runs as its graph would
             out = self._view_forward("prefill", T, inputs.upload(columns, len(rows)), context_len, fill, want_hidden,
-                                     host_rows=host_rows)
+                                     host_rows=host_rows, fuse=long_chunk and self.fuse_prompts)
         logits, hidden = out if want_hidden else (out, None)
         for r in rows:
             self._advance(r, T)

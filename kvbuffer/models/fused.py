@@ -7,8 +7,8 @@ on each side, the residual adds, the MLP's SiLU and product, attention's q/k nor
 embedding, the gated norms (Nemotron-H's too). At thousands of tokens
 these chains cost a fifth of a prompt's time. Each function here is one such stretch compiled by
 torch.compile (Inductor: one or two fused kernels, the token count dynamic, so one compilation serves
-every prompt length) where `fuse` is set (ForwardBatch.fuse: an eager prompt on CUDA with the
-engine's compile on), else the eager layers' own code: the same math, rounded the same way except
+every prompt length) where `fuse` is set (ForwardBatch.fuse: a prompt chunk too long to be graphed,
+on CUDA with the engine's compile on), else the eager layers' own code: the same math, rounded the same way except
 that a fused region may keep an intermediate in fp32 where the eager code rounds it to bf16.
 """
 

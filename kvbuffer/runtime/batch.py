@@ -37,7 +37,7 @@ class ForwardBatch:
     host_slots, host_cached: a prompt's slots and cached as the host built them (None: not given, as in
               a CUDA graph), so its attention can slice each row's cache without reading them back.
     fuse:     the layers run their elementwise stretches as Inductor regions (kvbuffer.models.fused): set
-              by the engine for an eager prompt on CUDA with compile on.
+              by the engine for a prompt chunk too long to graph, on CUDA with compile on.
     """
 
     phase: str

@@ -94,16 +94,19 @@ def test_fused_regions_match_the_eager_layers(dtype=torch.bfloat16):
 
 @pytest.mark.parametrize("kind", ["qwen3_5", "nemotron_h"])
 def test_a_prompt_with_fused_regions_gives_the_eager_tokens(kind, monkeypatch):
-    """A whole engine with ForwardBatch.fuse forced on (the engine sets it on CUDA only): the prompt's
-    logits within rounding of the eager forward's, the same greedy tokens, the family's regions compiled."""
+    """A whole engine with fuse_prompts forced on (the engine sets it on CUDA only): the prompts' logits
+    within rounding of the unfused engine's, the same greedy tokens, the family's regions compiled."""
     from kvbuffer import LLM
     from kvbuffer.models import fused
     from tests.support.tiny_models import tiny_model
 
-    prompts = [[(7 * i + 3) % 97 for i in range(n)] for n in (5, 40)]
-    plain = LLM(tiny_model(kind, seed=3), device="cpu", max_len=64)
+    from kvbuffer.engine.graphs import PREFILL_GRAPH_TOKENS
+
+    # a short prompt runs as its graph would (unfused), one too long to graph fuses
+    prompts = [[(7 * i + 3) % 97 for i in range(n)] for n in (5, PREFILL_GRAPH_TOKENS + 45)]
+    plain = LLM(tiny_model(kind, seed=3), device="cpu", max_len=PREFILL_GRAPH_TOKENS + 64)
     want = plain.generate(prompts, max_new_tokens=6, return_logits=True)
-    fused_llm = LLM(tiny_model(kind, seed=3), device="cpu", max_len=64)
+    fused_llm = LLM(tiny_model(kind, seed=3), device="cpu", max_len=PREFILL_GRAPH_TOKENS + 64)
     monkeypatch.setattr(fused_llm.runner, "fuse_prompts", True)
     monkeypatch.setattr(fused, "_COMPILED", {})
     got = fused_llm.generate(prompts, max_new_tokens=6, return_logits=True)
