@@ -225,7 +225,8 @@ def test_engine_on_kernels_vs_cpu_reference(kind):
     """bf16 model + kernels on CUDA vs the fp32 reference on CPU: logits within 0.25 (bf16 end to end:
     the whole model, not only the kernels; 0.2 measured for bf16 on CPU) and greedy tokens identical
     for 24 tokens except at near ties. Tighter: the same bf16 model on CUDA with the reference ops
-    (fp32 buffers) vs the kernels (bf16 entries, TF32 products): logits within 0.06."""
+    (fp32 buffers) vs the kernels (bf16 entries, TF32 products): logits within 0.08. The kernels' engine
+    runs uncompiled, so that only the ops differ (the compiled step has its own test, in test_engine_perf)."""
     from tests.support.tiny_models import tiny_model
 
     from kvbuffer import LLM
@@ -233,7 +234,8 @@ def test_engine_on_kernels_vs_cpu_reference(kind):
     ops.clear_kernels()
     want = LLM(tiny_model(kind), device="cpu", chunk_size=C, max_batch=4, kernels=False).generate(
         PROMPTS, max_new_tokens=24, return_logits=True)
-    fast = LLM(tiny_model(kind), device="cuda", dtype=torch.bfloat16, chunk_size=C, max_batch=4, kernels=True)
+    fast = LLM(tiny_model(kind), device="cuda", dtype=torch.bfloat16, chunk_size=C, max_batch=4, kernels=True,
+               compile=False)
     assert fast.kernels and fast.runner.caches.buffers.keys.dtype == torch.bfloat16
     got = fast.generate(PROMPTS, max_new_tokens=24, return_logits=True)
     assert lookup.loaded_keys(), "the engine did not launch any compiled kernel"
