@@ -21,7 +21,7 @@ from .choices import check_cache_memory, complete_fast_path, plan_caches, use_gr
 from .compiled import use_compile
 from .config import EngineConfig, check_model
 from .core import EngineCore
-from .graphs import CONTEXT_BUCKET, context_bucket
+from .graphs import CONTEXT_BUCKET, PREFILL_GRAPH_TOKENS, context_bucket
 from .one_row import EXPERT_TOKENS, GROUPED_TOKENS, use_one_row_kernel
 from .outputs import DraftStats, EngineLimits, EngineStats, GenerationOutput, GenerationStats, StepOutput
 from .overlap import use_overlap
@@ -221,7 +221,9 @@ class LLM:
         """Compile and capture the decode step before the first request, so that no running request waits
         for a recompilation: decode forwards of padding rows at two context buckets, for every kind of
         step (unbuffered and buffered row counts, and one row past each experts kernel's token limit).
-        Speculative verify forwards are not warmed."""
+        Where prompts fuse (ModelRunner.fuse_prompts), a prompt forward of one padding row just too long to
+        graph compiles the prompt's regions (kvbuffer.models.fused). Speculative verify forwards are not
+        warmed."""
         spec, unbuffered = self.runner.spec, self.runner.unbuffered_rows
         windows = sorted({context_bucket(1, spec.max_len), context_bucket(CONTEXT_BUCKET + 1, spec.max_len)})
         rows = [*range(1, min(unbuffered, 2) + 1), unbuffered + 1, unbuffered + 2]
@@ -231,6 +233,9 @@ class LLM:
         if any(m.grouped for m in experts):
             rows.append(GROUPED_TOKENS + 1)
         self.runner.warm_up([n for n in rows if n <= spec.max_requests], windows)
+        long_chunk = PREFILL_GRAPH_TOKENS + 1
+        if self.runner.fuse_prompts and self.max_prefill_tokens >= long_chunk and spec.max_len >= long_chunk:
+            self.runner.warm_up_prompt(long_chunk)
 
     # the step-able engine ----------------------------------------------------------------------
     def add_request(self, prompt_ids: list[int], params: SamplingParams, *, return_logits: bool = False,

@@ -309,6 +309,16 @@ class ModelRunner:
                 self._decode_rows(columns, context_len, n <= self.unbuffered_rows, now=True)
 
     @torch.inference_mode()
+    def warm_up_prompt(self, tokens: int) -> None:
+        """A prompt forward of one padding row (it reads nothing and writes nothing a row reads) of `tokens`
+        tokens, with ForwardBatch.fuse as a chunk that long gets: the prompt's fused regions are compiled
+        now, not on the first long prompt (LLM.warm_up)."""
+        inputs, _ = self._inputs_for("prefill", tokens)
+        long_chunk = row_bucket(1, inputs.max_rows) * tokens > PREFILL_GRAPH_TOKENS
+        columns = [[pad] for pad in inputs.padding]
+        self._view_forward("prefill", tokens, inputs.upload(columns, 1), tokens, fuse=long_chunk and self.fuse_prompts)
+
+    @torch.inference_mode()
     def hold(self, picks: torch.Tensor) -> PendingTokens:
         """The decode step's tokens (picked on the device), left there for the next decode's feed and
         copied to the host without waiting."""

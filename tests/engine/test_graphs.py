@@ -101,13 +101,19 @@ def test_compile_option_is_checked(ckpts):
 @pytest.mark.parametrize("unbuffered_rows", [0, 1])
 @pytest.mark.parametrize("graphs", [False, True])
 @pytest.mark.parametrize("kind", ["qwen3_5", "nemotron_h"])
-def test_warm_up_writes_nothing_and_changes_no_output(kind, graphs, unbuffered_rows):
+def test_warm_up_writes_nothing_and_changes_no_output(kind, graphs, unbuffered_rows, monkeypatch):
     """LLM.warm_up runs decode forwards of padding rows only (two row counts of buffered steps, and
-    one row unbuffered where those are on; two context buckets): every cache tensor is bit for bit
-    what it was, and the outputs that follow are the ones without it."""
+    one row unbuffered where those are on; two context buckets), and where prompts fuse (forced here;
+    on CUDA with compile) a prompt forward of one padding row too long to graph, through every fused
+    region: every cache tensor is bit for bit what it was, and the outputs that follow are the ones
+    without it."""
     from tests.support.tiny_models import tiny_model
 
     from kvbuffer.engine.graphs import row_bucket
+    from kvbuffer.models import fused
+
+    regions = []  # the regions run eagerly here (their compiled form has its own tests)
+    monkeypatch.setattr(fused, "_region", lambda fn, *args: regions.append(fn.__name__) or fn(*args))
 
     prompts = [[3, 1, 4, 1, 5, 9, 2, 6], [7], [2, 7, 1, 8, 2, 8, 1, 8, 2, 8, 4, 5, 9]]
 
@@ -127,7 +133,12 @@ def test_warm_up_writes_nothing_and_changes_no_output(kind, graphs, unbuffered_r
                                                                  or forward(view, window, *mode))
     if graphs:
         warmed.runner.graphs.forward = warmed.runner._decode_forward
+    warmed.runner.fuse_prompts = True
     warmed.warm_up()
+    fusing = {"qwen3_5": {"_rms_norm", "_add_rms_norm", "_silu_mul", "_gated_norm", "_norm_rope", "_sigmoid_mul"},
+              "nemotron_h": {"_grouped_gated_norm"}}[kind]
+    assert set(regions) == fusing
+    warmed.runner.fuse_prompts = False
     rows = [(1, "recurrent")] if unbuffered_rows else []
     rows += [(n,) for n in (unbuffered_rows + 1, unbuffered_rows + 2)]
     shown = lambda n: row_bucket(n, 4) if graphs else n  # noqa: E731
