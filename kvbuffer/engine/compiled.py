@@ -11,6 +11,7 @@ caches in kvbuffer's cache folder (keep_inductor_cache), so a later run compiles
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import sys
@@ -76,21 +77,32 @@ class CompiledForward:
     def __call__(self, *args, **kwargs):
         from torch._dynamo.utils import counters
 
-        stream = self.stream or sys.stderr
-        first = self.calls == 0
         self.calls += 1
-        if first:
-            stream.write(f"kvbuffer: compiling the decode step (torch.compile; Inductor's cache: {inductor_cache()})...")
-            stream.flush()
+        if self.calls == 1:
+            with said_compiling("the decode step", self.stream):
+                return self.fn(*args, **kwargs)
         graphs, t0 = counters["stats"]["unique_graphs"], time.perf_counter()
         try:
             return self.fn(*args, **kwargs)
         finally:
             seconds = time.perf_counter() - t0
-            if first:
-                stream.write(f" done in {seconds:.1f}s\n")
-            elif counters["stats"]["unique_graphs"] > graphs and seconds >= REPORT_SECONDS:
-                stream.write(f"kvbuffer: compiled the decode step again for a new shape in {seconds:.1f}s\n")
+            if counters["stats"]["unique_graphs"] > graphs and seconds >= REPORT_SECONDS:
+                (self.stream or sys.stderr).write(
+                    f"kvbuffer: compiled the decode step again for a new shape in {seconds:.1f}s\n")
+
+
+@contextlib.contextmanager
+def said_compiling(what: str, stream=None):
+    """A first compilation said on one stderr line: `kvbuffer: compiling <what> (torch.compile; Inductor's
+    cache: <folder>)... done in N s` (the end written even if the work fails)."""
+    stream = stream or sys.stderr
+    stream.write(f"kvbuffer: compiling {what} (torch.compile; Inductor's cache: {inductor_cache()})...")
+    stream.flush()
+    t0 = time.perf_counter()
+    try:
+        yield
+    finally:
+        stream.write(f" done in {time.perf_counter() - t0:.1f}s\n")
 
 
 def inductor_cache() -> str:

@@ -6,6 +6,7 @@ advance (or reset where a flush folded the buffer into the state), and KV length
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 
@@ -15,7 +16,7 @@ from ..errors import PoolExhaustedError
 from ..runtime.backend import REFERENCE, Backend
 from ..runtime.batch import ForwardBatch
 from ..runtime.caches import CacheSpec, ModelCaches
-from .compiled import COMPILED_PHASES, compile_forward
+from .compiled import COMPILED_PHASES, compile_forward, said_compiling
 from .commit import PADDING_DRAFT, commit_rows, flush_rows, greedy_accepts
 from .graphs import (CAPTURE_AFTER, PREFILL_GRAPH_TOKENS, CaptureFailed, PendingTokens, StepGraphs, StepInputs,
                      row_bucket, split_view, step_columns)
@@ -50,6 +51,7 @@ class ModelRunner:
         self.unbuffered_rows = unbuffered_rows if mode == "kvbuffer" and self.has_linear else 0
         self.compiled = compile_forward(model, self.caches) if compile else None
         self.fuse_prompts = bool(compile) and torch.device(device).type == "cuda"  # ForwardBatch.fuse
+        self._fused_once = False  # a fused prompt forward has run (its regions compiled, said on one line)
         self.inputs = StepInputs(spec.max_requests, torch.device(device))
         self.use_graphs(cuda_graphs)
 
@@ -253,8 +255,10 @@ class ModelRunner:
         else:
             host_rows = ([r.slot for r in rows], [r.cached for r in rows])  # the prompt's attention slices rows by them
             # a long chunk (never graphed) fuses its elementwise work; a short one runs as its graph would
-            out = self._view_forward("prefill", T, inputs.upload(columns, len(rows)), context_len, fill, want_hidden,
-                                     host_rows=host_rows, fuse=long_chunk and self.fuse_prompts)
+            fuse = long_chunk and self.fuse_prompts
+            with self._first_fused(fuse):
+                out = self._view_forward("prefill", T, inputs.upload(columns, len(rows)), context_len, fill,
+                                         want_hidden, host_rows=host_rows, fuse=fuse)
         logits, hidden = out if want_hidden else (out, None)
         for r in rows:
             self._advance(r, T)
@@ -316,7 +320,16 @@ class ModelRunner:
         inputs, _ = self._inputs_for("prefill", tokens)
         long_chunk = row_bucket(1, inputs.max_rows) * tokens > PREFILL_GRAPH_TOKENS
         columns = [[pad] for pad in inputs.padding]
-        self._view_forward("prefill", tokens, inputs.upload(columns, 1), tokens, fuse=long_chunk and self.fuse_prompts)
+        fuse = long_chunk and self.fuse_prompts
+        with self._first_fused(fuse):
+            self._view_forward("prefill", tokens, inputs.upload(columns, 1), tokens, fuse=fuse)
+
+    def _first_fused(self, fuse: bool):
+        """Around a prompt forward: the first fused one (its regions compile) is said on one stderr line."""
+        if not fuse or self._fused_once:
+            return contextlib.nullcontext()
+        self._fused_once = True
+        return said_compiling("the prompt's fused regions")
 
     @torch.inference_mode()
     def hold(self, picks: torch.Tensor) -> PendingTokens:

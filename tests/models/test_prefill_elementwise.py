@@ -93,7 +93,7 @@ def test_fused_regions_match_the_eager_layers(dtype=torch.bfloat16):
 
 
 @pytest.mark.parametrize("kind", ["qwen3_5", "nemotron_h"])
-def test_a_prompt_with_fused_regions_gives_the_eager_tokens(kind, monkeypatch):
+def test_a_prompt_with_fused_regions_gives_the_eager_tokens(kind, monkeypatch, capfd):
     """A whole engine with fuse_prompts forced on (the engine sets it on CUDA only): the prompts' logits
     within rounding of the unfused engine's, the same greedy tokens, the family's regions compiled."""
     from kvbuffer import LLM
@@ -117,3 +117,5 @@ def test_a_prompt_with_fused_regions_gives_the_eager_tokens(kind, monkeypatch):
                            fused._norm_rope, fused._sigmoid_mul),
                "nemotron_h": (fused._grouped_gated_norm,)}[kind]
     assert set(fused._COMPILED) == set(regions) and all(fused._COMPILED.values())
+    said = [line for line in capfd.readouterr().err.splitlines() if line.startswith("kvbuffer: compiling")]
+    assert len(said) == 1 and said[0].startswith("kvbuffer: compiling the prompt's fused regions"), said
