@@ -2,14 +2,14 @@
 
 A prompt's forward runs eagerly (its chunk plan depends on each buffer's fill; kvbuffer.engine.compiled
 compiles only the decode and verify forwards), so the work between its GEMMs and kernels is a chain of
-torch launches, each writing its intermediate to memory: Qwen3.5's decoder norms in fp32 with a cast
-on each side, the residual adds, the MLP's SiLU and product, attention's q/k norms and rotary
-embedding, the gated norms (Nemotron-H's too). At thousands of tokens
-these chains cost a fifth of a prompt's time. Each function here is one such stretch compiled by
-torch.compile (Inductor: one or two fused kernels, the token count dynamic, so one compilation serves
-every prompt length) where `fuse` is set (ForwardBatch.fuse: a prompt chunk too long to be graphed,
-on CUDA with the engine's compile on), else the eager layers' own code: the same math, rounded the same way except
-that a fused region may keep an intermediate in fp32 where the eager code rounds it to bf16.
+torch launches, each writing its intermediate to memory: Qwen3.5's decoder norms in fp32 with a cast on
+each side, the residual adds, the MLP's SiLU and product, attention's q/k norms and rotary embedding,
+the gated norms (Nemotron-H's too). At thousands of tokens these chains are a large share of a prompt's
+time (docs/results.md). Each function here is one such stretch compiled by torch.compile (Inductor: one
+or two fused kernels, the token count dynamic, so one compilation serves every prompt length), used
+where ForwardBatch.fuse is set (a prompt chunk too long to be graphed, on CUDA with the engine's compile
+on); elsewhere the layers run their eager code. The same math, rounded the same way, except that a region
+may keep in fp32 an intermediate that the eager code rounds to bf16.
 """
 
 from __future__ import annotations
@@ -25,8 +25,8 @@ _COMPILED: dict = {}  # function -> its torch.compile'd form (made at first use)
 
 def _region(fn, *args):
     """fn(*args) compiled, the leading (token) dim of every tensor argument dynamic. A region that fails
-    to compile (no Triton, say) runs eagerly from then on, said once: the functions have no side effects,
-    so running one again is safe."""
+    to compile (no Triton, say) runs eagerly from then on, with one warning: the functions have no side
+    effects, so running one again is safe. Other errors (out of memory) are raised as they are."""
     compiled = _COMPILED.get(fn, False)
     if compiled is False:
         compiled = _COMPILED[fn] = torch.compile(fn, fullgraph=True, dynamic=False)
@@ -37,7 +37,7 @@ def _region(fn, *args):
             torch._dynamo.maybe_mark_dynamic(a, 0)
     try:
         return compiled(*args)
-    except Exception as e:  # noqa: BLE001  (any compile failure: the eager function is the same math)
+    except torch._dynamo.exc.TorchDynamoException as e:  # a failed compilation (Inductor's errors are wrapped)
         _COMPILED[fn] = None
         log.warning("kvbuffer: a prompt's fused %s failed to compile, running it eagerly from now on: %s",
                     fn.__name__.strip("_"), str(e).splitlines()[0] if str(e) else type(e).__name__)

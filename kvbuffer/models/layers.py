@@ -12,8 +12,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..kernels import launch
-from . import fused
 from ..reference.experts import grouped_matmul
+from . import fused
 
 
 def rms_normalize(x: torch.Tensor, eps: float, weight: torch.Tensor | None = None) -> torch.Tensor:

@@ -119,3 +119,33 @@ def test_a_prompt_with_fused_regions_gives_the_eager_tokens(kind, monkeypatch, c
     assert set(fused._COMPILED) == set(regions) and all(fused._COMPILED.values())
     said = [line for line in capfd.readouterr().err.splitlines() if line.startswith("kvbuffer: compiling")]
     assert len(said) == 1 and said[0].startswith("kvbuffer: compiling the prompt's fused regions"), said
+
+
+def test_a_region_that_fails_to_compile_runs_eagerly_with_one_warning(monkeypatch, caplog):
+    """No working Triton (say): the compilation's error turns the region eager for good, said once; an error
+    of another kind (out of memory) is not taken for a compile failure."""
+    from torch._dynamo.exc import TorchDynamoException
+
+    from kvbuffer.models import fused
+
+    class CompileFailed(TorchDynamoException):  # what Dynamo wraps a backend's failure in
+        pass
+
+    def broken(fn, **kw):
+        def run(*args):
+            raise CompileFailed("Cannot find a working triton installation")
+        return run
+
+    monkeypatch.setattr(fused, "_COMPILED", {})
+    monkeypatch.setattr(fused.torch, "compile", broken)
+    gate, up = torch.randn(2, 5, 8), torch.randn(2, 5, 8)
+    with caplog.at_level("WARNING", logger="kvbuffer"):
+        for _ in range(2):
+            assert torch.equal(fused.silu_mul(gate, up), F.silu(gate) * up)
+    assert fused._COMPILED[fused._silu_mul] is None
+    said = [r.getMessage() for r in caplog.records]
+    assert len(said) == 1 and "silu_mul failed to compile" in said[0] and "triton" in said[0], said
+    monkeypatch.setattr(fused, "_COMPILED", {})
+    monkeypatch.setattr(fused.torch, "compile", lambda fn, **kw: lambda *a: (_ for _ in ()).throw(MemoryError()))
+    with pytest.raises(MemoryError):
+        fused.silu_mul(gate, up)
