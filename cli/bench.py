@@ -226,11 +226,15 @@ def transformers_bench(args):
 @click.option("--device", default="cuda", show_default=True, help="e2e: cuda, cuda:N or cpu (kernels need CUDA).")
 @click.option("--repeats", default=3, show_default=True, type=click.IntRange(min=1),
               help="e2e: timed calls per length after one warm-up; the median is reported.")
+@click.option("--transformers/--no-transformers", "with_transformers", default=True, show_default=True,
+              help="e2e: also time stock transformers over the same prompts (--no-transformers: kvbuffer's "
+                   "engine alone, to compare its settings).")
 # e2e times what an engine's defaults give a prompt: compile "auto" (a prompt's compiled regions; no decode step
 # is timed, so nothing else compiles)
 @engine_options("chunk_size", "kernels", "cuda_graphs", "compile", "max_prefill_tokens")
 @_out_option
-def prefill(what, prompt_lens, families, batches, launches, replays, preset, fp8, device, repeats, config, out):
+def prefill(what, prompt_lens, families, batches, launches, replays, preset, fp8, device, repeats, with_transformers,
+            config, out):
     """Prefill: the chunked prompt kernels against FLA and mamba_ssm (CUDA graphs, packed prompts), or the time to
     first token of the engine against transformers (B = 1)."""
     from kvbuffer import presets
@@ -271,7 +275,7 @@ def prefill(what, prompt_lens, families, batches, launches, replays, preset, fp8
         engine = dict(chunk_size=config.chunk_size, kernels=config.kernels, cuda_graphs=config.cuda_graphs,
                       compile=config.compile, max_prefill_tokens=config.max_prefill_tokens)
         result = bench_prefill.run_e2e(preset=preset, prompt_lens=lens, device=device, repeats=repeats, engine=engine,
-                                       on_row=save, **_fp8_keyword(fp8))
+                                       on_row=save, transformers=with_transformers, **_fp8_keyword(fp8))
         text = bench_prefill.e2e_table(result)
     for p in results.finish(result, results.result_path(out, stem, result), text):
         click.echo(f"wrote {p}")

@@ -827,8 +827,9 @@ def _e2e_line(r: dict) -> str:
 
 def run_e2e(*, preset: str, prompt_lens=E2E_PROMPT_LENS, device="cuda", dtype=None, repeats: int = 3,
             engine: Mapping | None = None, on_row: Callable[[dict], None] = lambda result: None,
-            fp8: bool = False) -> dict:
-    """TTFT and prompt tokens/s of kvbuffer's engine and of transformers at every prompt length, B = 1."""
+            fp8: bool = False, transformers: bool = True) -> dict:
+    """TTFT and prompt tokens/s of kvbuffer's engine and (with `transformers`) of stock transformers at every
+    prompt length, B = 1."""
     from .. import presets
 
     check_lengths(prompt_lens)
@@ -846,7 +847,8 @@ def run_e2e(*, preset: str, prompt_lens=E2E_PROMPT_LENS, device="cuda", dtype=No
                                    engine=engine or {}, fp8=fp8)
     result["fp8"] = presets.get(preset).fp8_format if fp8 else None
     on_row(result)
-    result["rows"] += transformers_rows(preset, prompt_lens, device=device, dtype=dtype, repeats=repeats)
+    if transformers:
+        result["rows"] += transformers_rows(preset, prompt_lens, device=device, dtype=dtype, repeats=repeats)
     for r in result["rows"]:
         r["tokens_per_s"] = r["P"] / r["ttft_s"]
     on_row(result)

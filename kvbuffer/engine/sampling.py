@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .validate import MIN_TEMPERATURE, check_finite, check_int, check_seed, check_stop_ids, check_temperature, describe
+from .validate import check_finite, check_int, check_seed, check_stop_ids, check_temperature, describe
 
 @dataclass(frozen=True)
 class SamplingParams:

@@ -202,6 +202,13 @@ def test_e2e_runs_both_sides_on_the_cpu(preset):
     assert len(table) == 2 + 4 and table[-1].split()[:2] == ["transformers", "40"]
 
 
+def test_e2e_without_transformers_times_kvbuffer_alone(monkeypatch):
+    monkeypatch.setattr(prefill, "transformers_rows", lambda *a, **k: pytest.fail("timed transformers"))
+    result = prefill.run_e2e(preset="tiny-qwen", prompt_lens=(16,), device="cpu", repeats=1, transformers=False)
+    assert [(r["side"], r["P"]) for r in result["rows"]] == [("kvbuffer", 16)]
+    assert len(prefill.e2e_table(result).splitlines()) == 2 + 1
+
+
 @pytest.mark.parametrize("kwargs, match", [(dict(prompt_lens=(0,)), "--prompt-lens"), (dict(repeats=0), "--repeats"),
                                            (dict(preset="nope"), "unknown model preset")])
 def test_e2e_rejects_bad_arguments_before_building_anything(kwargs, match, monkeypatch):
