@@ -73,7 +73,7 @@ class ModelRunner:
         key = (phase, tokens)
         if key not in self._multi:
             inputs = StepInputs(self.spec.max_requests, torch.device(self.device), tokens)
-            graphs = self._graphs(functools.partial(self._view_forward, phase, tokens), inputs) \
+            graphs = self._graphs(functools.partial(self._view_forward, phase, tokens, graphed=True), inputs) \
                 if self.cuda_graphs else None
             self._multi[key] = inputs, graphs
         return self._multi[key]
@@ -139,17 +139,18 @@ class ModelRunner:
         return True
 
     def _view_batch(self, phase: str, tokens: int, view: torch.Tensor, context_len: int, fill: int = 0,
-                    mode: str | None = None, host_rows: tuple[list[int], list[int]] | None = None, fuse: bool = False):
+                    mode: str | None = None, host_rows: tuple[list[int], list[int]] | None = None, fuse: bool = False,
+                    graphed: bool = False):
         """(ids (B, T), the ForwardBatch) over StepInputs' device view (step_columns' order); host_rows:
         the rows' slots and cached as uploaded (an eager prompt's, for ForwardBatch.host_slots / host_cached);
-        fuse: ForwardBatch.fuse."""
+        fuse, graphed: ForwardBatch's."""
         ids, positions, slots, state_slots, lengths, cached = split_view(view, tokens)
         i32 = torch.int32
         host_slots, host_cached = host_rows if host_rows is not None else (None, None)
         batch = ForwardBatch(phase=phase, mode=mode or self.mode, backend=self.backend, positions=positions,
                              slots=slots.to(i32), state_slots=state_slots.to(i32), lengths=lengths.to(i32),
                              cached=cached.to(i32), flush_at=self.spec.chunk_size, context_len=context_len,
-                             host_slots=host_slots, host_cached=host_cached, fuse=fuse)
+                             host_slots=host_slots, host_cached=host_cached, fuse=fuse, graphed=graphed)
         batch.common_fill = fill
         return ids, batch
 
@@ -158,12 +159,13 @@ class ModelRunner:
         return self._forward(*self._view_batch("decode", 1, view, context_len, mode=mode))[:, 0]
 
     def _view_forward(self, phase: str, tokens: int, view, context_len: int, fill: int = 0, want_hidden=False,
-                      commit=False, host_rows=None, fuse=False):
+                      commit=False, host_rows=None, fuse=False, graphed=False):
         """A verify or prefill forward over StepInputs' device view: logits (B, T, vocab) [, hidden].
         A verify's padding drafts (PADDING_DRAFT) are fed as token 0. commit (greedy verify): the
         target's picks (B, T) and the drafts kept (B,) [, hidden] instead of the logits, the kept
-        tokens committed (kvbuffer.engine.commit). host_rows, fuse: see _view_batch."""
-        ids, batch = self._view_batch(phase, tokens, view, context_len, fill, host_rows=host_rows, fuse=fuse)
+        tokens committed (kvbuffer.engine.commit). host_rows, fuse, graphed: see _view_batch."""
+        ids, batch = self._view_batch(phase, tokens, view, context_len, fill, host_rows=host_rows, fuse=fuse,
+                                      graphed=graphed)
         out = self._forward(ids.clamp(min=0) if phase == "verify" else ids, batch, **self._hidden(want_hidden))
         if not commit:
             return out

@@ -38,6 +38,9 @@ class ForwardBatch:
               a CUDA graph), so its attention can slice each row's cache without reading them back.
     fuse:     the layers run their elementwise stretches as Inductor regions (kvbuffer.models.fused): set
               by the engine for a prompt chunk too long to graph, on CUDA with compile on.
+    graphed:  the forward runs as its CUDA graph's bucket (captured, its warm-up, or a use before its
+              capture): a prompt's attention takes the path a capture can record, so every run of a bucket
+              computes the same.
     """
 
     phase: str
@@ -54,6 +57,7 @@ class ForwardBatch:
     host_cached: list[int] | None = None
     backend: Backend = REFERENCE  # what the mixers call (kvbuffer.runtime.backend), resolved once by the LLM
     fuse: bool = False
+    graphed: bool = False
 
     def __post_init__(self):
         if self.phase not in PHASES:

@@ -82,8 +82,8 @@ def attention(q, k, v, batch: ForwardBatch, caches: ModelCaches, layer: int, sca
     heads are grouped per KV head in the matmuls instead of repeating the keys. Each row's window
     is gathered once, straight into the (B, Hkv, L, D) layout both matmuls read as they are (an
     index of the cache's (slots, L, Hkv, D) layout would need a second, transposing copy).
-    A prompt run eagerly takes _prompt_attention (no score tensor); one captured in a CUDA graph (a
-    short chunk) the window path below.
+    A prompt run eagerly takes _prompt_attention (no score tensor); one run as a CUDA graph's bucket (a
+    short chunk: captured, or before its capture, ForwardBatch.graphed) the window path below.
     On the kernel Backend, for decode and verify forwards, when its attention kernel serves the call
     (Backend.attends_in_place; `kvbuffer tune` builds the kernels for the decode and verify token counts),
     the new keys and values are written first and the kernel reads each row's valid positions
@@ -92,7 +92,7 @@ def attention(q, k, v, batch: ForwardBatch, caches: ModelCaches, layer: int, sca
     kc, vc = caches.kv.layer(layer)
     if batch.phase != "prefill" and batch.backend.attends_in_place(q, kc):  # tune builds decode and verify T
         return _attention_in_place(q, k, v, kc, vc, caches.kv.max_len, batch, scaling)
-    if batch.phase == "prefill" and not (q.is_cuda and torch.cuda.is_current_stream_capturing()):
+    if batch.phase == "prefill" and not batch.graphed and not (q.is_cuda and torch.cuda.is_current_stream_capturing()):
         return _prompt_attention(q, k, v, kc, vc, batch, scaling)
     B, T, H, D = q.shape
     real = batch.slots >= 0
