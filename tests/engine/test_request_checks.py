@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from kvbuffer import LLM, demo_checkpoint
-from kvbuffer.engine.sampling import MIN_TEMPERATURE, SamplingParams, filtered_rows
+from kvbuffer.engine.sampling import SamplingParams, filtered_rows
+from kvbuffer.engine.validate import MIN_TEMPERATURE
 from tests.support.pool_slots import all_free
 
 DEMO = str(demo_checkpoint())
