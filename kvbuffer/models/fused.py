@@ -4,12 +4,13 @@ A prompt's forward runs eagerly (its chunk plan depends on each buffer's fill; k
 compiles only the decode and verify forwards), so the work between its GEMMs and kernels is a chain of
 torch launches, each writing its intermediate to memory: Qwen3.5's decoder norms in fp32 with a cast on
 each side, the residual adds, the MLP's SiLU and product, attention's q/k norms and rotary embedding,
-the gated norms (Nemotron-H's too). At thousands of tokens these chains are a large share of a prompt's
-time (docs/results.md). Each function here is one such stretch compiled by torch.compile (Inductor: one
-or two fused kernels, the token count dynamic, so one compilation serves every prompt length), used
-where ForwardBatch.fuse is set (a prompt chunk too long to be graphed, on CUDA with the engine's compile
-on); elsewhere the layers run their eager code. The same math, rounded the same way, except that a region
-may keep in fp32 an intermediate that the eager code rounds to bf16.
+the gated norms (Nemotron-H's too), the routed experts' weighted sum. At thousands of tokens these
+chains are a large share of a prompt's time (docs/results.md). Each function here is one such stretch
+compiled by torch.compile (Inductor: one or two fused kernels, the token count dynamic, so one
+compilation serves every prompt length), used where ForwardBatch.fuse is set (a prompt chunk too long to
+be graphed, on CUDA with the engine's compile on); elsewhere the layers run their eager code. The same
+math, rounded the same way, except that a region may keep in fp32 an intermediate that the eager code
+rounds to bf16.
 """
 
 from __future__ import annotations
@@ -93,6 +94,13 @@ def _grouped_gated_norm(y, gate, weight, eps: float):
     return weight * h.reshape(N, G * S)
 
 
+def _moe_combine(y, inverse, top_w, acc: torch.dtype):
+    """sum_j top_w[t, j] * y[inverse[t, j]] in `acc`, rounded to y's dtype: each token's k expert rows
+    gathered from the expert-sorted output, weighted and summed in one pass (no unsorted copy of y and
+    no (N, k, H) product in memory)."""
+    return (y[inverse].to(acc) * top_w[..., None].to(acc)).sum(1).to(y.dtype)
+
+
 def _tokens(t: torch.Tensor) -> torch.Tensor:
     """t (..., D) as (N, D): one dynamic dim for the region, whatever the batch and token dims."""
     return t.reshape(-1, t.shape[-1])
@@ -132,6 +140,14 @@ def gated_norm(o, z, weight, eps: float, dtype: torch.dtype):
     """GatedRMSNorm(o.to(dtype), z), per head: o, z (B, T, Hv, V) (z may be a strided view), weight (V,)."""
     B, T, Hv, V = z.shape
     return _region(_gated_norm, o.reshape(B * T, Hv, V), z.reshape(B * T, Hv, V), weight, eps, dtype).view(z.shape)
+
+
+def moe_combine(y, order, top_w, acc: torch.dtype):
+    """The routed experts' output: y (N * k, H) holds the rows of the token-expert pairs sorted by expert
+    (pair i of the sort is pair order[i] = token * k + j), top_w (N, k) their weights. Returns (N, H) in
+    y's dtype, summed in `acc` (kvbuffer.models.layers.route_to_experts)."""
+    inverse = torch.empty_like(order).scatter_(0, order, torch.arange(order.shape[0], device=order.device))
+    return _region(_moe_combine, y, inverse.view(top_w.shape), top_w, acc)
 
 
 def grouped_gated_norm(y, gate, weight, eps: float):

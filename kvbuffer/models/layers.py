@@ -158,7 +158,8 @@ class GatedMLP(nn.Module):
         return self.down_proj(self.act(gate) * up)
 
 
-def route_to_experts(x, top_idx, top_w, first, down, act, accumulate_dtype=None, one_row=False, grouped=0):
+def route_to_experts(x, top_idx, top_w, first, down, act, accumulate_dtype=None, one_row=False, grouped=0,
+                     fuse: bool = False):
     """Mixture-of-experts dispatch: each token through its top-k experts, weighted and summed.
 
     first (E, O, H) and down (E, H, I) are the experts' stacked weights; `act` maps the first
@@ -170,7 +171,8 @@ def route_to_experts(x, top_idx, top_w, first, down, act, accumulate_dtype=None,
     (kvbuffer.reference.experts). Contributions are summed in
     `accumulate_dtype` (default x's). A forward of 1 to `one_row` tokens (the engine sets
     kvbuffer.engine.one_row.EXPERT_TOKENS where the kernel is built; 0 or False: never) takes
-    `experts_by_row` instead.
+    `experts_by_row` instead. `fuse` (a long prompt's chunk: ForwardBatch.fuse): the weighted sum as one
+    compiled region (kvbuffer.models.fused.moe_combine).
     """
     if one_row and 0 < x.shape[0] <= one_row and x.dtype == first.dtype == down.dtype:
         return experts_by_row(x, top_idx, top_w, first, down, act, accumulate_dtype)
@@ -189,6 +191,8 @@ def route_to_experts(x, top_idx, top_w, first, down, act, accumulate_dtype=None,
     else:
         y = grouped_matmul(act(grouped_matmul(x[token_of], first, offs)), down, offs)
     acc = accumulate_dtype or x.dtype
+    if fuse:
+        return fused.moe_combine(y, order, top_w, acc)
     if x.is_cuda:  # each token's k rows back in place, weighted and summed: no atomics, deterministic
         y = y.new_empty(y.shape).index_copy_(0, order, y).view(*top_idx.shape, -1) * top_w[..., None]
         return y.sum(1, dtype=acc).to(x.dtype)
@@ -254,10 +258,10 @@ class Experts(RoutedExperts):
         gate, up = y.chunk(2, dim=-1)
         return self.act(gate) * up
 
-    def forward(self, x, top_idx, top_w):
-        """x (N, H); top_idx, top_w (N, k)."""
+    def forward(self, x, top_idx, top_w, fuse: bool = False):
+        """x (N, H); top_idx, top_w (N, k); fuse: route_to_experts'."""
         return route_to_experts(x, top_idx, top_w.to(x.dtype), self.gate_up_proj, self.down_proj, self.activate,
-                                one_row=self.one_row, grouped=self.grouped)
+                                one_row=self.one_row, grouped=self.grouped, fuse=fuse)
 
 
 class SoftmaxTopKMoE(nn.Module):
@@ -271,15 +275,16 @@ class SoftmaxTopKMoE(nn.Module):
         self.shared_expert = GatedMLP(hidden, shared_intermediate)
         self.shared_expert_gate = nn.Linear(hidden, 1, bias=False)
 
-    def forward(self, x):
+    def forward(self, x, fuse: bool = False):
+        """fuse: the routed experts' weighted sum as one compiled region (route_to_experts)."""
         shape = x.shape
         h = x.reshape(-1, shape[-1])
         probs = F.softmax(self.gate(h), dim=-1, dtype=torch.float)
         top_w, top_idx = torch.topk(probs, self.top_k, dim=-1)
         if self.norm_topk_prob:
             top_w = top_w / top_w.sum(dim=-1, keepdim=True)
-        y = self.experts(h, top_idx, top_w.to(h.dtype))
-        y = y + torch.sigmoid(self.shared_expert_gate(h)) * self.shared_expert(h)
+        y = self.experts(h, top_idx, top_w.to(h.dtype), fuse=fuse)
+        y = y + torch.sigmoid(self.shared_expert_gate(h)) * self.shared_expert(h, fuse=fuse)
         return y.reshape(shape)
 
 

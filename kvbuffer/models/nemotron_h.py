@@ -299,11 +299,11 @@ class UngatedExperts(RoutedExperts):
     def activate(self, y):
         return self.act(y)
 
-    def forward(self, x, top_idx, top_w):
-        """x (N, dim); top_idx, top_w (N, k)."""
+    def forward(self, x, top_idx, top_w, fuse: bool = False):
+        """x (N, dim); top_idx, top_w (N, k); fuse: route_to_experts'."""
         return route_to_experts(x, top_idx, top_w, self.up_proj, self.down_proj, self.activate,
                                 accumulate_dtype=top_w.dtype, one_row=self.one_row,
-                                grouped=self.grouped)
+                                grouped=self.grouped, fuse=fuse)
 
 
 class TopKRouter(nn.Module):
@@ -366,11 +366,12 @@ class MoE(nn.Module):
             self.fc1_latent_proj = Linear(cfg.hidden_size, dim, bias=cfg.mlp_bias)
             self.fc2_latent_proj = Linear(dim, cfg.hidden_size, bias=cfg.mlp_bias)
 
-    def forward(self, x):
+    def forward(self, x, fuse: bool = False):
+        """fuse: the routed experts' weighted sum as one compiled region (route_to_experts)."""
         h = x.reshape(-1, x.shape[-1])
         top_w, top_idx = self.gate(h)
         latent = self.fc1_latent_proj(h) if hasattr(self, "fc1_latent_proj") else h
-        y = self.experts(latent, top_idx, top_w)
+        y = self.experts(latent, top_idx, top_w, fuse=fuse)
         y = self.fc2_latent_proj(y) if hasattr(self, "fc2_latent_proj") else y
         return y.view(x.shape) + self.shared_experts(x)
 
@@ -395,7 +396,7 @@ class Block(nn.Module):
         h = self.norm(x.to(self.norm.weight.dtype))
         if self.kind in ("linear_attention", "full_attention"):
             return x + self.mixer(h, batch, caches)
-        return x + self.mixer(h)
+        return x + (self.mixer(h, fuse=batch.fuse) if self.kind == "moe" else self.mixer(h))
 
 
 class Backbone(nn.Module):

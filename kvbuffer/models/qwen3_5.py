@@ -239,11 +239,11 @@ class DecoderLayer(nn.Module):
 
     def _fused_forward(self, x, batch, caches, rope):
         """forward with each norm (and the residual add before the second) one compiled region, and the
-        dense MLP's SiLU and product another (kvbuffer.models.fused)."""
+        MLP's SiLU and product another, as the MoE's weighted sum (kvbuffer.models.fused)."""
         norm1, norm2 = self.input_layernorm, self.post_attention_layernorm
         y = self._mix(fused.rms_norm(x, norm1.scale(), norm1.eps), batch, caches, rope)
         x, h = fused.add_rms_norm(x, y, norm2.scale(), norm2.eps)
-        return x + (self.mlp(h, fuse=True) if isinstance(self.mlp, GatedMLP) else self.mlp(h))
+        return x + self.mlp(h, fuse=True)
 
 
 class Backbone(nn.Module):

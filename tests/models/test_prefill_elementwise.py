@@ -90,12 +90,27 @@ def test_fused_regions_match_the_eager_layers(dtype=torch.bfloat16):
         gate = torch.randn(2, T, 64 + 24, generator=gen).to(dtype)[..., 24:]  # strided, as the projection's split
         _close(fused.grouped_gated_norm(y.view(2, T, 4, 16), gate, grouped.weight, grouped.eps), grouped(y, gate),
                dtype)
+        _check_moe_combine(fused, 2 * T, gen, dtype)
+
+
+def _check_moe_combine(fused, N: int, gen, dtype, E: int = 5, k: int = 3, H: int = 24):
+    """The routed experts' sum, in fp32 (Nemotron-H's weights) and in the model's dtype (Qwen's), against
+    route_to_experts' eager combine (rows put back in token order, weighted, summed)."""
+    top_idx = torch.stack([torch.randperm(E, generator=gen)[:k] for _ in range(N)])
+    order = torch.sort(top_idx.reshape(-1), stable=True)[1]
+    y = torch.randn(N * k, H, generator=gen).to(dtype)  # the experts' rows in sorted order
+    for acc in (torch.float32, dtype):
+        top_w = torch.rand(N, k, generator=gen).to(acc)
+        unsorted = y.new_empty(y.shape).index_copy_(0, order, y).view(N, k, H)
+        _close(fused.moe_combine(y, order, top_w, acc), (unsorted * top_w[..., None]).sum(1, dtype=acc).to(dtype),
+               dtype)
 
 
 @pytest.mark.parametrize("kind", ["qwen3_5", "nemotron_h"])
 def test_a_prompt_with_fused_regions_gives_the_eager_tokens(kind, monkeypatch, capfd):
     """A whole engine with fuse_prompts forced on (the engine sets it on CUDA only): the prompts' logits
-    within rounding of the unfused engine's, the same greedy tokens, the family's regions compiled."""
+    within rounding of the unfused engine's, the same greedy tokens, the family's regions compiled (the
+    Nemotron-H model with a routed-experts layer)."""
     from kvbuffer import LLM
     from kvbuffer.models import fused
     from tests.support.tiny_models import tiny_model
@@ -104,9 +119,10 @@ def test_a_prompt_with_fused_regions_gives_the_eager_tokens(kind, monkeypatch, c
 
     # a short prompt runs as its graph would (unfused), one too long to graph fuses
     prompts = [[(7 * i + 3) % 97 for i in range(n)] for n in (5, PREFILL_GRAPH_TOKENS + 45)]
-    plain = LLM(tiny_model(kind, seed=3), device="cpu", max_len=PREFILL_GRAPH_TOKENS + 64)
+    shape = {"nemotron_h": {"layers_block_type": ["mamba", "moe", "attention", "mamba", "mlp"]}}.get(kind, {})
+    plain = LLM(tiny_model(kind, seed=3, **shape), device="cpu", max_len=PREFILL_GRAPH_TOKENS + 64)
     want = plain.generate(prompts, max_new_tokens=6, return_logits=True)
-    fused_llm = LLM(tiny_model(kind, seed=3), device="cpu", max_len=PREFILL_GRAPH_TOKENS + 64)
+    fused_llm = LLM(tiny_model(kind, seed=3, **shape), device="cpu", max_len=PREFILL_GRAPH_TOKENS + 64)
     monkeypatch.setattr(fused_llm.runner, "fuse_prompts", True)
     monkeypatch.setattr(fused, "_COMPILED", {})
     got = fused_llm.generate(prompts, max_new_tokens=6, return_logits=True)
@@ -115,7 +131,7 @@ def test_a_prompt_with_fused_regions_gives_the_eager_tokens(kind, monkeypatch, c
         torch.testing.assert_close(torch.stack(g.logits), torch.stack(w.logits), rtol=1e-4, atol=1e-4)
     regions = {"qwen3_5": (fused._rms_norm, fused._add_rms_norm, fused._silu_mul, fused._gated_norm,
                            fused._norm_rope, fused._sigmoid_mul),
-               "nemotron_h": (fused._grouped_gated_norm,)}[kind]
+               "nemotron_h": (fused._grouped_gated_norm, fused._moe_combine)}[kind]
     assert set(fused._COMPILED) == set(regions) and all(fused._COMPILED.values())
     said = [line for line in capfd.readouterr().err.splitlines() if line.startswith("kvbuffer: compiling")]
     assert len(said) == 1 and said[0].startswith("kvbuffer: compiling the prompt's fused regions"), said
