@@ -4,7 +4,7 @@ A prompt's forward runs eagerly (its chunk plan depends on each buffer's fill; k
 compiles only the decode and verify forwards), so the work between its GEMMs and kernels is a chain of
 torch launches, each writing its intermediate to memory: Qwen3.5's decoder norms in fp32 with a cast on
 each side, the residual adds, the MLP's SiLU and product, attention's q/k norms and rotary embedding,
-the gated norms (Nemotron-H's too), the routed experts' weighted sum. At thousands of tokens these
+the gated norms (Nemotron-H's too), the routed experts' activation and weighted sum. At thousands of tokens these
 chains are a large share of a prompt's time (docs/results.md). Each function here is one such stretch
 compiled by torch.compile (Inductor: one or two fused kernels, the token count dynamic, so one
 compilation serves every prompt length), used where ForwardBatch.fuse is set (a prompt chunk too long to
@@ -140,6 +140,12 @@ def gated_norm(o, z, weight, eps: float, dtype: torch.dtype):
     """GatedRMSNorm(o.to(dtype), z), per head: o, z (B, T, Hv, V) (z may be a strided view), weight (V,)."""
     B, T, Hv, V = z.shape
     return _region(_gated_norm, o.reshape(B * T, Hv, V), z.reshape(B * T, Hv, V), weight, eps, dtype).view(z.shape)
+
+
+def activation(fn, x):
+    """fn(x) for an elementwise activation `fn` (a plain function: relu², SiLU...), x (..., D) of any
+    strides; one compilation per function."""
+    return _region(fn, _tokens(x)).view(x.shape)
 
 
 def moe_combine(y, order, top_w, acc: torch.dtype):

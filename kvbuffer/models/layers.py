@@ -259,8 +259,11 @@ class Experts(RoutedExperts):
         return self.act(gate) * up
 
     def forward(self, x, top_idx, top_w, fuse: bool = False):
-        """x (N, H); top_idx, top_w (N, k); fuse: route_to_experts'."""
-        return route_to_experts(x, top_idx, top_w.to(x.dtype), self.gate_up_proj, self.down_proj, self.activate,
+        """x (N, H); top_idx, top_w (N, k); fuse: route_to_experts', and SiLU's product as a region."""
+        act = self.activate
+        if fuse and self.act is F.silu:
+            act = lambda y: fused.silu_mul(*y.chunk(2, dim=-1))  # noqa: E731
+        return route_to_experts(x, top_idx, top_w.to(x.dtype), self.gate_up_proj, self.down_proj, act,
                                 one_row=self.one_row, grouped=self.grouped, fuse=fuse)
 
 

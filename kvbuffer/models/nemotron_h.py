@@ -300,8 +300,9 @@ class UngatedExperts(RoutedExperts):
         return self.act(y)
 
     def forward(self, x, top_idx, top_w, fuse: bool = False):
-        """x (N, dim); top_idx, top_w (N, k); fuse: route_to_experts'."""
-        return route_to_experts(x, top_idx, top_w, self.up_proj, self.down_proj, self.activate,
+        """x (N, dim); top_idx, top_w (N, k); fuse: route_to_experts', and the activation as a region."""
+        act = (lambda y: fused.activation(self.act, y)) if fuse else self.activate
+        return route_to_experts(x, top_idx, top_w, self.up_proj, self.down_proj, act,
                                 accumulate_dtype=top_w.dtype, one_row=self.one_row,
                                 grouped=self.grouped, fuse=fuse)
 

@@ -55,7 +55,7 @@ def test_fused_regions_match_the_eager_layers(dtype=torch.bfloat16):
     """In bf16, as they run on the GPU (the fp32 math is checked to 1e-4 by the engine test below)."""
     from kvbuffer.models import fused
     from kvbuffer.models.layers import RMSNorm
-    from kvbuffer.models.nemotron_h import GroupedGatedRMSNorm
+    from kvbuffer.models.nemotron_h import GroupedGatedRMSNorm, _relu2
 
     gen = torch.Generator().manual_seed(2)
     norm = RMSNorm(48, 1e-6, zero_centered=True).to(dtype)
@@ -90,6 +90,7 @@ def test_fused_regions_match_the_eager_layers(dtype=torch.bfloat16):
         gate = torch.randn(2, T, 64 + 24, generator=gen).to(dtype)[..., 24:]  # strided, as the projection's split
         _close(fused.grouped_gated_norm(y.view(2, T, 4, 16), gate, grouped.weight, grouped.eps), grouped(y, gate),
                dtype)
+        _close(fused.activation(_relu2, gate), _relu2(gate), dtype)
         _check_moe_combine(fused, 2 * T, gen, dtype)
 
 
@@ -113,6 +114,7 @@ def test_a_prompt_with_fused_regions_gives_the_eager_tokens(kind, monkeypatch, c
     Nemotron-H model with a routed-experts layer)."""
     from kvbuffer import LLM
     from kvbuffer.models import fused
+    from kvbuffer.models.nemotron_h import _relu2
     from tests.support.tiny_models import tiny_model
 
     from kvbuffer.engine.graphs import PREFILL_GRAPH_TOKENS
@@ -131,7 +133,7 @@ def test_a_prompt_with_fused_regions_gives_the_eager_tokens(kind, monkeypatch, c
         torch.testing.assert_close(torch.stack(g.logits), torch.stack(w.logits), rtol=1e-4, atol=1e-4)
     regions = {"qwen3_5": (fused._rms_norm, fused._add_rms_norm, fused._silu_mul, fused._gated_norm,
                            fused._norm_rope, fused._sigmoid_mul),
-               "nemotron_h": (fused._grouped_gated_norm, fused._moe_combine)}[kind]
+               "nemotron_h": (fused._grouped_gated_norm, fused._moe_combine, _relu2)}[kind]
     assert set(fused._COMPILED) == set(regions) and all(fused._COMPILED.values())
     said = [line for line in capfd.readouterr().err.splitlines() if line.startswith("kvbuffer: compiling")]
     assert len(said) == 1 and said[0].startswith("kvbuffer: compiling the prompt's fused regions"), said
