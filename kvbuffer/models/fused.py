@@ -4,11 +4,11 @@ A prompt's forward runs eagerly (its chunk plan depends on each buffer's fill; k
 compiles only the decode and verify forwards), so the work between its GEMMs and kernels is a chain of
 torch launches, each writing its intermediate to memory: Qwen3.5's decoder norms in fp32 with a cast on
 each side, the residual adds, the MLP's SiLU and product, attention's q/k norms and rotary embedding,
-the gated norms (Nemotron-H's too), the routed experts' activation and weighted sum. At thousands of tokens these
-chains are a large share of a prompt's time (docs/results.md). Each function here is one such stretch
-compiled by torch.compile (Inductor: one or two fused kernels, the token count dynamic, so one
-compilation serves every prompt length), used where ForwardBatch.fuse is set (a prompt chunk too long to
-be graphed, on CUDA with the engine's compile on); elsewhere the layers run their eager code. The same
+the gated norms (Nemotron-H's too), the routed experts' activation and weighted sum. At thousands of
+tokens these chains are a large share of a prompt's time (docs/results.md). Each function here is one
+such stretch compiled by torch.compile (Inductor: one or two fused kernels, the token count dynamic, so
+one compilation serves every prompt length), used where ForwardBatch.fuse is set (a prompt chunk too long
+to be graphed, on CUDA with the engine's compile on); elsewhere the layers run their eager code. The same
 math, rounded the same way, except that a region may keep in fp32 an intermediate that the eager code
 rounds to bf16.
 """

@@ -279,7 +279,7 @@ class SoftmaxTopKMoE(nn.Module):
         self.shared_expert_gate = nn.Linear(hidden, 1, bias=False)
 
     def forward(self, x, fuse: bool = False):
-        """fuse: the routed experts' weighted sum as one compiled region (route_to_experts)."""
+        """fuse: the routed experts' activation and weighted sum as compiled regions (kvbuffer.models.fused)."""
         shape = x.shape
         h = x.reshape(-1, shape[-1])
         probs = F.softmax(self.gate(h), dim=-1, dtype=torch.float)

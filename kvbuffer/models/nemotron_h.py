@@ -368,7 +368,7 @@ class MoE(nn.Module):
             self.fc2_latent_proj = Linear(dim, cfg.hidden_size, bias=cfg.mlp_bias)
 
     def forward(self, x, fuse: bool = False):
-        """fuse: the routed experts' weighted sum as one compiled region (route_to_experts)."""
+        """fuse: the routed experts' activation and weighted sum as compiled regions (kvbuffer.models.fused)."""
         h = x.reshape(-1, x.shape[-1])
         top_w, top_idx = self.gate(h)
         latent = self.fc1_latent_proj(h) if hasattr(self, "fc1_latent_proj") else h
