@@ -248,7 +248,7 @@ class ModelRunner:
         columns = self._columns(rows, [r.pending[:T] for r in rows])
         context_len = max(r.cached for r in rows) + T
         inputs, graphs = self._inputs_for("prefill", T)
-        long_chunk = row_bucket(len(rows), inputs.max_rows) * T > PREFILL_GRAPH_TOKENS
+        long_chunk = self._long_chunk(len(rows), T, inputs)
         if long_chunk:
             graphs = None  # a long chunk waits on its GEMMs, not on its launches
         out = self._replayed(graphs, columns, context_len, fill, want_hidden)
@@ -320,11 +320,16 @@ class ModelRunner:
         tokens, with ForwardBatch.fuse as a chunk that long gets: the prompt's fused regions are compiled
         now, not on the first long prompt (LLM.warm_up)."""
         inputs, _ = self._inputs_for("prefill", tokens)
-        long_chunk = row_bucket(1, inputs.max_rows) * tokens > PREFILL_GRAPH_TOKENS
         columns = [[pad] for pad in inputs.padding]
-        fuse = long_chunk and self.fuse_prompts
+        fuse = self._long_chunk(1, tokens, inputs) and self.fuse_prompts
         with self._first_fused(fuse):
             self._view_forward("prefill", tokens, inputs.upload(columns, 1), tokens, fuse=fuse)
+
+    @staticmethod
+    def _long_chunk(rows: int, tokens: int, inputs: StepInputs) -> bool:
+        """Whether a prompt chunk of `rows` rows of `tokens` tokens is too long to graph (its bucket's
+        row-tokens past PREFILL_GRAPH_TOKENS): it runs eagerly, and fuses where prompts fuse."""
+        return row_bucket(rows, inputs.max_rows) * tokens > PREFILL_GRAPH_TOKENS
 
     def _first_fused(self, fuse: bool):
         """Around a prompt forward: the first fused one (its regions compile) is said on one stderr line."""
