@@ -46,6 +46,7 @@ from ..rows import put_rows
 from . import replayssm
 
 RING_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+MIN_VERIFY_RING = 16  # SGLang's commit: a tl.dot over the ring's entries, which Triton compiles for 16 or more
 DECODE = {"gdn": "sglang_step", "mamba2": "vllm_step"}  # replayssm.MODULES' entry per family
 REPLAY_VERIFY = {"gdn": "sglang_spec", "mamba2": None}
 NO_VERIFY = ("vLLM 0.33.0 ships no ReplaySSM verify for Mamba-2 (its one ReplaySSM kernel, "
@@ -69,9 +70,9 @@ def unsupported(shape: LinearLayerShape | None, chunk_size: int, fed: int) -> st
         K = shape.head_k_dim
         if K & (K - 1) or K < 32:
             return f"SGLang's ReplaySSM kernels need a power-of-two head_k_dim >= 32 (2 K tiles of 16), got {K}"
-        if fed > 1 and (chunk_size & (chunk_size - 1) or chunk_size < 2 * fed):
-            return (f"SGLang's verify ring needs a power-of-two length >= 2 x {fed} tokens per verify, "
-                    f"got chunk_size {chunk_size}")
+        if fed > 1 and (chunk_size & (chunk_size - 1) or chunk_size < max(2 * fed, MIN_VERIFY_RING)):
+            return (f"SGLang's verify ring needs a power-of-two length >= 2 x {fed} tokens per verify and >= "
+                    f"{MIN_VERIFY_RING} (its commit folds the ring in one tl.dot), got chunk_size {chunk_size}")
     return None
 
 

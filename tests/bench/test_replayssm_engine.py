@@ -62,13 +62,13 @@ def test_greedy_decode_equals_kvbuffer_mode(kind, ring, atol):
 
 
 def test_speculative_greedy_equals_kvbuffer_mode():
-    """SGLang's verify and commit of 2 drafts (L = 8: its early fold every few verifies), drafts right
+    """SGLang's verify and commit of 2 drafts (L = 16: its early fold every few verifies), drafts right
     except every third: the tokens of plain kvbuffer decoding."""
     _kernels_or_skip("qwen3_5", drafts=2)
     model = tiny_model("qwen3_5")
     refs = [(p, o.token_ids) for p, o in zip(PROMPTS, _kvbuffer_run(model, 8, 11))]
     with interpreted():
-        llm = replayssm_llm(model, device="cpu", chunk_size=8, max_batch=4, drafts=2)
+        llm = replayssm_llm(model, device="cpu", chunk_size=16, max_batch=4, drafts=2)
         llm.runner.use_graphs(True, capture=False)
         llm.drafter = ScriptedDrafter(refs, "some", llm.vocab_size)
         got = llm.generate(PROMPTS, max_new_tokens=9, stop_token_ids=[])
@@ -80,11 +80,12 @@ def test_speculative_greedy_equals_kvbuffer_mode():
     ("nemotron_h", dict(drafts=2), "no ReplaySSM verify for Mamba-2"),
     ("qwen3_5", dict(drafts=2, chunk_size=12), "power-of-two length >= 2 x 3"),
     ("qwen3_5", dict(drafts=4, chunk_size=8), "power-of-two length >= 2 x 5"),
+    ("qwen3_5", dict(drafts=2, chunk_size=8), ">= 16 \\(its commit folds the ring in one tl.dot\\)"),
     ("qwen3_5", dict(mode="recurrent"), "set by replayssm_llm"),
     ("qwen3_5", dict(ring_dtype=torch.float16), "ring_dtype must be one of"),
     ("qwen3_5", dict(drafts=-1), "drafts must be an int >= 0"),
     ("qwen3_5", dict(chunk_size=None), "chunk_size .* must be given"),
-], ids=["mamba2-verify", "ring-not-pow2", "ring-too-short", "mode", "ring-dtype", "drafts", "chunk-size"])
+], ids=["mamba2-verify", "ring-not-pow2", "ring-too-short", "ring-under-16", "mode", "ring-dtype", "drafts", "chunk-size"])
 def test_refused_before_anything_is_built(kind, options, match):
     options = {"chunk_size": 8, **options}
     with pytest.raises(ValueError, match=match):
@@ -210,8 +211,8 @@ def test_compiled_steps_have_no_graph_break(drafts):
         for compile_ in (False, True):
             torch._dynamo.reset()
             counters.clear()
-            llm = replayssm_llm(tiny_model("qwen3_5"), device="cpu", chunk_size=8, max_batch=4, compile=compile_,
-                                drafts=drafts)
+            llm = replayssm_llm(tiny_model("qwen3_5"), device="cpu", chunk_size=16 if drafts else 8, max_batch=4,
+                                compile=compile_, drafts=drafts)
             if drafts:
                 llm.drafter = ScriptedDrafter(refs, "some", llm.vocab_size)
             outs.append([o.token_ids for o in llm.generate(PROMPTS, max_new_tokens=5, stop_token_ids=[])])

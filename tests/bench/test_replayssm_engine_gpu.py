@@ -14,7 +14,8 @@ from tests.support.tiny_models import tiny_model
 
 pytestmark = pytest.mark.gpu
 
-C = 8  # the rings' length: >= 2 x (1 + 3 drafts), a power of two
+C = 8  # the rings' length: a power of two (decode)
+C_VERIFY = 16  # >= 2 x (1 + 3 drafts) and replayssm_engine.MIN_VERIFY_RING
 PROMPTS = [[3, 1, 4, 1, 5, 9, 2, 6, 1], [7, 5, 3, 2, 6, 6, 6, 6], [2, 7, 1, 8, 2, 8, 1, 8, 2, 8, 4, 5, 9]]
 
 
@@ -37,7 +38,8 @@ def test_replayssm_mode_matches_kvbuffer_mode(kind, drafts, ring):
     found, note = replayssm_engine.load_kernels(family, drafts + 1)
     if found is None:
         pytest.skip(note)
-    options = dict(device="cuda", dtype=torch.bfloat16, chunk_size=C, max_batch=4, max_len=96, kernels=True)
+    options = dict(device="cuda", dtype=torch.bfloat16, chunk_size=C_VERIFY if drafts else C, max_batch=4, max_len=96,
+                   kernels=True)
     own = _run(LLM(tiny_model(kind), **options))
     refs = [(p, o.token_ids) for p, o in zip(PROMPTS, own)]
     llm = replayssm_engine.replayssm_llm(tiny_model(kind), drafts=drafts, ring_dtype=replayssm_engine.RING_DTYPES[ring],
