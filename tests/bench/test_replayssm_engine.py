@@ -25,6 +25,7 @@ if importlib.util.find_spec("sglang") or importlib.util.find_spec("vllm"):
     request_interpreter()  # before triton is first imported (only where there is something to run)
 
 PROMPTS = [[3, 1, 4, 1, 5, 9, 2, 6, 1], [7, 5, 3, 2, 6, 6, 6, 6], [2, 7, 1, 8, 2, 8, 1, 8, 2, 8, 4, 5, 9]]
+LONG_PROMPTS = [p + p for p in PROMPTS]  # >= 16 tokens (the verify ring): every request has its state from admission
 FAMILY = {"qwen3_5": "gdn", "nemotron_h": "mamba2"}
 
 
@@ -34,9 +35,9 @@ def _kernels_or_skip(kind: str, drafts: int = 0) -> None:
         pytest.skip(note)
 
 
-def _kvbuffer_run(model, chunk_size, tokens):
+def _kvbuffer_run(model, chunk_size, tokens, prompts=PROMPTS):
     llm = LLM(model, device="cpu", mode="kvbuffer", chunk_size=chunk_size, max_batch=4)
-    return llm.generate(PROMPTS, max_new_tokens=tokens, stop_token_ids=[], return_logits=True)
+    return llm.generate(prompts, max_new_tokens=tokens, stop_token_ids=[], return_logits=True)
 
 
 @pytest.mark.parametrize("kind, ring, atol", [("qwen3_5", "float32", 1e-4), ("qwen3_5", "bfloat16", 3e-2),
@@ -66,12 +67,12 @@ def test_speculative_greedy_equals_kvbuffer_mode():
     except every third: the tokens of plain kvbuffer decoding."""
     _kernels_or_skip("qwen3_5", drafts=2)
     model = tiny_model("qwen3_5")
-    refs = [(p, o.token_ids) for p, o in zip(PROMPTS, _kvbuffer_run(model, 8, 11))]
+    refs = [(p, o.token_ids) for p, o in zip(LONG_PROMPTS, _kvbuffer_run(model, 8, 11, LONG_PROMPTS))]
     with interpreted():
         llm = replayssm_llm(model, device="cpu", chunk_size=16, max_batch=4, drafts=2)
         llm.runner.use_graphs(True, capture=False)
         llm.drafter = ScriptedDrafter(refs, "some", llm.vocab_size)
-        got = llm.generate(PROMPTS, max_new_tokens=9, stop_token_ids=[])
+        got = llm.generate(LONG_PROMPTS, max_new_tokens=9, stop_token_ids=[])
     assert [o.token_ids for o in got] == [c[:9] for _, c in refs]
     assert 0.3 < llm.acceptance["acceptance_rate"] < 1.0  # drafts kept and rejected
 

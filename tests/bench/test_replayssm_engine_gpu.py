@@ -17,12 +17,13 @@ pytestmark = pytest.mark.gpu
 C = 8  # the rings' length: a power of two (decode)
 C_VERIFY = 16  # >= 2 x (1 + 3 drafts) and replayssm_engine.MIN_VERIFY_RING
 PROMPTS = [[3, 1, 4, 1, 5, 9, 2, 6, 1], [7, 5, 3, 2, 6, 6, 6, 6], [2, 7, 1, 8, 2, 8, 1, 8, 2, 8, 4, 5, 9]]
+LONG_PROMPTS = [p + p for p in PROMPTS]  # >= C_VERIFY tokens: every request has its state from admission
 
 
-def _run(llm, refs=None):
+def _run(llm, prompts, refs=None):
     if refs is not None:
         llm.drafter = ScriptedDrafter(refs, "some", llm.vocab_size, strict=False)
-    return llm.generate(PROMPTS, max_new_tokens=20, return_logits=True, stop_token_ids=[])
+    return llm.generate(prompts, max_new_tokens=20, return_logits=True, stop_token_ids=[])
 
 
 @pytest.mark.parametrize("kind, drafts", [("qwen3_5", 0), ("qwen3_5", 3), ("nemotron_h", 0)],
@@ -40,11 +41,12 @@ def test_replayssm_mode_matches_kvbuffer_mode(kind, drafts, ring):
         pytest.skip(note)
     options = dict(device="cuda", dtype=torch.bfloat16, chunk_size=C_VERIFY if drafts else C, max_batch=4, max_len=96,
                    kernels=True)
-    own = _run(LLM(tiny_model(kind), **options))
-    refs = [(p, o.token_ids) for p, o in zip(PROMPTS, own)]
+    prompts = LONG_PROMPTS if drafts else PROMPTS
+    own = _run(LLM(tiny_model(kind), **options), prompts)
+    refs = [(p, o.token_ids) for p, o in zip(prompts, own)]
     llm = replayssm_engine.replayssm_llm(tiny_model(kind), drafts=drafts, ring_dtype=replayssm_engine.RING_DTYPES[ring],
                                          **options)
-    compare_greedy(_run(llm, refs if drafts else None), own, tol=0.15)
+    compare_greedy(_run(llm, prompts, refs if drafts else None), own, tol=0.15)
     assert llm.runner.compiled is not None, "compile fell back"
     graphs = [g for _, g in llm.runner._multi.values() if g is not None] + [llm.runner.graphs]
     assert any(g.enabled and g.graphs for g in graphs), "no graph was captured"

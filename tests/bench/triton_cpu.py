@@ -46,16 +46,17 @@ def interpreted():
     def as_bool(mask):
         return interpreter.TensorHandle(np.asarray(mask.data).astype(bool), tl.int1)
 
-    def load(self, ptrs, mask, other, cache_policy, is_volatile):
-        return plain_load(self, ptrs, as_bool(mask), other, cache_policy, is_volatile)
+    # the trailing arguments (cache and eviction hints, dot precision) differ between Triton releases: passed on
+    def load(self, ptrs, mask, other, *hints):
+        return plain_load(self, ptrs, as_bool(mask), other, *hints)
 
-    def store(self, ptrs, value, mask, cache_policy):
-        return plain_store(self, ptrs, value, as_bool(mask), cache_policy)
+    def store(self, ptrs, value, mask, *hints):
+        return plain_store(self, ptrs, value, as_bool(mask), *hints)
 
-    def dot(self, a, b, d, input_precision, max_num_imprecise_acc):
+    def dot(self, a, b, d, *precision):
         def fp32(h):
             return interpreter.TensorHandle(_widen_bf16(h.data), tl.float32) if h.dtype.scalar == tl.bfloat16 else h
-        return plain_dot(self, fp32(a), fp32(b), d, input_precision, max_num_imprecise_acc)
+        return plain_dot(self, fp32(a), fp32(b), d, *precision)
 
     builder.create_masked_load, builder.create_masked_store, builder.create_dot = load, store, dot
     try:
