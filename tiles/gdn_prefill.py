@@ -307,12 +307,17 @@ def gdn_prefill_states(Hk: int, Hv: int, K: int = 128, V: int = 128, *, BV: int 
         T.copy(hs, h[base + c, hv, 0:K, v0:v0 + BV])
 
     @T.macro
-    def fold(hf, ks, ds, df, Gs, L):
-        # h <- exp(G_last) h + (exp(G_last - G_s) k_s)^T delta_s
+    def fold(hf, ks, ds, df, Gs, wv, decay, L):
+        # h <- exp(G_last) h + (exp(G_last - G_s) k_s)^T delta_s (df is 0 past the chunk's tokens); the weights
+        # first, then one copy to shared (one barrier, where a store a barrier is what an element loop gets)
+        for i in T.Parallel(BT):
+            wv[i] = T.exp(Gs[L - 1] - Gs[i])
+        decay[0] = T.exp(Gs[L - 1])
         for i, j in T.Parallel(BT, BV):
-            ds[i, j] = T.cast(df[i, j] * T.exp(Gs[L - 1] - Gs[i]), bf16)
+            df[i, j] = df[i, j] * wv[i]
+        T.copy(df, ds)
         for i, j in T.Parallel(K, BV):
-            hf[i, j] = hf[i, j] * T.exp(Gs[L - 1])
+            hf[i, j] = hf[i, j] * decay[0]
         T.gemm(ks, ds, hf, transpose_A=True)
 
     @T.macro
@@ -341,6 +346,8 @@ def gdn_prefill_states(Hk: int, Hv: int, K: int = 128, V: int = 128, *, BV: int 
             ds = T.alloc_shared((BT, BV), bf16)
             df = T.alloc_fragment((BT, BV), f32)
             Gs = T.alloc_shared((BT,), f32)
+            wv = T.alloc_shared((BT,), f32)
+            decay = T.alloc_local((1,), f32)
             hk = hv // r
             v0 = bv * BV
             slot = state_slots[bb]
@@ -364,7 +371,7 @@ def gdn_prefill_states(Hk: int, Hv: int, K: int = 128, V: int = 128, *, BV: int 
                 for i, j in T.Parallel(BT, BV):
                     if i < L:
                         delta[t0 + i, hv, v0 + j] = T.cast(df[i, j], bf16)
-                fold(hf, ks, ds, df, Gs, L)
+                fold(hf, ks, ds, df, Gs, wv, decay, L)
             store_state(hf, state, slot, hv, v0)
 
     @T.prim_func
@@ -433,6 +440,8 @@ def gdn_prefill_states(Hk: int, Hv: int, K: int = 128, V: int = 128, *, BV: int 
                 T.gemm(ks, ds, hf, transpose_A=True)
             store_state(hf, state, slot, hv, v0)
 
+    GW = 4  # the pipelined pass loads G as (BT, GW) boxes of gcum (16 bytes a row: a TMA copy), column hv % GW
+
     @T.prim_func
     def pipelined_states_kernel(
         k: T.Tensor((N, Hk, K), bf16),
@@ -453,8 +462,12 @@ def gdn_prefill_states(Hk: int, Hv: int, K: int = 128, V: int = 128, *, BV: int 
             us = T.alloc_shared((BT, BV), bf16)
             ds = T.alloc_shared((BT, BV), bf16)
             df = T.alloc_fragment((BT, BV), f32)
-            Gs = T.alloc_shared((BT,), f32)
+            G4 = T.alloc_shared((BT, GW), f32)
+            wv = T.alloc_shared((BT,), f32)
+            decay = T.alloc_local((1,), f32)
             hk = hv // r
+            g0 = hv - hv % GW
+            gc = hv % GW
             v0 = bv * BV
             slot = state_slots[bb]
             bos = cu_seqlens[bb]
@@ -465,7 +478,13 @@ def gdn_prefill_states(Hk: int, Hv: int, K: int = 128, V: int = 128, *, BV: int 
                 T.copy(w[bos + c * BT:bos + c * BT + BT, hv, 0:K], ws)
                 T.copy(k[bos + c * BT:bos + c * BT + BT, hk, 0:K], ks)
                 T.copy(u[bos + c * BT:bos + c * BT + BT, hv, v0:v0 + BV], us)
-                T.copy(gcum[bos + c * BT:bos + c * BT + BT, hv], Gs)
+                T.copy(gcum[bos + c * BT:bos + c * BT + BT, g0:g0 + GW], G4)
+                # the fold's weights exp(G_last - G_s) (0 past the sequence: G there is not ours) and exp(G_last),
+                # first: the barriers of the state's copy below order them before their use
+                for i in T.Parallel(BT):
+                    wv[i] = T.if_then_else(i < eos - bos - c * BT, T.exp(
+                        G4[T.min(BT, eos - bos - c * BT) - 1, gc] - G4[i, gc]), 0.0)
+                decay[0] = T.exp(G4[T.min(BT, eos - bos - c * BT) - 1, gc])
                 start_chunk(hf, hs, h, base, c, hv, v0)
                 T.gemm(ws, hs, df, clear_accum=True)
                 for i, j in T.Parallel(BT, BV):
@@ -473,11 +492,11 @@ def gdn_prefill_states(Hk: int, Hv: int, K: int = 128, V: int = 128, *, BV: int 
                 for i, j in T.Parallel(BT, BV):
                     if i < eos - bos - c * BT:
                         delta[bos + c * BT + i, hv, v0 + j] = T.cast(df[i, j], bf16)
-                for i, j in T.Parallel(BT, BV):  # masked before the product: G past the sequence is not ours
-                    ds[i, j] = T.cast(T.if_then_else(i < eos - bos - c * BT, df[i, j] * T.exp(
-                        Gs[T.min(BT, eos - bos - c * BT) - 1] - Gs[i]), 0.0), bf16)
+                for i, j in T.Parallel(BT, BV):
+                    df[i, j] = df[i, j] * wv[i]
+                T.copy(df, ds)  # one copy (one barrier), not a barrier a store
                 for i, j in T.Parallel(K, BV):
-                    hf[i, j] = hf[i, j] * T.exp(Gs[T.min(BT, eos - bos - c * BT) - 1])
+                    hf[i, j] = hf[i, j] * decay[0]
                 T.gemm(ks, ds, hf, transpose_A=True)
             store_state(hf, state, slot, hv, v0)
 
