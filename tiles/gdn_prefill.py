@@ -115,19 +115,15 @@ def gdn_prefill_prep(Hk: int, Hv: int, K: int = 128, V: int = 128, *, threads: i
     SB = SOLVE_BLOCK
 
     @T.macro
-    def front(k, v, g, beta, gcum, gl, Gs, bs, ks, kb, vs, gram, acc, tx, t0, L, hk, hv):
+    def front(k, v, g, beta, gcum, gl, Gs, bs, ks, kb, vs, gram, t0, L, hk, hv):
         """G, beta, the Gram k k^T and the right-hand sides beta exp(G) k and beta v of one chunk."""
         for i in T.Parallel(BT):
             gl[i] = T.if_then_else(i < L, T.max(g[T.min(t0 + i, N - 1), hv], LOG_DECAY_FLOOR), 0.0)
             bs[i] = T.if_then_else(i < L, beta[T.min(t0 + i, N - 1), hv], 0.0)
-        if tx < BT:
-            acc[0] = 0.0
-            for j in T.serial(BT):
-                if j <= tx:
-                    acc[0] = acc[0] + gl[j]
-            Gs[tx] = acc[0]
-            if tx < L:
-                gcum[t0 + tx, hv] = acc[0]
+        T.cumsum(gl, Gs)
+        for i in T.Parallel(BT):
+            if i < L:
+                gcum[t0 + i, hv] = Gs[i]
         for i, d in T.Parallel(BT, K):
             ks[i, d] = T.if_then_else(i < L, k[T.min(t0 + i, N - 1), hk, d], T.cast(0.0, bf16))
             kb[i, d] = T.cast(T.if_then_else(i < L, T.cast(k[T.min(t0 + i, N - 1), hk, d], f32), 0.0)
@@ -175,13 +171,12 @@ def gdn_prefill_prep(Hk: int, Hv: int, K: int = 128, V: int = 128, *, threads: i
             uf = T.alloc_fragment((BT, V), f32)
             xb = T.alloc_local((16,), f32)
             xj = T.alloc_local((1,), f32)
-            acc = T.alloc_local((1,), f32)
 
             t0 = chunks[s, 0]
             L = chunks[s, 1]
             if L > 0:
                 hk = hv // r
-                front(k, v, g, beta, gcum, gl, Gs, bs, ks, kb, vs, gram, acc, tx, t0, L, hk, hv)
+                front(k, v, g, beta, gcum, gl, Gs, bs, ks, kb, vs, gram, t0, L, hk, hv)
                 for i, j in T.Parallel(BT, BT):  # stored transposed: At[s, t] = A[t, s]
                     At[j, i] = T.if_then_else(i > j, bs[i] * T.exp(Gs[i] - Gs[j]) * gram[i, j], 0.0)
                 # Tinv by forward substitution in fp32, one column a thread, 16 rows at a time in registers:
@@ -232,13 +227,12 @@ def gdn_prefill_prep(Hk: int, Hv: int, K: int = 128, V: int = 128, *, threads: i
             wf = T.alloc_fragment((BT, K), f32)
             uf = T.alloc_fragment((BT, V), f32)
             xb = T.alloc_local((SB,), f32)
-            acc = T.alloc_local((1,), f32)
 
             t0 = chunks[s, 0]
             L = chunks[s, 1]
             if L > 0:
                 hk = hv // r
-                front(k, v, g, beta, gcum, gl, Gs, bs, ks, kb, vs, gram, acc, tx, t0, L, hk, hv)
+                front(k, v, g, beta, gcum, gl, Gs, bs, ks, kb, vs, gram, t0, L, hk, hv)
                 for i, j in T.Parallel(BT, BT):
                     Ad[i, j] = T.if_then_else(i // SB == j // SB, T.if_then_else(
                         i > j, bs[i] * T.exp(Gs[i] - Gs[j]) * gram[i, j], 0.0), 0.0)
@@ -391,7 +385,6 @@ def gdn_prefill_states(Hk: int, Hv: int, K: int = 128, V: int = 128, *, BV: int 
         dt_max: T.float32,
     ):
         with T.Kernel(V // BV, Hv, B, threads=threads) as (bv, hv, bb):
-            tx = T.get_thread_binding()
             hf = T.alloc_fragment((K, BV), f32)
             hs = T.alloc_shared((K, BV), bf16)
             ks = T.alloc_shared((BT, K), bf16)
@@ -400,7 +393,7 @@ def gdn_prefill_states(Hk: int, Hv: int, K: int = 128, V: int = 128, *, BV: int 
             gl = T.alloc_shared((BT,), f32)
             Gs = T.alloc_shared((BT,), f32)
             wv = T.alloc_shared((BT,), f32)
-            acc = T.alloc_local((1,), f32)
+            decay = T.alloc_local((1,), f32)
             hk = hv // r
             v0 = bv * BV
             slot = state_slots[bb]
@@ -420,23 +413,20 @@ def gdn_prefill_states(Hk: int, Hv: int, K: int = 128, V: int = 128, *, BV: int 
                         _softplus(T, dt[T.min(t0 + i, N - 1), hv] + dt_bias[hv]), dt_min), dt_max), 0.0), 0.0)
                 for i in T.Parallel(BT):
                     gl[i] = T.max(-T.exp(A_log[hv]) * dv[i], LOG_DECAY_FLOOR)
-                if tx < BT:
-                    acc[0] = 0.0
-                    for j in T.serial(BT):
-                        if j <= tx:
-                            acc[0] = acc[0] + gl[j]
-                    Gs[tx] = acc[0]
-                    if bv == 0 and tx < L:
-                        gcum[t0 + tx, hv] = acc[0]
-                        dts[t0 + tx, hv] = dv[tx]
+                T.cumsum(gl, Gs)
+                for i in T.Parallel(BT):
+                    if bv == 0 and i < L:
+                        gcum[t0 + i, hv] = Gs[i]
+                        dts[t0 + i, hv] = dv[i]
                 # h <- exp(G_last) h + (exp(G_last - G_s) k_s)^T (dt_s x_s)
                 for i in T.Parallel(BT):
                     wv[i] = dv[i] * T.exp(Gs[L - 1] - Gs[i])
                 for i, j in T.Parallel(BT, BV):
                     ds[i, j] = T.cast(T.if_then_else(i < L, T.cast(x[T.min(t0 + i, N - 1), hv, v0 + j], f32), 0.0)
                                       * wv[i], bf16)
+                decay[0] = T.exp(Gs[L - 1])
                 for i, j in T.Parallel(K, BV):
-                    hf[i, j] = hf[i, j] * T.exp(Gs[L - 1])
+                    hf[i, j] = hf[i, j] * decay[0]
                 T.gemm(ks, ds, hf, transpose_A=True)
             store_state(hf, state, slot, hv, v0)
 

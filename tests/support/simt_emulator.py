@@ -6,7 +6,8 @@ conversions, the __f*_rn intrinsics (tiles/conv1d.py; plain IEEE float ops here)
 tl::mma_sync for m16n8k8 TF32 (the tensor-core S0 products, tiles/simt_parts.py `mma_products`); and
 what T.gemm's warp-level products and T.reduce emit for the tensor-core decode attention
 (tiles/attention.py `attention_decode_mma`): mma_sync m16n8k16 bf16, ldmatrix x4 (plain and
-transposed), stmatrix x4 and tl::AllReduce (PTX fragment layouts, products summed in double). Shared
+transposed), stmatrix x4 and tl::AllReduce (PTX fragment layouts, products summed in double); and
+T.cumsum's tl::CumSum1D (the chunked prefill's within-chunk decay). Shared
 memory starts NaN-poisoned, so reading a value no thread wrote shows in the outputs.
 Blocks run one after another, each block's threads as fibers of one OS thread: a thread runs until it
 waits at a barrier (__syncthreads, or its warp's in a shuffle or an mma), then the next one; even blocks
@@ -198,6 +199,17 @@ static inline void mma_tf32(float* c, const unsigned* a, const unsigned* b) {
   }
   g_warpbar[wp]->arrive_and_wait();
 }
+// T.cumsum of a shared vector: warp 0 scans it (with shuffles on the GPU); here its lane 0 alone, the sums in
+// order, the whole source read before anything is written (so in place is right too)
+template <int threads, bool reverse = false> struct CumSum1D {
+  template <typename T> static void run(const T* src, T* dst, int n) {
+    if (threadIdx.x != 0) return;
+    std::vector<T> out(n);
+    T acc = T(0);
+    for (int i = 0; i < n; ++i) { int j = reverse ? n - 1 - i : i; acc = acc + src[j]; out[j] = acc; }
+    for (int i = 0; i < n; ++i) dst[i] = out[i];
+  }
+};
 template <DataType TA, DataType TB, DataType TC, int M, int N, int K, bool transA, bool transB>
 static inline void mma_sync(float* c, const unsigned* a, const unsigned* b) {
   if constexpr (TA == DataType::kBFloat16) {
