@@ -115,8 +115,8 @@ def gdn_prefill_prep(Hk: int, Hv: int, K: int = 128, V: int = 128, *, threads: i
     SB = SOLVE_BLOCK
 
     @T.macro
-    def front(k, v, g, beta, gcum, gl, Gs, bs, ks, kb, vs, gram, t0, L, hk, hv):
-        """G, beta, the Gram k k^T and the right-hand sides beta exp(G) k and beta v of one chunk."""
+    def front(k, g, beta, gcum, gl, Gs, bs, ks, gram, t0, L, hk, hv):
+        """G, beta and the Gram k k^T of one chunk."""
         for i in T.Parallel(BT):
             gl[i] = T.if_then_else(i < L, T.max(g[T.min(t0 + i, N - 1), hv], LOG_DECAY_FLOOR), 0.0)
             bs[i] = T.if_then_else(i < L, beta[T.min(t0 + i, N - 1), hv], 0.0)
@@ -126,11 +126,16 @@ def gdn_prefill_prep(Hk: int, Hv: int, K: int = 128, V: int = 128, *, threads: i
                 gcum[t0 + i, hv] = Gs[i]
         for i, d in T.Parallel(BT, K):
             ks[i, d] = T.if_then_else(i < L, k[T.min(t0 + i, N - 1), hk, d], T.cast(0.0, bf16))
-            kb[i, d] = T.cast(T.if_then_else(i < L, T.cast(k[T.min(t0 + i, N - 1), hk, d], f32), 0.0)
-                              * bs[i] * T.exp(Gs[i]), bf16)
+        T.gemm(ks, ks, gram, transpose_B=True, clear_accum=True)
+
+    @T.macro
+    def rhs(v, bs, Gs, ks, vs, t0, L, hv):
+        """The right-hand sides beta exp(G) k (over k, in place) and beta v, formed after the solve: the
+        solve's fp32 tiles and these share shared memory, so more blocks fit an SM."""
+        for i, d in T.Parallel(BT, K):
+            ks[i, d] = T.cast(T.cast(ks[i, d], f32) * bs[i] * T.exp(Gs[i]), bf16)
         for i, d in T.Parallel(BT, V):
             vs[i, d] = T.cast(T.if_then_else(i < L, T.cast(v[T.min(t0 + i, N - 1), hv, d], f32), 0.0) * bs[i], bf16)
-        T.gemm(ks, ks, gram, transpose_B=True, clear_accum=True)
 
     @T.macro
     def products(Ai, kb, vs, wf, uf, w, u, t0, L, hv):
@@ -161,7 +166,6 @@ def gdn_prefill_prep(Hk: int, Hv: int, K: int = 128, V: int = 128, *, threads: i
             Gs = T.alloc_shared((BT,), f32)
             bs = T.alloc_shared((BT,), f32)
             ks = T.alloc_shared((BT, K), bf16)
-            kb = T.alloc_shared((BT, K), bf16)
             vs = T.alloc_shared((BT, V), bf16)
             At = T.alloc_shared((BT, BT), f32)
             Xs = T.alloc_shared((BT, BT), f32)
@@ -176,7 +180,7 @@ def gdn_prefill_prep(Hk: int, Hv: int, K: int = 128, V: int = 128, *, threads: i
             L = chunks[s, 1]
             if L > 0:
                 hk = hv // r
-                front(k, v, g, beta, gcum, gl, Gs, bs, ks, kb, vs, gram, t0, L, hk, hv)
+                front(k, g, beta, gcum, gl, Gs, bs, ks, gram, t0, L, hk, hv)
                 for i, j in T.Parallel(BT, BT):  # stored transposed: At[s, t] = A[t, s]
                     At[j, i] = T.if_then_else(i > j, bs[i] * T.exp(Gs[i] - Gs[j]) * gram[i, j], 0.0)
                 # Tinv by forward substitution in fp32, one column a thread, 16 rows at a time in registers:
@@ -195,8 +199,10 @@ def gdn_prefill_prep(Hk: int, Hv: int, K: int = 128, V: int = 128, *, threads: i
                                     xb[ii] = xb[ii] - At[blk * 16 + jj, blk * 16 + ii] * xb[jj]
                         for ii in T.unroll(16):
                             Xs[blk * 16 + ii, tx] = xb[ii]
-                            Ai[blk * 16 + ii, tx] = T.cast(xb[ii], bf16)
-                products(Ai, kb, vs, wf, uf, w, u, t0, L, hv)
+                for i, j in T.Parallel(BT, BT):  # after the solve: Ai may take the place of A
+                    Ai[i, j] = T.cast(Xs[i, j], bf16)
+                rhs(v, bs, Gs, ks, vs, t0, L, hv)
+                products(Ai, ks, vs, wf, uf, w, u, t0, L, hv)
 
     @T.prim_func
     def blockwise_prep_kernel(
@@ -215,7 +221,6 @@ def gdn_prefill_prep(Hk: int, Hv: int, K: int = 128, V: int = 128, *, threads: i
             Gs = T.alloc_shared((BT,), f32)
             bs = T.alloc_shared((BT,), f32)
             ks = T.alloc_shared((BT, K), bf16)
-            kb = T.alloc_shared((BT, K), bf16)
             vs = T.alloc_shared((BT, V), bf16)
             Ad = T.alloc_shared((BT, BT), f32)   # A's diagonal blocks; later N^2
             Ao = T.alloc_shared((BT, BT), f32)   # A's blocks below the diagonal; later I - N + N^2 - N^3
@@ -232,7 +237,7 @@ def gdn_prefill_prep(Hk: int, Hv: int, K: int = 128, V: int = 128, *, threads: i
             L = chunks[s, 1]
             if L > 0:
                 hk = hv // r
-                front(k, v, g, beta, gcum, gl, Gs, bs, ks, kb, vs, gram, t0, L, hk, hv)
+                front(k, g, beta, gcum, gl, Gs, bs, ks, gram, t0, L, hk, hv)
                 for i, j in T.Parallel(BT, BT):
                     Ad[i, j] = T.if_then_else(i // SB == j // SB, T.if_then_else(
                         i > j, bs[i] * T.exp(Gs[i] - Gs[j]) * gram[i, j], 0.0), 0.0)
@@ -257,7 +262,8 @@ def gdn_prefill_prep(Hk: int, Hv: int, K: int = 128, V: int = 128, *, threads: i
                     Ao[i, j] = T.if_then_else(i == j, 1.0, 0.0) - Nm[i, j] + Ad[i, j] - mf[i, j]
                 T.gemm(Ao, Dm, mf, clear_accum=True)          # Tinv
                 T.copy(mf, Ai)
-                products(Ai, kb, vs, wf, uf, w, u, t0, L, hv)
+                rhs(v, bs, Gs, ks, vs, t0, L, hv)
+                products(Ai, ks, vs, wf, uf, w, u, t0, L, hv)
 
     return blockwise_prep_kernel if solve == "blockwise" else gdn_prefill_prep_kernel
 
