@@ -343,6 +343,7 @@ def gdn_prefill_states(Hk: int, Hv: int, K: int = 128, V: int = 128, *, BV: int 
             hs = T.alloc_shared((K, BV), bf16)
             ws = T.alloc_shared((BT, K), bf16)
             ks = T.alloc_shared((BT, K), bf16)
+            us = T.alloc_shared((BT, BV), bf16)
             ds = T.alloc_shared((BT, BV), bf16)
             df = T.alloc_fragment((BT, BV), f32)
             Gs = T.alloc_shared((BT,), f32)
@@ -358,16 +359,18 @@ def gdn_prefill_states(Hk: int, Hv: int, K: int = 128, V: int = 128, *, BV: int 
             for c in T.serial(T.ceildiv(eos - bos, BT)):
                 t0 = bos + c * BT
                 L = T.min(BT, eos - t0)
-                start_chunk(hf, hs, h, base, c, hv, v0)
+                # every load of the chunk first, so their latencies overlap each other and the state's copy
                 for i, d in T.Parallel(BT, K):
                     ws[i, d] = T.if_then_else(i < L, w[T.min(t0 + i, N - 1), hv, d], T.cast(0.0, bf16))
                     ks[i, d] = T.if_then_else(i < L, k[T.min(t0 + i, N - 1), hk, d], T.cast(0.0, bf16))
+                for i, j in T.Parallel(BT, BV):
+                    us[i, j] = T.if_then_else(i < L, u[T.min(t0 + i, N - 1), hv, v0 + j], T.cast(0.0, bf16))
                 for i in T.Parallel(BT):
                     Gs[i] = T.if_then_else(i < L, gcum[T.min(t0 + i, N - 1), hv], 0.0)
+                start_chunk(hf, hs, h, base, c, hv, v0)
                 T.gemm(ws, hs, df, clear_accum=True)
                 for i, j in T.Parallel(BT, BV):
-                    df[i, j] = T.if_then_else(i < L, T.cast(u[T.min(t0 + i, N - 1), hv, v0 + j], f32) - df[i, j],
-                                              0.0)
+                    df[i, j] = T.if_then_else(i < L, T.cast(us[i, j], f32) - df[i, j], 0.0)
                 for i, j in T.Parallel(BT, BV):
                     if i < L:
                         delta[t0 + i, hv, v0 + j] = T.cast(df[i, j], bf16)
