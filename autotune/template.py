@@ -39,7 +39,7 @@ class Template:
     family: str                                  # the tuning record's family
     build: Callable[..., Any] = field(repr=False)
     configs: Callable[[], list] = field(repr=False)
-    defaults: Callable[[Mapping, int], dict] = field(repr=False)
+    defaults: Callable[[Mapping, int, str | None], dict] = field(repr=False)  # (shape, drafts, arch or None)
     make_inputs: Callable[..., dict] = field(repr=False)
     reference: Callable[..., dict] = field(repr=False)
     args: tuple[str, ...]
@@ -58,9 +58,9 @@ class Template:
     # whether the template takes a shape (head dims it cannot tile): the tuner's plan skips those it does not
     takes: Callable[[Mapping], bool] = field(default=lambda shape: True, repr=False)
 
-    def defaults_for(self, shape: Mapping, drafts: int = 0) -> dict:
-        """The untuned tunables for one shape and buffer layout."""
-        return dict(self.defaults(shape, drafts))
+    def defaults_for(self, shape: Mapping, drafts: int = 0, arch: str | None = None) -> dict:
+        """The untuned tunables for one shape and buffer layout (compiled for `arch`, where given)."""
+        return dict(self.defaults(shape, drafts, arch))
 
     def drafts_for(self, draft_tokens) -> list[int]:
         """The buffer layouts (draft counts) to build this kernel for: 0 alone unless it depends on them."""
@@ -123,8 +123,9 @@ def from_spec(spec: KernelSpec, name: str, family: str, key: Callable[[Mapping, 
     def trace(shape, chunk_size, *, drafts=0, **tunables):
         return spec.prim(key(shape, chunk_size, drafts), tunables, package)
 
-    def defaults(shape, drafts):
-        return spec.defaults(key(shape, fields.get("min_chunk", 1), drafts))
+    def defaults(shape, drafts, arch=None):
+        k = key(shape, fields.get("min_chunk", 1), drafts)
+        return spec.defaults(k) if arch is None else spec.defaults_on(k, arch)
 
     if spec.parts is not None:
         fields.setdefault("parts", lambda shape: spec.parts(key(shape, fields.get("min_chunk", 1), 0)))

@@ -118,7 +118,7 @@ def build_untuned(cache: ArtifactCache, req: TuneRequest, templates: Sequence[Te
     results = []
     for tpl, chunk, drafts in plan(templates, req.shape, req.chunk_sizes, req.draft_tokens):
         on_start(label(tpl, chunk, drafts))
-        defaults = tpl.defaults_for(req.shape, drafts)
+        defaults = tpl.defaults_for(req.shape, drafts, req.gpu.arch)
         key = _key(req, tpl, chunk, defaults, drafts)
         t0 = time.perf_counter()
         stored = {name: k.name for name, k in _stored_keys(tpl, key).values()}

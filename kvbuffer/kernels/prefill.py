@@ -78,6 +78,15 @@ def prefill_tunables(key: KernelKey, given: dict | None = None) -> dict:
     return dict(t, states_BV=_dividing_tile(t["states_BV"], V), output_BV=_dividing_tile(t["output_BV"], V))
 
 
+PIPELINED_ARCHS = ("sm_90a",)  # where GDN's pipelined state pass compiles (its chunk loads are TMA copies)
+
+
+def _target_defaults(key: KernelKey, arch: str) -> dict:
+    """GDN's state pass pipelined where it compiles: faster than the plain pass at every batch and length
+    measured (docs/results.md); the tuner still measures both."""
+    return {"states_stages": 2} if key.family == "gdn" and arch in PIPELINED_ARCHS else {}
+
+
 def _dividing_tile(BV: int, V: int) -> int:
     """BV, halved until it divides V (V a multiple of 16, so 16 always does)."""
     BV = min(BV, V)
@@ -131,7 +140,8 @@ def _spec(family: str, args: tuple) -> KernelSpec:
     """Its reference is the CPU op's (chunk_prefill_reference); `kvbuffer tune` stores it as one artifact
     per launch, one layout for every chunk size."""
     return KernelSpec(f"{family}_chunk_prefill", "gdn_prefill", family, "chunk_prefill", "chunk_prefill",
-                      template_args=_prefill_args, defaults=prefill_tunables, configs=_prefill_configs(family),
+                      template_args=_prefill_args, defaults=prefill_tunables, target_defaults=_target_defaults,
+                      configs=_prefill_configs(family),
                       params=_prefill_args, args=args, custom_ops=(f"{family}_chunk_prefill",),
                       tune_template=lambda k: f"{k.family}_chunk_prefill", record_shapes=_prefill_shapes,
                       tune_command=_prefill_command, complete_tunables=prefill_tunables, parts=_prefill_parts,

@@ -45,6 +45,9 @@ class KernelSpec:
     tune_template: Callable[[KernelKey], str | None] = field(default=lambda k: None, repr=False)
     record_shapes: Callable[[KernelKey], list] = field(default=lambda k: [], repr=False)
     tune_command: Callable[[KernelKey], str] = field(default=lambda k: MODEL_TUNE, repr=False)
+    # untuned tunables that depend on the compile target's arch, over `defaults` (a faster form that only
+    # some archs compile); see defaults_on
+    target_defaults: Callable[[KernelKey, str], dict] = field(default=lambda k, arch: {}, repr=False)
     # a partial set of tunables completed for a key (defaults filled in, tiles fitted to the head)
     complete_tunables: Callable[[KernelKey, dict], dict] = field(default=lambda k, t: dict(t), repr=False)
     # a kernel of several launches: its parts' names for a key, and (the template module, key, complete
@@ -65,13 +68,17 @@ class KernelSpec:
             return self.part_templates(importlib.import_module(f"{package}.{self.module}"), key, tunables)
         return self.template(package)(**self.template_args(key), **tunables)
 
+    def defaults_on(self, key: KernelKey, arch: str) -> dict:
+        """The untuned tunables of `key` when compiled for `arch` (e.g. "sm_90a")."""
+        return {**self.defaults(key), **self.target_defaults(key, arch)}
+
     def launch_params(self, key: KernelKey, tunables: dict) -> dict:
         return dict(self.complete_tunables(key, tunables), **self.params(key))
 
     def build(self, key: KernelKey, tunables: dict | None = None) -> CompiledOp:
         """Compile `key` for the local GPU (its defaults unless `tunables`) into a CompiledOp."""
         target = local_target()  # before TileLang loads: an unsupported GPU fails fast with DeviceError
-        tunables = self.defaults(key) if tunables is None else dict(tunables)
+        tunables = self.defaults_on(key, target["arch"]) if tunables is None else dict(tunables)
         compile_template = importlib.import_module(TILES).compile_template
         prim = self.prim(key, tunables)
         fn = {part: compile_template(p, target) for part, p in prim.items()} if self.parts else \

@@ -52,11 +52,26 @@ def test_tuner_and_jit_build_the_same_function(prims, family):
 
     shape = SHAPES[family]
     for tpl, chunk, drafts in tuner.plan(templates(family), SHAPES[family], (8,), (0, 2)):
-        defaults = tpl.defaults_for(shape, drafts)
+        defaults = tpl.defaults_for(shape, drafts, "sm_90a")  # the arch the JIT's target names (fixture)
         tuned = tpl.compile(shape, chunk, drafts, target={}, **defaults)
         key = _key_of(tpl.name, shape, chunk, drafts)
         assert specs.tune_template(key) == tpl.name
         assert _scripts(tuned) == _scripts(lookup.jit(key).fn), tpl.name
+
+
+def test_untuned_prefill_pipelines_its_state_pass_where_it_compiles():
+    """GDN's pipelined state pass (TMA loads) is the untuned default on sm_90a only; elsewhere, and for
+    Mamba-2's decay-only pass, the defaults are the arch-free ones; the tuner's untuned build agrees."""
+    gdn = KernelKey("gdn", "chunk_prefill", GDNDims(16, 32, 128, 128), "bfloat16")
+    spec = specs.spec_for(gdn)
+    assert spec.defaults(gdn)["states_stages"] == 0 == spec.defaults_on(gdn, "sm_80")["states_stages"]
+    assert spec.defaults_on(gdn, "sm_90a") == dict(spec.defaults(gdn), states_stages=2)
+    mamba2 = KernelKey("mamba2", "chunk_prefill", Mamba2Dims(8, 64, 128, 64), "bfloat16")
+    assert specs.spec_for(mamba2).defaults_on(mamba2, "sm_90a") == specs.spec_for(mamba2).defaults(mamba2)
+    shape = {"family": "gdn", "Hk": 16, "Hv": 32, "K": 128, "V": 128, "dtype": "bfloat16"}
+    tpl = next(t for t in templates("gdn") if t.name == "gdn_chunk_prefill")
+    assert tpl.defaults_for(shape, 0, "sm_90a")["states_stages"] == 2
+    assert tpl.defaults_for(shape, 0, "sm_86")["states_stages"] == 0
 
 
 def _scripts(kernel):

@@ -124,7 +124,8 @@ def fake_template(name, factor=lambda b: 1.0):
         return {"x": torch.randn(batch, 4, generator=gen), "y": torch.empty(batch, 4), "cost": torch.zeros(())}
 
     return Template(name, "gdn", build, lambda: [{"v": "slow"}, {"v": "wrong"}, {"v": "fast"}],
-                    lambda shape, drafts: {"v": "slow"}, make_inputs, lambda shape, chunk, args: {"y": 2.0 * args["x"]},
+                    lambda shape, drafts, arch=None: {"v": "slow"}, make_inputs,
+                    lambda shape, chunk, args: {"y": 2.0 * args["x"]},
                     ("x", "y", "cost"), "src")
 
 
