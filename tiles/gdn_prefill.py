@@ -397,6 +397,7 @@ def gdn_prefill_states(Hk: int, Hv: int, K: int = 128, V: int = 128, *, BV: int 
             hf = T.alloc_fragment((K, BV), f32)
             hs = T.alloc_shared((K, BV), bf16)
             ks = T.alloc_shared((BT, K), bf16)
+            xs = T.alloc_shared((BT, BV), bf16)
             ds = T.alloc_shared((BT, BV), bf16)
             dv = T.alloc_shared((BT,), f32)
             gl = T.alloc_shared((BT,), f32)
@@ -413,13 +414,17 @@ def gdn_prefill_states(Hk: int, Hv: int, K: int = 128, V: int = 128, *, BV: int 
             for c in T.serial(T.ceildiv(eos - bos, BT)):
                 t0 = bos + c * BT
                 L = T.min(BT, eos - t0)
-                start_chunk(hf, hs, h, base, c, hv, v0)
+                # every load of the chunk first (B, x, dt), so their latencies overlap each other and the
+                # state's copy; the front: dt = clamp(softplus(dt + dt_bias)) (0 past the chunk, and for a
+                # padding row)
                 for i, d in T.Parallel(BT, K):
                     ks[i, d] = T.if_then_else(i < L, k[T.min(t0 + i, N - 1), hk, d], T.cast(0.0, bf16))
-                # the front: dt = clamp(softplus(dt + dt_bias)) (0 past the chunk and for a padding row)
+                for i, j in T.Parallel(BT, BV):
+                    xs[i, j] = T.if_then_else(i < L, x[T.min(t0 + i, N - 1), hv, v0 + j], T.cast(0.0, bf16))
                 for i in T.Parallel(BT):
                     dv[i] = T.if_then_else(i < L, T.if_then_else(slot >= 0, T.min(T.max(
                         _softplus(T, dt[T.min(t0 + i, N - 1), hv] + dt_bias[hv]), dt_min), dt_max), 0.0), 0.0)
+                start_chunk(hf, hs, h, base, c, hv, v0)
                 for i in T.Parallel(BT):
                     gl[i] = T.max(-T.exp(A_log[hv]) * dv[i], LOG_DECAY_FLOOR)
                 T.cumsum(gl, Gs)
@@ -431,8 +436,7 @@ def gdn_prefill_states(Hk: int, Hv: int, K: int = 128, V: int = 128, *, BV: int 
                 for i in T.Parallel(BT):
                     wv[i] = dv[i] * T.exp(Gs[L - 1] - Gs[i])
                 for i, j in T.Parallel(BT, BV):
-                    ds[i, j] = T.cast(T.if_then_else(i < L, T.cast(x[T.min(t0 + i, N - 1), hv, v0 + j], f32), 0.0)
-                                      * wv[i], bf16)
+                    ds[i, j] = T.cast(T.cast(xs[i, j], f32) * wv[i], bf16)
                 decay[0] = T.exp(Gs[L - 1])
                 for i, j in T.Parallel(K, BV):
                     hf[i, j] = hf[i, j] * decay[0]
