@@ -281,8 +281,10 @@ def gdn_prefill_states(Hk: int, Hv: int, K: int = 128, V: int = 128, *, BV: int 
     Args: x, dt, A_log, dt_bias, k (= B), cu_seqlens, state, state_slots, h, gcum, dts (N, Hv), dt_min, dt_max.
     `stages` > 0 (delta rule): the chunk's w, k, u and G are whole-tile copies in a T.Pipelined loop of that
     many stages (TileLang lowers them to TMA loads from a producer warpgroup, the next chunk's loads
-    overlapping this chunk's products); rows past the sequence are read as they are (the next sequence's
-    tokens, or zeros past the end) and masked out of the deltas and of the fold. Same arguments.
+    overlapping this chunk's products; G as (64, 4) boxes, a TMA row being at least 16 bytes); rows past the
+    sequence are read as they are (the next sequence's tokens, or zeros past the end) and masked out of the
+    deltas, and their keys enter the fold with zero weights (so a NaN or inf among them would reach the
+    state: the plain pass zeroes them). Same arguments.
     """
     _check(Hk, Hv, K, V, BV)
     if stages < 0 or (stages and not delta_rule):
