@@ -76,9 +76,12 @@ class KernelSpec:
         return dict(self.complete_tunables(key, tunables), **self.params(key))
 
     def build(self, key: KernelKey, tunables: dict | None = None) -> CompiledOp:
-        """Compile `key` for the local GPU (its defaults unless `tunables`) into a CompiledOp."""
+        """Compile `key` for the local GPU into a CompiledOp: its defaults for that GPU's arch, with
+        `tunables` (some or all) over them."""
         target = local_target()  # before TileLang loads: an unsupported GPU fails fast with DeviceError
-        tunables = self.defaults_on(key, target["arch"]) if tunables is None else dict(tunables)
+        arch = target["arch"]
+        tunables = self.defaults_on(key, arch) if tunables is None else {**self.target_defaults(key, arch),
+                                                                          **tunables}
         compile_template = importlib.import_module(TILES).compile_template
         prim = self.prim(key, tunables)
         fn = {part: compile_template(p, target) for part, p in prim.items()} if self.parts else \

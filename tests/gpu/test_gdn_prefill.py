@@ -219,12 +219,13 @@ def test_custom_ops_launch_the_kernels(family):
 
 
 @pytest.mark.parametrize("tunables", [{"states_BV": 64, "output_BV": 64}, {"states_BV": 16},
+                                      {"states_stages": 0}, {"states_BV": 64, "states_stages": 0},
                                       {"states_stages": 2}, {"states_BV": 64, "states_stages": 2},
                                       {"prep_solve": "blockwise"},
                                       {"states_BV": 64, "states_stages": 2, "prep_solve": "blockwise"}], ids=str)
 def test_prefill_tunables_agree(tunables):
-    """Other value tiles of the state pass and the output, the pipelined state pass and the blockwise prep
-    solve give the same results within rounding."""
+    """Other value tiles of the state pass and the output, the plain and the pipelined state pass (the
+    defaults on sm_90a pipeline it) and the blockwise prep solve give the same results within rounding."""
     gen = torch.Generator(device="cuda").manual_seed(7)
     args = inputs([200, 64, 1, 1000, 63], 16, 32, slots=[0, 1, 2, 3, 4], num_slots=5, gen=gen)
     state0 = args[6].clone()

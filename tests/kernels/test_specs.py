@@ -74,6 +74,18 @@ def test_untuned_prefill_pipelines_its_state_pass_where_it_compiles():
     assert tpl.defaults_for(shape, 0, "sm_86")["states_stages"] == 0
 
 
+@pytest.mark.tilelang
+@pytest.mark.skipif(not TILELANG, reason="needs TileLang")
+def test_a_partial_build_takes_the_arch_defaults_under_what_it_names(prims):
+    """build() on sm_90a (the fixture's target): given tunables over that arch's defaults, not the arch-free ones."""
+    from kvbuffer.kernels import build_gdn_chunk_prefill
+
+    assert build_gdn_chunk_prefill(2, 4, 32, 32).params["states_stages"] == 2
+    assert build_gdn_chunk_prefill(2, 4, 32, 32, states_BV=16).params["states_stages"] == 2
+    assert build_gdn_chunk_prefill(2, 4, 32, 32, states_stages=0).params["states_stages"] == 0
+    assert build_gdn_chunk_prefill(2, 4, 32, 32, delta_rule=False).params["states_stages"] == 0
+
+
 def _scripts(kernel):
     """A compiled (here: stubbed) kernel's script; a kernel of several launches: its parts' scripts."""
     from kvbuffer.kernels.compiled import CompiledOp
