@@ -98,14 +98,16 @@ def test_spec_compiles_every_part_for_sm90a(case, h200):
 
 
 def test_build_functions_compile_their_spec(monkeypatch):
-    """build_gdn_chunk_prefill / build_mamba2_chunk_prefill and the JIT make the same prim functions."""
+    """build_gdn_chunk_prefill / build_mamba2_chunk_prefill and the JIT make the same prim functions: the
+    tunables given over the target arch's defaults (sm_90a: GDN's state pass pipelined)."""
     import kvbuffer.tiles as tiles
 
     monkeypatch.setattr(tiles, "compile_template", lambda prim, target: prim)
     monkeypatch.setattr(specs, "local_target", lambda: {"kind": "cuda", "arch": "sm_90a"})
     for op, (key, _) in ((build_gdn_chunk_prefill(16, 32, states_BV=64), SPEC_SHAPES["gdn_qwen35_9b"]),
                          (build_mamba2_chunk_prefill(8, 64, 128, 64), SPEC_SHAPES["mamba2_nano"])):
-        tunables = prefill.prefill_tunables(key, {"states_BV": op.params["states_BV"]})
+        arch_defaults = specs.spec_for(key).target_defaults(key, "sm_90a")
+        tunables = prefill.prefill_tunables(key, {**arch_defaults, "states_BV": op.params["states_BV"]})
         want = specs.spec_for(key).prim(key, tunables)
         assert {p: f.script() for p, f in op.fn.items()} == {p: f.script() for p, f in want.items()}
         assert op.params == specs.spec_for(key).launch_params(key, tunables)
