@@ -370,7 +370,8 @@ def replayssm_llm(model, *, drafts: int = 0, ring_dtype: torch.dtype = torch.flo
     the drafter). options: LLM's keywords (chunk_size, the ring length, is required; mode,
     unbuffered_rows and speculative are this function's). ValueError, before the rings are allocated, for heads, ring
     length or drafts the kernels do not take, or rings that do not fit in the device's free memory;
-    RuntimeError where the kernels' modules cannot be imported (load_kernels says why)."""
+    RuntimeError where the kernels' modules cannot be imported (load_kernels says why). Its generate refuses a
+    prompt shorter than the rings (ValueError, before anything is admitted)."""
     from ..engine.llm import LLM
     from ..engine.validate import free_memory
     from ..plan import check_fits, geometry_of
@@ -401,4 +402,13 @@ def replayssm_llm(model, *, drafts: int = 0, ring_dtype: torch.dtype = torch.flo
                                                           layout.tensor_shapes()}, str(llm.device))
     backend = ReplaySSMBackend(llm.backend, pools.states.state, pools.convs, ReplayCaches(layout, llm.device), fns)
     llm.backend = llm.runner.backend = backend
+    engine_check = llm._check_prompt
+
+    def check_prompt(ids, what):  # every request holds its state from admission (module docstring)
+        engine_check(ids, what)
+        if len(ids) < layout.L:
+            raise ValueError(f"{what}: {len(ids)} tokens; the replayssm mode takes prompts of at least its rings' "
+                             f"length, {layout.L} (each request holds a state from admission)")
+
+    llm._check_prompt = check_prompt
     return llm

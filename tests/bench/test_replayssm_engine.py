@@ -77,6 +77,16 @@ def test_speculative_greedy_equals_kvbuffer_mode():
     assert 0.3 < llm.acceptance["acceptance_rate"] < 1.0  # drafts kept and rejected
 
 
+def test_a_prompt_shorter_than_the_ring_is_refused_and_the_engine_goes_on():
+    _kernels_or_skip("qwen3_5")
+    with interpreted():
+        llm = replayssm_llm(tiny_model("qwen3_5"), device="cpu", chunk_size=16, max_batch=4)
+        with pytest.raises(ValueError, match="prompt 1: 8 tokens; the replayssm mode takes prompts of at least"):
+            llm.generate([LONG_PROMPTS[0], PROMPTS[1]], max_new_tokens=2, stop_token_ids=[])
+        assert not llm.has_work()
+        assert len(llm.generate(LONG_PROMPTS[:1], max_new_tokens=2, stop_token_ids=[])[0].token_ids) == 2
+
+
 @pytest.mark.parametrize("kind, options, match", [
     ("nemotron_h", dict(drafts=2), "no ReplaySSM verify for Mamba-2"),
     ("qwen3_5", dict(drafts=2, chunk_size=12), "power-of-two length >= 2 x 3"),
