@@ -8,8 +8,9 @@ tensors, with its two known bugs worked around (triton 3.9; the kernels themselv
 
 TRITON_INTERPRET must be set before triton is first imported (triton's own library functions are
 decorated then): `request_interpreter()`, called when a test module is imported, sets it if triton
-is not imported yet; `interpreted()` patches the builder around a test, and skips the test when
-triton is absent or was imported without the interpreter (run that test file on its own then).
+is not imported yet and there is no CUDA; `interpreted()` patches the builder around a test, and
+skips the test on a GPU (the GPU tests run these kernels compiled), when triton is absent, or when it
+was imported without the interpreter (run that test file on its own then).
 """
 
 from __future__ import annotations
@@ -27,12 +28,20 @@ def _widen_bf16(data: np.ndarray) -> np.ndarray:
 
 
 def request_interpreter() -> None:
-    if "triton" not in sys.modules:
+    """Only on a machine without CUDA: the variable is process-wide, and on a GPU it would send every
+    later Triton kernel of the same test process (Inductor's, FLA's) through the interpreter."""
+    import torch
+
+    if "triton" not in sys.modules and not torch.cuda.is_available():
         os.environ["TRITON_INTERPRET"] = "1"
 
 
 @contextlib.contextmanager
 def interpreted():
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is here: Triton stays compiled (tests/bench/test_replayssm_gpu.py runs these kernels on it)")
     pytest.importorskip("triton")
     import triton.language as tl
     from triton.runtime import interpreter

@@ -20,6 +20,15 @@ def jit():
     ops.allow_jit(None)
 
 
+@pytest.fixture(autouse=True)
+def capture_at_first_use(monkeypatch):
+    """Every bucket is captured the first time it runs (the engine waits for a bucket's third use), so
+    the short runs here replay graphs of every phase."""
+    from kvbuffer.engine import runner
+
+    monkeypatch.setattr(runner, "CAPTURE_AFTER", 0)
+
+
 def _llm(kind, mode, *, graphs, capture=True, T=0, spec_options=None, max_batch=4, **kw):
     from tests.support.tiny_models import tiny_model
 

@@ -125,15 +125,22 @@ def jit():
     ops.allow_jit(None)
 
 
+def _generate(llm, prompts):
+    return (llm.generate(prompts, max_new_tokens=8, return_logits=True)
+            + llm.generate(prompts[1:2], max_new_tokens=8, return_logits=True))
+
+
 @pytest.mark.parametrize("mode", ["kvbuffer", "recurrent"])
 @pytest.mark.parametrize("kind, config, fmt", CASES, ids=[f"{k}-{f}" for k, _, f in CASES])
 def test_fp8_checkpoint_through_the_engine(tmp_path, jit, kind, config, fmt, mode):
     """Default engine options (kernels, CUDA graphs, compile where they resolve so) with bf16 activations,
-    as the published checkpoints run: logits within FP8's activation error of the dequantized model's,
-    run the same way in bf16 (so that the difference is the FP8 products', not also bf16's rounding through
-    the layers: against the fp32 model it reached 0.1 on an H100), greedy tokens equal up to the first near
-    tie; a lone prompt too, whose decode steps run the FP8
-    projections on the one-row kernel (it takes bf16 / fp16 activations, not the tiny model's fp32)."""
+    as the published checkpoints run, against the dequantized model run the same way in bf16: at each
+    position the logits' error is within 2 x FP8's activation error, or within 1.5 x the error of the same
+    FP8 checkpoint on the reference ops (kernels=False: the same quantized activations, no kernels) at
+    that position or an earlier one, whichever is larger: through the layers of a random model, quantized activations alone move the
+    logits by more than one projection's error. Greedy tokens equal up to the first near tie; a lone
+    prompt too, whose decode steps run the FP8 projections on the one-row kernel (it takes bf16 / fp16
+    activations, not the tiny model's fp32)."""
     path = write_checkpoint(_model(kind, config), config, tmp_path / "fp8", fmt)
     reference = dequantize_checkpoint(path, tmp_path / "dequantized")
     g = torch.Generator().manual_seed(3)
@@ -143,15 +150,16 @@ def test_fp8_checkpoint_through_the_engine(tmp_path, jit, kind, config, fmt, mod
     fp8 = [m for m in llm.model.modules() if isinstance(m, FP8Linear) and m.bias is None]
     assert fp8 and all(m.one_row for m in fp8 if fp8_gemv_fits(m.in_features, m.block, "bfloat16"))
     assert not any(isinstance(m, (FP8Linear, FP8PackedLinear)) for m in one_row_linears(llm.model))
-    got = llm.generate(prompts, max_new_tokens=8, return_logits=True)
-    got += llm.generate(prompts[1:2], max_new_tokens=8, return_logits=True)
-    dequantized = LLM(reference, device="cuda", mode=mode, dtype=torch.bfloat16)
-    want = dequantized.generate(prompts, max_new_tokens=8, return_logits=True)
-    want += dequantized.generate(prompts[1:2], max_new_tokens=8, return_logits=True)
-    for a, b in zip(got, want):
+    got = _generate(llm, prompts)
+    plain = _generate(LLM(path, device="cuda", mode=mode, dtype=torch.bfloat16, kernels=False), prompts)
+    want = _generate(LLM(reference, device="cuda", mode=mode, dtype=torch.bfloat16), prompts)
+    for a, p, b in zip(got, plain, want):
+        bound = 2 * ACTIVATION
         for i, (la, lb) in enumerate(zip(a.logits, b.logits)):
-            assert _rel(la.float(), lb.double()) <= 2 * ACTIVATION, (i, _rel(la.float(), lb.double()))
-            if a.token_ids[i] != b.token_ids[i]:  # a near tie: the two best of the reference within FP8 error
+            if p.token_ids[:i] == b.token_ids[:i]:  # the reference ops' run saw the same tokens (else: its last bound)
+                bound = max(bound, 1.5 * _rel(p.logits[i].float(), lb.double()))
+            assert _rel(la.float(), lb.double()) <= bound, (i, _rel(la.float(), lb.double()), bound)
+            if a.token_ids[i] != b.token_ids[i]:  # a near tie: the two best of the reference within that error
                 top = torch.topk(lb.float(), 2).values
-                assert float(top[0] - top[1]) <= 2 * ACTIVATION * float(lb.float().abs().max())
+                assert float(top[0] - top[1]) <= bound * float(lb.float().abs().max())
                 break

@@ -456,7 +456,9 @@ conv = [k for k in lookup.loaded_keys() if k.family == "conv1d"]
 assert conv, lookup.loaded_keys()
 print("engine from artifacts", worst, [g.token_ids == w.token_ids for g, w in zip(got, ref)], loaded)
 print("speculative from artifacts", spec_worst, same, spec.acceptance, sorted({{k.op for k in conv}}))
-assert worst < 0.06 and all(m < 0.12 for m in margins), (worst, margins)  # a differing token: a near tie
+# the prompt's linear layers run the chunked prefill kernel, which sums in another order than the reference
+# ops: up to two bf16 ulps of a logit between 8 and 16 (0.0625 each); a differing token: a near tie
+assert worst < 0.125 and all(m < 0.25 for m in margins), (worst, margins)
 assert spec_worst < 0.15 and min(same) >= 8, (spec_worst, same)
 '''
     res = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
