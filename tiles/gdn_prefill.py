@@ -39,6 +39,7 @@ from ..reference.core import LOG_DECAY_FLOOR
 from .linear_decode import _softplus, _tl
 
 BT = 64  # tokens per chunk
+GW = 4  # pipelined state passes load G (Mamba-2: dt) as (BT, GW) boxes, 16 bytes a row (a TMA copy)
 CHUNK_FIELDS = 3  # a chunk table row: first token, tokens, sequence
 
 
@@ -279,16 +280,20 @@ def gdn_prefill_states(Hk: int, Hv: int, K: int = 128, V: int = 128, *, BV: int 
     dt (the front, module docstring) and the chunk's cumulative decay G are formed here, and written to
     dts and gcum by the first value tile; a sequence on slot -1 gets dt = 0 (a padding row).
     Args: x, dt, A_log, dt_bias, k (= B), cu_seqlens, state, state_slots, h, gcum, dts (N, Hv), dt_min, dt_max.
-    `stages` > 0 (delta rule): the chunk's w, k, u and G are whole-tile copies in a T.Pipelined loop of that
-    many stages (TileLang lowers them to TMA loads from a producer warpgroup, the next chunk's loads
-    overlapping this chunk's products; G as (64, 4) boxes, a TMA row being at least 16 bytes); rows past the
-    sequence are read as they are (the next sequence's tokens, or zeros past the end) and masked out of the
-    deltas, and their keys enter the fold with zero weights (so a NaN or inf among them would reach the
-    state: the plain pass zeroes them). Same arguments.
+    `stages` > 0: the chunk's loads (w, k, u and G; decay-only: k, x and dt) are whole-tile copies in a
+    T.Pipelined loop of that many stages (TileLang lowers them to TMA loads from a producer warpgroup, the
+    next chunk's loads overlapping this chunk's products; G or dt as (64, GW) boxes of GW heads, a TMA row
+    being at least 16 bytes, so Hv must be a multiple of GW); rows past the sequence are read as they are
+    (the next sequence's tokens, or zeros past the end) and selected out of the deltas, and their keys
+    enter the fold with zero weights (so a NaN or inf among those keys would reach the state: the plain
+    pass zeroes them). Same arguments.
     """
     _check(Hk, Hv, K, V, BV)
-    if stages < 0 or (stages and not delta_rule):
-        raise ValueError(f"stages={stages} must be 0, or > 0 for the delta rule's state pass")
+    if stages < 0:
+        raise ValueError(f"stages={stages} must be 0 (the plain pass) or more (pipelined)")
+    if stages and Hv % GW:
+        raise ValueError(f"stages={stages}: the pipelined pass loads {GW} heads' decays at once, so Hv={Hv} "
+                         f"must be a multiple of {GW}")
     T = _tl()
     N = T.dynamic("num_tokens")
     B = T.dynamic("batch")
@@ -445,8 +450,6 @@ def gdn_prefill_states(Hk: int, Hv: int, K: int = 128, V: int = 128, *, BV: int 
                 T.gemm(ks, ds, hf, transpose_A=True)
             store_state(hf, state, slot, hv, v0)
 
-    GW = 4  # the pipelined pass loads G as (BT, GW) boxes of gcum (16 bytes a row: a TMA copy), column hv % GW
-
     @T.prim_func
     def pipelined_states_kernel(
         k: T.Tensor((N, Hk, K), bf16),
@@ -505,8 +508,73 @@ def gdn_prefill_states(Hk: int, Hv: int, K: int = 128, V: int = 128, *, BV: int 
                 T.gemm(ks, ds, hf, transpose_A=True)
             store_state(hf, state, slot, hv, v0)
 
+    @T.prim_func
+    def pipelined_decay_only_kernel(
+        x: T.Tensor((N, Hv, V), bf16),
+        dt: T.Tensor((N, Hv), f32),
+        A_log: T.Tensor((Hv,), f32),
+        dt_bias: T.Tensor((Hv,), f32),
+        k: T.Tensor((N, Hk, K), bf16),
+        cu_seqlens: T.Tensor((B + 1,), "int32"),
+        state: T.Tensor((NS, Hv, K, V), f32),
+        state_slots: T.Tensor((B,), "int32"),
+        h: T.Tensor((NC, Hv, K, V), bf16),
+        gcum: T.Tensor((N, Hv), f32),
+        dts: T.Tensor((N, Hv), f32),
+        dt_min: T.float32,
+        dt_max: T.float32,
+    ):
+        with T.Kernel(V // BV, Hv, B, threads=threads) as (bv, hv, bb):
+            hf = T.alloc_fragment((K, BV), f32)
+            hs = T.alloc_shared((K, BV), bf16)
+            ks = T.alloc_shared((BT, K), bf16)
+            xs = T.alloc_shared((BT, BV), bf16)
+            ds = T.alloc_shared((BT, BV), bf16)
+            D4 = T.alloc_shared((BT, GW), f32)
+            dv = T.alloc_shared((BT,), f32)
+            gl = T.alloc_shared((BT,), f32)
+            Gs = T.alloc_shared((BT,), f32)
+            wv = T.alloc_shared((BT,), f32)
+            decay = T.alloc_local((1,), f32)
+            hk = hv // r
+            g0 = hv - hv % GW
+            gc = hv % GW
+            v0 = bv * BV
+            slot = state_slots[bb]
+            bos = cu_seqlens[bb]
+            eos = cu_seqlens[bb + 1]
+            base = bos // BT + bb
+            load_state(hf, state, slot, hv, v0)
+            for c in T.Pipelined(T.ceildiv(eos - bos, BT), num_stages=stages):
+                T.copy(k[bos + c * BT:bos + c * BT + BT, hk, 0:K], ks)
+                T.copy(x[bos + c * BT:bos + c * BT + BT, hv, v0:v0 + BV], xs)
+                T.copy(dt[bos + c * BT:bos + c * BT + BT, g0:g0 + GW], D4)
+                # the front (0 past the sequence, and for a padding row), as the plain pass's
+                for i in T.Parallel(BT):
+                    dv[i] = T.if_then_else(i < eos - bos - c * BT, T.if_then_else(slot >= 0, T.min(T.max(
+                        _softplus(T, D4[i, gc] + dt_bias[hv]), dt_min), dt_max), 0.0), 0.0)
+                start_chunk(hf, hs, h, base, c, hv, v0)
+                for i in T.Parallel(BT):
+                    gl[i] = T.max(-T.exp(A_log[hv]) * dv[i], LOG_DECAY_FLOOR)
+                T.cumsum(gl, Gs)
+                for i in T.Parallel(BT):
+                    if bv == 0 and i < eos - bos - c * BT:
+                        gcum[bos + c * BT + i, hv] = Gs[i]
+                        dts[bos + c * BT + i, hv] = dv[i]
+                for i in T.Parallel(BT):
+                    wv[i] = dv[i] * T.exp(Gs[T.min(BT, eos - bos - c * BT) - 1] - Gs[i])
+                # x past the sequence is selected out, not weighed by zero (a NaN there stays out)
+                for i, j in T.Parallel(BT, BV):
+                    ds[i, j] = T.if_then_else(i < eos - bos - c * BT, T.cast(T.cast(xs[i, j], f32) * wv[i], bf16),
+                                              T.cast(0.0, bf16))
+                decay[0] = T.exp(Gs[T.min(BT, eos - bos - c * BT) - 1])
+                for i, j in T.Parallel(K, BV):
+                    hf[i, j] = hf[i, j] * decay[0]
+                T.gemm(ks, ds, hf, transpose_A=True)
+            store_state(hf, state, slot, hv, v0)
+
     if not delta_rule:
-        return decay_only_states_kernel
+        return pipelined_decay_only_kernel if stages else decay_only_states_kernel
     return pipelined_states_kernel if stages else gdn_prefill_states_kernel
 
 

@@ -78,13 +78,21 @@ def prefill_tunables(key: KernelKey, given: dict | None = None) -> dict:
     return dict(t, states_BV=_dividing_tile(t["states_BV"], V), output_BV=_dividing_tile(t["output_BV"], V))
 
 
-PIPELINED_ARCHS = ("sm_90a",)  # where GDN's pipelined state pass compiles (its chunk loads are TMA copies)
+PIPELINED_ARCHS = ("sm_90a",)  # where the pipelined state passes compile (their chunk loads are TMA copies)
+
+
+def pipelines(key: KernelKey, arch: str) -> bool:
+    """Whether the pipelined state pass compiles for `key` on `arch`: a TMA arch, and whole boxes of GW
+    heads' decays (gdn_prefill_states)."""
+    boxes = importlib.import_module(f"{TILES}.gdn_prefill").GW
+    return arch in PIPELINED_ARCHS and key.dims.record_fields()["Hv"] % boxes == 0
 
 
 def _target_defaults(key: KernelKey, arch: str) -> dict:
     """GDN's state pass pipelined where it compiles: faster than the plain pass at every batch and length
-    measured (docs/results.md); the tuner still measures both."""
-    return {"states_stages": 2} if key.family == "gdn" and arch in PIPELINED_ARCHS else {}
+    measured (docs/results.md). Mamba-2's pipelined pass is offered to the tuner, not the default until it
+    is measured. The tuner measures both."""
+    return {"states_stages": 2} if key.family == "gdn" and pipelines(key, arch) else {}
 
 
 def _dividing_tile(BV: int, V: int) -> int:
@@ -97,11 +105,10 @@ def _dividing_tile(BV: int, V: int) -> int:
 
 def _prefill_configs(family: str) -> Callable[[], list]:
     """The templates' configs, each complete (so a tuned artifact's tunables are); the decay-only form has
-    no pipelined state pass and no prep (so no prep solve)."""
+    no prep (so no prep solve)."""
     def configs() -> list:
         found = [{**_PREFILL_DEFAULTS, **c} for c in importlib.import_module(f"{TILES}.gdn_prefill").configs()]
-        return [c for c in found if family == "gdn" or (not c["states_stages"]
-                                                         and c["prep_solve"] == _PREFILL_DEFAULTS["prep_solve"])]
+        return [c for c in found if family == "gdn" or c["prep_solve"] == _PREFILL_DEFAULTS["prep_solve"]]
     return configs
 
 

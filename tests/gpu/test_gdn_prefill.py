@@ -132,16 +132,19 @@ def mamba2_inputs(lengths, G, H, N, P, *, slots, num_slots, gen):
             torch.tensor(slots, dtype=torch.int32, device=dev))
 
 
+@pytest.mark.parametrize("stages", [0, 2], ids=["plain", "pipelined"])
 @pytest.mark.parametrize("start", ["existing", "fresh"])
 @pytest.mark.parametrize("heads", DECAY_ONLY_HEADS)
 @pytest.mark.parametrize("case", DECAY_ONLY_LENGTHS)
-def test_decay_only_prefill_matches_fp64_reference(case, heads, start):
+def test_decay_only_prefill_matches_fp64_reference(case, heads, start, stages):
     """The decay-only form (Mamba-2's SSD) from the layer's raw inputs: from existing states, or from zeroed
-    ones (a fresh request), the last sequence of a packed batch on slot -1 (a padding row: zeros)."""
+    ones (a fresh request), the last sequence of a packed batch on slot -1 (a padding row: zeros); the
+    state pass plain and pipelined (TMA loads; rows past a sequence read and selected out)."""
     G, H, N, P = DECAY_ONLY_HEADS[heads]
     lengths = DECAY_ONLY_LENGTHS[case]
     B = len(lengths)
     gen = torch.Generator(device="cuda").manual_seed(zlib.crc32(f"decay/{case}/{heads}/{start}".encode()))
+    op = prefill_op(G, H, N, P, delta_rule=False, states_stages=stages)
     slots = list(range(B))
     if B > 1:
         slots[-1] = -1
@@ -152,22 +155,24 @@ def test_decay_only_prefill_matches_fp64_reference(case, heads, start):
     state64 = state.double()
     y_ref = mamba2_chunk_prefill_reference(*(t.double() for t in tokens), cu, state64, slot_t)
     out = torch.full_like(tokens[0], float("nan"))
-    y = mamba2_chunk_prefill(prefill_op(G, H, N, P, delta_rule=False), *tokens, cu, state, slot_t, out=out)
+    y = mamba2_chunk_prefill(op, *tokens, cu, state, slot_t, out=out)
     err = rel_err(y, y_ref)
-    record(f"gdn_prefill/decay_only/{case}/{heads}/{start}/o", err)
+    record(f"gdn_prefill/decay_only/{case}/{heads}/{start}/{stages}/o", err)
     assert err < OUT_TOL, f"output rel err {err:.2e}"
     if B > 1:
         assert bits_equal(y[int(cu[-2]):], torch.zeros_like(y[int(cu[-2]):])), "a padding row's outputs"
     real = [i for i in slots if i >= 0]
     if real:
         s_err = max(rel_err(state[i], state64[i]) for i in real)
-        record(f"gdn_prefill/decay_only/{case}/{heads}/{start}/state", s_err)
+        record(f"gdn_prefill/decay_only/{case}/{heads}/{start}/{stages}/state", s_err)
         assert s_err < STATE_TOL, f"state rel err {s_err:.2e}"
     untouched = [s for s in range(state.shape[0]) if s not in real]
     assert bits_equal(state[untouched], before[untouched]), "a slot outside the batch changed"
 
 
-@pytest.mark.parametrize("tunables", [{"states_BV": 16}, {"states_BV": 64, "output_BV": 64}], ids=str)
+@pytest.mark.parametrize("tunables", [{"states_BV": 16}, {"states_BV": 64, "output_BV": 64}, {"states_stages": 2},
+                                      {"states_BV": 32, "states_stages": 2}, {"states_BV": 64, "states_stages": 3}],
+                         ids=str)
 def test_decay_only_tunables_agree(tunables):
     G, H, N, P = DECAY_ONLY_HEADS["nano"]
     gen = torch.Generator(device="cuda").manual_seed(29)

@@ -30,6 +30,8 @@ CASES = {
     # the decay-only form at Nemotron-3 Nano's shape (8 groups, 64 heads, state 128, head dim 64)
     "states_decay_only_nano": (gdn_prefill.gdn_prefill_states, dict(Hk=8, Hv=64, K=128, V=64, delta_rule=False)),
     "output_nano": (gdn_prefill.gdn_prefill_output, dict(Hk=8, Hv=64, K=128, V=64, BV=64, delta_rule=False)),
+    "states_decay_only_pipelined_nano": (gdn_prefill.gdn_prefill_states,
+                                         dict(Hk=8, Hv=64, K=128, V=64, BV=16, stages=2, delta_rule=False)),
 }
 
 
@@ -47,7 +49,9 @@ def test_prefill_template_compiles_for_sm90a(case):
 def test_configs_fit_the_templates():
     """Every tunable configuration is accepted by the templates it names (no compile)."""
     for cfg in gdn_prefill.configs():
-        gdn_prefill.gdn_prefill_states(16, 32, BV=cfg["states_BV"], stages=cfg.get("states_stages", 0))
+        for delta_rule in (True, False):
+            gdn_prefill.gdn_prefill_states(16, 32, BV=cfg["states_BV"], stages=cfg.get("states_stages", 0),
+                                           delta_rule=delta_rule)
         gdn_prefill.gdn_prefill_output(16, 32, BV=cfg["output_BV"])
         gdn_prefill.gdn_prefill_prep(16, 32, solve=cfg.get("prep_solve", "substitution"))
 
@@ -58,7 +62,10 @@ def test_bad_shapes_are_refused():
     with pytest.raises(ValueError, match="multiple"):
         gdn_prefill.gdn_prefill_prep(16, 24)
     with pytest.raises(ValueError, match="stages"):
-        gdn_prefill.gdn_prefill_states(8, 64, 128, 64, stages=2, delta_rule=False)
+        gdn_prefill.gdn_prefill_states(8, 64, 128, 64, stages=-1, delta_rule=False)
+    for delta_rule in (True, False):  # the pipelined pass loads the decays of GW heads at once
+        with pytest.raises(ValueError, match="multiple of 4"):
+            gdn_prefill.gdn_prefill_states(1, 2, 32, 32, stages=2, delta_rule=delta_rule)
     with pytest.raises(ValueError, match="solve"):
         gdn_prefill.gdn_prefill_prep(16, 32, solve="cholesky")
 
@@ -124,7 +131,7 @@ def test_prefill_tunables():
                                                states_BV=16, output_BV=48)
     with pytest.raises(TypeError, match="BV"):
         prefill.prefill_tunables(gdn, {"BV": 32})
-    assert all(not c.get("states_stages") for c in specs.MAMBA2_CHUNK_PREFILL.configs())
+    assert any(c.get("states_stages") for c in specs.MAMBA2_CHUNK_PREFILL.configs())
     assert {c["prep_solve"] for c in specs.MAMBA2_CHUNK_PREFILL.configs()} == {"substitution"}  # no prep
     assert {c["prep_solve"] for c in specs.GDN_CHUNK_PREFILL.configs()} == {"substitution", "blockwise"}
     assert any(c.get("states_stages") for c in specs.GDN_CHUNK_PREFILL.configs())
