@@ -9,6 +9,7 @@ format, NVIDIA ModelOpt's) load through kvbuffer.models.quant; tensors of any ot
 
 from __future__ import annotations
 
+import contextlib
 import re
 from pathlib import Path
 
@@ -88,9 +89,18 @@ def _read_file(f: Path) -> dict[str, torch.Tensor]:
         raise CheckpointError(f"{f} is not a readable safetensors file: {e}") from None
     for name, t in tensors.items():
         _check_kind(name, t, f)
-        if t.dtype == FP8 and has_nan_bytes(t) or t.dtype != FP8 and not bool(torch.isfinite(t).all()):
+        if t.dtype == FP8 and has_nan_bytes(t) or t.dtype != FP8 and not all_finite(t):
             raise CheckpointError(f"tensor {name} in {f} has non-finite values (NaN or infinity)")
     return tensors
+
+
+def all_finite(t: torch.Tensor) -> bool:
+    """Whether a floating tensor holds no NaN and no infinity: its minimum and maximum are finite (both
+    propagate NaN), one pass with no tensor-sized temporary."""
+    if t.numel() == 0:
+        return True
+    lo, hi = torch.aminmax(t)
+    return bool(torch.isfinite(lo) & torch.isfinite(hi))
 
 
 def _check_kind(name: str, t: torch.Tensor, f: Path) -> None:
@@ -209,7 +219,7 @@ def load_weights(model, tensors: dict[str, torch.Tensor], quant: QuantConfig | N
             t = mapped[name]
             if isinstance(t, list):  # a packed projection's parts, shapes checked by _pack_projections
                 for part, piece in zip(t, torch.split(p, [part.shape[0] for part in t])):
-                    piece.copy_(part.to(p.dtype))
+                    piece.copy_(part)  # in the parameter's dtype, rounded once
                 continue
             if t.shape != p.shape:
                 # conv1d weights are stored (D, 1, W) by transformers and may come as (D, W); a (W, D)
@@ -218,7 +228,34 @@ def load_weights(model, tensors: dict[str, torch.Tensor], quant: QuantConfig | N
                     t = t.reshape(p.shape)
                 else:
                     raise CheckpointError(f"tensor {name}: checkpoint shape {tuple(t.shape)}, model expects {tuple(p.shape)}")
-            p.copy_(t.to(p.dtype))
+            p.copy_(t)
+
+
+_BUILD_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)  # what set_default_dtype takes
+_RANDOM_INITS = ("uniform_", "normal_", "kaiming_uniform_", "kaiming_normal_", "xavier_uniform_", "xavier_normal_",
+                 "trunc_normal_")
+
+
+@contextlib.contextmanager
+def parameters_to_load(dtype: torch.dtype | None = None, device=None):
+    """Around building a model whose every parameter is loaded next (load_weights refuses a checkpoint
+    that lacks one, and the models hold no buffers): torch.nn.init's random initialisers leave their
+    tensor as it is, and parameters are made in `dtype` on `device` (None: the defaults), so a large
+    model is neither filled with random numbers, nor built in fp32 first, nor copied once more to its
+    device. Process-wide while it lasts, as torch.set_default_dtype is; all is put back on the way out."""
+    saved = {name: getattr(torch.nn.init, name) for name in _RANDOM_INITS}
+    default = torch.get_default_dtype()
+    try:
+        for name in _RANDOM_INITS:
+            setattr(torch.nn.init, name, lambda tensor, *args, **kwargs: tensor)
+        if dtype is not None:
+            torch.set_default_dtype(dtype)
+        with torch.device(device) if device is not None else contextlib.nullcontext():
+            yield
+    finally:
+        torch.set_default_dtype(default)
+        for name, init in saved.items():
+            setattr(torch.nn.init, name, init)
 
 
 def load_checkpoint(path: str | Path, *, dtype=None, device=None):
@@ -227,7 +264,8 @@ def load_checkpoint(path: str | Path, *, dtype=None, device=None):
     path = Path(path)
     hf_config = read_config(path)
     quant = read_quant_config(hf_config, path)
-    model = build_model(hf_config)
+    with parameters_to_load(dtype if dtype in _BUILD_DTYPES else None, device):
+        model = build_model(hf_config)
     load_weights(model, _read_tensors(path), quant)
     if dtype is not None:
         model = model.to(dtype)
