@@ -333,6 +333,27 @@ def gdn_prefill_states(Hk: int, Hv: int, K: int = 128, V: int = 128, *, BV: int 
             for i, j in T.Parallel(K, BV):
                 state[slot, hv, i, v0 + j] = hf[i, j]
 
+    @T.macro
+    def decay_fold(hf, ks, xs, ds, dv, gl, Gs, wv, decay, A_log, gcum, dts, t0, L, hv, bv):
+        # decay-only: G the running sum of the log decays max(-exp(A_log) dt, floor) (G and dt written per
+        # token by the first value tile, for the output pass); h <- exp(G_last) h + (exp(G_last - G_s) k_s)^T
+        # (dt_s x_s), x past the chunk selected out (not weighed by zero: a NaN there stays out)
+        for i in T.Parallel(BT):
+            gl[i] = T.max(-T.exp(A_log[hv]) * dv[i], LOG_DECAY_FLOOR)
+        T.cumsum(gl, Gs)
+        for i in T.Parallel(BT):
+            if bv == 0 and i < L:
+                gcum[t0 + i, hv] = Gs[i]
+                dts[t0 + i, hv] = dv[i]
+        for i in T.Parallel(BT):
+            wv[i] = dv[i] * T.exp(Gs[L - 1] - Gs[i])
+        for i, j in T.Parallel(BT, BV):
+            ds[i, j] = T.if_then_else(i < L, T.cast(T.cast(xs[i, j], f32) * wv[i], bf16), T.cast(0.0, bf16))
+        decay[0] = T.exp(Gs[L - 1])
+        for i, j in T.Parallel(K, BV):
+            hf[i, j] = hf[i, j] * decay[0]
+        T.gemm(ks, ds, hf, transpose_A=True)
+
     @T.prim_func
     def gdn_prefill_states_kernel(
         k: T.Tensor((N, Hk, K), bf16),
@@ -432,22 +453,7 @@ def gdn_prefill_states(Hk: int, Hv: int, K: int = 128, V: int = 128, *, BV: int 
                     dv[i] = T.if_then_else(i < L, T.if_then_else(slot >= 0, T.min(T.max(
                         _softplus(T, dt[T.min(t0 + i, N - 1), hv] + dt_bias[hv]), dt_min), dt_max), 0.0), 0.0)
                 start_chunk(hf, hs, h, base, c, hv, v0)
-                for i in T.Parallel(BT):
-                    gl[i] = T.max(-T.exp(A_log[hv]) * dv[i], LOG_DECAY_FLOOR)
-                T.cumsum(gl, Gs)
-                for i in T.Parallel(BT):
-                    if bv == 0 and i < L:
-                        gcum[t0 + i, hv] = Gs[i]
-                        dts[t0 + i, hv] = dv[i]
-                # h <- exp(G_last) h + (exp(G_last - G_s) k_s)^T (dt_s x_s)
-                for i in T.Parallel(BT):
-                    wv[i] = dv[i] * T.exp(Gs[L - 1] - Gs[i])
-                for i, j in T.Parallel(BT, BV):
-                    ds[i, j] = T.cast(T.cast(xs[i, j], f32) * wv[i], bf16)
-                decay[0] = T.exp(Gs[L - 1])
-                for i, j in T.Parallel(K, BV):
-                    hf[i, j] = hf[i, j] * decay[0]
-                T.gemm(ks, ds, hf, transpose_A=True)
+                decay_fold(hf, ks, xs, ds, dv, gl, Gs, wv, decay, A_log, gcum, dts, t0, L, hv, bv)
             store_state(hf, state, slot, hv, v0)
 
     @T.prim_func
@@ -554,23 +560,8 @@ def gdn_prefill_states(Hk: int, Hv: int, K: int = 128, V: int = 128, *, BV: int 
                     dv[i] = T.if_then_else(i < eos - bos - c * BT, T.if_then_else(slot >= 0, T.min(T.max(
                         _softplus(T, D4[i, gc] + dt_bias[hv]), dt_min), dt_max), 0.0), 0.0)
                 start_chunk(hf, hs, h, base, c, hv, v0)
-                for i in T.Parallel(BT):
-                    gl[i] = T.max(-T.exp(A_log[hv]) * dv[i], LOG_DECAY_FLOOR)
-                T.cumsum(gl, Gs)
-                for i in T.Parallel(BT):
-                    if bv == 0 and i < eos - bos - c * BT:
-                        gcum[bos + c * BT + i, hv] = Gs[i]
-                        dts[bos + c * BT + i, hv] = dv[i]
-                for i in T.Parallel(BT):
-                    wv[i] = dv[i] * T.exp(Gs[T.min(BT, eos - bos - c * BT) - 1] - Gs[i])
-                # x past the sequence is selected out, not weighed by zero (a NaN there stays out)
-                for i, j in T.Parallel(BT, BV):
-                    ds[i, j] = T.if_then_else(i < eos - bos - c * BT, T.cast(T.cast(xs[i, j], f32) * wv[i], bf16),
-                                              T.cast(0.0, bf16))
-                decay[0] = T.exp(Gs[T.min(BT, eos - bos - c * BT) - 1])
-                for i, j in T.Parallel(K, BV):
-                    hf[i, j] = hf[i, j] * decay[0]
-                T.gemm(ks, ds, hf, transpose_A=True)
+                decay_fold(hf, ks, xs, ds, dv, gl, Gs, wv, decay, A_log, gcum, dts, bos + c * BT,
+                           T.min(BT, eos - bos - c * BT), hv, bv)
             store_state(hf, state, slot, hv, v0)
 
     if not delta_rule:
