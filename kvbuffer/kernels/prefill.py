@@ -260,6 +260,22 @@ def _check_kernel(op: CompiledOp, q, k, v, g, beta, cu_seqlens, state, state_slo
     check_shapes(q, k, v, g, beta, cu_seqlens, state, state_slots, delta_rule=True)
     for name, t in (("q", q), ("k", k), ("v", v), ("g", g), ("beta", beta)):
         check_contiguous(name, t)
+    check_tma_aligned(op, k=k)
+
+
+TMA_ALIGNMENT = 16  # bytes: where a TMA copy's global tensor may start
+
+
+def check_tma_aligned(op: CompiledOp, **tensors: torch.Tensor) -> None:
+    """A pipelined state pass (states_stages > 0) loads these tensors by TMA, whose global addresses
+    must be 16-byte aligned: one that starts elsewhere (a view at an odd element offset) is a
+    ShapeError here, not a fault on the device."""
+    if not op.params.get("states_stages"):
+        return
+    for name, t in tensors.items():
+        if t.data_ptr() % TMA_ALIGNMENT:
+            raise ShapeError(f"{name} starts at an address that is not a multiple of {TMA_ALIGNMENT} bytes (a view "
+                             f"at an odd offset?): the pipelined state pass loads it by TMA; pass a copy (.clone())")
 
 
 def _check_kernel_rows(p: dict, cu_seqlens, state, state_slots, dev) -> None:
@@ -291,6 +307,7 @@ def _check_mamba2_kernel(op: CompiledOp, x, dt, A_log, dt_bias, B, C, D, cu_seql
     check_mamba2_shapes(x, dt, A_log, dt_bias, B, C, D, cu_seqlens, state, state_slots, dt_min, dt_max)
     for name, t in (("x", x), ("dt", dt), ("A_log", A_log), ("dt_bias", dt_bias), ("B", B), ("C", C), ("D", D)):
         check_contiguous(name, t)
+    check_tma_aligned(op, x=x, dt=dt, B=B)
 
 
 # ----------------------------------------------------------------------------------------------

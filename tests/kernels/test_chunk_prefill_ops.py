@@ -191,3 +191,38 @@ def test_bad_calls_raise_typed_errors_and_write_nothing(bad):
     with pytest.raises(error, match=match):
         torch.ops.kvbuffer.gdn_chunk_prefill(a["q"], a["k"], a["v"], a["g"], a["beta"], a["cu"], state, a["slots"])
     assert torch.equal(state, before)
+
+
+
+@pytest.mark.parametrize("family", OPS)
+def test_a_pipelined_pass_refuses_tensors_tma_cannot_load(family, monkeypatch):
+    """The compiled op with a pipelined state pass (TMA loads) refuses, before any launch, a tensor it
+    loads by TMA that starts off a 16-byte boundary (a view at an odd element offset), naming it; the
+    plain pass takes it. (The launchers' checks run on the CPU here, with no kernel behind them.)"""
+    from kvbuffer.kernels import prefill
+    from kvbuffer.kernels.compiled import CompiledOp
+
+    monkeypatch.setattr(prefill, "check_on_cuda", lambda name, device: None)
+    Hk, Hv, K, V, N = 2, 4, 16, 16, 14
+    bf, f32 = torch.bfloat16, torch.float32
+    shapes = {"q": ((N, Hk, K), bf), "k": ((N, Hk, K), bf), "v": ((N, Hv, V), bf), "g": ((N, Hv), f32),
+              "beta": ((N, Hv), f32)} if family == "gdn" else \
+        {"x": ((N, Hv, V), bf), "dt": ((N, Hv), f32), "A_log": ((Hv,), f32), "dt_bias": ((Hv,), f32),
+         "B": ((N, Hk, K), bf), "C": ((N, Hk, K), bf), "D": ((Hv,), f32)}
+    args = {name: -0.1 * torch.rand(shape).to(dtype) for name, (shape, dtype) in shapes.items()}
+    cu, slots = torch.tensor([0, 5, N], dtype=torch.int32), torch.tensor([0, 1], dtype=torch.int32)
+    state = torch.zeros(2, Hv, K, V)
+    loaded = "k" if family == "gdn" else "dt"
+    shifted = torch.empty(args[loaded].numel() + 1, dtype=args[loaded].dtype)[1:].view(args[loaded].shape)
+    shifted.copy_(args[loaded])
+    assert shifted.data_ptr() % prefill.TMA_ALIGNMENT
+    args[loaded] = shifted
+    run = prefill.chunk_prefill if family == "gdn" else prefill.mamba2_chunk_prefill
+    params = dict(Hk=Hk, Hv=Hv, K=K, V=V, delta_rule=family == "gdn")
+    calls = []
+    parts = {p: (lambda *a, p=p: calls.append(p)) for p in ("chunks", "prep", "states", "output")}
+    with pytest.raises(ShapeError, match=f"{loaded} starts at an address"):
+        run(CompiledOp(parts, "chunk_prefill", dict(params, states_stages=2)), *args.values(), cu, state, slots)
+    assert calls == []
+    run(CompiledOp(parts, "chunk_prefill", dict(params, states_stages=0)), *args.values(), cu, state, slots)
+    assert "states" in calls
