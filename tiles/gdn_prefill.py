@@ -284,9 +284,9 @@ def gdn_prefill_states(Hk: int, Hv: int, K: int = 128, V: int = 128, *, BV: int 
     T.Pipelined loop of that many stages (TileLang lowers them to TMA loads from a producer warpgroup, the
     next chunk's loads overlapping this chunk's products; G or dt as (64, GW) boxes of GW heads, a TMA row
     being at least 16 bytes, so Hv must be a multiple of GW); rows past the sequence are read as they are
-    (the next sequence's tokens, or zeros past the end) and selected out of the deltas, and their keys
-    enter the fold with zero weights (so a NaN or inf among those keys would reach the state: the plain
-    pass zeroes them). Same arguments.
+    (the next sequence's tokens, or zeros past the end) and selected out of the deltas, and in a
+    sequence's last chunk its keys past the end are cleared after their copy lands, so a NaN or inf in
+    the next sequence cannot reach this one's state. Same arguments.
     """
     _check(Hk, Hv, K, V, BV)
     if stages < 0:
@@ -326,6 +326,15 @@ def gdn_prefill_states(Hk: int, Hv: int, K: int = 128, V: int = 128, *, BV: int 
         for i, j in T.Parallel(K, BV):
             hf[i, j] = hf[i, j] * decay[0]
         T.gemm(ks, ds, hf, transpose_A=True)
+
+    @T.macro
+    def keys_past_the_end_cleared(ks, L):
+        # pipelined: a sequence's last chunk loads whole 64-row tiles, so rows past its end hold the next
+        # sequence's keys; the fold weighs them by zero, and 0 x NaN is NaN, so they are cleared (read
+        # and selected, so the copy's wait comes first), in that chunk only
+        if L < BT:
+            for i, d in T.Parallel(BT, K):
+                ks[i, d] = T.if_then_else(i < L, ks[i, d], T.cast(0.0, bf16))
 
     @T.macro
     def store_state(hf, state, slot, hv, v0):
@@ -501,6 +510,7 @@ def gdn_prefill_states(Hk: int, Hv: int, K: int = 128, V: int = 128, *, BV: int 
                 decay[0] = T.exp(G4[T.min(BT, eos - bos - c * BT) - 1, gc])
                 start_chunk(hf, hs, h, base, c, hv, v0)
                 T.gemm(ws, hs, df, clear_accum=True)
+                keys_past_the_end_cleared(ks, eos - bos - c * BT)
                 for i, j in T.Parallel(BT, BV):
                     df[i, j] = T.if_then_else(i < eos - bos - c * BT, T.cast(us[i, j], f32) - df[i, j], 0.0)
                 for i, j in T.Parallel(BT, BV):
@@ -560,6 +570,7 @@ def gdn_prefill_states(Hk: int, Hv: int, K: int = 128, V: int = 128, *, BV: int 
                     dv[i] = T.if_then_else(i < eos - bos - c * BT, T.if_then_else(slot >= 0, T.min(T.max(
                         _softplus(T, D4[i, gc] + dt_bias[hv]), dt_min), dt_max), 0.0), 0.0)
                 start_chunk(hf, hs, h, base, c, hv, v0)
+                keys_past_the_end_cleared(ks, eos - bos - c * BT)
                 decay_fold(hf, ks, xs, ds, dv, gl, Gs, wv, decay, A_log, gcum, dts, bos + c * BT,
                            T.min(BT, eos - bos - c * BT), hv, bv)
             store_state(hf, state, slot, hv, v0)

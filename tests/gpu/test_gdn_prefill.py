@@ -198,6 +198,38 @@ def test_decay_only_dt_limits(limits):
     assert rel_err(state, state64) < STATE_TOL
 
 
+@pytest.mark.parametrize("stages", [0, 2], ids=["plain", "pipelined"])
+@pytest.mark.parametrize("family", ["gdn", "mamba2"])
+def test_a_sequence_is_untouched_by_its_neighbours_nan(family, stages):
+    """Packed [70, 50]: the first sequence's last chunk is 6 rows, so a whole-tile load of it also reads
+    the second's first 58 keys. With NaN in every key and value of the second sequence, the first's
+    outputs and final state are bit-identical to a run with the second clean (the second's own are NaN)."""
+    lengths, slots = [70, 50], [0, 1]
+    gen = torch.Generator(device="cuda").manual_seed(41)
+    if family == "gdn":
+        Hk, Hv = HEADS["qwen35_9b"]
+        op = prefill_op(Hk, Hv, states_stages=stages)
+        q, k, v, g, beta, cu, state, slot_t = inputs(lengths, Hk, Hv, slots=slots, num_slots=2, gen=gen)
+    else:
+        G, H, N, P = DECAY_ONLY_HEADS["nano"]
+        op = prefill_op(G, H, N, P, delta_rule=False, states_stages=stages)
+        (v, dt, A_log, dt_bias, k, C, D), cu, state, slot_t = mamba2_inputs(lengths, G, H, N, P, slots=slots,
+                                                                            num_slots=2, gen=gen)
+
+    def run(keys, values):
+        pool = state.clone()
+        if family == "gdn":
+            return chunk_prefill(op, q, keys, values, g, beta, cu, pool, slot_t), pool
+        return mamba2_chunk_prefill(op, values, dt, A_log, dt_bias, keys, C, D, cu, pool, slot_t), pool
+
+    clean_o, clean_s = run(k, v)
+    poisoned_k, poisoned_v = k.clone(), v.clone()
+    poisoned_k[70:], poisoned_v[70:] = float("nan"), float("nan")
+    o, s = run(poisoned_k, poisoned_v)
+    assert bits_equal(o[:70], clean_o[:70]) and bool(torch.isfinite(o[:70]).all())
+    assert bits_equal(s[0], clean_s[0]) and bool(torch.isfinite(s[0]).all())
+
+
 @pytest.mark.parametrize("family", ["gdn", "mamba2"])
 def test_custom_ops_launch_the_kernels(family):
     """torch.ops.kvbuffer.<family>_chunk_prefill on CUDA (the JIT builds the spec) agrees with its CPU
