@@ -65,3 +65,20 @@ def test_all_finite_finds_every_nan_and_infinity(dtype, n):
             t[pos] = bad
             assert not loader.all_finite(t), (pos, bad)
             assert not loader.all_finite(t.reshape(1, n, 1)), (pos, bad)
+
+
+@pytest.mark.parametrize("dtype", [None, torch.bfloat16])
+@pytest.mark.parametrize("model_type", ["qwen3_5_text", "qwen3_5_moe_text", "qwen3_next", "nemotron_h"])
+def test_every_model_type_saved_by_transformers_loads_bit_identically(tmp_path_factory, model_type, dtype):
+    """The same over transformers' own checkpoints of every supported type (stacked experts, packed
+    projections, published names); the Qwen3.5 one with a multi-token-prediction head attached at load."""
+    from tests.support.hf_models import add_mtp_head, saved_hf_model
+
+    _, path = saved_hf_model(model_type, tmp_path_factory)
+    if model_type == "qwen3_5_text":
+        add_mtp_head(path)
+    got, want = loader.load_checkpoint(path, dtype=dtype), _old_way(path, dtype)
+    got_params, want_params = dict(got.named_parameters()), dict(want.named_parameters())
+    assert sorted(got_params) == sorted(want_params)
+    assert all(torch.equal(got_params[n], p) and got_params[n].dtype == p.dtype for n, p in want_params.items())
+    assert list(got.buffers()) == []
