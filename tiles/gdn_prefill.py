@@ -52,6 +52,17 @@ def _check(Hk: int, Hv: int, K: int, V: int, BV: int) -> None:
         raise ValueError(f"BV={BV} must be a multiple of 16 that divides V={V}")
 
 
+def _chunk_grid(NC, Hv: int, heads_inner: int, *rest):
+    """The grid of a per-(chunk slot, value head[, rest]) launch, and the block's chunk slot and head from
+    its first two indices: heads_inner runs the value heads of one chunk on consecutive blocks (the
+    keys they share read once from DRAM, the rest from the L2), else the chunks of one head."""
+    if heads_inner not in (0, 1):
+        raise ValueError(f"heads_inner={heads_inner} must be 0 or 1")
+    if heads_inner:
+        return (NC * Hv, 1, *rest), lambda b0, b1: (b0 // Hv, b0 % Hv)
+    return (NC, Hv, *rest), lambda b0, b1: (b0, b1)
+
+
 def gdn_prefill_chunks(*, threads: int = 128):
     """The chunk table: chunks[s] = (first token, tokens, sequence) of the chunk owning chunk slot s, (0, 0, 0)
     for none.
@@ -95,7 +106,7 @@ SOLVE_BLOCK = 16  # the blockwise solve's diagonal blocks
 
 
 def gdn_prefill_prep(Hk: int, Hv: int, K: int = 128, V: int = 128, *, threads: int = 128,
-                     solve: str = "substitution"):
+                     solve: str = "substitution", heads_inner: int = 0):
     """Per (chunk slot, value head): gcum = G (clamped, within the chunk), w, u (bf16) for the chunk's tokens.
 
     `solve` forms Tinv = (I + A)^-1 (fp32, rounded to bf16 for the products):
@@ -103,6 +114,7 @@ def gdn_prefill_prep(Hk: int, Hv: int, K: int = 128, V: int = 128, *, threads: i
     - "blockwise": the 16 x 16 diagonal blocks inverted by substitution (16 rows in series), Dinv their
       block-diagonal inverse, then with N = Dinv A_off (A's blocks below the diagonal, so N^4 = 0)
       Tinv = (I - N + N^2 - N^3) Dinv: four 64 x 64 products on tensor cores (fp32 operands: TF32).
+    `heads_inner`: the grid's order (_chunk_grid).
     Args: k, v, g, beta, chunks, w (N, Hv, K), u (N, Hv, V), gcum (N, Hv).
     """
     _check(Hk, Hv, K, V, 16)
@@ -114,6 +126,7 @@ def gdn_prefill_prep(Hk: int, Hv: int, K: int = 128, V: int = 128, *, threads: i
     r = Hv // Hk
     f32, bf16 = "float32", "bfloat16"
     SB = SOLVE_BLOCK
+    grid, chunk_and_head = _chunk_grid(NC, Hv, heads_inner)
 
     @T.macro
     def front(k, g, beta, gcum, gl, Gs, bs, ks, gram, t0, L, hk, hv):
@@ -161,7 +174,8 @@ def gdn_prefill_prep(Hk: int, Hv: int, K: int = 128, V: int = 128, *, threads: i
         u: T.Tensor((N, Hv, V), bf16),
         gcum: T.Tensor((N, Hv), f32),
     ):
-        with T.Kernel(NC, Hv, threads=threads) as (s, hv):
+        with T.Kernel(*grid, threads=threads) as (b0, b1):
+            s, hv = chunk_and_head(b0, b1)
             tx = T.get_thread_binding()
             gl = T.alloc_shared((BT,), f32)
             Gs = T.alloc_shared((BT,), f32)
@@ -216,7 +230,8 @@ def gdn_prefill_prep(Hk: int, Hv: int, K: int = 128, V: int = 128, *, threads: i
         u: T.Tensor((N, Hv, V), bf16),
         gcum: T.Tensor((N, Hv), f32),
     ):
-        with T.Kernel(NC, Hv, threads=threads) as (s, hv):
+        with T.Kernel(*grid, threads=threads) as (b0, b1):
+            s, hv = chunk_and_head(b0, b1)
             tx = T.get_thread_binding()
             gl = T.alloc_shared((BT,), f32)
             Gs = T.alloc_shared((BT,), f32)
@@ -581,13 +596,14 @@ def gdn_prefill_states(Hk: int, Hv: int, K: int = 128, V: int = 128, *, BV: int 
 
 
 def gdn_prefill_output(Hk: int, Hv: int, K: int = 128, V: int = 128, *, BV: int = 128, threads: int = 128,
-                       delta_rule: bool = True):
+                       delta_rule: bool = True, heads_inner: int = 0):
     """Per (chunk slot, value head, value tile): o = exp(G) q h + causal(exp(G_t - G_s) q k^T) delta (bf16).
 
     Args: q, k, h, delta, gcum, chunks, o (N, Hv, V).
     Decay-only (delta_rule=False, Mamba-2): delta_s = dt_s x_s, with dt_s weighing the intra-chunk products,
     and y = o + D x, neither for a padding row (its sequence on slot -1).
     Args: q (= C), k (= B), h, x, D (Hv,), gcum, dts, chunks, state_slots, o (= y).
+    `heads_inner`: the grid's order (_chunk_grid).
     """
     _check(Hk, Hv, K, V, BV)
     T = _tl()
@@ -596,6 +612,7 @@ def gdn_prefill_output(Hk: int, Hv: int, K: int = 128, V: int = 128, *, BV: int 
     NC = T.dynamic("chunk_slots")
     r = Hv // Hk
     f32, bf16 = "float32", "bfloat16"
+    grid, chunk_and_head = _chunk_grid(NC, Hv, heads_inner, V // BV)
 
     @T.macro
     def load_chunk(qs, ks, ds, Gs, q, k, delta, gcum, t0, L, hk, hv, v0):
@@ -617,7 +634,8 @@ def gdn_prefill_output(Hk: int, Hv: int, K: int = 128, V: int = 128, *, BV: int 
         chunks: T.Tensor((NC, CHUNK_FIELDS), "int32"),
         o: T.Tensor((N, Hv, V), bf16),
     ):
-        with T.Kernel(NC, Hv, V // BV, threads=threads) as (s, hv, bv):
+        with T.Kernel(*grid, threads=threads) as (b0, b1, bv):
+            s, hv = chunk_and_head(b0, b1)
             qs = T.alloc_shared((BT, K), bf16)
             ks = T.alloc_shared((BT, K), bf16)
             hs = T.alloc_shared((K, BV), bf16)
@@ -657,7 +675,8 @@ def gdn_prefill_output(Hk: int, Hv: int, K: int = 128, V: int = 128, *, BV: int 
         state_slots: T.Tensor((B,), "int32"),
         o: T.Tensor((N, Hv, V), bf16),
     ):
-        with T.Kernel(NC, Hv, V // BV, threads=threads) as (s, hv, bv):
+        with T.Kernel(*grid, threads=threads) as (b0, b1, bv):
+            s, hv = chunk_and_head(b0, b1)
             qs = T.alloc_shared((BT, K), bf16)
             ks = T.alloc_shared((BT, K), bf16)
             hs = T.alloc_shared((K, BV), bf16)
@@ -696,14 +715,16 @@ def gdn_prefill_configs() -> list[dict]:
     blocks, one sequence each): a small BV feeds the SMs when few sequences run (B = 1), a large one
     halves the chunk loads per block when many do; states_stages > 0 pipelines the state pass's chunk
     loads (gdn_prefill_states' `stages`); output_BV is the output's value tile; prep_solve how the prep
-    forms Tinv (gdn_prefill_prep's `solve`; "substitution" where a config names none)."""
+    forms Tinv (gdn_prefill_prep's `solve`; "substitution" where a config names none); heads_inner the
+    prep's and the output's grid order (_chunk_grid; 0 where a config names none)."""
     first = [{"states_BV": 32, "output_BV": 128}, {"states_BV": 16, "output_BV": 64},
              {"states_BV": 64, "output_BV": 128}]
     blockwise = [dict(c, prep_solve="blockwise") for c in first]
     rest = [{"states_BV": bv, "output_BV": obv} for bv in (16, 32, 64, 128) for obv in (128, 64)]
     piped = [{"states_BV": bv, "states_stages": 2, "output_BV": 128} for bv in (32, 64, 16)]
     piped_blockwise = [dict(c, prep_solve="blockwise") for c in piped[:2]]
-    return first + blockwise + piped + piped_blockwise + [c for c in rest if c not in first]
+    heads_inner = [dict(c, heads_inner=1) for c in piped[:2]]
+    return first + blockwise + piped + piped_blockwise + heads_inner + [c for c in rest if c not in first]
 
 
 configs = gdn_prefill_configs

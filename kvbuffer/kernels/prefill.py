@@ -60,8 +60,9 @@ HEAD_DIMS = (32, 64, 128)  # K and V the templates take (16: 4 warps cannot spli
 # the specs: four launches, three decay-only (Mamba-2's, from the layer's raw x, dt and parameters)
 
 
-PREFILL_TUNABLES = ("states_BV", "states_stages", "output_BV", "threads", "prep_solve")
-_PREFILL_DEFAULTS = {"states_stages": 0, "threads": 128, "prep_solve": "substitution"}  # where a config names none
+PREFILL_TUNABLES = ("states_BV", "states_stages", "output_BV", "threads", "prep_solve", "heads_inner")
+# where a config (or an artifact tuned before the tunable was) names none
+_PREFILL_DEFAULTS = {"states_stages": 0, "threads": 128, "prep_solve": "substitution", "heads_inner": 0}
 
 
 def prefill_tunables(key: KernelKey, given: dict | None = None) -> dict:
@@ -72,8 +73,9 @@ def prefill_tunables(key: KernelKey, given: dict | None = None) -> dict:
     if unknown:
         raise TypeError(f"unknown chunked prefill tunables {sorted(unknown)}; they are {PREFILL_TUNABLES}")
     t = dict(given or {})
-    if set(PREFILL_TUNABLES) - set(t):  # an artifact's are complete: the run time imports no template here
-        t = {**_PREFILL_DEFAULTS, **importlib.import_module(f"{TILES}.gdn_prefill").configs()[0], **t}
+    if {"states_BV", "output_BV"} - set(t):  # an artifact names both: the run time imports no template here
+        t = {**importlib.import_module(f"{TILES}.gdn_prefill").configs()[0], **t}
+    t = {**_PREFILL_DEFAULTS, **t}
     V = key.dims.record_fields()["V"]
     return dict(t, states_BV=_dividing_tile(t["states_BV"], V), output_BV=_dividing_tile(t["output_BV"], V))
 
@@ -122,10 +124,12 @@ def _prefill_templates(tiles, key: KernelKey, t: dict) -> dict:
     delta_rule = key.family == "gdn"
     prims = {"chunks": tiles.gdn_prefill_chunks(threads=t["threads"])}
     if delta_rule:
-        prims["prep"] = tiles.gdn_prefill_prep(**dims, threads=t["threads"], solve=t["prep_solve"])
+        prims["prep"] = tiles.gdn_prefill_prep(**dims, threads=t["threads"], solve=t["prep_solve"],
+                                               heads_inner=t["heads_inner"])
     prims["states"] = tiles.gdn_prefill_states(**dims, BV=t["states_BV"], threads=t["threads"],
                                                stages=t["states_stages"], delta_rule=delta_rule)
-    prims["output"] = tiles.gdn_prefill_output(**dims, BV=t["output_BV"], threads=t["threads"], delta_rule=delta_rule)
+    prims["output"] = tiles.gdn_prefill_output(**dims, BV=t["output_BV"], threads=t["threads"], delta_rule=delta_rule,
+                                               heads_inner=t["heads_inner"])
     return prims
 
 

@@ -1,7 +1,7 @@
 """The chunked prefill's launches (tiles/gdn_prefill.py) run on the CPU through tests/support/simt_emulator.py,
 driven by their launchers (kvbuffer.kernels.prefill.chunk_prefill / mamba2_chunk_prefill), against the ops'
 fp64 references: GDN with each prep solve (forward substitution, blockwise), Mamba-2's decay-only form with
-its front and D skip inside (dt limits too). Awkward lengths (1, 63, 64, 65, 1000 and a packed batch with an
+its front and D skip inside (dt limits too), both in each grid order. Awkward lengths (1, 63, 64, 65, 1000 and a packed batch with an
 empty prompt), non-zero starting states, a sequence on slot -1 (zero start, no state written; Mamba-2's a
 padding row, zero outputs), outputs poisoned with NaN first, pool slots outside the batch bit-exact.
 
@@ -73,11 +73,12 @@ def emulated_op(family: str, **tunables) -> CompiledOp:
     spec = specs.spec_for(key)
     t = spec.complete_tunables(key, tunables)
     prims = spec.part_templates(gdn_prefill, key, t)
+    heads = (lambda a: (a["chunk_slots"] * Hv, 1)) if t["heads_inner"] else (lambda a: (a["chunk_slots"], Hv))
     grids = {
         "chunks": lambda a: (-(-a["chunk_slots"] // THREADS), 1, 1),
-        "prep": lambda a: (a["chunk_slots"], Hv, 1),
+        "prep": lambda a: (*heads(a), 1),
         "states": lambda a: (V // t["states_BV"], Hv, a["batch"]),
-        "output": lambda a: (a["chunk_slots"], Hv, V // t["output_BV"]),
+        "output": lambda a: (*heads(a), V // t["output_BV"]),
     }
     return CompiledOp({part: _Part(p, grids[part]) for part, p in prims.items()}, "chunk_prefill",
                       spec.launch_params(key, t))
@@ -111,9 +112,9 @@ def _check_states(state, want, before, slots):
     assert torch.equal(state[untouched], before[untouched]), "a slot outside the batch changed"
 
 
-@pytest.mark.parametrize("solve", ["substitution", "blockwise"])
+@pytest.mark.parametrize("solve,heads_inner", [("substitution", 0), ("blockwise", 0), ("substitution", 1)])
 @pytest.mark.parametrize("case", LENGTHS)
-def test_gdn_prefill_emulated(case, solve):
+def test_gdn_prefill_emulated(case, solve, heads_inner):
     Hk, Hv, K, V = HEADS
     lengths = LENGTHS[case]
     gen, cu, state, slots = _case(lengths, f"gdn/{case}")
@@ -126,14 +127,16 @@ def test_gdn_prefill_emulated(case, solve):
     o_ref = prefill.chunk_prefill_reference(q.double(), k.double(), v.double(), g.double(), beta.double(), cu, want,
                                             slots)
     out = torch.full((N, Hv, V), float("nan")).bfloat16()
-    prefill.chunk_prefill(emulated_op("gdn", prep_solve=solve), q, k, v, g, beta, cu, state, slots, out=out)
+    op = emulated_op("gdn", prep_solve=solve, heads_inner=heads_inner)
+    prefill.chunk_prefill(op, q, k, v, g, beta, cu, state, slots, out=out)
     assert bool(torch.isfinite(out).all())
     assert _rel(out, o_ref) < TOL
     _check_states(state, want, before, slots)
 
 
+@pytest.mark.parametrize("heads_inner", [0, 1])
 @pytest.mark.parametrize("case", LENGTHS)
-def test_mamba2_prefill_emulated(case):
+def test_mamba2_prefill_emulated(case, heads_inner):
     """Mamba-2 from the layer's raw x and dt: the front (softplus, clamp, A's decay) in the state pass, the
     dt-weighted products and the D skip in the output pass; its slot -1 sequence is padding (zeros)."""
     G, H, Nst, P = HEADS
@@ -147,7 +150,8 @@ def test_mamba2_prefill_emulated(case):
     y_ref = prefill.mamba2_chunk_prefill_reference(*(t.double() for t in (x, dt, A_log, dt_bias, Bm, Cm, D)), cu,
                                                    want, slots)
     out = torch.full((N, H, P), float("nan")).bfloat16()
-    prefill.mamba2_chunk_prefill(emulated_op("mamba2"), x, dt, A_log, dt_bias, Bm, Cm, D, cu, state, slots, out=out)
+    prefill.mamba2_chunk_prefill(emulated_op("mamba2", heads_inner=heads_inner), x, dt, A_log, dt_bias, Bm, Cm, D, cu,
+                                 state, slots, out=out)
     assert bool(torch.isfinite(out).all())
     assert _rel(out, y_ref) < TOL
     pad = slots.tolist().index(-1)

@@ -32,6 +32,10 @@ CASES = {
     "output_nano": (gdn_prefill.gdn_prefill_output, dict(Hk=8, Hv=64, K=128, V=64, BV=64, delta_rule=False)),
     "states_decay_only_pipelined_nano": (gdn_prefill.gdn_prefill_states,
                                          dict(Hk=8, Hv=64, K=128, V=64, BV=16, stages=2, delta_rule=False)),
+    # the value heads of one chunk on consecutive blocks
+    "prep_heads_inner_qwen35_9b": (gdn_prefill.gdn_prefill_prep, dict(Hk=16, Hv=32, heads_inner=1)),
+    "output_heads_inner_nano": (gdn_prefill.gdn_prefill_output,
+                                dict(Hk=8, Hv=64, K=128, V=64, BV=64, delta_rule=False, heads_inner=1)),
 }
 
 
@@ -52,8 +56,10 @@ def test_configs_fit_the_templates():
         for delta_rule in (True, False):
             gdn_prefill.gdn_prefill_states(16, 32, BV=cfg["states_BV"], stages=cfg.get("states_stages", 0),
                                            delta_rule=delta_rule)
-        gdn_prefill.gdn_prefill_output(16, 32, BV=cfg["output_BV"])
-        gdn_prefill.gdn_prefill_prep(16, 32, solve=cfg.get("prep_solve", "substitution"))
+            gdn_prefill.gdn_prefill_output(16, 32, BV=cfg["output_BV"], delta_rule=delta_rule,
+                                           heads_inner=cfg.get("heads_inner", 0))
+        gdn_prefill.gdn_prefill_prep(16, 32, solve=cfg.get("prep_solve", "substitution"),
+                                     heads_inner=cfg.get("heads_inner", 0))
 
 
 def test_bad_shapes_are_refused():
@@ -68,6 +74,8 @@ def test_bad_shapes_are_refused():
             gdn_prefill.gdn_prefill_states(1, 2, 32, 32, stages=2, delta_rule=delta_rule)
     with pytest.raises(ValueError, match="solve"):
         gdn_prefill.gdn_prefill_prep(16, 32, solve="cholesky")
+    with pytest.raises(ValueError, match="heads_inner"):
+        gdn_prefill.gdn_prefill_output(16, 32, heads_inner=2)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -124,10 +132,12 @@ def test_prefill_tunables():
     """Defaults are the templates' first config; value tiles fit the head's V; unknown names are refused."""
     gdn, nano = SPEC_SHAPES["gdn_qwen35_9b"][0], SPEC_SHAPES["mamba2_nano"][0]
     first = gdn_prefill.configs()[0]
-    assert prefill.prefill_tunables(gdn) == dict(first, states_stages=0, threads=128, prep_solve="substitution")
+    assert prefill.prefill_tunables(gdn) == dict(first, states_stages=0, threads=128, prep_solve="substitution",
+                                                 heads_inner=0)
     assert prefill.prefill_tunables(nano)["output_BV"] == 64
     odd = KernelKey("mamba2", "chunk_prefill", Mamba2Dims(2, 4, 64, 48), "bfloat16")
     assert prefill.prefill_tunables(odd) == dict(first, states_stages=0, threads=128, prep_solve="substitution",
+                                                 heads_inner=0,
                                                states_BV=16, output_BV=48)
     with pytest.raises(TypeError, match="BV"):
         prefill.prefill_tunables(gdn, {"BV": 32})
