@@ -134,3 +134,17 @@ def _key_of(name: str, shape, chunk: int, drafts: int):
         return KernelKey(family, "flush", dims, "", dtype, cap=cap)
     T, C = (1, chunk) if op == "buffered_step" else (drafts + 1, 0) if op == "verify" else (int(op[-1]), chunk)
     return KernelKey(family, "buffered", dims, dtype, dtype, cap=cap, T=T, C=C)
+
+
+def test_prefill_artifact_tuned_before_a_tunable_existed_completes_without_the_templates(monkeypatch):
+    """An artifact's tunables name both value tiles; one stored before `heads_inner` existed gets its
+    default (0, the grid it was built with) and the run time imports no template for it."""
+    from kvbuffer.kernels import prefill
+
+    def no_templates(name):
+        raise AssertionError(f"the run time imported {name}")
+
+    monkeypatch.setattr(prefill.importlib, "import_module", no_templates)
+    key = KernelKey("gdn", "chunk_prefill", GDNDims(16, 32, 128, 128), "bfloat16")
+    stored = {"states_BV": 32, "states_stages": 2, "output_BV": 128, "threads": 128, "prep_solve": "substitution"}
+    assert prefill.prefill_tunables(key, stored) == dict(stored, heads_inner=0)
