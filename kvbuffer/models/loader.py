@@ -264,9 +264,12 @@ def load_checkpoint(path: str | Path, *, dtype=None, device=None):
     path = Path(path)
     hf_config = read_config(path)
     quant = read_quant_config(hf_config, path)
+    with torch.device("meta"):  # every config field checked before a tensor is read or memory is taken
+        build_model(hf_config)
+    tensors = _read_tensors(path)  # and every tensor's kind and values before the model takes memory
     with parameters_to_load(dtype if dtype in _BUILD_DTYPES else None, device):
         model = build_model(hf_config)
-    load_weights(model, _read_tensors(path), quant)
+    load_weights(model, tensors, quant)
     if dtype is not None:
         model = model.to(dtype)
     return model.to(device).eval()

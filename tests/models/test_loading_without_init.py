@@ -82,3 +82,22 @@ def test_every_model_type_saved_by_transformers_loads_bit_identically(tmp_path_f
     assert sorted(got_params) == sorted(want_params)
     assert all(torch.equal(got_params[n], p) and got_params[n].dtype == p.dtype for n, p in want_params.items())
     assert list(got.buffers()) == []
+
+
+def test_a_bad_tensor_is_refused_before_the_model_takes_memory(tmp_path, monkeypatch):
+    """The config is checked on the meta device and every tensor's kind and values are read before the
+    real build: a NaN weight is a CheckpointError with no model allocated."""
+    from safetensors.torch import load_file, save_file
+
+    path = write_checkpoint(tiny_model("qwen3_5"), CONFIGS["qwen3_5"], tmp_path / "ck")
+    tensors = load_file(path / "model.safetensors")
+    name = next(n for n, t in tensors.items() if t.dim() == 2)
+    tensors[name][1, 2] = float("nan")
+    save_file(tensors, path / "model.safetensors")
+
+    def no_build(*args, **kwargs):
+        raise AssertionError("the model was built before the tensors were checked")
+
+    monkeypatch.setattr(loader, "parameters_to_load", no_build)
+    with pytest.raises(CheckpointError, match=f"tensor {name} .* non-finite"):
+        loader.load_checkpoint(path, dtype=torch.bfloat16)
