@@ -358,13 +358,33 @@ def gdn_prefill_states(Hk: int, Hv: int, K: int = 128, V: int = 128, *, BV: int 
                 state[slot, hv, i, v0 + j] = hf[i, j]
 
     @T.macro
-    def decay_fold(hf, ks, xs, ds, dv, gl, Gs, wv, decay, A_log, gcum, dts, t0, L, hv, bv):
+    def scan_step(src, dst, off):
+        for i in T.Parallel(BT):
+            dst[i] = src[i] + T.if_then_else(i >= off, src[T.max(i - off, 0)], 0.0)
+
+    @T.macro
+    def running_sum(gl, Gs, tmp):
+        # Gs = the inclusive prefix sum of gl in log2(BT) = 6 doubling steps through shared memory: T.cumsum's
+        # scan assumes it runs on the block's first threads, which a pipelined pass's consumer warpgroup is not
+        scan_step(gl, tmp, 1)
+        scan_step(tmp, Gs, 2)
+        scan_step(Gs, tmp, 4)
+        scan_step(tmp, Gs, 8)
+        scan_step(Gs, tmp, 16)
+        scan_step(tmp, Gs, 32)
+
+    @T.macro
+    def decay_fold(hf, ks, xs, ds, dv, gl, Gs, wv, decay, A_log, gcum, dts, t0, L, hv, bv, scan):
         # decay-only: G the running sum of the log decays max(-exp(A_log) dt, floor) (G and dt written per
         # token by the first value tile, for the output pass); h <- exp(G_last) h + (exp(G_last - G_s) k_s)^T
-        # (dt_s x_s), x past the chunk selected out (not weighed by zero: a NaN there stays out)
+        # (dt_s x_s), x past the chunk selected out (not weighed by zero: a NaN there stays out).
+        # `scan`: None for T.cumsum, else running_sum's shared scratch (BT,)
         for i in T.Parallel(BT):
             gl[i] = T.max(-T.exp(A_log[hv]) * dv[i], LOG_DECAY_FLOOR)
-        T.cumsum(gl, Gs)
+        if scan is None:
+            T.cumsum(gl, Gs)
+        else:
+            running_sum(gl, Gs, scan)
         for i in T.Parallel(BT):
             if bv == 0 and i < L:
                 gcum[t0 + i, hv] = Gs[i]
@@ -477,7 +497,7 @@ def gdn_prefill_states(Hk: int, Hv: int, K: int = 128, V: int = 128, *, BV: int 
                     dv[i] = T.if_then_else(i < L, T.if_then_else(slot >= 0, T.min(T.max(
                         _softplus(T, dt[T.min(t0 + i, N - 1), hv] + dt_bias[hv]), dt_min), dt_max), 0.0), 0.0)
                 start_chunk(hf, hs, h, base, c, hv, v0)
-                decay_fold(hf, ks, xs, ds, dv, gl, Gs, wv, decay, A_log, gcum, dts, t0, L, hv, bv)
+                decay_fold(hf, ks, xs, ds, dv, gl, Gs, wv, decay, A_log, gcum, dts, t0, L, hv, bv, None)
             store_state(hf, state, slot, hv, v0)
 
     @T.prim_func
@@ -567,6 +587,7 @@ def gdn_prefill_states(Hk: int, Hv: int, K: int = 128, V: int = 128, *, BV: int 
             Gs = T.alloc_shared((BT,), f32)
             wv = T.alloc_shared((BT,), f32)
             decay = T.alloc_local((1,), f32)
+            scan = T.alloc_shared((BT,), f32)
             hk = hv // r
             g0 = hv - hv % GW
             gc = hv % GW
@@ -587,7 +608,7 @@ def gdn_prefill_states(Hk: int, Hv: int, K: int = 128, V: int = 128, *, BV: int 
                 start_chunk(hf, hs, h, base, c, hv, v0)
                 keys_past_the_end_cleared(ks, eos - bos - c * BT)
                 decay_fold(hf, ks, xs, ds, dv, gl, Gs, wv, decay, A_log, gcum, dts, bos + c * BT,
-                           T.min(BT, eos - bos - c * BT), hv, bv)
+                           T.min(BT, eos - bos - c * BT), hv, bv, scan)
             store_state(hf, state, slot, hv, v0)
 
     if not delta_rule:

@@ -182,3 +182,15 @@ def test_every_config_is_complete():
     """A tuned artifact records its config's tunables: each names every one, so loading one needs no defaults."""
     for spec in (specs.GDN_CHUNK_PREFILL, specs.MAMBA2_CHUNK_PREFILL):
         assert all(set(c) == set(prefill.PREFILL_TUNABLES) for c in spec.configs())
+
+
+def test_pipelined_decay_only_pass_sums_its_decays_without_tilelangs_scan():
+    """T.cumsum's scan runs on the block's first threads; in a pipelined pass those are the producer
+    warpgroup's, so the consumers' decays went unsummed (every Mamba-2 state wrong on the GPU). The
+    pipelined pass sums them itself; the plain pass keeps T.cumsum."""
+    def source(stages):
+        prim = gdn_prefill.gdn_prefill_states(8, 64, K=128, V=64, BV=16, stages=stages, delta_rule=False)
+        return compile_template(prim, get_gpu("h200").target).get_kernel_source()
+
+    assert "CumSum" not in source(2)
+    assert "CumSum1D" in source(0)
