@@ -135,10 +135,11 @@ def _generate(llm, prompts):
 def test_fp8_checkpoint_through_the_engine(tmp_path, jit, kind, config, fmt, mode):
     """Default engine options (kernels, CUDA graphs, compile where they resolve so) with bf16 activations,
     as the published checkpoints run, against the dequantized model run the same way in bf16: at each
-    position the logits' error is within 2 x FP8's activation error, or within 1.5 x the error of the same
-    FP8 checkpoint on the reference ops (kernels=False: the same quantized activations, no kernels) at
-    that position or an earlier one, whichever is larger: through the layers of a random model, quantized activations alone move the
-    logits by more than one projection's error. Greedy tokens equal up to the first near tie; a lone
+    position the logits' error is within 2 x FP8's activation error, or within 2 x the error of the same
+    FP8 checkpoint on the reference ops (kernels=False, no kernels) at that position or an earlier one,
+    whichever is larger: through the layers of a random model, quantized activations alone move the logits
+    by more than one projection's error, and the kernels' run has an FP8 error of its own of that size (its
+    one-row decode projections do not quantize x), so it may sit on the far side of the dequantized model. Greedy tokens equal up to the first near tie; a lone
     prompt too, whose decode steps run the FP8 projections on the one-row kernel (it takes bf16 / fp16
     activations, not the tiny model's fp32)."""
     path = write_checkpoint(_model(kind, config), config, tmp_path / "fp8", fmt)
@@ -157,7 +158,7 @@ def test_fp8_checkpoint_through_the_engine(tmp_path, jit, kind, config, fmt, mod
         bound = 2 * ACTIVATION
         for i, (la, lb) in enumerate(zip(a.logits, b.logits)):
             if p.token_ids[:i] == b.token_ids[:i]:  # the reference ops' run saw the same tokens (else: its last bound)
-                bound = max(bound, 1.5 * _rel(p.logits[i].float(), lb.double()))
+                bound = max(bound, 2 * _rel(p.logits[i].float(), lb.double()))
             assert _rel(la.float(), lb.double()) <= bound, (i, _rel(la.float(), lb.double()), bound)
             if a.token_ids[i] != b.token_ids[i]:  # a near tie: the two best of the reference within that error
                 top = torch.topk(lb.float(), 2).values
