@@ -10,8 +10,10 @@ rounded (`__fdiv_rn`, whatever the compile flags).
 
 Layout: a team of TEAM = 16 lanes owns one (group, row): each lane loads 8 consecutive elements (a
 16-byte load), the team's max is a 4-step shuffle within its half-warp, and each lane writes its 8
-bytes of q. Teams run row-fastest within a group (team t: group t // Mp, row t % Mp), so a warp's scale
-writes are consecutive. M and Mp are dynamic; K, the dtype and the block size are compile-time. One
+bytes of q. `order` (tunable) lays the teams out: "rows", row-fastest within a group (team t: group
+t // Mp, row t % Mp), so a warp's scale writes are consecutive; "groups", group-fastest within a row
+(team t: row t // G, group t % G), so consecutive teams read one row's consecutive columns. M and Mp
+are dynamic; K, the dtype and the block size are compile-time. One
 read of x and one write of q and the scales: the kernel is bound by memory bandwidth.
 """
 
@@ -25,12 +27,13 @@ DTYPES = ("bfloat16", "float16")
 TEAM = 16          # lanes per (group, row)
 VEC = GROUP // TEAM  # elements a lane loads: 8 (16 bytes of bf16 / fp16)
 
-DEFAULT = {"threads": 256}
+DEFAULT = {"threads": 256, "order": "rows"}
+ORDERS = ("rows", "groups")
 
 __all__ = ["DEFAULT", "ROW_MULTIPLE", "check_fp8_quant_act", "fp8_quant_act", "get_configs"]
 
 
-def check_fp8_quant_act(K: int, *, threads: int = 256, dtype: str = "bfloat16") -> None:
+def check_fp8_quant_act(K: int, *, threads: int = 256, dtype: str = "bfloat16", order: str = "rows") -> None:
     """Raise ValueError for parameters the template does not build."""
     if K < GROUP or K % GROUP:
         raise ValueError(f"K must be a positive multiple of {GROUP} (one scale per {GROUP} columns), got {K}")
@@ -38,11 +41,14 @@ def check_fp8_quant_act(K: int, *, threads: int = 256, dtype: str = "bfloat16") 
         raise ValueError(f"dtype must be one of {DTYPES}, got {dtype!r}")
     if threads % 32 or not 32 <= threads <= 1024:
         raise ValueError(f"threads must be a multiple of 32 in [32, 1024], got {threads}")
+    if order not in ORDERS:
+        raise ValueError(f"order must be one of {ORDERS}, got {order!r}")
 
 
 def get_configs() -> list[dict]:
     """Tunables `kvbuffer tune` times, the default first."""
-    return [DEFAULT] + [{"threads": t} for t in (128, 512, 64, 1024)]
+    return [DEFAULT] + [{"threads": t, "order": "rows"} for t in (128, 512, 64, 1024)] + \
+        [{"threads": t, "order": "groups"} for t in (256, 128, 512)]
 
 
 def _nan_max(T, a, b):
@@ -51,15 +57,19 @@ def _nan_max(T, a, b):
     return T.if_then_else(T.isnan(s), s, T.max(a, b))
 
 
-def fp8_quant_act(K: int, *, threads: int = 256, dtype: str = "bfloat16"):
+def fp8_quant_act(K: int, *, threads: int = 256, dtype: str = "bfloat16", order: str = "rows"):
     """x (M, K) -> q (Mp, K) float8_e4m3fn, scale (K / GROUP, Mp) fp32 (see the module docstring).
     Args: x, q, scale."""
-    check_fp8_quant_act(K, threads=threads, dtype=dtype)
+    check_fp8_quant_act(K, threads=threads, dtype=dtype, order=order)
     import tilelang.language as T  # noqa: N812  (TileLang's own convention)
 
     G = K // GROUP
     teams = threads // TEAM  # (group, row) pairs a block quantizes
     M, Mp = T.dynamic("rows"), T.dynamic("padded_rows")
+
+    def place(team):
+        """(group, row) of a team, by `order`."""
+        return (team // Mp, team % Mp) if order == "rows" else (team % G, team // G)
 
     @T.prim_func
     def fp8_quant_act_kernel(x: T.Tensor((M, K), dtype), q: T.Tensor((Mp, K), FP8_DTYPE),
@@ -68,7 +78,7 @@ def fp8_quant_act(K: int, *, threads: int = 256, dtype: str = "bfloat16"):
             tx = T.get_thread_binding()
             team = bx * teams + tx // TEAM
             lane = tx % TEAM
-            g, row = team // Mp, team % Mp
+            g, row = place(team)
             xr = T.alloc_local((VEC,), dtype)
             v32 = T.alloc_local((VEC,), F32)
             amax = T.alloc_local((2,), F32)  # this lane's, and the one a shuffle brings
