@@ -254,11 +254,23 @@ def _quant_fake(x):
 
 @fp8_quant_act.register_kernel("cuda")
 def _quant_cuda(x):
-    ref_fp8.check_activations(x)
+    return launch_quant(x)
+
+
+def launch_quant(x: torch.Tensor, checked: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """fp8_quant_act's CUDA implementation: the fused kernel where it loads, else the reference on the GPU.
+    `checked=False` (FP8_QUANT_ACT_OP, an engine's own 2-D activations) skips the shape checks."""
+    if checked:
+        ref_fp8.check_activations(x)
     op = quant_kernel(x)
     if op is None:
         return ref_fp8.quantize_activations_padded(x)
     return on_torch_stream(run_fp8_quant_act, op, x.contiguous())
+
+
+# the quantizer as a block-FP8 projection calls it: on CUDA outside torch.compile the launch itself (a
+# projection's host cost matters: a prompt runs eagerly), else the custom op
+FP8_QUANT_ACT_OP = EngineOp(launch_quant, lambda: torch.ops.kvbuffer.fp8_quant_act)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -21,6 +21,7 @@ from .conv import launch_accept as conv1d_accept  # noqa: F401
 from .conv import launch_update as conv1d_update  # noqa: F401
 from .conv import update_key as conv_update_key  # noqa: F401
 from .fp8_ops import FP8_GEMV_OP as FP8_GEMV  # noqa: F401
+from .fp8_ops import FP8_QUANT_ACT_OP as FP8_QUANT_ACT  # noqa: F401
 from .fp8_ops import fp8_gemv_key  # noqa: F401
 from .fp8_ops import launch_fp8_gemv as fp8_gemv  # noqa: F401
 from .gdn import GDN_OPS  # noqa: F401

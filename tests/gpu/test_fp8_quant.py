@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from kvbuffer import ops
-from kvbuffer.kernels import fp8_ops, lookup
+from kvbuffer.kernels import fp8_ops, launch, lookup
 from kvbuffer.reference import fp8 as ref_fp8
 
 pytestmark = pytest.mark.gpu
@@ -75,6 +75,7 @@ def test_kernel_is_the_reference_bit_for_bit(M, K, dtype):
     _assert_bit_identical(got, ref_fp8.quantize_activations_padded(x))
     _assert_bit_identical(fp8_ops.launch_fp8_quant_act(x), got)  # the looked-up kernel
     _assert_bit_identical(torch.ops.kvbuffer.fp8_quant_act(x), got)  # the op on CUDA
+    _assert_bit_identical(launch.FP8_QUANT_ACT(x), got)  # as a projection calls it (the launch, no dispatch)
 
 
 def test_nonfinite_values_keep_their_nan_ness():

@@ -55,12 +55,12 @@ def has_nan_bytes(t: torch.Tensor) -> bool:
 
 def _blockwise(x2, q, scale, out_dtype, fused: bool = True):
     """x2 (M, K) bf16 times the (128, 128)-block weight q on torch._scaled_mm. `fused`: x2 quantized by
-    torch.ops.kvbuffer.fp8_quant_act (on CUDA the fused kernel where it loads, else the same torch ops);
-    else by those torch ops directly (the device probe, which must build no kernel). Either way the
-    activations and their scales come padded to 4 rows, the scales group-major: scale_a is their
-    transpose, column-major."""
+    launch.FP8_QUANT_ACT (torch.ops.kvbuffer.fp8_quant_act: on CUDA the fused kernel where it loads, else
+    the same torch ops); else by those torch ops directly (the device probe, which must build no kernel).
+    Either way the activations and their scales come padded to 4 rows, the scales group-major: scale_a is
+    their transpose, column-major."""
     m = x2.shape[0]
-    quantize = torch.ops.kvbuffer.fp8_quant_act if fused else quantize_activations_padded
+    quantize = launch.FP8_QUANT_ACT if fused else quantize_activations_padded
     xq, xs = quantize(x2)
     # the 1 x 128 activation scales outer-dim-major, the 128 x 128 weight scales as (K/128, N/128)
     y = torch._scaled_mm(xq, q.t(), scale_a=xs.t(), scale_b=scale.t(), out_dtype=out_dtype)
