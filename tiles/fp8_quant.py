@@ -11,10 +11,10 @@ rounded (`__fdiv_rn`, whatever the compile flags).
 Layout: a team of TEAM = 16 lanes owns one (group, row): each lane loads 8 consecutive elements (a
 16-byte load), the team's max is a 4-step shuffle within its half-warp, and each lane writes its 8
 bytes of q. `order` (tunable) lays the teams out: "rows", row-fastest within a group (team t: group
-t // Mp, row t % Mp), so a warp's scale writes are consecutive; "groups", group-fastest within a row
-(team t: row t // G, group t % G), so consecutive teams read one row's consecutive columns. M and Mp
-are dynamic; K, the dtype and the block size are compile-time. One
-read of x and one write of q and the scales: the kernel is bound by memory bandwidth.
+t // Mp, row t % Mp), so a warp's scale writes are consecutive; "groups" (the default), group-fastest
+within a row (team t: row t // G, group t % G), so consecutive teams read one row's consecutive columns.
+M and Mp are dynamic; K, the dtype and the block size are compile-time. One read of x and one write of q
+and the scales: the kernel is bound by memory bandwidth.
 """
 
 # no `from __future__ import annotations`: TileLang evaluates the T.Tensor annotations
@@ -27,13 +27,13 @@ DTYPES = ("bfloat16", "float16")
 TEAM = 16          # lanes per (group, row)
 VEC = GROUP // TEAM  # elements a lane loads: 8 (16 bytes of bf16 / fp16)
 
-DEFAULT = {"threads": 256, "order": "rows"}
+DEFAULT = {"threads": 256, "order": "groups"}
 ORDERS = ("rows", "groups")
 
 __all__ = ["DEFAULT", "ROW_MULTIPLE", "check_fp8_quant_act", "fp8_quant_act", "get_configs"]
 
 
-def check_fp8_quant_act(K: int, *, threads: int = 256, dtype: str = "bfloat16", order: str = "rows") -> None:
+def check_fp8_quant_act(K: int, *, threads: int = 256, dtype: str = "bfloat16", order: str = "groups") -> None:
     """Raise ValueError for parameters the template does not build."""
     if K < GROUP or K % GROUP:
         raise ValueError(f"K must be a positive multiple of {GROUP} (one scale per {GROUP} columns), got {K}")
@@ -47,8 +47,8 @@ def check_fp8_quant_act(K: int, *, threads: int = 256, dtype: str = "bfloat16", 
 
 def get_configs() -> list[dict]:
     """Tunables `kvbuffer tune` times, the default first."""
-    return [DEFAULT] + [{"threads": t, "order": "rows"} for t in (128, 512, 64, 1024)] + \
-        [{"threads": t, "order": "groups"} for t in (256, 128, 512)]
+    return [DEFAULT] + [{"threads": t, "order": "groups"} for t in (128, 512)] + \
+        [{"threads": t, "order": "rows"} for t in (256, 128, 512, 64, 1024)]
 
 
 def _nan_max(T, a, b):
@@ -57,7 +57,7 @@ def _nan_max(T, a, b):
     return T.if_then_else(T.isnan(s), s, T.max(a, b))
 
 
-def fp8_quant_act(K: int, *, threads: int = 256, dtype: str = "bfloat16", order: str = "rows"):
+def fp8_quant_act(K: int, *, threads: int = 256, dtype: str = "bfloat16", order: str = "groups"):
     """x (M, K) -> q (Mp, K) float8_e4m3fn, scale (K / GROUP, Mp) fp32 (see the module docstring).
     Args: x, q, scale."""
     check_fp8_quant_act(K, threads=threads, dtype=dtype, order=order)

@@ -110,12 +110,12 @@ def _assert_bit_identical(got, want):
     (127, 384, "extremes", torch.float16, dict(threads=32)),  # fp16; one team past a warp's two
     (1000, 256, "normal", torch.bfloat16, dict(threads=1024)),
     (6, 256, "nonfinite", torch.bfloat16, {}),                # NaN makes its group's scale NaN; inf its q NaN
-    # a row's groups on consecutive teams
-    (5, 2688, "extremes", torch.bfloat16, dict(threads=128, order="groups")),
-    (127, 384, "normal", torch.float16, dict(threads=32, order="groups")),
-    (6, 256, "nonfinite", torch.bfloat16, dict(order="groups")),
-], ids=["M1-K128", "M3-K4096", "M4-K256", "M5-K2688", "M127-fp16", "M1000", "nonfinite", "groups-M5-K2688",
-        "groups-M127-fp16", "groups-nonfinite"])
+    # a group's rows on consecutive teams
+    (5, 2688, "extremes", torch.bfloat16, dict(threads=128, order="rows")),
+    (127, 384, "normal", torch.float16, dict(threads=32, order="rows")),
+    (6, 256, "nonfinite", torch.bfloat16, dict(order="rows")),
+], ids=["M1-K128", "M3-K4096", "M4-K256", "M5-K2688", "M127-fp16", "M1000", "nonfinite", "rows-M5-K2688",
+        "rows-M127-fp16", "rows-nonfinite"])
 def test_template_is_the_reference_bit_for_bit_emulated(monkeypatch, M, K, kind, dtype, tunables):
     x = _case(M, K, M + K, dtype, kind)
     got = _emulate(monkeypatch, x, tunables)
