@@ -91,10 +91,13 @@ def pipelines(key: KernelKey, arch: str) -> bool:
 
 
 def _target_defaults(key: KernelKey, arch: str) -> dict:
-    """GDN's state pass pipelined where it compiles: faster than the plain pass at every batch and length
-    measured (docs/results.md). Mamba-2's pipelined pass is offered to the tuner, not the default until it
-    is measured. The tuner measures both."""
-    return {"states_stages": 2} if key.family == "gdn" and pipelines(key, arch) else {}
+    """On the archs the pipelined passes compile for, measured there (docs/results.md): the state pass
+    pipelined where it compiles (both families), and Mamba-2's output pass with a chunk's value heads on
+    consecutive blocks (`heads_inner`; GDN's is unmeasured). The tuner measures all of them."""
+    if arch not in PIPELINED_ARCHS:
+        return {}
+    defaults = {"states_stages": 2} if pipelines(key, arch) else {}
+    return {**defaults, "heads_inner": 1} if key.family == "mamba2" else defaults
 
 
 def _dividing_tile(BV: int, V: int) -> int:
