@@ -56,9 +56,10 @@ e2e (CUDA or CPU): time to first token, `LLM(...).generate(prompt, max_new_token
 transformers' `generate` with one new token, B = 1, each side on its own random-weight model of the
 preset's shapes (kvbuffer.bench.e2e.random_model; transformers' own init), built one after the other;
 prefill time does not depend on the values (the MoE routing aside). Per length: one warm-up call,
-then the median of `repeats`; on CUDA also the peak memory of the prefill. Each row says which
-path transformers took (FLA / mamba_ssm where importable and the inputs on CUDA, else its torch path)
-and which backend kvbuffer's engine ran.
+then the median of `repeats`; on CUDA also the peak memory of the prefill, and the device-busy time and
+kernel count of one more call under torch.profiler (`device_busy`): how much of the wall time the GPU
+works. Each row says which path transformers took (FLA / mamba_ssm where importable and the inputs on
+CUDA, else its torch path) and which backend kvbuffer's engine ran.
 """
 
 from __future__ import annotations
@@ -769,7 +770,27 @@ def measure_ttft(call: Callable[[], object], *, device, repeats: int) -> dict:
         times.append(time.perf_counter() - start)
     peak = torch.cuda.max_memory_allocated() if cuda else None
     return {"ttft_s": statistics.median(times), "peak_gib": peak / 2**30 if cuda else None,
-            "prefill_gib": (peak - before) / 2**30 if cuda else None}
+            "prefill_gib": (peak - before) / 2**30 if cuda else None,
+            **(device_busy(call) if cuda else {"device_busy_s": None})}
+
+
+def device_busy(call: Callable[[], object]) -> dict:
+    """One more call under torch.profiler (CUDA activity): the device time of its kernels, their count and
+    the time by kernel class (kvbuffer.bench.e2e.kernel_class). Set against the call's wall time, it says
+    how much of a prompt the GPU sits idle waiting on the host."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from .e2e import kernel_class
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        call()
+        torch.cuda.synchronize()
+    kernels = timing.device_kernels(prof)
+    by_class = {c: 0.0 for c in ("gemm", "state", "attention", "other")}
+    for e in kernels:
+        by_class[kernel_class(e.key)] += e.self_device_time_total / 1e6
+    return {"device_busy_s": sum(by_class.values()), "launches": sum(e.count for e in kernels),
+            "device_s_by_class": by_class}
 
 
 def _prompt(P: int, vocab: int) -> list[int]:
@@ -823,8 +844,15 @@ def transformers_rows(preset: str, prompt_lens, *, device, dtype, repeats: int) 
 
 def _e2e_line(r: dict) -> str:
     mem = f" peak {r['peak_gib']:.2f} GiB (prefill +{r['prefill_gib']:.2f})" if r.get("peak_gib") is not None else ""
+    busy = (f" device busy {r['device_busy_s'] * 1e3:.1f} ms ({_busy_share(r)}), {r['launches']} launches"
+            if r.get("device_busy_s") is not None else "")
     return (f"{r['side']:12s} P={r['P']:6d} TTFT {r['ttft_s'] * 1e3:9.1f} ms  {r['P'] / r['ttft_s']:10.0f} tok/s"
-            f"{mem}  [{r['path']}]")
+            f"{mem}{busy}  [{r['path']}]")
+
+
+def _busy_share(r: dict) -> str:
+    """The device-busy time as a share of the median time to first token."""
+    return f"{100 * r['device_busy_s'] / r['ttft_s']:.0f}% of TTFT"
 
 
 def run_e2e(*, preset: str, prompt_lens=E2E_PROMPT_LENS, device="cuda", dtype=None, repeats: int = 3,
@@ -859,10 +887,13 @@ def run_e2e(*, preset: str, prompt_lens=E2E_PROMPT_LENS, device="cuda", dtype=No
 
 def e2e_table(result: dict) -> str:
     lines = [f"{result['preset']}  {result['gpu']}  {result['dtype']}  B = 1  {result['timing']}",
-             f"{'side':12s} {'P':>7s} {'TTFT ms':>10s} {'tok/s':>10s} {'peak GiB':>9s} {'+prefill':>9s}  path"]
+             f"{'side':12s} {'P':>7s} {'TTFT ms':>10s} {'tok/s':>10s} {'peak GiB':>9s} {'+prefill':>9s} "
+             f"{'busy ms':>9s} {'launches':>9s}  path"]
     for r in result["rows"]:
         mem = (f"{r['peak_gib']:9.2f} {r['prefill_gib']:9.2f}" if r.get("peak_gib") is not None
                else f"{'-':>9s} {'-':>9s}")
-        lines.append(f"{r['side']:12s} {r['P']:7d} {r['ttft_s'] * 1e3:10.1f} {r['tokens_per_s']:10.0f} {mem}  "
+        busy = (f"{r['device_busy_s'] * 1e3:9.1f} {r['launches']:9d}" if r.get("device_busy_s") is not None
+                else f"{'-':>9s} {'-':>9s}")
+        lines.append(f"{r['side']:12s} {r['P']:7d} {r['ttft_s'] * 1e3:10.1f} {r['tokens_per_s']:10.0f} {mem} {busy}  "
                      f"{r['path']}")
     return "\n".join(lines)

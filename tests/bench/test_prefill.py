@@ -194,12 +194,13 @@ def test_e2e_runs_both_sides_on_the_cpu(preset):
                                                              ("transformers", 16), ("transformers", 40)]
     for r in result["rows"]:
         assert r["ttft_s"] > 0 and r["tokens_per_s"] == pytest.approx(r["P"] / r["ttft_s"])
-        assert r["peak_gib"] is None  # no CUDA memory to report
+        assert r["peak_gib"] is None and r["device_busy_s"] is None  # no CUDA memory or device time to report
     assert result["rows"][0]["path"].startswith("reference") and result["rows"][0]["max_prefill_tokens"] == 32
     assert result["rows"][-1]["path"] == "torch (inputs on cpu)"
     assert json.loads(json.dumps(result)) == result
     table = prefill.e2e_table(result).splitlines()
     assert len(table) == 2 + 4 and table[-1].split()[:2] == ["transformers", "40"]
+    assert table[-1].split()[4:8] == ["-"] * 4  # peak, prefill memory, busy time, launches: CUDA only
 
 
 def test_e2e_without_transformers_times_kvbuffer_alone(monkeypatch):

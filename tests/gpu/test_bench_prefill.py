@@ -48,6 +48,9 @@ def test_e2e_on_a_tiny_preset():
     mine = [r for r in result["rows"] if r["side"] == "kvbuffer"]
     assert [r["P"] for r in mine] == [64, 300]
     assert all(r["peak_gib"] >= r["prefill_gib"] > 0 for r in mine)
+    for r in result["rows"]:  # every side's device time of one prompt, by kernel class
+        assert r["device_busy_s"] == pytest.approx(sum(r["device_s_by_class"].values())) and r["launches"] > 0
+        assert r["device_s_by_class"]["gemm"] > 0
     print(prefill.e2e_table(result))
 
 
