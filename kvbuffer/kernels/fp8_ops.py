@@ -25,6 +25,7 @@ group by 10^U(-3, 3), the outputs poisoned; checked bit for bit against the refe
 
 from __future__ import annotations
 
+import functools
 import logging
 
 import torch
@@ -152,6 +153,7 @@ FP8_GEMV_OP = EngineOp(launch_fp8_gemv, lambda: torch.ops.kvbuffer.fp8_gemv)  # 
 # the activation quantizer of a block-FP8 GEMM
 
 
+@functools.lru_cache(maxsize=None)  # a key is a value: made once per (K, dtype), looked up every projection
 def fp8_quant_key(K: int, dtype: str) -> KernelKey:
     """The quantizer kernel for x of K columns in `dtype` (a name): dims N = K, its scale block (1, GROUP)."""
     return KernelKey(FP8_QUANT_ACT.family, FP8_QUANT_ACT.op, GemvDims(int(K), int(K), 1, ref_fp8.GROUP), dtype,
@@ -259,13 +261,21 @@ def _quant_cuda(x):
 
 def launch_quant(x: torch.Tensor, checked: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     """fp8_quant_act's CUDA implementation: the fused kernel where it loads, else the reference on the GPU.
-    `checked=False` (FP8_QUANT_ACT_OP, an engine's own 2-D activations) skips the shape checks."""
+    `checked=False` (FP8_QUANT_ACT_OP: an engine's own contiguous 2-D activations of a K the kernel was
+    looked up for) skips the checks, run_fp8_quant_act's too: a prompt's projections pay for each."""
     if checked:
         ref_fp8.check_activations(x)
     op = quant_kernel(x)
     if op is None:
         return ref_fp8.quantize_activations_padded(x)
-    return on_torch_stream(run_fp8_quant_act, op, x.contiguous())
+    if checked:
+        return on_torch_stream(run_fp8_quant_act, op, x.contiguous())
+    rows, K = ref_fp8.padded_rows(x.shape[0]), x.shape[1]
+    q = torch.empty((rows, K), dtype=ref_fp8.FP8, device=x.device)
+    scale = torch.empty((K // ref_fp8.GROUP, rows), dtype=torch.float32, device=x.device)
+    if rows:
+        on_torch_stream(op.fn, x, q, scale)
+    return q, scale
 
 
 # the quantizer as a block-FP8 projection calls it: on CUDA outside torch.compile the launch itself (a

@@ -348,6 +348,26 @@ def test_without_a_kernel_the_cuda_op_runs_the_reference_and_says_why_once(monke
     assert len(launched) == 1 and launched[0][0] is x and q.shape == (8, 256) and scale.shape == (2, 8)
 
 
+@pytest.mark.parametrize("M", [0, 1, 5, 64])
+def test_the_engines_unchecked_launch_gives_the_checked_launchs_outputs(monkeypatch, M):
+    """launch_quant(checked=False) (a projection's quantizer) allocates and launches as run_fp8_quant_act
+    does, without its checks: same shapes, dtypes and kernel arguments; nothing launched for no rows."""
+    from kvbuffer.kernels import fp8_ops, lookup
+
+    monkeypatch.setattr(fp8_ops, "_NO_KERNEL", set())
+    monkeypatch.setattr(fp8_ops, "check_on_cuda", lambda name, dev: None)
+    monkeypatch.setattr(fp8_ops, "on_torch_stream", lambda fn, *a: fn(*a))
+    x = _case(M, 256, 3)
+    results = []
+    for checked in (True, False):
+        launched = []
+        monkeypatch.setattr(lookup, "kernel_for", lambda key, batch=1: _op(launched=launched))
+        q, scale = fp8_ops.launch_quant(x, checked=checked)
+        assert [a[0] for a in launched] == ([x] if M else []) and all(a[1] is q and a[2] is scale for a in launched)
+        results.append([(t.shape, t.dtype, t.device, t.is_contiguous()) for t in (q, scale)])
+    assert results[0] == results[1]
+
+
 def test_a_gpu_without_a_target_falls_back_too(monkeypatch, caplog):
     from kvbuffer.errors import DeviceError
     from kvbuffer.kernels import fp8_ops, lookup
