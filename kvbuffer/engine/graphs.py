@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import gc
 import logging
+from collections.abc import Sequence
 
 import torch
 
@@ -64,12 +65,10 @@ def context_bucket(n: int, limit: int) -> int:
     return min(-(-n // CONTEXT_BUCKET) * CONTEXT_BUCKET, limit)
 
 
-def step_columns(ids: list[list[int]], positions, slots, state_slots, lengths, cached) -> list[list[int]]:
-    """The columns StepInputs uploads for rows of T tokens each: T id columns (token t of every row),
-    then one column per ROW_FIELDS (positions: each row's first new position)."""
-    T = len(ids[0])
-    return [[row[t] for row in ids] for t in range(T)] + [list(positions), list(slots), list(state_slots),
-                                                          list(lengths), list(cached)]
+def step_columns(ids: list[list[int]], positions, slots, state_slots, lengths, cached) -> list[Sequence[int]]:
+    """The columns StepInputs uploads for rows of T tokens each: T id columns (token t of every row, a
+    tuple), then one column per ROW_FIELDS (positions: each row's first new position)."""
+    return [*zip(*ids), list(positions), list(slots), list(state_slots), list(lengths), list(cached)]
 
 
 def split_view(view: torch.Tensor, tokens: int):
@@ -95,6 +94,7 @@ class StepInputs:
         pin = device.type == "cuda"
         self.max_rows, self.tokens = max_rows, tokens
         self.padding = (0,) * tokens + _ROW_PADDING
+        self.padding_column = torch.tensor(self.padding, dtype=torch.long)[:, None]  # a padding row's column
         fields = len(self.padding) + 1  # the last row: where a decode row's token comes from (feed)
         self.host = torch.zeros(fields, max_rows, dtype=torch.long, pin_memory=pin)
         self.device = torch.zeros(fields, max_rows, dtype=torch.long, device=device)
@@ -124,8 +124,8 @@ class StepInputs:
         if self._copied is not None:
             self._copied.synchronize()  # the previous copy has read the staging buffer
         self.host[:-1, :n] = torch.tensor(columns, dtype=torch.long)
-        for f, pad in enumerate(self.padding):
-            self.host[f, n:rows] = pad
+        if rows > n:
+            self.host[:-1, n:rows] = self.padding_column  # one copy, not one per token: a prompt has thousands
         if feed is not None:
             self.host[-1, :n] = torch.tensor(feed, dtype=torch.long)
             self.host[-1, n:rows] = -1
@@ -234,8 +234,7 @@ class StepGraphs:
         where no row reads (the KV cache's sink); the step's own inputs are put back for the replay
         that follows."""
         saved = view.clone()
-        for f, pad in enumerate(self.inputs.padding):
-            view[f].fill_(pad)
+        view.copy_(self.inputs.padding_column.to(view.device).expand_as(view))
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):

@@ -141,6 +141,8 @@ def token_ids(prompt, what: str, expected: str = "a list of token ids") -> list[
         return prompt.tolist()
     if not isinstance(prompt, (list, tuple)):
         raise TypeError(f"{what} must be {expected}, got {describe(prompt)}")
+    if all(type(t) is int for t in prompt):  # the common case, checked at C speed: a long prompt's ids
+        return list(prompt)
     for t in prompt:
         if not is_int(t):
             raise TypeError(f"{what} has token id {describe(t)}; token ids must be ints")

@@ -27,6 +27,18 @@ def test_step_columns_pack_rows_of_tokens():
     assert lengths.tolist() == [3, 0, 0] and cached.tolist() == [4, 11, 0]
 
 
+def test_a_long_prompts_columns_upload_with_their_padding_rows():
+    """Thousands of token columns: the rows given come back as they were, each padding row reads token 0
+    at positions 0 .. T-1, slot -1 (one padding copy for all the columns, as for a decode step's few)."""
+    T = 1000
+    ids = [[(7 * t + r) % 97 for t in range(T)] for r in range(2)]
+    inputs = StepInputs(4, torch.device("cpu"), tokens=T)
+    got = split_view(inputs.upload(step_columns(ids, [5, 0], [1, 3], [0, 2], [2, 0], [5, 0]), 4), T)
+    assert got[0].tolist() == ids + [[0] * T] * 2
+    assert got[1][2:].tolist() == [list(range(T))] * 2 and got[2].tolist() == [1, 3, -1, -1]
+    assert got[3].tolist() == [0, 2, -1, -1] and got[4].tolist() == [2, 0, 0, 0] and got[5].tolist() == [5, 0, 0, 0]
+
+
 @pytest.mark.parametrize("bad, match", [(dict(columns=2), "expected 8 lists"), (dict(rows=5), "do not fit 4"),
                                         (dict(rows=1), "padded to 1")])
 def test_step_inputs_reject_bad_columns(bad, match):

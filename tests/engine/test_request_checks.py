@@ -161,3 +161,18 @@ def test_abort_takes_a_request_id(llm, rid):
     with pytest.raises(TypeError, match="rid must be a request id"):
         llm.abort(rid)
     assert llm.abort(10**9) is None  # an unknown id: nothing to stop
+
+
+def test_token_ids_are_plain_python_ints_whatever_integers_come_in():
+    """A prompt of exact ints is taken as it is (a copy); numpy integers become ints; a bool or a float
+    anywhere in it is refused, as at its first position."""
+    from kvbuffer.engine.validate import token_ids
+
+    ids = [3, 1, 4]
+    got = token_ids(ids, "prompt_ids")
+    assert got == ids and got is not ids
+    mixed = token_ids((np.int64(7), 5), "prompt_ids")
+    assert mixed == [7, 5] and all(type(t) is int for t in mixed)
+    for bad in ([1] * 1000 + [True], [1] * 1000 + [2.0]):
+        with pytest.raises(TypeError, match="prompt_ids has token id"):
+            token_ids(bad, "prompt_ids")
