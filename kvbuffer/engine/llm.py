@@ -318,9 +318,9 @@ class LLM:
             raise ValueError(f"{what} is empty")
         if len(ids) > self.runner.spec.max_len:
             raise ValueError(f"{what}: {len(ids)} tokens exceed max_len={self.runner.spec.max_len}")
-        bad = [t for t in ids if not 0 <= t < self.vocab_size]
-        if bad:
-            raise ValueError(f"{what} has token id {bad[0]} outside the vocabulary [0, {self.vocab_size})")
+        if min(ids) < 0 or max(ids) >= self.vocab_size:  # at C speed; the first bad id named
+            bad = next(t for t in ids if not 0 <= t < self.vocab_size)
+            raise ValueError(f"{what} has token id {bad} outside the vocabulary [0, {self.vocab_size})")
 
     def _decode_text(self, ids):
         return self.tokenizer.decode(ids) if self.tokenizer is not None else None
