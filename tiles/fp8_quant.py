@@ -33,7 +33,8 @@ ORDERS = ("rows", "groups")
 __all__ = ["DEFAULT", "ROW_MULTIPLE", "check_fp8_quant_act", "fp8_quant_act", "get_configs"]
 
 
-def check_fp8_quant_act(K: int, *, threads: int = 256, dtype: str = "bfloat16", order: str = "groups") -> None:
+def check_fp8_quant_act(K: int, *, threads: int = DEFAULT["threads"], dtype: str = "bfloat16",
+                        order: str = DEFAULT["order"]) -> None:
     """Raise ValueError for parameters the template does not build."""
     if K < GROUP or K % GROUP:
         raise ValueError(f"K must be a positive multiple of {GROUP} (one scale per {GROUP} columns), got {K}")
@@ -57,7 +58,8 @@ def _nan_max(T, a, b):
     return T.if_then_else(T.isnan(s), s, T.max(a, b))
 
 
-def fp8_quant_act(K: int, *, threads: int = 256, dtype: str = "bfloat16", order: str = "groups"):
+def fp8_quant_act(K: int, *, threads: int = DEFAULT["threads"], dtype: str = "bfloat16",
+                  order: str = DEFAULT["order"]):
     """x (M, K) -> q (Mp, K) float8_e4m3fn, scale (K / GROUP, Mp) fp32 (see the module docstring).
     Args: x, q, scale."""
     check_fp8_quant_act(K, threads=threads, dtype=dtype, order=order)

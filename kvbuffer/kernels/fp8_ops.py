@@ -171,6 +171,13 @@ def build_fp8_quant_act(K: int, *, dtype: str = "bfloat16", **tunables) -> Compi
     return FP8_QUANT_ACT.build(fp8_quant_key(K, dtype), tunables)
 
 
+def quant_outputs(M, K: int) -> dict[str, tuple[tuple, torch.dtype]]:
+    """The quantizer's outputs for x (M, K), as (shape, dtype) by name: q (Mp, K) float8_e4m3fn and scale
+    (K / 128, Mp) fp32, Mp = M padded (reference.fp8.padded_rows; a symbolic M too)."""
+    rows = ref_fp8.padded_rows(M)
+    return {"q": ((rows, K), ref_fp8.FP8), "scale": ((K // ref_fp8.GROUP, rows), torch.float32)}
+
+
 def run_fp8_quant_act(op: CompiledOp, x: torch.Tensor, q: torch.Tensor | None = None,
                       scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Quantize x (M, K) on the compiled quantizer `op` into q (Mp, K) float8_e4m3fn and scale
@@ -180,16 +187,14 @@ def run_fp8_quant_act(op: CompiledOp, x: torch.Tensor, q: torch.Tensor | None = 
     dev = x.device if isinstance(x, torch.Tensor) else None
     check_tensor("x", x, (None, p["K"]), (ACT_DTYPES[p["dtype"]],), dev)
     check_on_cuda("x", dev)
-    rows = ref_fp8.padded_rows(x.shape[0])
-    shapes = {"q": ((rows, p["K"]), ref_fp8.FP8), "scale": ((p["K"] // ref_fp8.GROUP, rows), torch.float32)}
     given = {"q": q, "scale": scale}
-    for name, (shape, dtype) in shapes.items():
+    for name, (shape, dtype) in quant_outputs(x.shape[0], p["K"]).items():
         if given[name] is None:
             given[name] = torch.empty(shape, dtype=dtype, device=dev)
         check_tensor(name, given[name], shape, (dtype,), dev)
     for name, t in (("x", x), *given.items()):
         check_contiguous(name, t)
-    if rows:
+    if x.shape[0]:
         op.fn(x, given["q"], given["scale"])
     return given["q"], given["scale"]
 
@@ -249,9 +254,7 @@ def fp8_quant_act(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 @fp8_quant_act.register_fake
 def _quant_fake(x):
     ref_fp8.check_activations(x)
-    rows = ref_fp8.padded_rows(x.shape[0])  # a symbolic row count too
-    return (x.new_empty(rows, x.shape[1], dtype=ref_fp8.FP8),
-            x.new_empty(x.shape[1] // ref_fp8.GROUP, rows, dtype=torch.float32))
+    return tuple(x.new_empty(shape, dtype=dtype) for shape, dtype in quant_outputs(x.shape[0], x.shape[1]).values())
 
 
 @fp8_quant_act.register_kernel("cuda")
@@ -270,10 +273,8 @@ def launch_quant(x: torch.Tensor, checked: bool = True) -> tuple[torch.Tensor, t
         return ref_fp8.quantize_activations_padded(x)
     if checked:
         return on_torch_stream(run_fp8_quant_act, op, x.contiguous())
-    rows, K = ref_fp8.padded_rows(x.shape[0]), x.shape[1]
-    q = torch.empty((rows, K), dtype=ref_fp8.FP8, device=x.device)
-    scale = torch.empty((K // ref_fp8.GROUP, rows), dtype=torch.float32, device=x.device)
-    if rows:
+    q, scale = (x.new_empty(shape, dtype=dtype) for shape, dtype in quant_outputs(x.shape[0], x.shape[1]).values())
+    if x.shape[0]:
         on_torch_stream(op.fn, x, q, scale)
     return q, scale
 
