@@ -177,6 +177,14 @@ def kernel_class(name: str) -> str:
     return "other"
 
 
+def device_by_class(kernels, per: float = 1.0) -> dict[str, float]:
+    """timing.device_kernels' kernels' device time (the profiler's microseconds / `per`) by kernel_class."""
+    by_class = {c: 0.0 for c in ("gemm", "state", "attention", "other")}
+    for e in kernels:
+        by_class[kernel_class(e.key)] += e.self_device_time_total / per
+    return by_class
+
+
 def profile_steps(llm, prompts, *, device, step: str = "decode", steps: int = 8, skip: int = 3,
                   max_new_tokens: int | None = None) -> dict:
     """torch.profiler over `steps` calls of the runner's `step` ("decode"; "verify_greedy": a greedy
@@ -217,9 +225,7 @@ def profile_steps(llm, prompts, *, device, step: str = "decode", steps: int = 8,
     if wall[0] is None:
         stop()
     kernels = device_kernels(prof)
-    by_class = {c: 0.0 for c in ("gemm", "state", "attention", "other")}
-    for e in kernels:
-        by_class[kernel_class(e.key)] += e.self_device_time_total / done
+    by_class = device_by_class(kernels, done)
     busy_us = sum(by_class.values())
     return dict(step=step, steps=done, wall_ms_per_step=1e3 * wall[0] / done, device_busy_ms_per_step=busy_us / 1e3,
                 launches_per_step=sum(e.count for e in kernels) / done, device_us_per_step_by_class=by_class,

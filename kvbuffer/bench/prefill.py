@@ -776,19 +776,17 @@ def measure_ttft(call: Callable[[], object], *, device, repeats: int) -> dict:
 
 def device_busy(call: Callable[[], object]) -> dict:
     """One more call under torch.profiler (CUDA activity): the device time of its kernels, their count and
-    the time by kernel class (kvbuffer.bench.e2e.kernel_class). Set against the call's wall time, it says
+    the time by kernel class (kvbuffer.bench.e2e.device_by_class). Set against the call's wall time, it says
     how much of a prompt the GPU sits idle waiting on the host."""
     from torch.profiler import ProfilerActivity, profile
 
-    from .e2e import kernel_class
+    from .e2e import device_by_class
 
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         call()
         torch.cuda.synchronize()
     kernels = timing.device_kernels(prof)
-    by_class = {c: 0.0 for c in ("gemm", "state", "attention", "other")}
-    for e in kernels:
-        by_class[kernel_class(e.key)] += e.self_device_time_total / 1e6
+    by_class = device_by_class(kernels, 1e6)  # seconds
     return {"device_busy_s": sum(by_class.values()), "launches": sum(e.count for e in kernels),
             "device_s_by_class": by_class}
 

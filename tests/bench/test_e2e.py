@@ -64,6 +64,15 @@ def test_kernel_classes():
     assert e2e.kernel_class("triton_red_fused_add_rms_norm_0") == "other"
 
 
+def test_device_time_sums_by_kernel_class():
+    from types import SimpleNamespace as K
+
+    kernels = [K(key="nvjet_tst_128x64", self_device_time_total=300.0), K(key="gdn_prefill_states_kernel",
+               self_device_time_total=60.0), K(key="sm90_xmma_gemm_bf16", self_device_time_total=100.0)]
+    assert e2e.device_by_class(kernels, 2) == {"gemm": 200.0, "state": 30.0, "attention": 0.0, "other": 0.0}
+    assert e2e.device_by_class([]) == {"gemm": 0.0, "state": 0.0, "attention": 0.0, "other": 0.0}
+
+
 def test_steady_rate_counts_the_full_batch_steps_only():
     """A run's last speculative steps feed fewer requests (they end at different steps): the steady
     rate leaves them out, as it leaves out the first (capturing) step; all_steps_rate keeps them."""
