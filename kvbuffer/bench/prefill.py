@@ -774,10 +774,11 @@ def measure_ttft(call: Callable[[], object], *, device, repeats: int) -> dict:
             **(device_busy(call) if cuda else {"device_busy_s": None})}
 
 
-def device_busy(call: Callable[[], object]) -> dict:
-    """One more call under torch.profiler (CUDA activity): the device time of its kernels, their count and
-    the time by kernel class (kvbuffer.bench.e2e.device_by_class). Set against the call's wall time, it says
-    how much of a prompt the GPU sits idle waiting on the host."""
+def device_busy(call: Callable[[], object], top: int = 12) -> dict:
+    """One more call under torch.profiler (CUDA activity): the device time of its kernels, their count,
+    the time by kernel class (kvbuffer.bench.e2e.device_by_class) and the `top` kernels by device time
+    ([name, seconds, launches]). Set against the call's wall time, it says how much of a prompt the GPU
+    sits idle waiting on the host; the top kernels say where the device time goes."""
     from torch.profiler import ProfilerActivity, profile
 
     from .e2e import device_by_class
@@ -788,7 +789,8 @@ def device_busy(call: Callable[[], object]) -> dict:
     kernels = timing.device_kernels(prof)
     by_class = device_by_class(kernels, 1e6)  # seconds
     return {"device_busy_s": sum(by_class.values()), "launches": sum(e.count for e in kernels),
-            "device_s_by_class": by_class}
+            "device_s_by_class": by_class,
+            "device_top": [[e.key, e.self_device_time_total / 1e6, e.count] for e in kernels[:top]]}
 
 
 def _prompt(P: int, vocab: int) -> list[int]:

@@ -51,6 +51,7 @@ def test_e2e_on_a_tiny_preset():
     for r in result["rows"]:  # every side's device time of one prompt, by kernel class
         assert r["device_busy_s"] == pytest.approx(sum(r["device_s_by_class"].values())) and r["launches"] > 0
         assert r["device_s_by_class"]["gemm"] > 0
+        assert 0 < len(r["device_top"]) <= 12 and r["device_top"][0][1] <= r["device_busy_s"]
     print(prefill.e2e_table(result))
 
 
