@@ -218,7 +218,7 @@ class ReplaySSMBackend:
     def cache_attention(self, *args, **kwargs):
         return self.base.cache_attention(*args, **kwargs)
 
-    def prefill(self, inputs, state, state_slots, buf, slots, fill: int, flush_at: int):
+    def prefill(self, inputs, state, state_slots, buf, slots, fill: int, flush_at: int, fuse: bool = False):
         """kvbuffer's prefill of every row's whole prompt piece into its checkpoint (the module's
         docstring); the engine's buffers serve as scratch. Capturable: nothing is read back."""
         B, T = getattr(inputs, inputs.output_like).shape[:2]
@@ -227,7 +227,7 @@ class ReplaySSMBackend:
         at = state_slots.clamp(min=0).long()
         major = _value_major(state)
         scratch = major[at].transpose(-1, -2).contiguous()  # (B, Hv, K, V): kvbuffer's layout
-        o = self.base.prefill(inputs, scratch, rows, buf, slots, 0, flush_at)
+        o = self.base.prefill(inputs, scratch, rows, buf, slots, 0, flush_at, fuse)
         if T % flush_at:  # the remainder buffered by the prefill: folded too
             self.base.flush(inputs.family, scratch, rows, buf, slots, torch.full_like(slots, T % flush_at))
         put_rows(major, (at,), scratch.transpose(-1, -2), kept)

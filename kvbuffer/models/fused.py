@@ -6,8 +6,8 @@ torch launches, each writing its intermediate to memory: Qwen3.5's decoder norms
 each side, the residual adds, the MLP's SiLU and product, attention's q/k norms and rotary embedding,
 the gated norms (Nemotron-H's too), the routed experts' activation and weighted sum. At thousands of
 tokens these chains are a large share of a prompt's time (docs/results.md). Each function here is one
-such stretch compiled by torch.compile (Inductor: one or two fused kernels, the token count dynamic, so
-one compilation serves every prompt length), used where ForwardBatch.fuse is set (a prompt chunk too long
+such stretch compiled by torch.compile (kvbuffer.runtime.regions.region: one or two fused kernels, the
+token count dynamic, so one compilation serves every prompt length), used where ForwardBatch.fuse is set (a prompt chunk too long
 to be graphed, on CUDA with the engine's compile on); elsewhere the layers run their eager code. The same
 math, rounded the same way, except that a region may keep in fp32 an intermediate that the eager code
 rounds to bf16.
@@ -15,34 +15,10 @@ rounds to bf16.
 
 from __future__ import annotations
 
-import logging
-
 import torch
 import torch.nn.functional as F
 
-log = logging.getLogger("kvbuffer")
-_COMPILED: dict = {}  # function -> its torch.compile'd form (made at first use), or None: it failed to compile
-
-
-def _region(fn, *args):
-    """fn(*args) compiled, the leading (token) dim of every tensor argument dynamic. A region that fails
-    to compile (no Triton, say) runs eagerly from then on, with one warning: the functions have no side
-    effects, so running one again is safe. Other errors (out of memory) are raised as they are."""
-    compiled = _COMPILED.get(fn, False)
-    if compiled is False:
-        compiled = _COMPILED[fn] = torch.compile(fn, fullgraph=True, dynamic=False)
-    if compiled is None:
-        return fn(*args)
-    for a in args:
-        if isinstance(a, torch.Tensor) and a.dim() > 1:
-            torch._dynamo.maybe_mark_dynamic(a, 0)
-    try:
-        return compiled(*args)
-    except torch._dynamo.exc.TorchDynamoException as e:  # a failed compilation (Inductor's errors are wrapped)
-        _COMPILED[fn] = None
-        log.warning("kvbuffer: a prompt's fused %s failed to compile, running it eagerly from now on: %s",
-                    fn.__name__.strip("_"), str(e).splitlines()[0] if str(e) else type(e).__name__)
-        return fn(*args)
+from ..runtime.regions import region as _region
 
 
 def _rms_norm(x, scale, eps: float):

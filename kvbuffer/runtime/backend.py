@@ -42,6 +42,7 @@ from ..reference import core as ref_core
 from ..reference import gating as ref_gating
 from ..reference import gdn as ref_gdn
 from ..reference import mamba2 as ref_mamba2
+from . import regions
 
 log = logging.getLogger("kvbuffer")
 _OPS = {"gdn": launch.GDN_OPS, "mamba2": launch.MAMBA2_OPS}  # a linear family's ops, by its inputs' family
@@ -119,10 +120,12 @@ class ReferenceBackend:
 
     _PREFILL = {"gdn": ref_chunked.gdn_prefill, "mamba2": ref_chunked.mamba2_prefill}
 
-    def prefill(self, inputs: LinearInputs, state, state_slots, buf, slots, fill: int, flush_at: int):
+    def prefill(self, inputs: LinearInputs, state, state_slots, buf, slots, fill: int, flush_at: int,
+                fuse: bool = False):
         """A prompt of T tokens per row (inputs (B, T, ...)), every row at buffer fill `fill`: the
         chunked form (kvbuffer.reference.chunked) folds up to the last flush point and buffers the rest.
-        Returns o (B, T, Hv, V)."""
+        Returns o (B, T, Hv, V). `fuse` (ForwardBatch.fuse) lets a Backend run the prompt's elementwise
+        front as a compiled region (kvbuffer.runtime.regions); the reference runs it eagerly."""
         B, T = getattr(inputs, inputs.output_like).shape[:2]
         packed = per_token(inputs, lambda t: t.reshape(B * T, *t.shape[2:]))
         cu_seqlens = torch.arange(B + 1, dtype=torch.int64, device=state.device) * T
@@ -206,7 +209,8 @@ class KernelBackend(ReferenceBackend):
     def flush(self, family: str, state, state_slots, buf, slots, lengths) -> None:
         _OPS[family].flush(state, state_slots, *buf, slots, lengths)
 
-    def prefill(self, inputs: LinearInputs, state, state_slots, buf, slots, fill: int, flush_at: int):
+    def prefill(self, inputs: LinearInputs, state, state_slots, buf, slots, fill: int, flush_at: int,
+                fuse: bool = False):
         """The reference Backend's prompt contract on the kernels. A prompt that reaches no flush point
         (fill + T < C) runs as verify chunks; else (a) the fill buffered entries are flushed, (b) the chunked
         prefill folds each row's first T - r tokens (r = (fill + T) mod C) from its state, and (c) the last r
@@ -218,7 +222,8 @@ class KernelBackend(ReferenceBackend):
         if fill:
             self.flush(inputs.family, state, state_slots, buf, slots, torch.full_like(slots, fill))
         r = (fill + T) % flush_at
-        o = self._fold_prompt(per_token(inputs, lambda t: t[:, :T - r]), state, state_slots, slots, buf[0].dtype)
+        o = self._fold_prompt(per_token(inputs, lambda t: t[:, :T - r]), state, state_slots, slots, buf[0].dtype,
+                              fuse)
         if not r:
             return o
         tail = per_token(inputs, lambda t: t[:, T - r:])
@@ -246,10 +251,11 @@ class KernelBackend(ReferenceBackend):
             fill, start = (fill + take) % flush_at, start + take
         return outs
 
-    def _fold_prompt(self, inputs: LinearInputs, state, state_slots, slots, act_dtype: torch.dtype):
+    def _fold_prompt(self, inputs: LinearInputs, state, state_slots, slots, act_dtype: torch.dtype,
+                     fuse: bool = False):
         """The chunked prefill of every row's P tokens from its state slot, packed (on CUDA: bf16 activations,
-        fp32 gates; on the CPU: `act_dtype` and the state's dtype). GDN's front runs in torch first; Mamba-2's
-        op takes the raw x and dt and does its front and D skip itself. Padding rows (slot -1, state slot -1:
+        fp32 gates; on the CPU: `act_dtype` and the state's dtype). GDN's front runs in torch first (with
+        `fuse`, as one compiled region); Mamba-2's op takes the raw x and dt and does its front and D skip itself. Padding rows (slot -1, state slot -1:
         the engine's) start from zero, write no state and give zeros. Returns (B, P, Hv, V)."""
         like = getattr(inputs, inputs.output_like)
         B, P = like.shape[:2]
@@ -259,9 +265,12 @@ class KernelBackend(ReferenceBackend):
         pack = lambda t, dtype=act: t.reshape(B * P, *t.shape[2:]).to(dtype).contiguous()  # noqa: E731
         if inputs.family == "gdn":
             real = slots >= 0  # a padding row's front makes its outputs zero (its q)
-            q, k, g, beta = ref_gating.gdn_prompt_front(inputs.q, inputs.k, inputs.a, inputs.b, inputs.A_log,
-                                                        inputs.dt_bias, act, state.dtype, real)
-            o = _OPS["gdn"].chunk_prefill(q, k, pack(inputs.v), g, beta, cu, state, rows)
+            front = regions.gdn_prompt_front(*inputs, act, state.dtype, real) if fuse else None
+            if front is None:
+                q, k, g, beta = ref_gating.gdn_prompt_front(inputs.q, inputs.k, inputs.a, inputs.b, inputs.A_log,
+                                                            inputs.dt_bias, act, state.dtype, real)
+                front = q, k, pack(inputs.v), g, beta
+            o = _OPS["gdn"].chunk_prefill(*front, cu, state, rows)
         else:  # a padding row's state slot is -1: the op gives it zeros
             param = lambda t: t.to(state.dtype).contiguous()  # noqa: E731  (fp32 already: no copy)
             o = launch.MAMBA2_OPS.chunk_prefill(pack(inputs.x), pack(inputs.dt, state.dtype), param(inputs.A_log),

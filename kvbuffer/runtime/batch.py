@@ -36,8 +36,9 @@ class ForwardBatch:
               (a sync). CUDA graphs fix it to a bucket.
     host_slots, host_cached: a prompt's slots and cached as the host built them (None: not given, as in
               a CUDA graph), so its attention can slice each row's cache without reading them back.
-    fuse:     the layers run their elementwise stretches as Inductor regions (kvbuffer.models.fused): set
-              by the engine for a prompt chunk too long to graph, on CUDA with compile on.
+    fuse:     the layers run their elementwise stretches as Inductor regions (kvbuffer.models.fused; the GDN
+              prompt's front: kvbuffer.runtime.regions): set by the engine for a prompt chunk too long to
+              graph, on CUDA with compile on.
     graphed:  the forward runs as its CUDA graph's bucket (captured, its warm-up, or a use before its
               capture): a prompt's attention takes the path a capture can record, so every run of a bucket
               computes the same.

@@ -52,7 +52,8 @@ def _linear_mix(inputs: LinearInputs, batch: ForwardBatch, caches: ModelCaches, 
         raise ValueError("kvbuffer mode needs caches built with buffers=True")
     buf = caches.buffers.layer(layer).tensors()
     if batch.phase == "prefill":  # folded up to the last flush point, the rest buffered
-        return backend.prefill(inputs, state, batch.state_slots, buf, batch.slots, batch.common_fill, batch.flush_at)
+        return backend.prefill(inputs, state, batch.state_slots, buf, batch.slots, batch.common_fill, batch.flush_at,
+                               batch.fuse)
     if batch.phase == "decode":
         o = backend.buffered_step(per_token(inputs, _token(0)), state, batch.state_slots, buf, batch.slots,
                                   batch.lengths, flush_at=batch.flush_at)

@@ -49,17 +49,26 @@ def problem(family: str, B: int, T: int, fill: int, padding: bool, seed: str):
     return inputs, state, state_slots, buf, slots
 
 
-def run(backend, family, B, T, fill, padding, seed):
+def side_by_side(inputs: GDNInputs) -> GDNInputs:
+    """The same values with q, k, v as views of one (B, T, ...) projection output, as the models give them."""
+    B, T = inputs.q.shape[:2]
+    qkv = torch.cat([inputs.q.flatten(2), inputs.k.flatten(2), inputs.v.flatten(2)], -1)
+    q, k, v = qkv.split([inputs.q[0, 0].numel(), inputs.k[0, 0].numel(), inputs.v[0, 0].numel()], -1)
+    return inputs._replace(q=q.view(inputs.q.shape), k=k.view(inputs.k.shape), v=v.view(inputs.v.shape))
+
+
+def run(backend, family, B, T, fill, padding, seed, fuse=False):
     inputs, state, state_slots, buf, slots = problem(family, B, T, fill, padding, seed)
-    o = backend.prefill(inputs, state, state_slots, buf, slots, fill, C)
+    inputs = side_by_side(inputs) if fuse else inputs
+    o = backend.prefill(inputs, state, state_slots, buf, slots, fill, C, fuse)
     return o, state, buf, slots
 
 
-def check(family, B, T, fill, padding):
+def check(family, B, T, fill, padding, fuse=False):
     seed = f"{family}/{B}/{T}/{fill}/{padding}"
     before = problem(family, B, T, fill, padding, seed)
     o_ref, state_ref, buf_ref, slots = run(REFERENCE, family, B, T, fill, padding, seed)
-    o, state, buf, _ = run(KernelBackend(), family, B, T, fill, padding, seed)
+    o, state, buf, _ = run(KernelBackend(), family, B, T, fill, padding, seed, fuse)
     assert o.shape == o_ref.shape and o.dtype == o_ref.dtype
     torch.testing.assert_close(o, o_ref, rtol=0, atol=TOL)
     assert torch.equal(o[slots < 0], torch.zeros_like(o[slots < 0]))
@@ -86,6 +95,16 @@ def test_one_row_matches_reference_backend(family, T, fill):
                                     (1000, 9), (5, 4)], ids=str)
 def test_three_rows_with_a_padding_row_match_reference_backend(family, T, fill):
     check(family, 3, T, fill, padding=True)
+
+
+@pytest.mark.parametrize("B,T,fill,padding", [(1, C, 0, False), (1, 1000, 7, False), (3, 65, C - 1, True)], ids=str)
+def test_the_fused_front_matches_reference_backend(B, T, fill, padding):
+    """ForwardBatch.fuse: the GDN prompt's front as a compiled region (kvbuffer.runtime.regions; Inductor's
+    C++ code here) gives the reference's outputs, states and buffers."""
+    from kvbuffer.runtime import regions
+
+    check("gdn", B, T, fill, padding, fuse=True)
+    assert regions._COMPILED.get(regions._gdn_front)  # the region ran, compiled
 
 
 def test_chunked_prefill_is_skipped_below_a_flush_point(monkeypatch):

@@ -107,6 +107,36 @@ def _check_moe_combine(fused, N: int, gen, dtype, E: int = 5, k: int = 3, H: int
                dtype)
 
 
+def test_the_gdn_prompt_front_region_gives_the_eager_front_and_v_packed():
+    """kvbuffer.runtime.regions.gdn_prompt_front (compiled here on the CPU) against the eager packed front:
+    q, k within bf16 rounding, g and beta to fp32 rounding, v copied bit for bit, every output dense; a
+    padding row's q zero; q and k not side by side in memory: None (the caller runs the eager front)."""
+    from kvbuffer.reference import gating
+    from kvbuffer.runtime import regions
+
+    gen = torch.Generator().manual_seed(11)
+    B, T, Hk, Hv, K, V = 3, 37, 2, 6, 24, 10
+    width = 2 * Hk * K + Hv * V
+    qkv = (torch.randn(B, T, width + 2 * Hv + 5, generator=gen) * 3).to(torch.bfloat16)[..., 3:3 + width + 2 * Hv]
+    q, k, v = (qkv[..., i:j] for i, j in ((0, Hk * K), (Hk * K, 2 * Hk * K), (2 * Hk * K, width)))
+    q, k, v = q.reshape(B, T, Hk, K), k.reshape(B, T, Hk, K), v.reshape(B, T, Hv, V)
+    b, a = qkv[..., width:width + Hv], qkv[..., width + Hv:]
+    A_log, dt_bias = torch.randn(Hv, generator=gen), torch.rand(Hv, generator=gen) * 3.5 - 3
+    real = torch.tensor([True, False, True])
+    got = regions.gdn_prompt_front(q, k, v, a, b, A_log, dt_bias, torch.bfloat16, torch.float32, real)
+    want = gating.gdn_prompt_front(q, k, a, b, A_log, dt_bias, torch.bfloat16, torch.float32, real)
+    want = (*want[:2], v.reshape(B * T, Hv, V), *want[2:])
+    for name, x, y in zip(("q", "k", "v", "g", "beta"), got, want):
+        assert x.is_contiguous() and x.dtype == y.dtype and x.shape == y.shape, name
+        tol = BF16_TOL if name in "qk" else 1e-6
+        torch.testing.assert_close(x.float(), y.float(), rtol=tol, atol=tol if name in "qk" else 1e-30, msg=name)
+    assert torch.equal(got[2], want[2])
+    pad = ~real.repeat_interleave(T)
+    assert torch.equal(got[0][pad], torch.zeros_like(got[0][pad]))
+    apart = k.clone()
+    assert regions.gdn_prompt_front(q, apart, v, a, b, A_log, dt_bias, torch.bfloat16, torch.float32, real) is None
+
+
 @pytest.mark.parametrize("kind", ["qwen3_5", "nemotron_h"])
 def test_a_prompt_with_fused_regions_gives_the_eager_tokens(kind, monkeypatch, capfd):
     """A whole engine with fuse_prompts forced on (the engine sets it on CUDA only): the prompts' logits
@@ -115,6 +145,7 @@ def test_a_prompt_with_fused_regions_gives_the_eager_tokens(kind, monkeypatch, c
     from kvbuffer import LLM
     from kvbuffer.models import fused
     from kvbuffer.models.nemotron_h import _relu2
+    from kvbuffer.runtime import regions
     from tests.support.tiny_models import tiny_model
 
     from kvbuffer.engine.graphs import PREFILL_GRAPH_TOKENS
@@ -126,15 +157,15 @@ def test_a_prompt_with_fused_regions_gives_the_eager_tokens(kind, monkeypatch, c
     want = plain.generate(prompts, max_new_tokens=6, return_logits=True)
     fused_llm = LLM(tiny_model(kind, seed=3, **shape), device="cpu", max_len=PREFILL_GRAPH_TOKENS + 64)
     monkeypatch.setattr(fused_llm.runner, "fuse_prompts", True)
-    monkeypatch.setattr(fused, "_COMPILED", {})
+    monkeypatch.setattr(regions, "_COMPILED", {})
     got = fused_llm.generate(prompts, max_new_tokens=6, return_logits=True)
     for g, w in zip(got, want):
         assert g.token_ids == w.token_ids
         torch.testing.assert_close(torch.stack(g.logits), torch.stack(w.logits), rtol=1e-4, atol=1e-4)
-    regions = {"qwen3_5": (fused._rms_norm, fused._add_rms_norm, fused._silu_mul, fused._gated_norm,
+    compiled = {"qwen3_5": (fused._rms_norm, fused._add_rms_norm, fused._silu_mul, fused._gated_norm,
                            fused._norm_rope, fused._sigmoid_mul),
                "nemotron_h": (fused._grouped_gated_norm, fused._moe_combine, _relu2)}[kind]
-    assert set(fused._COMPILED) == set(regions) and all(fused._COMPILED.values())
+    assert set(regions._COMPILED) == set(compiled) and all(regions._COMPILED.values())
     said = [line for line in capfd.readouterr().err.splitlines() if line.startswith("kvbuffer: compiling")]
     assert len(said) == 1 and said[0].startswith("kvbuffer: compiling the prompt's fused regions"), said
 
@@ -145,6 +176,7 @@ def test_a_region_that_fails_to_compile_runs_eagerly_with_one_warning(monkeypatc
     from torch._dynamo.exc import TorchDynamoException
 
     from kvbuffer.models import fused
+    from kvbuffer.runtime import regions
 
     class CompileFailed(TorchDynamoException):  # what Dynamo wraps a backend's failure in
         pass
@@ -154,16 +186,16 @@ def test_a_region_that_fails_to_compile_runs_eagerly_with_one_warning(monkeypatc
             raise CompileFailed("Cannot find a working triton installation")
         return run
 
-    monkeypatch.setattr(fused, "_COMPILED", {})
-    monkeypatch.setattr(fused.torch, "compile", broken)
+    monkeypatch.setattr(regions, "_COMPILED", {})
+    monkeypatch.setattr(regions.torch, "compile", broken)
     gate, up = torch.randn(2, 5, 8), torch.randn(2, 5, 8)
     with caplog.at_level("WARNING", logger="kvbuffer"):
         for _ in range(2):
             assert torch.equal(fused.silu_mul(gate, up), F.silu(gate) * up)
-    assert fused._COMPILED[fused._silu_mul] is None
+    assert regions._COMPILED[fused._silu_mul] is None
     said = [r.getMessage() for r in caplog.records]
     assert len(said) == 1 and "silu_mul failed to compile" in said[0] and "triton" in said[0], said
-    monkeypatch.setattr(fused, "_COMPILED", {})
-    monkeypatch.setattr(fused.torch, "compile", lambda fn, **kw: lambda *a: (_ for _ in ()).throw(MemoryError()))
+    monkeypatch.setattr(regions, "_COMPILED", {})
+    monkeypatch.setattr(regions.torch, "compile", lambda fn, **kw: lambda *a: (_ for _ in ()).throw(MemoryError()))
     with pytest.raises(MemoryError):
         fused.silu_mul(gate, up)
