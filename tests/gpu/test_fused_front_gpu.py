@@ -14,6 +14,7 @@ from tests.support.gdn_cases import rel_err
 pytestmark = [pytest.mark.gpu, pytest.mark.tilelang]
 
 Hk, Hv, K, V, C = 16, 32, 128, 128, 16
+E = C + 1  # the engine's buffer layout (and its kernels' keys): C entries plus the one a decode step appends
 
 
 def problem(B: int, T: int, seed: int):
@@ -26,8 +27,8 @@ def problem(B: int, T: int, seed: int):
                        proj[..., width:width + Hv], r(Hv) * 0.5, r(Hv).sigmoid() * 2 - 1)
     n = B + 2
     state = r(n, Hv, K, V) * 0.1
-    buf = (r(n, C + 3, Hk, K).to(torch.bfloat16), r(n, C + 3, Hv, V).to(torch.bfloat16),
-           -torch.rand(n, C + 3, Hv, generator=gen, device="cuda").cumsum(1))
+    buf = (r(n, E, Hk, K).to(torch.bfloat16), r(n, E, Hv, V).to(torch.bfloat16),
+           -torch.rand(n, E, Hv, generator=gen, device="cuda").cumsum(1))
     slots = torch.tensor([2, -1, 0][:B], dtype=torch.int32, device="cuda")
     return inputs, state, slots.clone(), buf, slots
 
