@@ -112,6 +112,11 @@ class SpeculativeConfig:
         return cls(**d)
 
     @property
+    def decoding_prefill_tokens(self) -> int:
+        """The prompt tokens a step feeds while other requests decode."""
+        return self.prefill_tokens_while_decoding or self.max_prefill_tokens
+
+    @property
     def fed(self) -> int:
         """Tokens a verify feeds per request: the real one and the drafts."""
         return self.num_draft_tokens + 1
@@ -140,6 +145,11 @@ class EngineConfig:
               "continues over the next steps while the other requests decode; with none decoding, a step feeds "
               "until a prompt is done); also the most one prefill forward feeds.", _count(1),
         cli="--max-prefill-tokens")
+    prefill_tokens_while_decoding: int | None = _option(
+        None, "Prompt tokens one engine step feeds while other requests decode [default: max_prefill_tokens, "
+              "which it may not exceed]: fewer keep the decoding streams' gaps between tokens short while a long "
+              "prompt is read, at the cost of that prompt's time to first token.", _count(1, optional=True),
+        cli="--prefill-tokens-while-decoding")
     speculative: SpeculativeConfig | None = _option(None, "Speculative decoding (SpeculativeConfig or its dict).",
                                                     kind="nested")
     memory_budget: int | None = _option(None, "Bytes for the per-request caches: as many requests as fit are "
@@ -170,6 +180,9 @@ class EngineConfig:
     def __post_init__(self):
         object.__setattr__(self, "speculative", SpeculativeConfig.from_dict(self.speculative))
         _check_fields(self)
+        if (self.prefill_tokens_while_decoding or 0) > self.max_prefill_tokens:
+            raise ValueError(f"prefill_tokens_while_decoding ({self.prefill_tokens_while_decoding}) must not exceed "
+                             f"max_prefill_tokens ({self.max_prefill_tokens}), the most one prefill forward feeds")
         if self.memory_budget is not None:
             have = device_memory(self.device)
             if self.memory_budget > have:
@@ -187,6 +200,11 @@ class EngineConfig:
         if not isinstance(config, cls):
             raise TypeError(f"config must be an EngineConfig or None, got {describe(config)}")
         return dataclasses.replace(config, **kwargs) if kwargs else config
+
+    @property
+    def decoding_prefill_tokens(self) -> int:
+        """The prompt tokens a step feeds while other requests decode."""
+        return self.prefill_tokens_while_decoding or self.max_prefill_tokens
 
     @property
     def fed(self) -> int:

@@ -1,7 +1,8 @@
 """The engine core: a scheduler, a model runner and the decoders that drive them, one `step()` at a time.
 
 Each step admits the waiting requests that fit, feeds at most `max_prefill_tokens` prompt tokens
-(chunked prefill: a long prompt spreads over steps while the others keep decoding), runs one
+(`prefill_tokens_while_decoding` while others decode: chunked prefill, a long prompt spreads over steps
+while the others keep decoding), runs one
 decode (or draft + verify) step for the requests whose prompts are done, samples, and retires the
 finished ones, whose slots are freed at once.
 
@@ -29,12 +30,14 @@ from .speculative import SpeculativeDecoder
 class EngineCore:
     """runner: the model, caches and forwards; drafter and speculative (SpeculativeConfig): speculative
     decoding, or both None; overlap: queue plain decode steps before reading the last one's tokens;
-    max_prefill_tokens: the prompt tokens one step feeds (Scheduler.prefill_shares splits them)."""
+    max_prefill_tokens: the prompt tokens one step feeds (Scheduler.prefill_shares splits them);
+    decoding_prefill_tokens: those it feeds while other requests decode (default: max_prefill_tokens)."""
 
     def __init__(self, runner: ModelRunner, *, drafter=None, speculative=None, overlap: bool = False,
-                 max_prefill_tokens: int):
+                 max_prefill_tokens: int, decoding_prefill_tokens: int | None = None):
         self.runner = runner
         self.max_prefill_tokens = max_prefill_tokens
+        self.decoding_prefill_tokens = decoding_prefill_tokens or max_prefill_tokens
         self.scheduler = Scheduler()
         self.generators: dict[int, torch.Generator | None] = {}  # rid -> the request's sampler
         self._prepares: dict = {}  # rid -> a callback run right after the request is admitted
@@ -156,14 +159,14 @@ class EngineCore:
             self.done[req.rid] = req
 
     def _prefill(self) -> None:
-        """Feed the prefilling requests' prompts: one round of max_prefill_tokens, shared out by the
-        scheduler, or, while no request decodes, rounds until a prompt is done. A request whose
+        """Feed the prefilling requests' prompts: one round of decoding_prefill_tokens, shared out by the
+        scheduler, or, while no request decodes, rounds of max_prefill_tokens until a prompt is done. A request whose
         prompt is done samples its first token (and a drafter that reads hidden states learns the
         whole prompt)."""
         want = self.drafter is not None and self.drafter.needs_hidden
         decoding = any(not r.prefilling and r.finish_reason is None for r in self.scheduler.running)
         while True:
-            shares = self.scheduler.prefill_shares(self.max_prefill_tokens)
+            shares = self.scheduler.prefill_shares(self.decoding_prefill_tokens if decoding else self.max_prefill_tokens)
             if not shares:
                 return
             done = {}

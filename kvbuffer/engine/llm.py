@@ -93,7 +93,8 @@ class LLM:
         drafter = make_drafter(self.speculative, model, max_requests=spec.max_requests, max_len=config.max_len,
                                device=self.device, dtype=self.dtype)
         self.core = EngineCore(runner, drafter=drafter, speculative=self.speculative, overlap=self.overlap,
-                               max_prefill_tokens=config.max_prefill_tokens)
+                               max_prefill_tokens=config.max_prefill_tokens,
+                               decoding_prefill_tokens=config.decoding_prefill_tokens)
         self.max_prefill_tokens = config.max_prefill_tokens
         self.vocab_size = model.config.vocab_size
         self.last_stats = GenerationStats()
@@ -112,7 +113,8 @@ class LLM:
         if len(self.core.scheduler):
             raise RuntimeError("the runner can only be replaced while no request is running or waiting")
         self.core = EngineCore(runner, drafter=self.core.drafter, speculative=self.speculative, overlap=self.overlap,
-                               max_prefill_tokens=self.max_prefill_tokens)
+                               max_prefill_tokens=self.max_prefill_tokens,
+                               decoding_prefill_tokens=self.core.decoding_prefill_tokens)
 
     @property
     def scheduler(self):

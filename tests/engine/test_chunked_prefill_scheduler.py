@@ -149,6 +149,35 @@ def test_each_step_feeds_at_most_the_budget_and_a_lone_prompt_runs_to_its_first_
     assert fed[1:5] == [8, 8, 8, 6]
 
 
+@pytest.mark.parametrize("while_decoding", [1, 3], ids=["1-token", "3-tokens"])
+def test_a_smaller_budget_while_others_decode_feeds_that_many_and_keeps_the_tokens(model, while_decoding):
+    """prefill_tokens_while_decoding: while a request decodes, each step's prefill forwards feed at most
+    that many tokens (so the decoding request's gaps stay short); alone, a prompt still runs to its first
+    token in one step on rounds of max_prefill_tokens. Every request's tokens equal its run alone."""
+    llm = _llm(model, prefill_tokens_while_decoding=while_decoding)
+    fed, forward = [], llm.runner._forward
+
+    def counting(ids, batch, **kw):
+        if batch.phase == "prefill":
+            fed[-1] += ids.shape[0] * ids.shape[1]
+            assert ids.numel() <= BUDGET
+        return forward(ids, batch, **kw)
+
+    llm.runner._forward = counting
+    first = llm.add_request(LONG, _params(12))
+    got = {}
+    fed.append(0)
+    assert first in _collect(llm.step(), got) and fed == [len(LONG)]
+    second = llm.add_request(LONG[:7], _params(3))
+    while second not in got:
+        fed.append(0)
+        assert first in _collect(llm.step(), got)
+    assert fed[1:] == [while_decoding] * (7 // while_decoding) + [7 % while_decoding] * (7 % while_decoding > 0)
+    _finish(llm, got)
+    assert [got[first], got[second]] == [_alone(model, LONG, 12), _alone(model, LONG[:7], 3)]
+    assert all_free(llm)
+
+
 # prompts admitted together ---------------------------------------------------------------------------------
 def test_prompts_of_different_lengths_all_progress_and_match_alone(model):
     """A decoding request, then prompts of 5, 23 and 40 tokens admitted in one step: each step every

@@ -18,6 +18,11 @@ LLM_CASES = {
     "max_batch float": (dict(max_batch=2.0), TypeError, "max_batch must be an int, got float"),
     "max_len negative": (dict(max_len=-5), ValueError, "max_len must be >= 1, got -5"),
     "max_prefill_tokens zero": (dict(max_prefill_tokens=0), ValueError, "max_prefill_tokens must be >= 1"),
+    "prefill_tokens_while_decoding zero": (dict(prefill_tokens_while_decoding=0), ValueError,
+                                           "prefill_tokens_while_decoding must be >= 1, got 0"),
+    "prefill_tokens_while_decoding above max_prefill_tokens": (
+        dict(max_prefill_tokens=64, prefill_tokens_while_decoding=65), ValueError,
+        r"prefill_tokens_while_decoding \(65\) must not exceed max_prefill_tokens \(64\)"),
     "max_states zero": (dict(max_states=0), ValueError, "max_states must be >= 1"),
     "chunk_size float": (dict(chunk_size=4.5), TypeError, "chunk_size must be an int or None"),
     "device banana": (dict(device="banana"), ValueError, "device must be 'cpu', 'cuda' or 'cuda:N', got 'banana'"),
