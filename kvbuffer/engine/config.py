@@ -112,11 +112,6 @@ class SpeculativeConfig:
         return cls(**d)
 
     @property
-    def decoding_prefill_tokens(self) -> int:
-        """The prompt tokens a step feeds while other requests decode."""
-        return self.prefill_tokens_while_decoding or self.max_prefill_tokens
-
-    @property
     def fed(self) -> int:
         """Tokens a verify feeds per request: the real one and the drafts."""
         return self.num_draft_tokens + 1

@@ -2,9 +2,8 @@
 
 Each step admits the waiting requests that fit, feeds at most `max_prefill_tokens` prompt tokens
 (`prefill_tokens_while_decoding` while others decode: chunked prefill, a long prompt spreads over steps
-while the others keep decoding), runs one
-decode (or draft + verify) step for the requests whose prompts are done, samples, and retires the
-finished ones, whose slots are freed at once.
+while the others keep decoding), runs one decode (or draft + verify) step for the requests whose
+prompts are done, samples, and retires the finished ones, whose slots are freed at once.
 
 A request whose row cannot be sampled (NaN or infinite logits, or its sampling raises) is finished
 alone with finish_reason "error" and a message (Request.error); the other rows of the step go on
@@ -166,7 +165,8 @@ class EngineCore:
         want = self.drafter is not None and self.drafter.needs_hidden
         decoding = any(not r.prefilling and r.finish_reason is None for r in self.scheduler.running)
         while True:
-            shares = self.scheduler.prefill_shares(self.decoding_prefill_tokens if decoding else self.max_prefill_tokens)
+            budget = self.decoding_prefill_tokens if decoding else self.max_prefill_tokens
+            shares = self.scheduler.prefill_shares(budget)
             if not shares:
                 return
             done = {}

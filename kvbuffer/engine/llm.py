@@ -224,8 +224,8 @@ class LLM:
         for a recompilation: decode forwards of padding rows at two context buckets, for every kind of
         step (unbuffered and buffered row counts, and one row past each experts kernel's token limit).
         Where prompts fuse (ModelRunner.fuse_prompts), a prompt forward of one padding row just too long to
-        graph compiles the prompt's regions (kvbuffer.models.fused). Speculative verify forwards are not
-        warmed."""
+        graph compiles the prompt's regions (kvbuffer.models.fused, kvbuffer.runtime.regions). Speculative
+        verify forwards are not warmed."""
         spec, unbuffered = self.runner.spec, self.runner.unbuffered_rows
         windows = sorted({context_bucket(1, spec.max_len), context_bucket(CONTEXT_BUCKET + 1, spec.max_len)})
         rows = [*range(1, min(unbuffered, 2) + 1), unbuffered + 1, unbuffered + 2]

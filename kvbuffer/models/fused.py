@@ -7,10 +7,10 @@ each side, the residual adds, the MLP's SiLU and product, attention's q/k norms 
 the gated norms (Nemotron-H's too), the routed experts' activation and weighted sum. At thousands of
 tokens these chains are a large share of a prompt's time (docs/results.md). Each function here is one
 such stretch compiled by torch.compile (kvbuffer.runtime.regions.region: one or two fused kernels, the
-token count dynamic, so one compilation serves every prompt length), used where ForwardBatch.fuse is set (a prompt chunk too long
-to be graphed, on CUDA with the engine's compile on); elsewhere the layers run their eager code. The same
-math, rounded the same way, except that a region may keep in fp32 an intermediate that the eager code
-rounds to bf16.
+token count dynamic, so one compilation serves every prompt length), used where ForwardBatch.fuse is set
+(a prompt chunk too long to be graphed, on CUDA with the engine's compile on); elsewhere the layers run
+their eager code. The same math, rounded the same way, except that a region may keep in fp32 an
+intermediate that the eager code rounds to bf16.
 """
 
 from __future__ import annotations

@@ -255,7 +255,8 @@ class KernelBackend(ReferenceBackend):
                      fuse: bool = False):
         """The chunked prefill of every row's P tokens from its state slot, packed (on CUDA: bf16 activations,
         fp32 gates; on the CPU: `act_dtype` and the state's dtype). GDN's front runs in torch first (with
-        `fuse`, as one compiled region); Mamba-2's op takes the raw x and dt and does its front and D skip itself. Padding rows (slot -1, state slot -1:
+        `fuse`, as one compiled region where its layout allows); Mamba-2's op takes the raw x and dt and does
+        its front and D skip itself. Padding rows (slot -1, state slot -1:
         the engine's) start from zero, write no state and give zeros. Returns (B, P, Hv, V)."""
         like = getattr(inputs, inputs.output_like)
         B, P = like.shape[:2]
@@ -265,7 +266,8 @@ class KernelBackend(ReferenceBackend):
         pack = lambda t, dtype=act: t.reshape(B * P, *t.shape[2:]).to(dtype).contiguous()  # noqa: E731
         if inputs.family == "gdn":
             real = slots >= 0  # a padding row's front makes its outputs zero (its q)
-            front = regions.gdn_prompt_front(*inputs, act, state.dtype, real) if fuse else None
+            front = regions.gdn_front_region(inputs.q, inputs.k, inputs.v, inputs.a, inputs.b, inputs.A_log,
+                                             inputs.dt_bias, act, state.dtype, real) if fuse else None
             if front is None:
                 q, k, g, beta = ref_gating.gdn_prompt_front(inputs.q, inputs.k, inputs.a, inputs.b, inputs.A_log,
                                                             inputs.dt_bias, act, state.dtype, real)

@@ -55,16 +55,23 @@ def _gdn_front(pair, v, a, b, A_log, dt_bias, keep, q_scale: float, eps: float, 
     return q, k, v.to(act, copy=True), g, beta
 
 
-def gdn_prompt_front(q, k, v, a, b, A_log, dt_bias, act: torch.dtype, dtype: torch.dtype, real):
+def gdn_front_region(q, k, v, a, b, A_log, dt_bias, act: torch.dtype, dtype: torch.dtype, real):
     """kvbuffer.reference.gating.gdn_prompt_front as one region, v packed with it: for q, k (B, T, Hk, K)
     side by side in memory (adjacent_heads: the models' projection layout), v (B, T, Hv, V), a, b
     (B, T, Hv), real (B,) bool, the N = B * T tokens' (q, k, v, g, beta), dense, q, k, v in `act` and
-    g, beta in `dtype`. None where q and k are not side by side (the caller runs the eager front)."""
+    g, beta in `dtype`. None (the caller runs the eager front) where q and k are not side by side, or
+    where the rows' tokens do not flatten without a copy (several rows cut short of their projection's
+    length: a layout the region would compile anew for)."""
     pair = adjacent_heads(q, k)
-    if pair is None:
+    if pair is None or not all(_flattens(t) for t in (pair, v, a, b)):
         return None
     B, T, Hk, K = q.shape
-    flat = lambda t: t.reshape(B * T, *t.shape[2:])  # noqa: E731
+    flat = lambda t: t.reshape(B * T, *t.shape[2:])  # noqa: E731  (views: _flattens)
     keep = real.to(dtype).repeat_interleave(T).view(B * T, 1)
     return region(_gdn_front, pair.reshape(B * T, 2, Hk, K), flat(v), flat(a), flat(b), A_log, dt_bias, keep,
                   K ** -0.5, L2NORM_EPS, act, dtype)
+
+
+def _flattens(t: torch.Tensor) -> bool:
+    """Whether t's (B, T) dims merge into one as a view."""
+    return t.shape[0] == 1 or t.stride(0) == t.shape[1] * t.stride(1)

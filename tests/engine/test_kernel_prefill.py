@@ -97,14 +97,17 @@ def test_three_rows_with_a_padding_row_match_reference_backend(family, T, fill):
     check(family, 3, T, fill, padding=True)
 
 
-@pytest.mark.parametrize("B,T,fill,padding", [(1, C, 0, False), (1, 1000, 7, False), (3, 65, C - 1, True)], ids=str)
-def test_the_fused_front_matches_reference_backend(B, T, fill, padding):
+@pytest.mark.parametrize("B,T,fill,padding,region", [(1, C, 0, False, True), (1, 1000, 7, False, True),
+                                                     (3, 65, C - 1, True, True), (2, 40, 3, False, False)], ids=str)
+def test_the_fused_front_matches_reference_backend(B, T, fill, padding, region, monkeypatch):
     """ForwardBatch.fuse: the GDN prompt's front as a compiled region (kvbuffer.runtime.regions; Inductor's
-    C++ code here) gives the reference's outputs, states and buffers."""
+    C++ code here) gives the reference's outputs, states and buffers; where several rows leave a tail to
+    buffer (their folded tokens do not flatten as a view) the eager front runs instead, as exactly."""
     from kvbuffer.runtime import regions
 
+    monkeypatch.setattr(regions, "_COMPILED", {})
     check("gdn", B, T, fill, padding, fuse=True)
-    assert regions._COMPILED.get(regions._gdn_front)  # the region ran, compiled
+    assert bool(regions._COMPILED.get(regions._gdn_front)) == region  # the region ran, compiled, or not at all
 
 
 def test_chunked_prefill_is_skipped_below_a_flush_point(monkeypatch):

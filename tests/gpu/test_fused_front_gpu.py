@@ -34,7 +34,8 @@ def problem(B: int, T: int, seed: int):
 
 
 @pytest.mark.parametrize("B,T,fill", [(1, 4096, 0), (3, 1005, 3)], ids=str)
-def test_the_fused_front_gives_the_eager_fronts_prompt(B, T, fill):
+def test_the_fused_front_gives_the_eager_fronts_prompt(B, T, fill, monkeypatch):
+    monkeypatch.setattr(regions, "_COMPILED", {})
     runs = []
     for fuse in (False, True):
         inputs, state, state_slots, buf, slots = problem(B, T, seed=B * 7 + T)

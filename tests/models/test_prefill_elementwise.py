@@ -107,10 +107,11 @@ def _check_moe_combine(fused, N: int, gen, dtype, E: int = 5, k: int = 3, H: int
                dtype)
 
 
-def test_the_gdn_prompt_front_region_gives_the_eager_front_and_v_packed():
-    """kvbuffer.runtime.regions.gdn_prompt_front (compiled here on the CPU) against the eager packed front:
+def test_the_gdn_front_region_gives_the_eager_front_and_v_packed():
+    """kvbuffer.runtime.regions.gdn_front_region (compiled here on the CPU) against the eager packed front:
     q, k within bf16 rounding, g and beta to fp32 rounding, v copied bit for bit, every output dense; a
-    padding row's q zero; q and k not side by side in memory: None (the caller runs the eager front)."""
+    padding row's q zero. None (the caller runs the eager front) where q and k are not side by side in
+    memory, or where several rows cut short of their projection would need a copy to flatten."""
     from kvbuffer.reference import gating
     from kvbuffer.runtime import regions
 
@@ -123,7 +124,7 @@ def test_the_gdn_prompt_front_region_gives_the_eager_front_and_v_packed():
     b, a = qkv[..., width:width + Hv], qkv[..., width + Hv:]
     A_log, dt_bias = torch.randn(Hv, generator=gen), torch.rand(Hv, generator=gen) * 3.5 - 3
     real = torch.tensor([True, False, True])
-    got = regions.gdn_prompt_front(q, k, v, a, b, A_log, dt_bias, torch.bfloat16, torch.float32, real)
+    got = regions.gdn_front_region(q, k, v, a, b, A_log, dt_bias, torch.bfloat16, torch.float32, real)
     want = gating.gdn_prompt_front(q, k, a, b, A_log, dt_bias, torch.bfloat16, torch.float32, real)
     want = (*want[:2], v.reshape(B * T, Hv, V), *want[2:])
     for name, x, y in zip(("q", "k", "v", "g", "beta"), got, want):
@@ -134,7 +135,11 @@ def test_the_gdn_prompt_front_region_gives_the_eager_front_and_v_packed():
     pad = ~real.repeat_interleave(T)
     assert torch.equal(got[0][pad], torch.zeros_like(got[0][pad]))
     apart = k.clone()
-    assert regions.gdn_prompt_front(q, apart, v, a, b, A_log, dt_bias, torch.bfloat16, torch.float32, real) is None
+    assert regions.gdn_front_region(q, apart, v, a, b, A_log, dt_bias, torch.bfloat16, torch.float32, real) is None
+    cut = [t[:, :T - 5] for t in (q, k, v, a, b)]
+    assert regions.gdn_front_region(*cut, A_log, dt_bias, torch.bfloat16, torch.float32, real) is None
+    assert regions.gdn_front_region(*(t[:1] for t in cut), A_log, dt_bias, torch.bfloat16, torch.float32,
+                                    real[:1]) is not None  # one row: any cut flattens
 
 
 @pytest.mark.parametrize("kind", ["qwen3_5", "nemotron_h"])
