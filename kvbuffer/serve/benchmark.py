@@ -68,6 +68,7 @@ class Summary:
     long_prompt_ttft_ms: float = float("nan")
     long_prefill_itl_max_ms: float = float("nan")  # the largest gap overlapping its prefill
     long_prefill_itl_max_over_median: float = float("nan")  # ... over the median gap of the run
+    long_prefill_stream_max_over_median: float = float("nan")  # the most any stream's gap there is of its own median
 
 
 def _percentile(xs: list[float], q: float) -> float:
@@ -150,8 +151,9 @@ async def run_load(url: str, model: str, requests, *, concurrency: int, request_
 
 def stall_stats(streams: list[list[float]], window: tuple[float, float] | None = None) -> dict:
     """Inter-token gaps of `streams` (each a list of token arrival times, seconds): the median gap, the
-    largest, their ratio; with `window` (start, end), also the largest gap overlapping it and that over
-    the median of all gaps. Milliseconds; NaN where there is no gap."""
+    largest, their ratio; with `window` (start, end), also the largest gap overlapping it, that over the
+    median of all gaps, and the largest over streams of a stream's longest gap overlapping it over that
+    stream's own median gap. Milliseconds; NaN where there is no gap."""
     nan = float("nan")
     gaps = [(a, b) for times in streams for a, b in zip(times, times[1:])]
     sizes = [b - a for a, b in gaps]
@@ -163,7 +165,17 @@ def stall_stats(streams: list[list[float]], window: tuple[float, float] | None =
         inside = [b - a for a, b in gaps if a < hi and b > lo]
         out["long_prefill_itl_max_ms"] = max(inside, default=nan) * 1e3
         out["long_prefill_itl_max_over_median"] = max(inside) / med if inside and med > 0 else nan
+        out["long_prefill_stream_max_over_median"] = max(
+            (_stream_stall(times, lo, hi) for times in streams if len(times) > 1), default=nan)
     return out
+
+
+def _stream_stall(times: list[float], lo: float, hi: float) -> float:
+    """One stream's longest gap overlapping (lo, hi) over its own median gap (0 where none overlaps)."""
+    sizes = [b - a for a, b in zip(times, times[1:])]
+    inside = [b - a for a, b in zip(times, times[1:]) if a < hi and b > lo]
+    med = statistics.median(sizes)
+    return max(inside) / med if inside and med > 0 else 0.0
 
 
 def summarize(mode: str, concurrency: int, request_rate: float, results, seconds: float,
@@ -190,14 +202,15 @@ def _table(rows: list[Summary]) -> str:
     long = any(s.long_prompt_len for s in rows)
     head = (f"{'mode':<10} {'conc':>5} {'done':>5} {'fail':>4} {'req/s':>8} {'out tok/s':>10} "
             f"{'TTFT med':>9} {'TTFT p99':>9} {'TPOT med':>9} {'TPOT p99':>9} {'ITL med':>8} {'max/med':>8}"
-            + (f" {'long TTFT':>10} {'prefill max/med':>15}" if long else "") + "  (ms)")
+            + (f" {'long TTFT':>10} {'prefill max/med':>15} {'stream max/med':>14}" if long else "") + "  (ms)")
     lines = [head]
     for s in rows:
         lines.append(f"{s.mode:<10} {s.concurrency:>5} {s.completed:>5} {s.failed:>4} {s.requests_per_s:>8.2f} "
                      f"{s.output_tokens_per_s:>10.1f} {s.ttft_median_ms:>9.1f} {s.ttft_p99_ms:>9.1f} "
                      f"{s.tpot_median_ms:>9.2f} {s.tpot_p99_ms:>9.2f} {s.itl_median_ms:>8.2f} "
                      f"{s.itl_max_over_median:>8.1f}"
-                     + (f" {s.long_prompt_ttft_ms:>10.1f} {s.long_prefill_itl_max_over_median:>15.1f}" if long else ""))
+                     + (f" {s.long_prompt_ttft_ms:>10.1f} {s.long_prefill_itl_max_over_median:>15.1f} "
+                        f"{s.long_prefill_stream_max_over_median:>14.1f}" if long else ""))
     return "\n".join(lines)
 
 

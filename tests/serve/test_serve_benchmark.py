@@ -39,8 +39,13 @@ def test_stall_statistics_on_synthetic_timestamps():
     during = stall_stats(streams, window=(0.04, 0.1))  # overlapped by the gaps 0.03-0.13 and 0.025-0.125 only
     assert during["long_prefill_itl_max_ms"] == pytest.approx(100.0)
     assert during["long_prefill_itl_max_over_median"] == pytest.approx(10.0)
+    assert during["long_prefill_stream_max_over_median"] == pytest.approx(10.0)  # each stream's median is 10 ms
     calm = stall_stats(streams, window=(0.131, 0.135))
     assert calm["long_prefill_itl_max_ms"] == pytest.approx(10.0)
+    assert calm["long_prefill_stream_max_over_median"] == pytest.approx(1.0)  # the second stream has no gap there
+    slow = stall_stats([[0.0, 0.05, 0.1, 0.15, 0.2], [0.0, 0.01, 0.02, 0.03, 0.09, 0.1]], window=(0.035, 0.08))
+    assert slow["long_prefill_itl_max_over_median"] == pytest.approx(60 / 50)  # the run's median gap (50) hides it
+    assert slow["long_prefill_stream_max_over_median"] == pytest.approx(6.0)  # the fast stream: 60 ms over its 10
     empty = stall_stats([[0.5]], window=(0.0, 1.0))
     assert all(v != v for v in empty.values())  # NaN: no gap at all
 
