@@ -27,7 +27,8 @@ from .presets import resolve_model
 @click.option("--chat-template", default=None, help="A Jinja chat template, as a file or inline, for chat prompts "
               "[default: the tokenizer's].")
 @engine_options("mode", "chunk_size", "max_batch", "max_states", "memory_budget", "max_len", "max_prefill_tokens",
-                "prefill_tokens_while_decoding", "speculative", "device", "dtype", "cuda_graphs", "compile", max_batch=64)
+                "prefill_tokens_while_decoding", "speculative", "device", "dtype", "cuda_graphs", "compile",
+                max_batch=64)
 @click.option("--max-waiting", default=256, show_default=True, type=click.IntRange(min=0),
               help="Requests that may wait for a slot; past them the server answers 503.")
 @click.option("--max-body-bytes", default=DEFAULT_MAX_BODY_BYTES, show_default=True, type=click.IntRange(min=1),

@@ -159,9 +159,9 @@ class EngineCore:
 
     def _prefill(self) -> None:
         """Feed the prefilling requests' prompts: one round of decoding_prefill_tokens, shared out by the
-        scheduler, or, while no request decodes, rounds of max_prefill_tokens until a prompt is done. A request whose
-        prompt is done samples its first token (and a drafter that reads hidden states learns the
-        whole prompt)."""
+        scheduler, or, while no request decodes, rounds of max_prefill_tokens until a prompt is done. A
+        request whose prompt is done samples its first token (and a drafter that reads hidden states
+        learns the whole prompt)."""
         want = self.drafter is not None and self.drafter.needs_hidden
         decoding = any(not r.prefilling and r.finish_reason is None for r in self.scheduler.running)
         while True:

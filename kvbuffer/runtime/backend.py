@@ -256,8 +256,8 @@ class KernelBackend(ReferenceBackend):
         """The chunked prefill of every row's P tokens from its state slot, packed (on CUDA: bf16 activations,
         fp32 gates; on the CPU: `act_dtype` and the state's dtype). GDN's front runs in torch first (with
         `fuse`, as one compiled region where its layout allows); Mamba-2's op takes the raw x and dt and does
-        its front and D skip itself. Padding rows (slot -1, state slot -1:
-        the engine's) start from zero, write no state and give zeros. Returns (B, P, Hv, V)."""
+        its front and D skip itself. Padding rows (slot -1, state slot -1: the engine's) start from zero,
+        write no state and give zeros. Returns (B, P, Hv, V)."""
         like = getattr(inputs, inputs.output_like)
         B, P = like.shape[:2]
         act = torch.bfloat16 if state.is_cuda else act_dtype
