@@ -30,13 +30,13 @@ class EngineCore:
     """runner: the model, caches and forwards; drafter and speculative (SpeculativeConfig): speculative
     decoding, or both None; overlap: queue plain decode steps before reading the last one's tokens;
     max_prefill_tokens: the prompt tokens one step feeds (Scheduler.prefill_shares splits them);
-    decoding_prefill_tokens: those it feeds while other requests decode (default: max_prefill_tokens)."""
+    decoding_prefill_tokens: those it feeds while other requests decode (EngineConfig's)."""
 
     def __init__(self, runner: ModelRunner, *, drafter=None, speculative=None, overlap: bool = False,
-                 max_prefill_tokens: int, decoding_prefill_tokens: int | None = None):
+                 max_prefill_tokens: int, decoding_prefill_tokens: int):
         self.runner = runner
         self.max_prefill_tokens = max_prefill_tokens
-        self.decoding_prefill_tokens = decoding_prefill_tokens or max_prefill_tokens
+        self.decoding_prefill_tokens = decoding_prefill_tokens
         self.scheduler = Scheduler()
         self.generators: dict[int, torch.Generator | None] = {}  # rid -> the request's sampler
         self._prepares: dict = {}  # rid -> a callback run right after the request is admitted

@@ -178,6 +178,11 @@ def quant_outputs(M, K: int) -> dict[str, tuple[tuple, torch.dtype]]:
     return {"q": ((rows, K), ref_fp8.FP8), "scale": ((K // ref_fp8.GROUP, rows), torch.float32)}
 
 
+def new_quant_outputs(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Uninitialised (q, scale) for x (M, K) on x's device (quant_outputs' shapes and dtypes)."""
+    return tuple(x.new_empty(shape, dtype=dtype) for shape, dtype in quant_outputs(x.shape[0], x.shape[1]).values())
+
+
 def run_fp8_quant_act(op: CompiledOp, x: torch.Tensor, q: torch.Tensor | None = None,
                       scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Quantize x (M, K) on the compiled quantizer `op` into q (Mp, K) float8_e4m3fn and scale
@@ -254,7 +259,7 @@ def fp8_quant_act(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 @fp8_quant_act.register_fake
 def _quant_fake(x):
     ref_fp8.check_activations(x)
-    return tuple(x.new_empty(shape, dtype=dtype) for shape, dtype in quant_outputs(x.shape[0], x.shape[1]).values())
+    return new_quant_outputs(x)
 
 
 @fp8_quant_act.register_kernel("cuda")
@@ -273,7 +278,7 @@ def launch_quant(x: torch.Tensor, checked: bool = True) -> tuple[torch.Tensor, t
         return ref_fp8.quantize_activations_padded(x)
     if checked:
         return on_torch_stream(run_fp8_quant_act, op, x.contiguous())
-    q, scale = (x.new_empty(shape, dtype=dtype) for shape, dtype in quant_outputs(x.shape[0], x.shape[1]).values())
+    q, scale = new_quant_outputs(x)
     if x.shape[0]:
         on_torch_stream(op.fn, x, q, scale)
     return q, scale

@@ -172,9 +172,9 @@ def stall_stats(streams: list[list[float]], window: tuple[float, float] | None =
 
 def _stream_stall(times: list[float], lo: float, hi: float) -> float:
     """One stream's longest gap overlapping (lo, hi) over its own median gap (0 where none overlaps)."""
-    sizes = [b - a for a, b in zip(times, times[1:])]
-    inside = [b - a for a, b in zip(times, times[1:]) if a < hi and b > lo]
-    med = statistics.median(sizes)
+    gaps = list(zip(times, times[1:]))
+    inside = [b - a for a, b in gaps if a < hi and b > lo]
+    med = statistics.median(b - a for a, b in gaps)
     return max(inside) / med if inside and med > 0 else 0.0
 
 
