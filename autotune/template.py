@@ -17,20 +17,16 @@ TileLang and torch are imported only inside the callables.
 
 from __future__ import annotations
 
-import hashlib
 import importlib
-import importlib.util
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, Callable, Mapping
 
+from kvbuffer.artifacts import TEMPLATE_IMPORTS, templates_digest  # noqa: F401  (re-exported)
 from kvbuffer.kernels.compiled import CompiledOp
 from kvbuffer.kernels.keys import KernelKey
 from kvbuffer.kernels.linear import capacity  # noqa: F401  (re-exported: the tuner's layouts)
 from kvbuffer.kernels.specs import TILES, KernelSpec
 
-# runtime modules the templates use (their sources are part of every artifact key)
-TEMPLATE_IMPORTS = ("kvbuffer.reference.core", "kvbuffer.reference.fp8", "kvbuffer.kernels.keys")
 
 
 @dataclass(frozen=True)
@@ -133,12 +129,6 @@ def from_spec(spec: KernelSpec, name: str, family: str, key: Callable[[Mapping, 
                     source_digest(), trace=trace, **fields)
 
 
-def source_digest(package: str = TILES, imports: tuple[str, ...] = TEMPLATE_IMPORTS) -> str:
-    """sha256 over every .py file of the templates' package and the runtime modules they import: an edit
-    to any of them gives new artifacts."""
-    spec = importlib.util.find_spec(package)
-    paths = sorted(Path(spec.origin).parent.glob("*.py")) + [Path(importlib.util.find_spec(m).origin) for m in imports]
-    h = hashlib.sha256()
-    for path in paths:
-        h.update(path.name.encode() + b"\0" + path.read_bytes())
-    return h.hexdigest()
+def source_digest() -> str:
+    """The templates' source digest (kvbuffer.artifacts.templates_digest): part of every artifact key."""
+    return templates_digest()

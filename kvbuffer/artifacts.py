@@ -7,8 +7,9 @@ else ~/.cache/kvbuffer) holds
     manifest.json                      every artifact and tuning record, the sha256 of each file, status
     .lock                              writers hold it exclusively, `cache ls` shared (fcntl.flock)
     artifacts/<readable>-<hash16>/     kernel.so (TileLang `export_library`) + meta.json (key, function)
-    tunings/<readable>-<hash16>.json   per GPU, head shape and versions: the artifact to use per
-                                       (kernel, batch bucket, chunk size) and the chunk-size policy
+    tunings/<readable>-<hash16>.json   per GPU, head shape and versions (the templates' digest among
+                                       them): the artifact to use per (kernel, batch bucket, chunk
+                                       size) and the chunk-size policy
     staging/<name>.<pid>.<hex8>        writers build here, then os.replace into place
 
 kvbuffer reads, changes or deletes only a folder it recognises as its own (`ArtifactStore.ownership`):
@@ -36,6 +37,7 @@ import fcntl
 import functools
 import hashlib
 import importlib.metadata
+import importlib.util
 import json
 import logging
 import os
@@ -60,7 +62,11 @@ LOCK = ".lock"
 LIBRARY = "kernel.so"
 META = "meta.json"
 STATUSES = ("untuned", "tuned")
-CHECKED_VERSIONS = ("kvbuffer", "tilelang")  # the cubin needs no nvcc at run time; the .so ABI needs these
+CHECKED_VERSIONS = ("kvbuffer", "tilelang", "templates")  # the .so ABI needs the first two (the cubin no nvcc);
+# "templates" is the kernels' source: an edited template never loads its old artifacts
+TEMPLATE_PACKAGE = "kvbuffer.tiles"
+# runtime modules the templates use: their sources are part of the templates' digest
+TEMPLATE_IMPORTS = ("kvbuffer.reference.core", "kvbuffer.reference.fp8", "kvbuffer.kernels.keys")
 _JSON_SCALARS = (str, int, float, bool, type(None))
 _DTYPE_ABBREV = {"bfloat16": "bf16", "float16": "f16", "float32": "f32", "float64": "f64"}
 
@@ -197,11 +203,23 @@ def _dist_version(dist: str) -> str | None:
         return None
 
 
+@functools.lru_cache(maxsize=None)
+def templates_digest() -> str:
+    """sha256 over every .py file of the templates' package and the runtime modules they import (read as
+    files, nothing imported): an edit to any of them gives new artifacts and retires the old ones."""
+    package = Path(importlib.util.find_spec(TEMPLATE_PACKAGE).origin).parent
+    paths = sorted(package.glob("*.py")) + [Path(importlib.util.find_spec(m).origin) for m in TEMPLATE_IMPORTS]
+    h = hashlib.sha256()
+    for path in paths:
+        h.update(path.name.encode() + b"\0" + path.read_bytes())
+    return h.hexdigest()
+
+
 def runtime_versions() -> dict:
-    """Versions this process would load artifacts with (read from package metadata, nothing imported)."""
+    """Versions this process would load artifacts with (package metadata and the templates' digest)."""
     from . import __version__
 
-    return {"kvbuffer": __version__, "tilelang": _dist_version("tilelang")}
+    return {"kvbuffer": __version__, "tilelang": _dist_version("tilelang"), "templates": templates_digest()[:16]}
 
 
 def rebuild_hint(gpu: str | None = None, shape: Mapping | None = None, root: Path | None = None) -> str:
@@ -485,7 +503,8 @@ class ArtifactStore:
 
     # -- compatibility
     def check_compatible(self, key: ArtifactKey, *, arch: str | None, gpu: str | None = None) -> None:
-        """Reject artifacts built by other kvbuffer / TileLang versions or for another GPU arch."""
+        """Reject artifacts built by other kvbuffer / TileLang versions, from other template sources or for
+        another GPU arch."""
         hint = rebuild_hint(gpu or key.gpu, key.shape, self.root)
         have = runtime_versions()
         for lib in CHECKED_VERSIONS:

@@ -118,7 +118,7 @@ class ChunkPolicy:
 def tuning_key(gpu: str, arch: str, shape: Mapping, versions: Mapping) -> dict:
     """What a tuning record is looked up by at run time (nvcc is not needed there, so not in it)."""
     return {"format": TUNING_FORMAT, "gpu": gpu, "arch": arch, "shape": dict(shape),
-            "versions": {k: versions.get(k) for k in ("kvbuffer", "tilelang")}}
+            "versions": {k: versions.get(k) for k in CHECKED_VERSIONS}}
 
 
 def tuning_name(gpu: str, arch: str, shape: Mapping, versions: Mapping) -> str:

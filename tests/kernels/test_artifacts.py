@@ -160,6 +160,34 @@ def test_other_tilelang_version_is_rejected(tmp_path):
         ArtifactStore(tmp_path).load(name, arch=None)
 
 
+def test_artifacts_of_edited_templates_are_rejected(tmp_path):
+    """An artifact built from other template sources (same kvbuffer and TileLang versions) never loads."""
+    name = put(ArtifactCache(tmp_path), make_key(versions={**runtime_versions(), "templates": "0" * 16}))
+    with pytest.raises(ArtifactError, match=r"built with templates 0{16}, this process has templates [0-9a-f]{16}"):
+        ArtifactStore(tmp_path).load(name, arch=None)
+
+
+def test_templates_digest_follows_the_template_sources(tmp_path, monkeypatch):
+    """The digest covers each template file and each runtime module they import, by content."""
+    import shutil
+
+    from kvbuffer import artifacts
+
+    package = tmp_path / "tiles_copy"
+    shutil.copytree(Path(__file__).resolve().parents[2] / "tiles", package,
+                    ignore=shutil.ignore_patterns("__pycache__"))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setattr(artifacts, "TEMPLATE_PACKAGE", "tiles_copy")
+    artifacts.templates_digest.cache_clear()
+    try:
+        before = artifacts.templates_digest()
+        (package / "conv1d.py").write_text((package / "conv1d.py").read_text() + "\n# an edit\n")
+        artifacts.templates_digest.cache_clear()
+        assert artifacts.templates_digest() != before
+    finally:
+        artifacts.templates_digest.cache_clear()
+
+
 def test_wrong_arch_is_rejected(tmp_path):
     name = put(ArtifactCache(tmp_path), make_key(gpu="a100", arch="sm_80"), sm=80)
     with pytest.raises(ArtifactError, match=r"built for sm_80 \(a100\), this GPU is sm_90a \(h200\)") as e:
@@ -182,6 +210,17 @@ def test_tuning_record_from_other_versions_is_rejected_clearly(tmp_path):
         TuningStore(tmp_path).find_tuning("h200", "sm_90a", SHAPE)
     with pytest.raises(ArtifactError, match="no kernels built for h100"):
         TuningStore(tmp_path).find_tuning("h100", "sm_90a", SHAPE)
+
+
+def test_tuning_record_of_edited_templates_is_not_used(tmp_path):
+    """A record tuned before a template edit names artifacts of the old source: the runtime asks for a
+    rebuild instead of loading them."""
+    cache = ArtifactCache(tmp_path)
+    stale = {**runtime_versions(), "templates": "0" * 16}
+    cache.put_tuning(tuning_name("h200", "sm_90a", SHAPE, stale), empty_record(), gpu="h200", shape=SHAPE,
+                     versions=stale)
+    with pytest.raises(ArtifactError, match=r"'templates': '0{16}'.*kvbuffer tune --gpu h200"):
+        TuningStore(tmp_path).find_tuning("h200", "sm_90a", SHAPE)
 
 
 def test_cache_dir_resolution(tmp_path, monkeypatch):
