@@ -270,14 +270,16 @@ def _own_files(section: str, name: str) -> list[str]:
 
 
 def _version_notes(metas) -> list[str]:
-    """One line per kvbuffer / TileLang version set the bundle's kernels were built with that this
-    process does not have (the runtime looks kernels up under its own versions only). A library not
-    installed here is not compared: a serving machine may run TileLang's runtime without its wheel."""
+    """One line per set of versions (kvbuffer, TileLang, the templates' digest) the bundle's kernels were
+    built with that this process does not have (the runtime looks kernels up under its own versions
+    only). A library not installed here is not compared: a serving machine may run TileLang's runtime
+    without its wheel."""
     have = runtime_versions()
     seen = {tuple((lib, m["key"]["versions"].get(lib)) for lib in CHECKED_VERSIONS) for m in metas}
     notes = []
     for built in sorted(seen, key=str):
-        differ = [f"{lib} {v} (this machine: {have[lib]})" for lib, v in built if have[lib] not in (None, v)]
+        differ = [f"{lib} {v or 'unrecorded'} (this machine: {have[lib]})" for lib, v in built
+                  if have[lib] not in (None, v)]
         if differ:
             notes.append("some kernels were built with " + ", ".join(differ) + "; this kvbuffer will not use them")
     return notes
