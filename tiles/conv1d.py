@@ -13,10 +13,12 @@ j = 0..W-1 starting from 0, then + bias, then silu(y) = y / (1 + exp(-y)), then 
 and sums are `__fmul_rn` / `__fadd_rn` (nvcc never contracts them into an FMA), so before silu the
 result is bit-identical to torch's separate multiply and add kernels.
 
-Tensor ABI (contiguous; `in` = the activation dtype, `wd` = the weight dtype):
-    conv1d_update: x (B, T, D) in, conv_state (NS, D, span) in, slots (B,) int32 (-1: padding row,
-                   output 0, nothing written), weight (D, W) wd, bias (D,) wd (with has_bias; else
-                   any 1-element wd tensor, unread), out (B, T, D) in
+Tensor ABI (contiguous unless said; `in` = the activation dtype, `wd` = the weight dtype):
+    conv1d_update: x (B, T, D) in (the any-length prompt kernel: any row and batch strides, channels
+                   adjacent, so the columns of a packed projection are read in place), conv_state
+                   (NS, D, span) in, slots (B,) int32 (-1: padding row, output 0, nothing written),
+                   weight (D, W) wd, bias (D,) wd (with has_bias; else any 1-element wd tensor,
+                   unread), out (B, T, D) in
     conv1d_accept: conv_state (NS, D, span) in, slots (B,) int32, accepted (B,) int32 in [0, span-W+1]
 Batch B and pool size NS are dynamic.
 """
@@ -142,7 +144,7 @@ PREFILL_TOKENS = 64  # tokens of a prompt one block of conv1d_prefill covers
 def _conv1d_prefill(D, W, span, dtype, w_dtype, has_bias, silu, threads):
     """mode "advance" for any number of tokens (a dynamic dim "tokens", >= 1): a prompt in one launch.
 
-    Same arithmetic and ABI as conv1d_update; a tap reads its input straight from the pool or x. Blocks
+    Same arithmetic and ABI as conv1d_update, x strided (the module's ABI); a tap reads its input straight from the pool or x. Blocks
     cover `threads` channels x PREFILL_TOKENS tokens of a row. Only the first token block reads the old
     history (window positions < W - 1), and it is the block that writes the new one (positions T ..
     T+W-2), each thread reading its channel's old history into registers before writing: no block reads
@@ -156,13 +158,14 @@ def _conv1d_prefill(D, W, span, dtype, w_dtype, has_bias, silu, threads):
     B = T.dynamic("batch")
     NS = T.dynamic("num_slots")
     Tn = T.dynamic("tokens")
+    x_rows, x_tokens = T.dynamic("x_batch_stride"), T.dynamic("x_token_stride")
     H = W - 1
     NBias = D if has_bias else 1
     BT = PREFILL_TOKENS
 
     @T.prim_func
     def conv1d_prefill_kernel(
-        x: T.Tensor((B, Tn, D), dtype),
+        x: T.StridedTensor((B, Tn, D), (x_rows, x_tokens, 1), dtype),
         conv_state: T.Tensor((NS, D, span), dtype),
         slots: T.Tensor((B,), "int32"),
         weight: T.Tensor((D, W), w_dtype),

@@ -136,8 +136,15 @@ def _check_pool(op: CompiledOp, conv_state, slots, B: int, dev, checked: bool) -
         check_unique("slots", slots)
 
 
+def reads_in_place(x: torch.Tensor) -> bool:
+    """Whether the any-length kernel (T = 0) reads x as it is: channels adjacent, and every stride within
+    the int32 its index parameters take (a packed projection's columns qualify; others are copied first)."""
+    return x.stride(-1) == 1 and max(x.stride()) < 2**31
+
+
 def conv1d_update(op: CompiledOp, x, conv_state, slots, weight, bias=None, out=None, *, checked: bool = True):
     """x (B, T, D) after each row's history -> out (B, T, D); see build_conv1d_update for the modes.
+    x is contiguous, or for the any-length kernel (T = 0) any view whose channels are adjacent.
 
     Slot -1 = padding row: output 0, nothing written. checked=False skips the checks that read the
     device back (slot range, duplicates): for engine-built slots and CUDA-graph capture.
@@ -158,10 +165,14 @@ def conv1d_update(op: CompiledOp, x, conv_state, slots, weight, bias=None, out=N
         check_contiguous("bias", bias)
     elif bias is not None:
         raise ShapeError("this conv kernel was built without a bias (has_bias=False); pass bias=None")
-    for name, t in (("x", x), ("weight", weight)):
-        check_contiguous(name, t)
+    if p["T"]:
+        check_contiguous("x", x)
+    elif not reads_in_place(x):
+        raise ShapeError(f"x must have adjacent channels and strides below 2**31 (the prompt kernel reads rows of "
+                         f"any stride), got strides {tuple(x.stride())}; call .contiguous()")
+    check_contiguous("weight", weight)
     if out is None:
-        out = torch.empty_like(x)
+        out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     else:
         check_tensor("out", out, tuple(x.shape), (act,), dev)
         check_contiguous("out", out)
@@ -214,7 +225,10 @@ def launch_update(x, conv_state, slots, weight, bias=None, mode="advance", silu=
     check_conv_mode(mode)
     if x.dtype != conv_state.dtype:  # before the lookup: no kernel is compiled for a call that cannot run
         raise DTypeError(f"x ({x.dtype}) and conv_state ({conv_state.dtype}) must share one dtype on CUDA")
-    op = kernel_for(update_key(mode, x, conv_state, weight, bias, silu), x.shape[0])
+    key = update_key(mode, x, conv_state, weight, bias, silu)
+    op = kernel_for(key, x.shape[0])
+    if key.T or not reads_in_place(x):
+        x = x.contiguous()
     out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     on_torch_stream(conv1d_update, op, x, conv_state, slots, weight, bias, out, checked=checked and not capturing())
     return out

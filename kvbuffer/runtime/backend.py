@@ -299,7 +299,7 @@ class KernelBackend(ReferenceBackend):
         if not suits or not self._conv_kernel_loads(launch.conv_update_key(mode, x, conv_state, weight, bias, True),
                                                     x.shape[0]):
             return super().short_conv(x, conv_state, slots, weight, bias, phase)
-        return launch.CONV_UPDATE(x.contiguous(), conv_state, slots.contiguous(), weight.contiguous(),
+        return launch.CONV_UPDATE(x, conv_state, slots.contiguous(), weight.contiguous(),
                                   None if bias is None else bias.contiguous(), mode)
 
     def conv_accept(self, conv_state, slots, accepted, width: int) -> None:

@@ -86,6 +86,27 @@ def test_conv1d_update_matches_reference(kind, T, B, dtype, D):
     assert torch.equal(got, kernels.conv1d_update(op, x, theirs2, slots, w, b)) and _bits(mine2, theirs2)
 
 
+@pytest.mark.parametrize("B,T", [(1, 4096), (3, 65), (2, 1)], ids=str)
+def test_the_prompt_kernel_reads_a_packed_projections_columns_in_place(B, T):
+    """The any-length kernel (T = 0) on x as columns of a wider projection output, as the GDN mixer
+    hands it over: the outputs and the state of the same x made contiguous first, bit for bit (at one
+    token the step kernel runs on a contiguous copy)."""
+    gen = torch.Generator(device="cuda").manual_seed(B * 1000 + T)
+    D = 8192 + 37
+    wide = torch.randn(B, T, D + 4160, generator=gen, device="cuda").bfloat16()
+    x = wide[..., :D]
+    w = (0.5 * torch.randn(D, W, generator=gen, device="cuda")).bfloat16()
+    state, slots = _pool(gen, B, D, torch.bfloat16)
+    theirs = state.clone()
+    key = launch.conv_update_key("advance", x.contiguous(), state, w, None, True)
+    if T > 1:
+        assert key.T == 0 and kernels.conv.reads_in_place(x)
+    op = lookup.kernel_for(key)
+    got = launch.CONV_UPDATE(x, state, slots, w, None, "advance")
+    want = kernels.conv1d_update(op, x.contiguous(), theirs, slots, w, None)
+    assert _bits(got, want) and _bits(state, theirs)
+
+
 @pytest.mark.parametrize("B", [1, 3, 64, 257])
 def test_conv1d_accept_every_count(B):
     gen = torch.Generator(device="cuda").manual_seed(B)

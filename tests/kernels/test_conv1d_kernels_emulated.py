@@ -100,12 +100,14 @@ PREFILL_CASES = [(T, dtype, T % 2 == 0, (1, 3, 7)[T % 3]) for T in (1, 2, 5, 8, 
 @pytest.mark.parametrize("T,dtype,has_bias,B", PREFILL_CASES,
                          ids=[f"T{t}-{d}-{'bias' if b else 'nobias'}-B{n}" for t, d, b, n in PREFILL_CASES])
 def test_conv1d_prefill_dynamic_tokens_emulated(T, dtype, has_bias, B):
-    """T_len=0: one kernel for every prompt length (mode advance), prompts of one and of several token blocks."""
+    """T_len=0: one kernel for every prompt length (mode advance), prompts of one and of several token blocks,
+    x a strided view (the columns of a packed projection)."""
     emu = _emulated("conv1d_update", D=D, W=W, span=SPAN, T_len=0, mode="advance", dtype=dtype,
                     has_bias=has_bias, threads=THREADS)
     dt = DT[dtype]
     g = torch.Generator().manual_seed(100 + T)
-    x = torch.randn(B, T, D, generator=g).to(dt)
+    # x as the columns of a wider projection (the prompt kernel reads a strided view in place)
+    x = torch.randn(B, T, D + 11, generator=g).to(dt)[..., 5:5 + D]
     weight = (0.5 * torch.randn(D, W, generator=g)).to(dt)
     bias = (0.5 * torch.randn(D, generator=g)).to(dt) if has_bias else None
     pad = 1 if B > 1 else None
@@ -115,7 +117,8 @@ def test_conv1d_prefill_dynamic_tokens_emulated(T, dtype, has_bias, B):
 
     token_blocks = -(-T // PREFILL_TOKENS)  # several blocks of one row: only the first reads and writes history
     emu((BLOCKS, token_blocks, B), THREADS, x=x, conv_state=state, slots=slots, weight=weight,
-        bias=bias if has_bias else weight.view(-1)[:1], out=out, batch=B, num_slots=state.shape[0], tokens=T)
+        bias=bias if has_bias else weight.view(-1)[:1], out=out, batch=B, num_slots=state.shape[0], tokens=T,
+        x_batch_stride=x.stride(0), x_token_stride=x.stride(1))
 
     want = _reference("advance", x, want_state, slots, weight, bias)
     err = float((out.double() - want.double()).abs().max())
