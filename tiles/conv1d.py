@@ -14,7 +14,7 @@ and sums are `__fmul_rn` / `__fadd_rn` (nvcc never contracts them into an FMA), 
 result is bit-identical to torch's separate multiply and add kernels.
 
 Tensor ABI (contiguous unless said; `in` = the activation dtype, `wd` = the weight dtype):
-    conv1d_update: x (B, T, D) in (the any-length prompt kernel: any row and batch strides, channels
+    conv1d_update: x (B, T, D) in (the any-length prompt kernel: any batch and token strides, channels
                    adjacent, so the columns of a packed projection are read in place), conv_state
                    (NS, D, span) in, slots (B,) int32 (-1: padding row, output 0, nothing written),
                    weight (D, W) wd, bias (D,) wd (with has_bias; else any 1-element wd tensor,
@@ -144,11 +144,11 @@ PREFILL_TOKENS = 64  # tokens of a prompt one block of conv1d_prefill covers
 def _conv1d_prefill(D, W, span, dtype, w_dtype, has_bias, silu, threads):
     """mode "advance" for any number of tokens (a dynamic dim "tokens", >= 1): a prompt in one launch.
 
-    Same arithmetic and ABI as conv1d_update, x strided (the module's ABI); a tap reads its input straight from the pool or x. Blocks
-    cover `threads` channels x PREFILL_TOKENS tokens of a row. Only the first token block reads the old
-    history (window positions < W - 1), and it is the block that writes the new one (positions T ..
-    T+W-2), each thread reading its channel's old history into registers before writing: no block reads
-    what another writes.
+    Same arithmetic and ABI as conv1d_update (x strided, see the module's ABI); a tap reads its input
+    straight from the pool or x. Blocks cover `threads` channels x PREFILL_TOKENS tokens of a row. Only
+    the first token block reads the old history (window positions < W - 1), and it is the block that
+    writes the new one (positions T .. T+W-2), each thread reading its channel's old history into
+    registers before writing: no block reads what another writes.
     """
     check_conv(D, W, span, 1, dtype, threads)
     if w_dtype not in DTYPES:

@@ -137,9 +137,10 @@ def _check_pool(op: CompiledOp, conv_state, slots, B: int, dev, checked: bool) -
 
 
 def reads_in_place(x: torch.Tensor) -> bool:
-    """Whether the any-length kernel (T = 0) reads x as it is: channels adjacent, and every stride within
-    the int32 its index parameters take (a packed projection's columns qualify; others are copied first)."""
-    return x.stride(-1) == 1 and max(x.stride()) < 2**31
+    """Whether the any-length kernel (T = 0) reads x as it is: channels adjacent, and the farthest element
+    within the int32 the kernel indexes with (a packed projection's columns qualify; others are copied
+    first)."""
+    return x.stride(-1) == 1 and sum((n - 1) * s for n, s in zip(x.shape, x.stride())) < 2**31
 
 
 def conv1d_update(op: CompiledOp, x, conv_state, slots, weight, bias=None, out=None, *, checked: bool = True):
@@ -168,8 +169,9 @@ def conv1d_update(op: CompiledOp, x, conv_state, slots, weight, bias=None, out=N
     if p["T"]:
         check_contiguous("x", x)
     elif not reads_in_place(x):
-        raise ShapeError(f"x must have adjacent channels and strides below 2**31 (the prompt kernel reads rows of "
-                         f"any stride), got strides {tuple(x.stride())}; call .contiguous()")
+        raise ShapeError(f"x must have adjacent channels and its last element within 2**31 of its first (the "
+                         f"prompt kernel reads rows of any stride), got strides {tuple(x.stride())}; call "
+                         f".contiguous()")
     check_contiguous("weight", weight)
     if out is None:
         out = torch.empty(x.shape, dtype=x.dtype, device=x.device)

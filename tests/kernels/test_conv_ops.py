@@ -105,3 +105,15 @@ def test_engine_routes_the_conv_through_the_ops(kind, available, monkeypatch):
         assert calls["advance"] and calls["verify"] and calls["accept"], calls
     else:
         assert len(llm.runner.backend.conv_on_reference) >= 2  # each missing kernel tried once, then remembered
+
+
+def test_the_prompt_kernel_reads_in_place_only_views_it_can_index():
+    """A packed projection's columns are read in place; a view whose channels are not adjacent, or whose
+    last element lies 2**31 or more past its first (the kernel indexes in int32), is copied first."""
+    from kvbuffer.kernels.conv import reads_in_place
+
+    packed = torch.empty(2, 4096, 12352, device="meta", dtype=torch.bfloat16)
+    assert reads_in_place(packed[..., :8192]) and reads_in_place(packed[..., 4096:8192])
+    assert not reads_in_place(packed[..., :8192].transpose(1, 2))
+    wide = torch.empty(3, 70000, 12352, device="meta", dtype=torch.bfloat16)[..., :8192]
+    assert max(wide.stride()) < 2**31 and not reads_in_place(wide)
