@@ -65,6 +65,7 @@ def env():
     """Show the GPU, CUDA toolkit and library versions that kvbuffer sees."""
     import torch
 
+    from kvbuffer.artifacts import runtime_versions
     from kvbuffer.kernels.autobuild import nvcc_path, nvcc_problem
 
     rows = [
@@ -72,6 +73,7 @@ def env():
         ("kvbuffer", _version("kvbuffer")),
         ("torch", torch.__version__),
         ("tilelang (compile side)", _version("tilelang")),
+        ("kernel templates (digest)", runtime_versions()["templates"]),
         ("apache-tvm-ffi (runtime ABI)", _version("apache-tvm-ffi")),
         ("nvcc (compile side)", nvcc_path() or f"not found: {nvcc_problem()}"),
     ]
@@ -98,9 +100,13 @@ def _jit_target() -> str:
         return f"none: {e}"
 
 
+_BUILT_WITH = {"kvbuffer": "kvbuffer version", "tilelang": "TileLang version", "templates": "template source"}
+
+
 def _artifact_rows() -> list[tuple[str, str]]:
-    """The cache dir, and which of its artifacts and tuning records this machine's GPU can use."""
-    from kvbuffer.artifacts import ArtifactStore, cache_dir, slug
+    """The cache dir, and which of its artifacts and tuning records this machine's GPU can use (a record
+    of other versions, the templates' digest among them, is listed as not used)."""
+    from kvbuffer.artifacts import CHECKED_VERSIONS, ArtifactStore, cache_dir, runtime_versions, slug
     from kvbuffer.errors import ArtifactError
     from kvbuffer.gpus import detect_local_gpu
 
@@ -115,9 +121,12 @@ def _artifact_rows() -> list[tuple[str, str]]:
         return rows + [("artifacts", f"{len(arts)} in the cache; no known GPU here to run them")]
     mine = [n for n, e in arts.items() if e.get("gpu") == gpu.name and e.get("arch") == gpu.arch]
     rows.append(("artifacts", f"{len(mine)} of {len(arts)} built for this {gpu.name} ({gpu.arch})"))
+    have = runtime_versions()
     for name, e in sorted(tunings.items()):
         if e.get("gpu") == gpu.name:
-            rows.append(("tuning record", f"{slug(e['shape'])}: {e['status']}"))
+            other = [lib for lib in CHECKED_VERSIONS if (e.get("versions") or {}).get(lib) != have[lib]]
+            note = f" (built with another {' and '.join(_BUILT_WITH[lib] for lib in other)}: not used)" if other else ""
+            rows.append(("tuning record", f"{slug(e['shape'])}: {e['status']}{note}"))
     return rows
 
 

@@ -53,6 +53,33 @@ def test_cli_env_runs(tmp_path, monkeypatch):
     assert "0 of 0 built for this h200 (sm_90a)" in result.output
 
 
+def test_env_marks_tuning_records_of_other_template_sources(tmp_path, monkeypatch):
+    """`kvbuffer env` shows the templates' digest and lists a record tuned before a template edit as not
+    used, beside one of this process's versions."""
+    from click.testing import CliRunner
+
+    from kvbuffer import gpus
+    from kvbuffer.artifacts import runtime_versions
+    from kvbuffer.autotune.cache import ArtifactCache
+    from kvbuffer.cli.main import main
+    from kvbuffer.tuning import ChunkPolicy, make_shape, tuning_name
+
+    record = {"status": "untuned", "chunk_policy": ChunkPolicy.default([1], [16]).to_json(), "batch_buckets": [1],
+              "chunk_sizes": [16], "winners": []}
+    cache = ArtifactCache(tmp_path)
+    for shape, versions in ((make_shape("gdn", 16, 32, 128, 128), {**runtime_versions(), "templates": "0" * 16}),
+                            (make_shape("mamba2", 8, 64, 128, 64), runtime_versions())):
+        cache.put_tuning(tuning_name("h200", "sm_90a", shape, versions), dict(record), gpu="h200", shape=shape,
+                         versions=versions)
+    monkeypatch.setenv("KVBUFFER_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(gpus, "detect_local_gpu", lambda device=0: gpus.get_gpu("h200"))
+    out = CliRunner().invoke(main, ["env"]).output
+    assert runtime_versions()["templates"] in out
+    lines = {line.split(":")[0].split()[-1]: line for line in out.splitlines() if line.startswith("tuning record")}
+    assert "built with another template source: not used" in lines["gdn_hk16_hv32_k128_v128_bf16"], out
+    assert "not used" not in lines["mamba2_hk8_hv64_k128_v64_bf16"], out
+
+
 def test_cli_lists_its_commands_and_bench_needs_a_gpu():
     import torch
 
