@@ -9,10 +9,9 @@ import importlib.util
 
 from kvbuffer.kernels import specs
 
-from .template import TEMPLATE_IMPORTS, Template, capacity, from_spec, source_digest
+from .template import Template, capacity, from_spec
 
-__all__ = ["TEMPLATE_IMPORTS", "Template", "capacity", "family_templates", "gdn_templates", "mamba2_templates",
-           "source_digest", "templates"]
+__all__ = ["Template", "capacity", "family_templates", "gdn_templates", "mamba2_templates", "templates"]
 
 
 def family_templates(package: str = specs.TILES) -> list[Template]:

@@ -21,7 +21,7 @@ import importlib
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping
 
-from kvbuffer.artifacts import TEMPLATE_IMPORTS, templates_digest  # noqa: F401  (re-exported)
+from kvbuffer.artifacts import templates_digest
 from kvbuffer.kernels.compiled import CompiledOp
 from kvbuffer.kernels.keys import KernelKey
 from kvbuffer.kernels.linear import capacity  # noqa: F401  (re-exported: the tuner's layouts)
@@ -126,9 +126,5 @@ def from_spec(spec: KernelSpec, name: str, family: str, key: Callable[[Mapping, 
     if spec.parts is not None:
         fields.setdefault("parts", lambda shape: spec.parts(key(shape, fields.get("min_chunk", 1), 0)))
     return Template(name, family, build, configs or spec.configs, defaults, make_inputs, reference, spec.args,
-                    source_digest(), trace=trace, **fields)
+                    templates_digest(), trace=trace, **fields)
 
-
-def source_digest() -> str:
-    """The templates' source digest (kvbuffer.artifacts.templates_digest): part of every artifact key."""
-    return templates_digest()

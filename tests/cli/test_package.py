@@ -62,14 +62,13 @@ def test_env_marks_tuning_records_of_other_template_sources(tmp_path, monkeypatc
     from kvbuffer.artifacts import runtime_versions
     from kvbuffer.autotune.cache import ArtifactCache
     from kvbuffer.cli.main import main
-    from kvbuffer.tuning import ChunkPolicy, make_shape, tuning_name
+    from kvbuffer.tuning import make_shape, tuning_name
+    from tests.support.tuning_records import empty_record
 
-    record = {"status": "untuned", "chunk_policy": ChunkPolicy.default([1], [16]).to_json(), "batch_buckets": [1],
-              "chunk_sizes": [16], "winners": []}
     cache = ArtifactCache(tmp_path)
     for shape, versions in ((make_shape("gdn", 16, 32, 128, 128), {**runtime_versions(), "templates": "0" * 16}),
                             (make_shape("mamba2", 8, 64, 128, 64), runtime_versions())):
-        cache.put_tuning(tuning_name("h200", "sm_90a", shape, versions), dict(record), gpu="h200", shape=shape,
+        cache.put_tuning(tuning_name("h200", "sm_90a", shape, versions), empty_record(), gpu="h200", shape=shape,
                          versions=versions)
     monkeypatch.setenv("KVBUFFER_CACHE_DIR", str(tmp_path))
     monkeypatch.setattr(gpus, "detect_local_gpu", lambda device=0: gpus.get_gpu("h200"))

@@ -18,6 +18,7 @@ from kvbuffer.artifacts import LIBRARY, META, ArtifactKey, ArtifactStore, embedd
 from kvbuffer.autotune.cache import ArtifactCache
 from kvbuffer.tuning import ChunkPolicy, TuningStore, select, tuning_name
 from kvbuffer.errors import ArtifactError
+from tests.support.tuning_records import empty_record
 
 HAVE_TILELANG = importlib.util.find_spec("tilelang") is not None and shutil.which("nvcc") is not None
 needs_tilelang = pytest.mark.skipif(not HAVE_TILELANG, reason="needs TileLang and nvcc to compile")
@@ -236,12 +237,6 @@ def test_cache_dir_resolution(tmp_path, monkeypatch):
 
 # ----------------------------------------------------------------------------------------------
 # concurrency
-
-
-def empty_record() -> dict:
-    """The smallest tuning record put_tuning merges: a policy, its buckets, no winners."""
-    return {"status": "untuned", "chunk_policy": ChunkPolicy.default([1], [16]).to_json(), "batch_buckets": [1],
-            "chunk_sizes": [16], "winners": []}
 
 
 def _writer(root: str, index: int) -> None:

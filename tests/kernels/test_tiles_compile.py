@@ -223,7 +223,7 @@ def test_artifact_keys_hash_every_module_the_templates_import():
     import re
     from pathlib import Path
 
-    from kvbuffer.autotune.registry import TEMPLATE_IMPORTS
+    from kvbuffer.artifacts import TEMPLATE_IMPORTS
 
     tiles = Path(__file__).resolve().parents[2] / "tiles"
     imported = {"kvbuffer." + m for f in tiles.glob("*.py")
