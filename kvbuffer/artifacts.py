@@ -207,7 +207,11 @@ def _dist_version(dist: str) -> str | None:
 def templates_digest() -> str:
     """sha256 over every .py file of the templates' package and the runtime modules they import (read as
     files, nothing imported): an edit to any of them gives new artifacts and retires the old ones."""
-    package = Path(importlib.util.find_spec(TEMPLATE_PACKAGE).origin).parent
+    spec = importlib.util.find_spec(TEMPLATE_PACKAGE)
+    if spec is None:  # the source tree maps tiles/ to kvbuffer.tiles only when installed
+        raise ImportError(f"{TEMPLATE_PACKAGE} is not importable: install kvbuffer (pip install -e .) "
+                          "rather than running it from the source tree")
+    package = Path(spec.origin).parent
     paths = sorted(package.glob("*.py")) + [Path(importlib.util.find_spec(m).origin) for m in TEMPLATE_IMPORTS]
     h = hashlib.sha256()
     for path in paths:

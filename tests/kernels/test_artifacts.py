@@ -189,6 +189,18 @@ def test_templates_digest_follows_the_template_sources(tmp_path, monkeypatch):
         artifacts.templates_digest.cache_clear()
 
 
+def test_templates_digest_names_an_uninstalled_template_package(monkeypatch):
+    from kvbuffer import artifacts
+
+    monkeypatch.setattr(artifacts, "TEMPLATE_PACKAGE", "kvbuffer_no_such_tiles")
+    artifacts.templates_digest.cache_clear()
+    try:
+        with pytest.raises(ImportError, match=r"kvbuffer_no_such_tiles is not importable: install kvbuffer"):
+            artifacts.templates_digest()
+    finally:
+        artifacts.templates_digest.cache_clear()
+
+
 def test_wrong_arch_is_rejected(tmp_path):
     name = put(ArtifactCache(tmp_path), make_key(gpu="a100", arch="sm_80"), sm=80)
     with pytest.raises(ArtifactError, match=r"built for sm_80 \(a100\), this GPU is sm_90a \(h200\)") as e:
