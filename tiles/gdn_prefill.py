@@ -106,7 +106,7 @@ SOLVE_BLOCK = 16  # the blockwise solve's diagonal blocks
 
 
 def gdn_prefill_prep(Hk: int, Hv: int, K: int = 128, V: int = 128, *, threads: int = 128,
-                     solve: str = "substitution", heads_inner: int = 0):
+                     solve: str = "substitution", heads_inner: int = 0, staged: int = 0):
     """Per (chunk slot, value head): gcum = G (clamped, within the chunk), w, u (bf16) for the chunk's tokens.
 
     `solve` forms Tinv = (I + A)^-1 (fp32, rounded to bf16 for the products):
@@ -115,11 +115,16 @@ def gdn_prefill_prep(Hk: int, Hv: int, K: int = 128, V: int = 128, *, threads: i
       block-diagonal inverse, then with N = Dinv A_off (A's blocks below the diagonal, so N^4 = 0)
       Tinv = (I - N + N^2 - N^3) Dinv: four 64 x 64 products on tensor cores (fp32 operands: TF32).
     `heads_inner`: the grid's order (_chunk_grid).
+    `staged` 1: w, then u, each product rounded into the shared tile its right-hand side held and written
+    from there by rows (16-byte stores), so one accumulator is live at a time (fewer registers, more blocks
+    an SM); 0: both products, then both written from the accumulators. The same values either way.
     Args: k, v, g, beta, chunks, w (N, Hv, K), u (N, Hv, V), gcum (N, Hv).
     """
     _check(Hk, Hv, K, V, 16)
     if solve not in SOLVES:
         raise ValueError(f"solve={solve!r} must be one of {SOLVES}")
+    if staged not in (0, 1):
+        raise ValueError(f"staged={staged} must be 0 or 1")
     T = _tl()
     N = T.dynamic("num_tokens")
     NC = T.dynamic("chunk_slots")
@@ -154,14 +159,26 @@ def gdn_prefill_prep(Hk: int, Hv: int, K: int = 128, V: int = 128, *, threads: i
     @T.macro
     def products(Ai, kb, vs, wf, uf, w, u, t0, L, hv):
         """w = Tinv (beta exp(G) k), u = Tinv (beta v), the chunk's rows written."""
-        T.gemm(Ai, kb, wf, clear_accum=True)
-        T.gemm(Ai, vs, uf, clear_accum=True)
-        for i, d in T.Parallel(BT, K):
-            if i < L:
-                w[t0 + i, hv, d] = T.cast(wf[i, d], bf16)
-        for i, d in T.Parallel(BT, V):
-            if i < L:
-                u[t0 + i, hv, d] = T.cast(uf[i, d], bf16)
+        if staged:
+            T.gemm(Ai, kb, wf, clear_accum=True)
+            T.copy(wf, kb)
+            for i, d in T.Parallel(BT, K):
+                if i < L:
+                    w[t0 + i, hv, d] = kb[i, d]
+            T.gemm(Ai, vs, uf, clear_accum=True)
+            T.copy(uf, vs)
+            for i, d in T.Parallel(BT, V):
+                if i < L:
+                    u[t0 + i, hv, d] = vs[i, d]
+        else:
+            T.gemm(Ai, kb, wf, clear_accum=True)
+            T.gemm(Ai, vs, uf, clear_accum=True)
+            for i, d in T.Parallel(BT, K):
+                if i < L:
+                    w[t0 + i, hv, d] = T.cast(wf[i, d], bf16)
+            for i, d in T.Parallel(BT, V):
+                if i < L:
+                    u[t0 + i, hv, d] = T.cast(uf[i, d], bf16)
 
     @T.prim_func
     def gdn_prefill_prep_kernel(
@@ -736,8 +753,9 @@ def gdn_prefill_configs() -> list[dict]:
     blocks, one sequence each): a small BV feeds the SMs when few sequences run (B = 1), a large one
     halves the chunk loads per block when many do; states_stages > 0 pipelines the state pass's chunk
     loads (gdn_prefill_states' `stages`); output_BV is the output's value tile; prep_solve how the prep
-    forms Tinv (gdn_prefill_prep's `solve`; "substitution" where a config names none); heads_inner the
-    prep's and the output's grid order (_chunk_grid; 0 where a config names none)."""
+    forms Tinv (gdn_prefill_prep's `solve`; "substitution" where a config names none); prep_staged how it
+    writes w and u (its `staged`; 0 where a config names none); heads_inner the prep's and the output's
+    grid order (_chunk_grid; 0 where a config names none)."""
     first = [{"states_BV": 32, "output_BV": 128}, {"states_BV": 16, "output_BV": 64},
              {"states_BV": 64, "output_BV": 128}]
     blockwise = [dict(c, prep_solve="blockwise") for c in first]
@@ -745,7 +763,8 @@ def gdn_prefill_configs() -> list[dict]:
     piped = [{"states_BV": bv, "states_stages": 2, "output_BV": 128} for bv in (32, 64, 16)]
     piped_blockwise = [dict(c, prep_solve="blockwise") for c in piped[:2]]
     heads_inner = [dict(c, heads_inner=1) for c in piped[:2]]
-    return first + blockwise + piped + piped_blockwise + heads_inner + [c for c in rest if c not in first]
+    staged = [dict(c, prep_staged=1) for c in piped[:2]]
+    return first + blockwise + piped + piped_blockwise + heads_inner + staged + [c for c in rest if c not in first]
 
 
 configs = gdn_prefill_configs

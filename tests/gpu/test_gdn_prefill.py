@@ -261,10 +261,12 @@ def test_custom_ops_launch_the_kernels(family):
                                       {"states_stages": 2}, {"states_BV": 64, "states_stages": 2},
                                       {"prep_solve": "blockwise"},
                                       {"states_BV": 64, "states_stages": 2, "prep_solve": "blockwise"},
-                                      {"heads_inner": 1}, {"states_stages": 0, "heads_inner": 1}], ids=str)
+                                      {"heads_inner": 1}, {"states_stages": 0, "heads_inner": 1},
+                                      {"prep_staged": 1}, {"prep_solve": "blockwise", "prep_staged": 1}], ids=str)
 def test_prefill_tunables_agree(tunables):
     """Other value tiles of the state pass and the output, the plain and the pipelined state pass (the
-    defaults on sm_90a pipeline it) and the blockwise prep solve give the same results within rounding."""
+    defaults on sm_90a pipeline it), the blockwise prep solve and the staged prep give the same results
+    within rounding."""
     gen = torch.Generator(device="cuda").manual_seed(7)
     args = inputs([200, 64, 1, 1000, 63], 16, 32, slots=[0, 1, 2, 3, 4], num_slots=5, gen=gen)
     state0 = args[6].clone()

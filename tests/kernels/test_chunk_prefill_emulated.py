@@ -112,9 +112,10 @@ def _check_states(state, want, before, slots):
     assert torch.equal(state[untouched], before[untouched]), "a slot outside the batch changed"
 
 
-@pytest.mark.parametrize("solve,heads_inner", [("substitution", 0), ("blockwise", 0), ("substitution", 1)])
+@pytest.mark.parametrize("solve,heads_inner,staged", [("substitution", 0, 0), ("blockwise", 0, 0),
+                                                      ("substitution", 1, 0), ("substitution", 0, 1)])
 @pytest.mark.parametrize("case", LENGTHS)
-def test_gdn_prefill_emulated(case, solve, heads_inner):
+def test_gdn_prefill_emulated(case, solve, heads_inner, staged):
     Hk, Hv, K, V = HEADS
     lengths = LENGTHS[case]
     gen, cu, state, slots = _case(lengths, f"gdn/{case}")
@@ -127,7 +128,7 @@ def test_gdn_prefill_emulated(case, solve, heads_inner):
     o_ref = prefill.chunk_prefill_reference(q.double(), k.double(), v.double(), g.double(), beta.double(), cu, want,
                                             slots)
     out = torch.full((N, Hv, V), float("nan")).bfloat16()
-    op = emulated_op("gdn", prep_solve=solve, heads_inner=heads_inner)
+    op = emulated_op("gdn", prep_solve=solve, heads_inner=heads_inner, prep_staged=staged)
     prefill.chunk_prefill(op, q, k, v, g, beta, cu, state, slots, out=out)
     assert bool(torch.isfinite(out).all())
     assert _rel(out, o_ref) < TOL
