@@ -634,16 +634,19 @@ def gdn_prefill_states(Hk: int, Hv: int, K: int = 128, V: int = 128, *, BV: int 
 
 
 def gdn_prefill_output(Hk: int, Hv: int, K: int = 128, V: int = 128, *, BV: int = 128, threads: int = 128,
-                       delta_rule: bool = True, heads_inner: int = 0):
+                       delta_rule: bool = True, heads_inner: int = 0, staged: int = 0):
     """Per (chunk slot, value head, value tile): o = exp(G) q h + causal(exp(G_t - G_s) q k^T) delta (bf16).
 
     Args: q, k, h, delta, gcum, chunks, o (N, Hv, V).
     Decay-only (delta_rule=False, Mamba-2): delta_s = dt_s x_s, with dt_s weighing the intra-chunk products,
     and y = o + D x, neither for a padding row (its sequence on slot -1).
     Args: q (= C), k (= B), h, x, D (Hv,), gcum, dts, chunks, state_slots, o (= y).
-    `heads_inner`: the grid's order (_chunk_grid).
+    `heads_inner`: the grid's order (_chunk_grid). `staged` 1: o rounded into the shared tile the deltas (x)
+    held and written from there by rows (16-byte stores); 0: written from the accumulator. The same values.
     """
     _check(Hk, Hv, K, V, BV)
+    if staged not in (0, 1):
+        raise ValueError(f"staged={staged} must be 0 or 1")
     T = _tl()
     N = T.dynamic("num_tokens")
     B = T.dynamic("batch")
@@ -696,9 +699,15 @@ def gdn_prefill_output(Hk: int, Hv: int, K: int = 128, V: int = 128, *, BV: int 
                 for i, j in T.Parallel(BT, BV):
                     of[i, j] = of[i, j] * T.exp(Gs[i])
                 T.gemm(ps, ds, of)
-                for i, j in T.Parallel(BT, BV):
-                    if i < L:
-                        o[t0 + i, hv, v0 + j] = T.cast(of[i, j], bf16)
+                if staged:
+                    T.copy(of, ds)
+                    for i, j in T.Parallel(BT, BV):
+                        if i < L:
+                            o[t0 + i, hv, v0 + j] = ds[i, j]
+                else:
+                    for i, j in T.Parallel(BT, BV):
+                        if i < L:
+                            o[t0 + i, hv, v0 + j] = T.cast(of[i, j], bf16)
 
     @T.prim_func
     def decay_only_output_kernel(
@@ -741,9 +750,17 @@ def gdn_prefill_output(Hk: int, Hv: int, K: int = 128, V: int = 128, *, BV: int 
                 for i, j in T.Parallel(BT, BV):
                     of[i, j] = of[i, j] * T.exp(Gs[i])
                 T.gemm(ps, xs, of)
-                for i, j in T.Parallel(BT, BV):
-                    if i < L:
-                        o[t0 + i, hv, v0 + j] = T.cast(of[i, j] + skip * T.cast(xs[i, j], f32), bf16)
+                if staged:
+                    for i, j in T.Parallel(BT, BV):
+                        of[i, j] = of[i, j] + skip * T.cast(xs[i, j], f32)
+                    T.copy(of, xs)
+                    for i, j in T.Parallel(BT, BV):
+                        if i < L:
+                            o[t0 + i, hv, v0 + j] = xs[i, j]
+                else:
+                    for i, j in T.Parallel(BT, BV):
+                        if i < L:
+                            o[t0 + i, hv, v0 + j] = T.cast(of[i, j] + skip * T.cast(xs[i, j], f32), bf16)
 
     return gdn_prefill_output_kernel if delta_rule else decay_only_output_kernel
 
@@ -753,8 +770,8 @@ def gdn_prefill_configs() -> list[dict]:
     blocks, one sequence each): a small BV feeds the SMs when few sequences run (B = 1), a large one
     halves the chunk loads per block when many do; states_stages > 0 pipelines the state pass's chunk
     loads (gdn_prefill_states' `stages`); output_BV is the output's value tile; prep_solve how the prep
-    forms Tinv (gdn_prefill_prep's `solve`; "substitution" where a config names none); prep_staged how it
-    writes w and u (its `staged`; 0 where a config names none); heads_inner the prep's and the output's
+    forms Tinv (gdn_prefill_prep's `solve`; "substitution" where a config names none); staged_stores how the
+    prep and the output write their results (their `staged`; 0 where a config names none); heads_inner the prep's and the output's
     grid order (_chunk_grid; 0 where a config names none)."""
     first = [{"states_BV": 32, "output_BV": 128}, {"states_BV": 16, "output_BV": 64},
              {"states_BV": 64, "output_BV": 128}]
@@ -763,7 +780,7 @@ def gdn_prefill_configs() -> list[dict]:
     piped = [{"states_BV": bv, "states_stages": 2, "output_BV": 128} for bv in (32, 64, 16)]
     piped_blockwise = [dict(c, prep_solve="blockwise") for c in piped[:2]]
     heads_inner = [dict(c, heads_inner=1) for c in piped[:2]]
-    staged = [dict(c, prep_staged=1) for c in piped[:2]]
+    staged = [dict(c, staged_stores=1) for c in piped[:2]]
     return first + blockwise + piped + piped_blockwise + heads_inner + staged + [c for c in rest if c not in first]
 
 

@@ -60,9 +60,9 @@ HEAD_DIMS = (32, 64, 128)  # K and V the templates take (16: 4 warps cannot spli
 # the specs: four launches, three decay-only (Mamba-2's, from the layer's raw x, dt and parameters)
 
 
-PREFILL_TUNABLES = ("states_BV", "states_stages", "output_BV", "threads", "prep_solve", "prep_staged", "heads_inner")
+PREFILL_TUNABLES = ("states_BV", "states_stages", "output_BV", "threads", "prep_solve", "staged_stores", "heads_inner")
 # where a config (or an artifact tuned before the tunable was) names none
-_PREFILL_DEFAULTS = {"states_stages": 0, "threads": 128, "prep_solve": "substitution", "prep_staged": 0,
+_PREFILL_DEFAULTS = {"states_stages": 0, "threads": 128, "prep_solve": "substitution", "staged_stores": 0,
                      "heads_inner": 0}
 
 
@@ -111,11 +111,10 @@ def _dividing_tile(BV: int, V: int) -> int:
 
 def _prefill_configs(family: str) -> Callable[[], list]:
     """The templates' configs, each complete (so a tuned artifact's tunables are); the decay-only form has
-    no prep (so no prep solve and no staged prep)."""
+    no prep (so no prep solve)."""
     def configs() -> list:
         found = [{**_PREFILL_DEFAULTS, **c} for c in importlib.import_module(f"{TILES}.gdn_prefill").configs()]
-        prep = ("prep_solve", "prep_staged")
-        return [c for c in found if family == "gdn" or all(c[n] == _PREFILL_DEFAULTS[n] for n in prep)]
+        return [c for c in found if family == "gdn" or c["prep_solve"] == _PREFILL_DEFAULTS["prep_solve"]]
     return configs
 
 
@@ -130,11 +129,11 @@ def _prefill_templates(tiles, key: KernelKey, t: dict) -> dict:
     prims = {"chunks": tiles.gdn_prefill_chunks(threads=t["threads"])}
     if delta_rule:
         prims["prep"] = tiles.gdn_prefill_prep(**dims, threads=t["threads"], solve=t["prep_solve"],
-                                               heads_inner=t["heads_inner"], staged=t["prep_staged"])
+                                               heads_inner=t["heads_inner"], staged=t["staged_stores"])
     prims["states"] = tiles.gdn_prefill_states(**dims, BV=t["states_BV"], threads=t["threads"],
                                                stages=t["states_stages"], delta_rule=delta_rule)
     prims["output"] = tiles.gdn_prefill_output(**dims, BV=t["output_BV"], threads=t["threads"], delta_rule=delta_rule,
-                                               heads_inner=t["heads_inner"])
+                                               heads_inner=t["heads_inner"], staged=t["staged_stores"])
     return prims
 
 

@@ -172,8 +172,8 @@ def test_decay_only_prefill_matches_fp64_reference(case, heads, start, stages):
 
 @pytest.mark.parametrize("tunables", [{"states_BV": 16}, {"states_BV": 64, "output_BV": 64}, {"states_stages": 2},
                                       {"states_BV": 32, "states_stages": 2}, {"states_BV": 64, "states_stages": 3},
-                                      {"heads_inner": 1}, {"states_stages": 2, "heads_inner": 1}],
-                         ids=str)
+                                      {"heads_inner": 1}, {"states_stages": 2, "heads_inner": 1},
+                                      {"staged_stores": 1}], ids=str)
 def test_decay_only_tunables_agree(tunables):
     G, H, N, P = DECAY_ONLY_HEADS["nano"]
     gen = torch.Generator(device="cuda").manual_seed(29)
@@ -262,7 +262,7 @@ def test_custom_ops_launch_the_kernels(family):
                                       {"prep_solve": "blockwise"},
                                       {"states_BV": 64, "states_stages": 2, "prep_solve": "blockwise"},
                                       {"heads_inner": 1}, {"states_stages": 0, "heads_inner": 1},
-                                      {"prep_staged": 1}, {"prep_solve": "blockwise", "prep_staged": 1}], ids=str)
+                                      {"staged_stores": 1}, {"prep_solve": "blockwise", "staged_stores": 1}], ids=str)
 def test_prefill_tunables_agree(tunables):
     """Other value tiles of the state pass and the output, the plain and the pipelined state pass (the
     defaults on sm_90a pipeline it), the blockwise prep solve and the staged prep give the same results

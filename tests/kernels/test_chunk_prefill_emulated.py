@@ -128,16 +128,16 @@ def test_gdn_prefill_emulated(case, solve, heads_inner, staged):
     o_ref = prefill.chunk_prefill_reference(q.double(), k.double(), v.double(), g.double(), beta.double(), cu, want,
                                             slots)
     out = torch.full((N, Hv, V), float("nan")).bfloat16()
-    op = emulated_op("gdn", prep_solve=solve, heads_inner=heads_inner, prep_staged=staged)
+    op = emulated_op("gdn", prep_solve=solve, heads_inner=heads_inner, staged_stores=staged)
     prefill.chunk_prefill(op, q, k, v, g, beta, cu, state, slots, out=out)
     assert bool(torch.isfinite(out).all())
     assert _rel(out, o_ref) < TOL
     _check_states(state, want, before, slots)
 
 
-@pytest.mark.parametrize("heads_inner", [0, 1])
+@pytest.mark.parametrize("heads_inner,staged", [(0, 0), (1, 0), (0, 1)])
 @pytest.mark.parametrize("case", LENGTHS)
-def test_mamba2_prefill_emulated(case, heads_inner):
+def test_mamba2_prefill_emulated(case, heads_inner, staged):
     """Mamba-2 from the layer's raw x and dt: the front (softplus, clamp, A's decay) in the state pass, the
     dt-weighted products and the D skip in the output pass; its slot -1 sequence is padding (zeros)."""
     G, H, Nst, P = HEADS
@@ -151,7 +151,7 @@ def test_mamba2_prefill_emulated(case, heads_inner):
     y_ref = prefill.mamba2_chunk_prefill_reference(*(t.double() for t in (x, dt, A_log, dt_bias, Bm, Cm, D)), cu,
                                                    want, slots)
     out = torch.full((N, H, P), float("nan")).bfloat16()
-    prefill.mamba2_chunk_prefill(emulated_op("mamba2", heads_inner=heads_inner), x, dt, A_log, dt_bias, Bm, Cm, D, cu,
+    prefill.mamba2_chunk_prefill(emulated_op("mamba2", heads_inner=heads_inner, staged_stores=staged), x, dt, A_log, dt_bias, Bm, Cm, D, cu,
                                  state, slots, out=out)
     assert bool(torch.isfinite(out).all())
     assert _rel(out, y_ref) < TOL

@@ -25,6 +25,9 @@ CASES = {
     "prep_blockwise_qwen35_9b": (gdn_prefill.gdn_prefill_prep, dict(Hk=16, Hv=32, solve="blockwise")),
     # w, then u, each written from shared memory by rows
     "prep_staged_qwen35_9b": (gdn_prefill.gdn_prefill_prep, dict(Hk=16, Hv=32, staged=1)),
+    "output_staged_qwen35_9b": (gdn_prefill.gdn_prefill_output, dict(Hk=16, Hv=32, staged=1)),
+    "output_staged_nano": (gdn_prefill.gdn_prefill_output,
+                           dict(Hk=8, Hv=64, K=128, V=64, BV=64, delta_rule=False, staged=1)),
     "states_qwen35_9b": (gdn_prefill.gdn_prefill_states, dict(Hk=16, Hv=32)),
     "output_qwen35_9b": (gdn_prefill.gdn_prefill_output, dict(Hk=16, Hv=32)),
     # the state pass with its chunk loads pipelined (TMA loads from a producer warpgroup)
@@ -59,9 +62,9 @@ def test_configs_fit_the_templates():
             gdn_prefill.gdn_prefill_states(16, 32, BV=cfg["states_BV"], stages=cfg.get("states_stages", 0),
                                            delta_rule=delta_rule)
             gdn_prefill.gdn_prefill_output(16, 32, BV=cfg["output_BV"], delta_rule=delta_rule,
-                                           heads_inner=cfg.get("heads_inner", 0))
+                                           heads_inner=cfg.get("heads_inner", 0), staged=cfg.get("staged_stores", 0))
         gdn_prefill.gdn_prefill_prep(16, 32, solve=cfg.get("prep_solve", "substitution"),
-                                     heads_inner=cfg.get("heads_inner", 0), staged=cfg.get("prep_staged", 0))
+                                     heads_inner=cfg.get("heads_inner", 0), staged=cfg.get("staged_stores", 0))
 
 
 def test_bad_shapes_are_refused():
@@ -135,19 +138,19 @@ def test_prefill_tunables():
     gdn, nano = SPEC_SHAPES["gdn_qwen35_9b"][0], SPEC_SHAPES["mamba2_nano"][0]
     first = gdn_prefill.configs()[0]
     assert prefill.prefill_tunables(gdn) == dict(first, states_stages=0, threads=128, prep_solve="substitution",
-                                                 prep_staged=0, heads_inner=0)
+                                                 staged_stores=0, heads_inner=0)
     assert prefill.prefill_tunables(nano)["output_BV"] == 64
     odd = KernelKey("mamba2", "chunk_prefill", Mamba2Dims(2, 4, 64, 48), "bfloat16")
     assert prefill.prefill_tunables(odd) == dict(first, states_stages=0, threads=128, prep_solve="substitution",
-                                                 prep_staged=0, heads_inner=0,
+                                                 staged_stores=0, heads_inner=0,
                                                states_BV=16, output_BV=48)
     with pytest.raises(TypeError, match="BV"):
         prefill.prefill_tunables(gdn, {"BV": 32})
     assert any(c.get("states_stages") for c in specs.MAMBA2_CHUNK_PREFILL.configs())
     assert {c["prep_solve"] for c in specs.MAMBA2_CHUNK_PREFILL.configs()} == {"substitution"}  # no prep
     assert {c["prep_solve"] for c in specs.GDN_CHUNK_PREFILL.configs()} == {"substitution", "blockwise"}
-    assert {c["prep_staged"] for c in specs.MAMBA2_CHUNK_PREFILL.configs()} == {0}
-    assert {c["prep_staged"] for c in specs.GDN_CHUNK_PREFILL.configs()} == {0, 1}
+    assert {c["staged_stores"] for c in specs.MAMBA2_CHUNK_PREFILL.configs()} == {0, 1}
+    assert {c["staged_stores"] for c in specs.GDN_CHUNK_PREFILL.configs()} == {0, 1}
     assert any(c.get("states_stages") for c in specs.GDN_CHUNK_PREFILL.configs())
 
 

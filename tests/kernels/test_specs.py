@@ -153,4 +153,4 @@ def test_prefill_artifact_tuned_before_a_tunable_existed_completes_without_the_t
     monkeypatch.setattr(prefill.importlib, "import_module", no_templates)
     key = KernelKey("gdn", "chunk_prefill", GDNDims(16, 32, 128, 128), "bfloat16")
     stored = {"states_BV": 32, "states_stages": 2, "output_BV": 128, "threads": 128, "prep_solve": "substitution"}
-    assert prefill.prefill_tunables(key, stored) == dict(stored, heads_inner=0, prep_staged=0)
+    assert prefill.prefill_tunables(key, stored) == dict(stored, heads_inner=0, staged_stores=0)
