@@ -665,6 +665,19 @@ def gdn_prefill_output(Hk: int, Hv: int, K: int = 128, V: int = 128, *, BV: int 
         for i in T.Parallel(BT):
             Gs[i] = T.if_then_else(i < L, gcum[T.min(t0 + i, N - 1), hv], 0.0)
 
+    @T.macro
+    def write_o(of, tile, o, t0, L, hv, v0):
+        """The chunk's L rows of o from the accumulator; staged: by way of `tile` (shared, read already)."""
+        if staged:
+            T.copy(of, tile)
+            for i, j in T.Parallel(BT, BV):
+                if i < L:
+                    o[t0 + i, hv, v0 + j] = tile[i, j]
+        else:
+            for i, j in T.Parallel(BT, BV):
+                if i < L:
+                    o[t0 + i, hv, v0 + j] = T.cast(of[i, j], bf16)
+
     @T.prim_func
     def gdn_prefill_output_kernel(
         q: T.Tensor((N, Hk, K), bf16),
@@ -699,15 +712,7 @@ def gdn_prefill_output(Hk: int, Hv: int, K: int = 128, V: int = 128, *, BV: int 
                 for i, j in T.Parallel(BT, BV):
                     of[i, j] = of[i, j] * T.exp(Gs[i])
                 T.gemm(ps, ds, of)
-                if staged:
-                    T.copy(of, ds)
-                    for i, j in T.Parallel(BT, BV):
-                        if i < L:
-                            o[t0 + i, hv, v0 + j] = ds[i, j]
-                else:
-                    for i, j in T.Parallel(BT, BV):
-                        if i < L:
-                            o[t0 + i, hv, v0 + j] = T.cast(of[i, j], bf16)
+                write_o(of, ds, o, t0, L, hv, v0)
 
     @T.prim_func
     def decay_only_output_kernel(
@@ -753,10 +758,7 @@ def gdn_prefill_output(Hk: int, Hv: int, K: int = 128, V: int = 128, *, BV: int 
                 if staged:
                     for i, j in T.Parallel(BT, BV):
                         of[i, j] = of[i, j] + skip * T.cast(xs[i, j], f32)
-                    T.copy(of, xs)
-                    for i, j in T.Parallel(BT, BV):
-                        if i < L:
-                            o[t0 + i, hv, v0 + j] = xs[i, j]
+                    write_o(of, xs, o, t0, L, hv, v0)
                 else:
                     for i, j in T.Parallel(BT, BV):
                         if i < L:
