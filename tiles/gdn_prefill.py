@@ -782,7 +782,7 @@ def gdn_prefill_configs() -> list[dict]:
     piped = [{"states_BV": bv, "states_stages": 2, "output_BV": 128} for bv in (32, 64, 16)]
     piped_blockwise = [dict(c, prep_solve="blockwise") for c in piped[:2]]
     heads_inner = [dict(c, heads_inner=1) for c in piped[:2]]
-    staged = [dict(c, staged_stores=1) for c in piped[:2]]
+    staged = [dict(c, staged_stores=1) for c in piped + heads_inner + first[:1]]
     return first + blockwise + piped + piped_blockwise + heads_inner + staged + [c for c in rest if c not in first]
 
 

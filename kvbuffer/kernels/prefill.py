@@ -82,6 +82,7 @@ def prefill_tunables(key: KernelKey, given: dict | None = None) -> dict:
 
 
 PIPELINED_ARCHS = ("sm_90a",)  # where the pipelined state passes compile (their chunk loads are TMA copies)
+STAGED_ARCHS = ("sm_90a",)  # where the staged stores (`staged_stores`) were measured faster
 
 
 def pipelines(key: KernelKey, arch: str) -> bool:
@@ -92,13 +93,15 @@ def pipelines(key: KernelKey, arch: str) -> bool:
 
 
 def _target_defaults(key: KernelKey, arch: str) -> dict:
-    """On the archs the pipelined passes compile for, measured there (docs/results.md): the state pass
-    pipelined where it compiles (both families), and Mamba-2's output pass with a chunk's value heads on
-    consecutive blocks (`heads_inner`; GDN's is unmeasured). The tuner measures all of them."""
-    if arch not in PIPELINED_ARCHS:
-        return {}
+    """Measured on sm_90a (docs/results.md): the state pass pipelined where it compiles (both families), the
+    prep's and the output's results written staged (both), and Mamba-2's output pass with a chunk's value
+    heads on consecutive blocks (`heads_inner`; GDN's is unmeasured). The tuner measures all of them."""
     defaults = {"states_stages": 2} if pipelines(key, arch) else {}
-    return {**defaults, "heads_inner": 1} if key.family == "mamba2" else defaults
+    if arch in STAGED_ARCHS:
+        defaults["staged_stores"] = 1
+    if arch in PIPELINED_ARCHS and key.family == "mamba2":
+        defaults["heads_inner"] = 1
+    return defaults
 
 
 def _dividing_tile(BV: int, V: int) -> int:

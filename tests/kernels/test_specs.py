@@ -61,20 +61,21 @@ def test_tuner_and_jit_build_the_same_function(prims, family):
 
 def test_untuned_prefill_pipelines_its_state_pass_where_it_compiles():
     """The pipelined state passes (TMA loads) are the untuned default on sm_90a only, for value heads in
-    whole boxes of 4, and so is Mamba-2's heads-inner output pass; elsewhere the defaults are the
-    arch-free ones; the tuner's untuned build agrees."""
+    whole boxes of 4, and so are Mamba-2's heads-inner output pass and both families' staged stores;
+    elsewhere the defaults are the arch-free ones; the tuner's untuned build agrees."""
     gdn = KernelKey("gdn", "chunk_prefill", GDNDims(16, 32, 128, 128), "bfloat16")
     spec = specs.spec_for(gdn)
     assert spec.defaults(gdn)["states_stages"] == 0 == spec.defaults_on(gdn, "sm_80")["states_stages"]
-    assert spec.defaults_on(gdn, "sm_90a") == dict(spec.defaults(gdn), states_stages=2)
+    assert spec.defaults_on(gdn, "sm_90a") == dict(spec.defaults(gdn), states_stages=2, staged_stores=1)
     mamba2 = KernelKey("mamba2", "chunk_prefill", Mamba2Dims(8, 64, 128, 64), "bfloat16")
     m2 = specs.spec_for(mamba2)
-    assert m2.defaults_on(mamba2, "sm_90a") == dict(m2.defaults(mamba2), states_stages=2, heads_inner=1)
+    assert m2.defaults_on(mamba2, "sm_90a") == dict(m2.defaults(mamba2), states_stages=2, heads_inner=1,
+                                                     staged_stores=1)
     assert m2.defaults_on(mamba2, "sm_86") == m2.defaults(mamba2)
     narrow = KernelKey("gdn", "chunk_prefill", GDNDims(1, 2, 128, 128), "bfloat16")  # Hv = 2: no whole decay box
     assert spec.defaults_on(narrow, "sm_90a")["states_stages"] == 0
     narrow_m2 = KernelKey("mamba2", "chunk_prefill", Mamba2Dims(1, 2, 128, 64), "bfloat16")
-    assert m2.defaults_on(narrow_m2, "sm_90a") == dict(m2.defaults(narrow_m2), heads_inner=1)
+    assert m2.defaults_on(narrow_m2, "sm_90a") == dict(m2.defaults(narrow_m2), heads_inner=1, staged_stores=1)
     shape = {"family": "gdn", "Hk": 16, "Hv": 32, "K": 128, "V": 128, "dtype": "bfloat16"}
     tpl = next(t for t in templates("gdn") if t.name == "gdn_chunk_prefill")
     assert tpl.defaults_for(shape, 0, "sm_90a")["states_stages"] == 2
