@@ -773,8 +773,8 @@ def gdn_prefill_configs() -> list[dict]:
     halves the chunk loads per block when many do; states_stages > 0 pipelines the state pass's chunk
     loads (gdn_prefill_states' `stages`); output_BV is the output's value tile; prep_solve how the prep
     forms Tinv (gdn_prefill_prep's `solve`; "substitution" where a config names none); staged_stores how the
-    prep and the output write their results (their `staged`; 0 where a config names none); heads_inner the prep's and the output's
-    grid order (_chunk_grid; 0 where a config names none)."""
+    prep and the output write their results (their `staged`; 0 where a config names none); heads_inner the
+    prep's and the output's grid order (_chunk_grid; 0 where a config names none)."""
     first = [{"states_BV": 32, "output_BV": 128}, {"states_BV": 16, "output_BV": 64},
              {"states_BV": 64, "output_BV": 128}]
     blockwise = [dict(c, prep_solve="blockwise") for c in first]

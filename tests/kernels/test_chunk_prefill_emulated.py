@@ -151,8 +151,8 @@ def test_mamba2_prefill_emulated(case, heads_inner, staged):
     y_ref = prefill.mamba2_chunk_prefill_reference(*(t.double() for t in (x, dt, A_log, dt_bias, Bm, Cm, D)), cu,
                                                    want, slots)
     out = torch.full((N, H, P), float("nan")).bfloat16()
-    prefill.mamba2_chunk_prefill(emulated_op("mamba2", heads_inner=heads_inner, staged_stores=staged), x, dt, A_log, dt_bias, Bm, Cm, D, cu,
-                                 state, slots, out=out)
+    op = emulated_op("mamba2", heads_inner=heads_inner, staged_stores=staged)
+    prefill.mamba2_chunk_prefill(op, x, dt, A_log, dt_bias, Bm, Cm, D, cu, state, slots, out=out)
     assert bool(torch.isfinite(out).all())
     assert _rel(out, y_ref) < TOL
     pad = slots.tolist().index(-1)
